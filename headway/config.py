@@ -1,0 +1,95 @@
+"""Typed run configs: dataclass schemas, a YAML file, `key=value` overrides, unknown keys refused.
+
+Every command loads its config through `load_config`, so a misspelt key anywhere (file or command
+line) stops the run with a message that names the key and the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from headway.errors import HeadwayError
+from headway.io import atomic_write_text
+
+T = TypeVar("T")
+
+CONFIG_FILENAME = "config.yaml"
+
+
+def _valid_keys(schema: type, dotted: str) -> list[str]:
+    """The keys a schema accepts at the level of `dotted` (for the error message)."""
+    node: Any = schema()
+    for part in dotted.split(".")[:-1]:
+        node = getattr(node, part, None)
+    return [f.name for f in fields(node)] if is_dataclass(node) else []
+
+
+def _unknown_key_error(schema: type, exc: OmegaConfBaseException, source: str) -> HeadwayError:
+    key = getattr(exc, "full_key", None) or str(exc)
+    valid = _valid_keys(schema, key) if key else []
+    leaf = key.split(".")[-1]
+    hint = difflib.get_close_matches(leaf, valid, n=1)
+    msg = f"unknown config key '{key}' in {source}"
+    if hint:
+        msg += f": did you mean '{'.'.join(key.split('.')[:-1] + [hint[0]])}'?"
+    if valid:
+        msg += f" (valid keys here: {', '.join(valid)})"
+    return HeadwayError(msg)
+
+
+def load_config(schema: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build a `schema` instance from its defaults, then the YAML file, then `key=value` overrides."""
+    base = OmegaConf.structured(schema)
+    layers: list[tuple[str, DictConfig]] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise HeadwayError(f"config file not found: {p}")
+        try:
+            loaded = OmegaConf.load(p)
+        except Exception as e:  # yaml syntax errors come in many types
+            raise HeadwayError(f"cannot parse config file {p}: {e}") from None
+        if not isinstance(loaded, DictConfig):
+            raise HeadwayError(f"config file {p} must hold a mapping of sections, not a {type(loaded).__name__}")
+        layers.append((str(p), loaded))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise HeadwayError(f"override '{bad[0]}' is not of the form key=value (e.g. distill.max_new_tokens=128)")
+    if overrides:
+        layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+    cfg = base
+    for source, layer in layers:
+        try:
+            cfg = OmegaConf.merge(cfg, layer)
+        except (ConfigKeyError, ConfigAttributeError) as e:
+            raise _unknown_key_error(schema, e, source) from None
+        except ValidationError as e:
+            raise HeadwayError(f"bad value for config key '{e.full_key}' in {source}: {e.msg}") from None
+    try:
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        raise HeadwayError(f"config error at '{getattr(e, 'full_key', '')}': {getattr(e, 'msg', e)}") from None
+
+
+def config_to_yaml(cfg: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save_config(cfg: Any, directory: str | os.PathLike, filename: str = CONFIG_FILENAME) -> Path:
+    """Write the resolved config beside a run's outputs, so the run can be reproduced."""
+    path = Path(directory) / filename
+    atomic_write_text(path, config_to_yaml(cfg))
+    return path
+
+
+def check_choice(section: str, key: str, value: str, choices: Sequence[str]) -> None:
+    """Validate a string field limited to a few values (OmegaConf has no Literal support)."""
+    if value not in choices:
+        raise HeadwayError(f"{section}.{key}='{value}' is not allowed: use one of {', '.join(choices)}")

@@ -1,0 +1,83 @@
+"""Process-level settings every command shares: distributed rank, thread count, device, dtype."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from headway.errors import HeadwayError
+
+log = logging.getLogger("headway")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in a torchrun launch (rank 0 of 1 when launched alone)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_info() -> DistInfo:
+    """Read the launcher's environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+    env = os.environ
+    return DistInfo(
+        rank=int(env.get("RANK", 0)),
+        world_size=int(env.get("WORLD_SIZE", 1)),
+        local_rank=int(env.get("LOCAL_RANK", 0)),
+        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
+    )
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise HeadwayError(f"unknown dtype '{name}': use one of float32, bfloat16, float16, float64") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` picks CUDA when present (this process's local rank's GPU), else the CPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", dist_info().local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise HeadwayError(f"unknown device '{name}': use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise HeadwayError(f"device '{name}' asked for, but this machine has no CUDA GPU: use device=cpu or auto")
+    return device
+
+
+def configure_threads(num_threads: int) -> int:
+    """Pin torch's intra-op threads; 0 means the machine's cores shared evenly by this node's processes.
+
+    On a small CPU, oversubscribed threads make every run many times slower, so this is always set.
+    """
+    if num_threads <= 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        num_threads = max(1, cores // max(1, dist_info().local_world_size))
+    torch.set_num_threads(num_threads)
+    return num_threads
