@@ -55,7 +55,7 @@ class DistillConfig:
     top_k: int = 0
     # Seed for sampling and Magpie prompts; chunk k uses seed + 1000 * k, so resumed chunks are identical.
     seed: int = 0
-    # Longest sample (prompt + answers) in tokens; 0 = the target's max_position_embeddings.
+    # Longest sample (prompt + answers) in tokens, capped at the target's max_position_embeddings; 0 = that cap.
     max_length: int = 2048
     # A first prompt that does not fit max_length with max_new_tokens: skip (and count) or error.
     on_too_long: str = "skip"
@@ -221,7 +221,7 @@ def distill(cfg: DistillRunConfig) -> Path:
         return out
     use_vllm = cfg.distill.engine == "vllm" or (cfg.distill.engine == "auto" and vllm_available())
     target = load_target(cfg.target, with_model=not use_vllm)
-    max_length = cfg.distill.max_length or target.max_position_embeddings
+    max_length = min(cfg.distill.max_length or target.max_position_embeddings, target.max_position_embeddings)
     fmt = ChatFormat(target.tokenizer, cfg.distill.system_prompt, target.generation_config)
 
     if cfg.prompts.path:

@@ -165,6 +165,9 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
     records = _read_records(path)
     if not records:
         raise HeadwayError(f"prompt file {path} holds no records")
+    for where, record in records:
+        if not isinstance(record, dict):
+            raise HeadwayError(f"{where}: expected an object with fields, got {type(record).__name__}")
     conv_field = _resolve(cfg.conversations_field, AUTO_CONVERSATION_FIELDS, records)
     turns_field = _resolve(cfg.turns_field, AUTO_TURNS_FIELDS, records)
     instr_field = _resolve(cfg.instruction_field, AUTO_INSTRUCTION_FIELDS, records)
@@ -182,8 +185,6 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
     end = None if cfg.limit is None else cfg.offset + cfg.limit
     out: list[Conversation] = []
     for index, (where, record) in enumerate(records[cfg.offset : end], start=cfg.offset):
-        if not isinstance(record, dict):
-            raise HeadwayError(f"{where}: expected an object with fields, got {type(record).__name__}")
         system = _get(record, system_field) if system_field else None
         turns: list[str] = []
         if conv_field and _get(record, conv_field) is not None:

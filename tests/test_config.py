@@ -1,0 +1,68 @@
+"""Typed configs: defaults, YAML, overrides, and errors that name the bad key."""
+
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from headway.config import load_config, save_config
+from headway.data_scripts.distill import DistillRunConfig
+from headway.errors import HeadwayError
+
+
+def test_defaults_yaml_and_overrides(tmp_path: Path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("distill:\n  max_new_tokens: 99\n  engine: hf\ntarget:\n  dtype: bfloat16\n")
+    cfg = load_config(DistillRunConfig, cfg_file, ["distill.max_new_tokens=7", "prompts.limit=3"])
+    assert cfg.distill.max_new_tokens == 7  # the command line wins over the file
+    assert cfg.distill.engine == "hf"
+    assert cfg.target.dtype == "bfloat16"
+    assert cfg.prompts.limit == 3
+    assert cfg.distill.chunk_size == 64  # default kept
+
+
+@pytest.mark.parametrize(
+    "where,text,expected",
+    [
+        ("file", "distill:\n  max_new_token: 5\n", "did you mean 'distill.max_new_tokens'"),
+        ("file", "distil:\n  max_new_tokens: 5\n", "unknown config key 'distil'"),
+        ("cli", "distill.chunksize=3", "did you mean 'distill.chunk_size'"),
+        ("cli", "target.colour=red", "unknown config key 'target.colour'"),
+    ],
+)
+def test_unknown_key_is_named(tmp_path: Path, where: str, text: str, expected: str):
+    if where == "file":
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(HeadwayError, match=expected) as e:
+            load_config(DistillRunConfig, path)
+        assert str(path) in str(e.value)
+    else:
+        with pytest.raises(HeadwayError, match=expected):
+            load_config(DistillRunConfig, None, [text])
+
+
+def test_bad_values_are_named():
+    with pytest.raises(HeadwayError, match="distill.max_new_tokens"):
+        load_config(DistillRunConfig, None, ["distill.max_new_tokens=lots"])
+    with pytest.raises(HeadwayError, match="distill.engine='fast'"):
+        load_config(DistillRunConfig, None, ["distill.engine=fast"])
+    with pytest.raises(HeadwayError, match="target.dtype='int3'"):
+        load_config(DistillRunConfig, None, ["target.dtype=int3"])
+    with pytest.raises(HeadwayError, match="not of the form key=value"):
+        load_config(DistillRunConfig, None, ["distill.engine"])
+    with pytest.raises(HeadwayError, match="config file not found"):
+        load_config(DistillRunConfig, "/no/such.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path: Path):
+    cfg = load_config(DistillRunConfig, None, ["distill.seed=5", "prompts.path=x.jsonl"])
+    path = save_config(cfg, tmp_path)
+    again = load_config(DistillRunConfig, path)
+    assert again == cfg
+    assert OmegaConf.load(path).distill.seed == 5
+
+
+def test_shipped_configs_load():
+    for path in sorted(Path(__file__).parent.parent.joinpath("configs").glob("distill_*.yaml")):
+        load_config(DistillRunConfig, path)
