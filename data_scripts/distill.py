@@ -46,7 +46,8 @@ class DistillConfig:
     # hf engine: sequences per generate call (batched with left padding).
     batch_size: int = 32
     # Prompts per chunk file: the unit of resume and of the split between ranks.
-    chunk_size: int = 64
+    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), 4 x batch_size for hf.
+    chunk_size: int = 0
     # Tokens the target may write per assistant turn.
     max_new_tokens: int = 256
     # 0 = greedy; > 0 samples with top_p / top_k.
@@ -61,14 +62,17 @@ class DistillConfig:
     on_too_long: str = "skip"
     # System prompt for every conversation; null = the chat template's default (or the record's own).
     system_prompt: Optional[str] = None
-    # vllm engine: weights dtype (CPU: bfloat16 or float32) and concurrent sequences.
-    vllm_dtype: str = "bfloat16"
+    # vllm engine: weights dtype (auto = bfloat16 on GPUs and bf16-capable CPUs, else float32) and concurrent sequences.
+    vllm_dtype: str = "auto"
     vllm_max_num_seqs: int = 256
 
     def __post_init__(self) -> None:
         check_choice("distill", "engine", self.engine, ["auto", "hf", "vllm"])
+        if self.chunk_size < 0:
+            raise HeadwayError(f"distill.chunk_size must be 0 (auto) or positive, got {self.chunk_size}")
         check_choice("distill", "on_too_long", self.on_too_long, ["skip", "error"])
-        for key in ("batch_size", "chunk_size", "max_new_tokens"):
+        check_choice("distill", "vllm_dtype", self.vllm_dtype, ["auto", "bfloat16", "float16", "float32"])
+        for key in ("batch_size", "max_new_tokens", "vllm_max_num_seqs"):
             if getattr(self, key) < 1:
                 raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
 
@@ -158,8 +162,9 @@ def _make_engine(cfg: DistillRunConfig, target: Target, max_length: int) -> Engi
     stop_ids = ChatFormat(target.tokenizer, None, target.generation_config).stop_ids
     if name == "vllm":
         log.info("generation engine: vllm")
+        d = cfg.distill
         return VLLMEngine(
-            str(target.path), stop_ids, cfg.distill.vllm_dtype, max_length, cfg.distill.vllm_max_num_seqs, cfg.distill.seed
+            str(target.path), stop_ids, d.vllm_dtype, max_length, d.vllm_max_num_seqs, d.seed, target.num_threads
         )
     log.info("generation engine: hf (transformers), batch %d", cfg.distill.batch_size)
     if target.model is None:
@@ -220,6 +225,8 @@ def distill(cfg: DistillRunConfig) -> Path:
         log.info("%s is already complete (manifest.json present)", out)
         return out
     use_vllm = cfg.distill.engine == "vllm" or (cfg.distill.engine == "auto" and vllm_available())
+    if cfg.distill.chunk_size == 0:
+        cfg.distill.chunk_size = cfg.distill.vllm_max_num_seqs if use_vllm else 4 * cfg.distill.batch_size
     target = load_target(cfg.target, with_model=not use_vllm)
     max_length = min(cfg.distill.max_length or target.max_position_embeddings, target.max_position_embeddings)
     fmt = ChatFormat(target.tokenizer, cfg.distill.system_prompt, target.generation_config)
@@ -252,7 +259,7 @@ def distill(cfg: DistillRunConfig) -> Path:
         log.info("resuming: %d of %d chunks already written", len(mine) - len(todo), len(mine))
     engine = _make_engine(cfg, target, max_length)
     bar = tqdm(total=my_total, initial=done, desc=f"distill[rank {info.rank}]" if info.world_size > 1 else "distill",
-               unit="prompt", disable=None)
+               unit="prompt", position=info.rank)
     stats = {"tokens": 0, "start": time.time()}
 
     def progress(new_tokens: int) -> None:
@@ -302,6 +309,12 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: DistillR
     seen = [r["id"] for r in rows] + [s["id"] for s in skipped]
     if sorted(seen) != list(range(total)):
         raise HeadwayError(f"chunks in {out / CHUNK_DIR} do not cover every prompt exactly once: delete {out} and rerun")
+    if not rows:
+        reasons = sorted({s["reason"] for s in skipped})
+        raise HeadwayError(
+            f"no samples: all {total} prompts were skipped ({', '.join(reasons)}); see distill.on_too_long, "
+            "distill.max_length and the magpie settings"
+        )
     rows.sort(key=lambda r: r["id"])
     features = Features({
         "id": Value("int64"), "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),

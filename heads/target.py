@@ -59,6 +59,7 @@ class Target:
     fingerprint: dict
     config: Any
     generation_config: Any
+    num_threads: int
 
     @property
     def device(self) -> torch.device:
@@ -174,7 +175,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         config = model.config
     return Target(
         model=model, tokenizer=tokenizer, path=Path(path), fingerprint=compute_fingerprint(config, tokenizer),
-        config=config, generation_config=gen_config,
+        config=config, generation_config=gen_config, num_threads=threads,
     )
 
 

@@ -56,6 +56,17 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from headway.demo import DemoConfig, run_demo
+
+    cfg = load_config(DemoConfig, args.config, args.overrides)
+    if args.print_config:
+        print(config_to_yaml(cfg))
+        return 0
+    run_demo(cfg)
+    return 0
+
+
 def cmd_target_info(args: argparse.Namespace) -> int:
     from headway.heads.target import load_target
 
@@ -89,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"headway {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="the main job on the default target, end to end (runs what has landed so far)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
     _add_config_args(p)

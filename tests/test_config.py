@@ -18,7 +18,7 @@ def test_defaults_yaml_and_overrides(tmp_path: Path):
     assert cfg.distill.engine == "hf"
     assert cfg.target.dtype == "bfloat16"
     assert cfg.prompts.limit == 3
-    assert cfg.distill.chunk_size == 64  # default kept
+    assert cfg.distill.batch_size == 32  # default kept
 
 
 @pytest.mark.parametrize(

