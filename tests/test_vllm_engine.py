@@ -23,7 +23,8 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     rows = [{"question": "What is 12 times 3?"}, {"turns": ["Name a colour.", "Name another one."]}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     overrides = [f"target.cache_dir={shared_cache}", f"prompts.path={prompts}", "distill.engine=vllm",
-                 "distill.max_new_tokens=40", "distill.vllm_max_num_seqs=8", "distill.max_length=1024"]
+                 "distill.max_new_tokens=40", "distill.vllm_max_num_seqs=8", "distill.max_length=1024",
+                 "distill.vllm_dtype=float32"]
     first = load_config(DistillRunConfig, None, overrides + [f"distill.output_dir={tmp_path / 'a'}"])
     ds, manifest = load_distilled(distill(first))
     assert manifest["engine"] == "vllm" and ds["id"] == [0, 1]
@@ -39,4 +40,10 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
             end = next((j for j in range(s, len(mask)) if not mask[j]), len(mask))
             assert ids[end - 1] in fmt.stop_ids or end - s == 40  # stopped on eos, or at max_new_tokens
     assert ds[0]["input_ids"][: ds[0]["loss_mask"].index(1)] == fmt.first_turn(rows[0]["question"])
-    assert "36" in tok.decode([t for t, m in zip(ds[0]["input_ids"], ds[0]["loss_mask"]) if m])
+    # float32 vLLM agrees with float32 transformers greedy decoding at the start of the answer.
+    import torch
+
+    hf = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu"))
+    start = ds[0]["loss_mask"].index(1)
+    ref = hf.model.generate(torch.tensor([ds[0]["input_ids"][:start]]), max_new_tokens=8, do_sample=False)[0, start:]
+    assert ds[0]["input_ids"][start : start + 8] == ref.tolist()
