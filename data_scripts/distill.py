@@ -46,7 +46,7 @@ class DistillConfig:
     # hf engine: sequences per generate call (batched with left padding).
     batch_size: int = 32
     # Prompts per chunk file: the unit of resume and of the split between ranks.
-    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), 4 x batch_size for hf.
+    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf.
     chunk_size: int = 0
     # Tokens the target may write per assistant turn.
     max_new_tokens: int = 256
@@ -214,19 +214,19 @@ def distill(cfg: DistillRunConfig) -> Path:
     """Run (or resume) self-distillation; returns the dataset directory."""
     info = dist_info()
     out = Path(cfg.distill.output_dir).expanduser()
+    if (out / MANIFEST).exists():
+        log.info("%s is already complete (manifest.json present)", out)
+        return out
     if info.world_size > 1:
         import datetime
 
         import torch.distributed as dist
 
-        if not dist.is_initialized():
+        if not dist.is_initialized():  # gloo: only barriers are needed, on CPU or GPU alike
             dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
-    if (out / MANIFEST).exists():
-        log.info("%s is already complete (manifest.json present)", out)
-        return out
     use_vllm = cfg.distill.engine == "vllm" or (cfg.distill.engine == "auto" and vllm_available())
     if cfg.distill.chunk_size == 0:
-        cfg.distill.chunk_size = cfg.distill.vllm_max_num_seqs if use_vllm else 4 * cfg.distill.batch_size
+        cfg.distill.chunk_size = cfg.distill.vllm_max_num_seqs if use_vllm else cfg.distill.batch_size
     target = load_target(cfg.target, with_model=not use_vllm)
     max_length = min(cfg.distill.max_length or target.max_position_embeddings, target.max_position_embeddings)
     fmt = ChatFormat(target.tokenizer, cfg.distill.system_prompt, target.generation_config)

@@ -7,11 +7,14 @@ import json
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from headway.config import config_to_yaml, load_config
 from headway.errors import HeadwayError
+from headway.data_scripts.distill import DistillRunConfig
+from headway.demo import DemoConfig
 from headway.heads.target import TargetConfig
+from headway.runtime import dist_info
 
 log = logging.getLogger("headway")
 
@@ -35,57 +38,42 @@ def _setup_logging(verbose: bool) -> None:
         pass
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser, schema: type, run: Callable[[Any, argparse.Namespace], int]) -> None:
+    p.set_defaults(schema=schema, run=run)
     p.add_argument("--config", help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. distill.max_new_tokens=128")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
-def cmd_distill(args: argparse.Namespace) -> int:
-    from headway.data_scripts.distill import DistillRunConfig, distill
+def cmd_distill(cfg: DistillRunConfig, args: argparse.Namespace) -> int:
+    from headway.data_scripts.distill import distill
 
-    cfg = load_config(DistillRunConfig, args.config, args.overrides)
-    if args.print_config:
-        print(config_to_yaml(cfg))
-        return 0
     out = distill(cfg)
-    manifest = out / "manifest.json"
-    if manifest.exists():
-        counts = json.loads(manifest.read_text())["counts"]
-        print(f"dataset: {out}  samples={counts['samples']} generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}")
+    if not dist_info().is_main:
+        return 0
+    counts = json.loads((out / "manifest.json").read_text())["counts"]
+    print(f"dataset: {out}  samples={counts['samples']} generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}")
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from headway.demo import DemoConfig, run_demo
+def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
+    from headway.demo import run_demo
 
-    cfg = load_config(DemoConfig, args.config, args.overrides)
-    if args.print_config:
-        print(config_to_yaml(cfg))
-        return 0
     run_demo(cfg)
     return 0
 
 
-def cmd_target_info(args: argparse.Namespace) -> int:
+def cmd_target_info(cfg: TargetRunConfig, args: argparse.Namespace) -> int:
     from headway.heads.target import load_target
 
-    cfg = load_config(TargetRunConfig, args.config, args.overrides)
-    if args.print_config:
-        print(config_to_yaml(cfg))
-        return 0
     target = load_target(cfg.target, with_model=False)
     print(json.dumps({"path": str(target.path), "fingerprint": target.fingerprint}, indent=2))
     return 0
 
 
-def cmd_target_export(args: argparse.Namespace) -> int:
+def cmd_target_export(cfg: TargetRunConfig, args: argparse.Namespace) -> int:
     from headway.heads.target import export_target, load_target
 
-    cfg = load_config(TargetRunConfig, args.config, args.overrides)
-    if args.print_config:
-        print(config_to_yaml(cfg))
-        return 0
     cfg.target.device = "cpu"
     target = load_target(cfg.target)
     out = export_target(target, args.out, args.dtype)
@@ -102,31 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="the main job on the default target, end to end (runs what has landed so far)")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_demo)
+    _add_config_args(p, DemoConfig, cmd_demo)
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_distill)
+    _add_config_args(p, DistillRunConfig, cmd_distill)
 
     t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_target_info)
+    _add_config_args(p, TargetRunConfig, cmd_target_info)
     p = t.add_parser("export", help="write the target as a plain HF directory (safetensors) other engines can read")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    _add_config_args(p)
-    p.set_defaults(func=cmd_target_export)
+    _add_config_args(p, TargetRunConfig, cmd_target_export)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
-    func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        cfg = load_config(args.schema, args.config, args.overrides)
+        if args.print_config:
+            print(config_to_yaml(cfg))
+            return 0
+        return args.run(cfg, args)
     except HeadwayError as e:
         print(f"headway: error: {e}", file=sys.stderr)
         return 2

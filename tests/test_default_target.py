@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
@@ -70,13 +71,9 @@ def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_p
     tok = smollm2.tokenizer
     for row in ds:
         ids, mask = row["input_ids"], row["loss_mask"]
-        starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
-        assert len(starts) == row["num_turns"]
-        for start in starts:
-            end = next((j for j in range(start, len(mask)) if not mask[j]), len(mask))
-            ref = smollm2.model.generate(torch.tensor([ids[:start]]), max_new_tokens=48, do_sample=False,
-                                         eos_token_id=fmt.stop_ids, pad_token_id=tok.pad_token_id)[0, start:].tolist()
-            ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in fmt.stop_ids), len(ref))]
+        assert len(mask_spans(mask)) == row["num_turns"]
+        for start, end in mask_spans(mask):
+            ref = greedy_reference(smollm2.model, ids[:start], 48, fmt.stop_ids, tok.pad_token_id)
             assert tok.decode(ids[start:end]) == tok.decode(ref)
             assert ids[start:end] == ref
             assert tok.decode(ids[start - 3:start]).endswith("assistant\n")  # the span starts after the template

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
@@ -48,18 +49,6 @@ def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> DistillRu
     )
 
 
-def spans(mask: list[int]) -> list[tuple[int, int]]:
-    """Maximal [start, end) runs of 1s."""
-    out, start = [], None
-    for i, m in enumerate(mask + [0]):
-        if m and start is None:
-            start = i
-        elif not m and start is not None:
-            out.append((start, i))
-            start = None
-    return out
-
-
 def test_loss_mask_is_exactly_what_the_target_wrote(tiny_dir: Path, tmp_path: Path):
     """Each masked span equals batch-1 greedy decoding from the context before it (float64: no ties)."""
     prompts = write_prompts_file(tmp_path / "p.jsonl")
@@ -72,18 +61,14 @@ def test_loss_mask_is_exactly_what_the_target_wrote(tiny_dir: Path, tmp_path: Pa
     for row, src in zip(ds, PROMPTS):
         ids, mask = row["input_ids"], row["loss_mask"]
         turns = src.get("turns") or [src["instruction"]]
-        assert len(spans(mask)) == row["num_turns"] == len(turns)
-        assert ids[: spans(mask)[0][0]] == fmt.first_turn(turns[0])  # the prompt is the chat template's
-        for start, end in spans(mask):
-            ref = target.model.generate(
-                torch.tensor([ids[:start]]), max_new_tokens=12, do_sample=False, eos_token_id=fmt.stop_ids,
-                pad_token_id=target.tokenizer.pad_token_id,
-            )[0, start:].tolist()
-            ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in fmt.stop_ids), len(ref))]
+        assert len(mask_spans(mask)) == row["num_turns"] == len(turns)
+        assert ids[: mask_spans(mask)[0][0]] == fmt.first_turn(turns[0])  # the prompt is the chat template's
+        for start, end in mask_spans(mask):
+            ref = greedy_reference(target.model, ids[:start], 12, fmt.stop_ids, target.tokenizer.pad_token_id)
             assert ids[start:end] == ref
             text = target.tokenizer.decode(ids[start:end])
             assert text == target.tokenizer.decode(ref)
-        assert sum(mask) == sum(e - s for s, e in spans(mask))
+        assert sum(mask) == sum(e - s for s, e in mask_spans(mask))
     assert manifest["counts"]["generated_tokens"] == sum(sum(r["loss_mask"]) for r in ds)
     assert (out / "config.yaml").is_file()
 
@@ -130,7 +115,7 @@ def test_multi_turn_glue_matches_the_template(tiny_dirs, arch: str, finished: bo
     else:  # the turn was cut: the template closes it, and those tokens are not the target's
         assert tok.decode(second_prompt) == full
         assert row["loss_mask"][len(engine.calls[0][0]) + len(words[0])] == 0
-    assert [row["input_ids"][s:e] for s, e in spans(row["loss_mask"])] == answers
+    assert [row["input_ids"][s:e] for s, e in mask_spans(row["loss_mask"])] == answers
 
 
 def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from dataset_checks import mask_spans
 
 from headway.data_scripts.engines import vllm_available
 
@@ -33,11 +34,9 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     tok = target.tokenizer
     for row in ds:
         ids, mask = row["input_ids"], row["loss_mask"]
-        starts = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
-        assert len(starts) == row["num_turns"]
-        for s in starts:
+        assert len(mask_spans(mask)) == row["num_turns"]
+        for s, end in mask_spans(mask):
             assert tok.decode(ids[s - 3 : s]).endswith("assistant\n")
-            end = next((j for j in range(s, len(mask)) if not mask[j]), len(mask))
             assert ids[end - 1] in fmt.stop_ids or end - s == 40  # stopped on eos, or at max_new_tokens
     assert ds[0]["input_ids"][: ds[0]["loss_mask"].index(1)] == fmt.first_turn(rows[0]["question"])
     # float32 vLLM agrees with float32 transformers greedy decoding at the start of the answer.
