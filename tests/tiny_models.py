@@ -71,7 +71,7 @@ def make_config(arch: str, vocab_size: int, tokenizer):
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
     if arch == "gemma3":
-        return Gemma3TextConfig(**common, head_dim=16, sliding_window=64, query_pre_attn_scalar=16)
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=128, query_pre_attn_scalar=16)
     raise ValueError(f"unknown tiny arch {arch}")
 
 

@@ -1,0 +1,135 @@
+"""The decoding loops: plain greedy (the reference), and greedy speculative decoding over a tree.
+
+Speculative step: the drafter fills a tree rooted at the token the target just produced; one target
+forward verifies every node (4-D tree mask, explicit positions, the model's own KV cache); the
+longest path whose every token equals the target's own greedy choice is accepted, plus the target's
+next token after it (the bonus); the cache keeps only the accepted path. The output is exactly what
+plain greedy decoding of the same target writes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+import torch
+
+from headway.errors import HeadwayError
+from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit
+from headway.inference.tree import Tree, tree_attention_bias
+
+
+class Drafter(Protocol):
+    tree: Tree
+
+    def tree_tokens(self, root: int, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # the new tokens, ending with a stop token or at max_new_tokens
+    target_forwards: int  # target forward passes after the prefill
+    seconds: float
+    accepted: list[int] = field(default_factory=list)  # draft tokens accepted at each verification
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward in the decoding phase (accepted drafts + the bonus token)."""
+        return (len(self.tokens) - 1) / self.target_forwards if self.target_forwards else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+def _check_length(model: Any, prompt_len: int, max_new_tokens: int, tree_size: int) -> None:
+    """Refuse requests the target cannot serve exactly: past its context, or (with a tree) its sliding window."""
+    limit = sliding_window_limit(model) if tree_size > 1 else None
+    if limit is not None and prompt_len + max_new_tokens + tree_size > limit:
+        raise HeadwayError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + tree ({tree_size}) exceeds this target's "
+            f"sliding window ({limit + 1}): speculative decoding cannot roll back past it; shorten the request"
+        )
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_pos = getattr(cfg, "max_position_embeddings", None)
+    if max_pos and prompt_len + max_new_tokens + tree_size > max_pos:
+        raise HeadwayError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's context ({max_pos})")
+
+
+def _finish(tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
+    """Cut at the first stop token or at max_new_tokens; the bool says whether generation is over."""
+    for i, t in enumerate(tokens[:max_new_tokens]):
+        if t in stop_ids:
+            return tokens[: i + 1], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+@torch.inference_mode()
+def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> GenerationResult:
+    """Plain greedy decoding with the same engine: one target forward per token."""
+    _check_length(model, len(prompt), max_new_tokens, 1)
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    cache = new_cache(model)
+    kw = cache_kwarg(model)
+    logits = model(torch.tensor([prompt], device=device), use_cache=True, **{kw: cache}).logits[0, -1]
+    out = [int(logits.argmax())]
+    forwards = 0
+    stops = set(stop_ids)
+    while len(out) < max_new_tokens and out[-1] not in stops:
+        logits = model(torch.tensor([[out[-1]]], device=device), use_cache=True, **{kw: cache}).logits[0, -1]
+        forwards += 1
+        out.append(int(logits.argmax()))
+    return GenerationResult(out, forwards, time.perf_counter() - start, [])
+
+
+@torch.inference_mode()
+def speculative_generate(
+    model: Any, drafter: Drafter, prompt: list[int], max_new_tokens: int, stop_ids: list[int]
+) -> GenerationResult:
+    """Greedy speculative decoding over the drafter's tree; returns exactly greedy_generate's tokens."""
+    tree = drafter.tree
+    _check_length(model, len(prompt), max_new_tokens, tree.size)
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    stops = set(stop_ids)
+    start = time.perf_counter()
+    cache = new_cache(model)
+    kw = cache_kwarg(model)
+    o = model(torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True, **{kw: cache})
+    root = int(o.logits[0, -1].argmax())
+    hidden = o.hidden_states[-1][0, -1]
+    out, done = _finish([root], stops, max_new_tokens)
+    forwards, accepted_counts = 0, []
+    depth = tree.depth.to(device)
+    while not done:
+        nodes = drafter.tree_tokens(root, hidden).to(device)
+        prefix = cache_length(cache)
+        o = model(
+            nodes.view(1, -1),
+            position_ids=(prefix + depth).view(1, -1),
+            attention_mask=tree_attention_bias(tree, prefix, dtype, device),
+            use_cache=True,
+            output_hidden_states=True,
+            **{kw: cache},
+        )
+        forwards += 1
+        choice = o.logits[0].argmax(-1).tolist()  # the target's greedy next token after each node
+        node_ids = nodes.tolist()
+        path, cur = [0], 0
+        while True:
+            nxt = next((c for c in tree.children[cur] if node_ids[c] == choice[cur]), None)
+            if nxt is None:
+                break
+            path.append(nxt)
+            cur = nxt
+        keep_tree_nodes(cache, tree.size, path)
+        new = [node_ids[i] for i in path[1:]] + [choice[cur]]
+        accepted_counts.append(len(path) - 1)
+        new, done = _finish(new, stops, max_new_tokens - len(out))
+        out += new
+        done = done or len(out) >= max_new_tokens
+        root = choice[cur]
+        hidden = o.hidden_states[-1][0, cur]
+    return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts)

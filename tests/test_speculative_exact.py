@@ -1,0 +1,120 @@
+"""Greedy speculative decoding writes exactly what plain greedy decoding writes (float64, 4 archs)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.errors import HeadwayError
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.heads.target import TargetConfig, load_target
+from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.generate import greedy_generate, speculative_generate
+from headway.inference.tree import build_tree, chain_choices
+
+WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
+
+
+def load64(path: Path):
+    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
+
+
+def prompts_for(tok) -> list[list[int]]:
+    texts = ["What is two plus three?", "Write a short poem about the sea.", "def add(a, b):"]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]
+
+
+class OracleDrafter:
+    """Knows the greedy continuation; puts it on some branches and noise on others, so accepted paths
+    have every length, through every branch: the cache compaction is exercised for real."""
+
+    def __init__(self, tree, reference: list[int], vocab: int, seed: int):
+        self.tree, self.ref, self.vocab = tree, reference, vocab
+        self.rng = random.Random(seed)
+        self.pos = 1  # index in the reference of the token after the current root
+
+    def tree_tokens(self, root: int, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = [root]
+        correct = {0: True}
+        for i, path in enumerate(self.tree.paths[1:], start=1):
+            parent = self.tree.parent[i]
+            want = self.ref[self.pos + len(path) - 1] if self.pos + len(path) - 1 < len(self.ref) else 0
+            right = correct[parent] and self.rng.random() < 0.6 and (path[-1] == 0 or self.rng.random() < 0.5)
+            tokens.append(want if right else (want + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+            correct[i] = right and tokens[-1] == want
+        return torch.tensor(tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_medusa_untrained_heads_are_exact(tiny_dirs, arch: str):
+    t = load64(tiny_dirs[arch])
+    torch.manual_seed(0)
+    hidden, vocab = t.config.hidden_size, t.config.vocab_size
+    for lm_head in ("own", "shared", "reduced"):
+        heads = MedusaHeads(MedusaConfig(num_heads=4, lm_head=lm_head, draft_vocab_size=64), hidden, vocab).double()
+        heads.init_from_target(t.model.get_output_embeddings().weight)
+        heads.attach_target(t.model.get_output_embeddings().weight)
+        for block in heads.blocks:  # random, not identity: the guesses differ per head
+            torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+        drafter = MedusaDrafter(heads, build_tree(WIDE_TREE))
+        for prompt in prompts_for(t.tokenizer):
+            ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            ref = greedy_generate(t.model, ids, 40, [t.tokenizer.eos_token_id])
+            spec = speculative_generate(t.model, drafter, ids, 40, [t.tokenizer.eos_token_id])
+            assert spec.tokens == ref.tokens, (arch, lm_head)
+            hf = t.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
+                                  eos_token_id=t.tokenizer.eos_token_id, pad_token_id=t.tokenizer.pad_token_id)
+            assert ref.tokens == hf[0, len(ids):].tolist()[: len(ref.tokens)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
+def test_accepted_paths_of_every_length_keep_output_exact(tiny_dirs, arch: str, monkeypatch):
+    import headway.inference.generate as g
+
+    t = load64(tiny_dirs[arch])
+    tree = build_tree(WIDE_TREE)
+    emitted = {"n": 1}
+    keep = g.keep_tree_nodes
+
+    def counting_keep(cache, size, path):  # tells the oracle how far the output has come
+        emitted["n"] += len(path)
+        return keep(cache, size, path)
+
+    monkeypatch.setattr(g, "keep_tree_nodes", counting_keep)
+    for seed, prompt in enumerate(prompts_for(t.tokenizer)):
+        ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ref = greedy_generate(t.model, ids, 48, []).tokens
+        oracle = OracleDrafter(tree, ref, t.config.vocab_size, seed)
+        draft = oracle.tree_tokens
+        emitted["n"] = 1
+
+        def tree_tokens(root, hidden, _draft=draft, _oracle=oracle):
+            _oracle.pos = emitted["n"]
+            return _draft(root, hidden)
+
+        oracle.tree_tokens = tree_tokens
+        res = speculative_generate(t.model, oracle, ids, 48, [])
+        assert res.tokens == ref
+        assert max(res.accepted) >= 3 and min(res.accepted) == 0, res.accepted  # long and empty acceptances
+        assert res.tau > 1.5
+
+
+def test_chain_and_bad_trees():
+    assert build_tree(chain_choices(3)).paths == [(), (0,), (0, 0), (0, 0, 0)]
+    tree = build_tree(WIDE_TREE)
+    assert tree.size == 10 and tree.max_depth == 4 and tree.topk_per_depth() == [3, 2, 1, 1]
+    assert tree.ancestors[7].nonzero().flatten().tolist() == [0, 1, 4, 7]  # (0,0,0) sees (0,0), (0), root
+    with pytest.raises(HeadwayError, match=r"tree choice \[0, 1\] has no parent \[0\]"):
+        build_tree([[0, 1]])
+
+
+def test_sliding_window_overflow_is_refused(tiny_dirs):
+    t = load64(tiny_dirs["gemma3"])
+    heads = MedusaHeads(MedusaConfig(num_heads=2, lm_head="own"), t.config.hidden_size, t.config.vocab_size).double()
+    drafter = MedusaDrafter(heads, build_tree(chain_choices(2)))
+    with pytest.raises(HeadwayError, match="sliding window"):
+        speculative_generate(t.model, drafter, [1] * 100, 40, [])
+    assert len(greedy_generate(t.model, [1] * 100, 40, []).tokens) == 40  # plain decoding never rolls back
