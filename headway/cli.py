@@ -14,6 +14,8 @@ from headway.errors import HeadwayError
 from headway.data_scripts.distill import DistillRunConfig
 from headway.demo import DemoConfig
 from headway.heads.target import TargetConfig
+from headway.inference.config import GenerateRunConfig
+from headway.train.config import TrainRunConfig
 from headway.runtime import dist_info
 
 log = logging.getLogger("headway")
@@ -56,6 +58,30 @@ def cmd_distill(cfg: DistillRunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train(cfg: TrainRunConfig, args: argparse.Namespace) -> int:
+    from headway.train.loop import train
+
+    head = train(cfg)
+    print(f"head: {head}")
+    return 0
+
+
+def cmd_generate(cfg: GenerateRunConfig, args: argparse.Namespace) -> int:
+    from headway.inference.api import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder.load(args.head, cfg)
+    prompts = args.prompt or ["Write a short story about a robot who learns to paint."]
+    for prompt in prompts:
+        r = decoder.chat(prompt)
+        print(f"\n== {prompt}\n{r.text}")
+        line = f"-- tau {r.spec.tau:.2f}  {r.spec.tokens_per_second:.1f} tok/s ({len(r.spec.tokens)} tokens)"
+        if r.plain is not None:
+            line += (f"  plain {r.plain.tokens_per_second:.1f} tok/s  speedup {r.speedup:.2f}x  "
+                     f"identical to plain greedy: {r.plain.tokens == r.spec.tokens}")
+        print(line)
+    return 0
+
+
 def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
     from headway.demo import run_demo
 
@@ -94,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
     _add_config_args(p, DistillRunConfig, cmd_distill)
+
+    p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
+    _add_config_args(p, TrainRunConfig, cmd_train)
+
+    p = sub.add_parser("generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup")
+    p.add_argument("--head", required=True, help="a head directory (a run's head/ folder)")
+    p.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    _add_config_args(p, GenerateRunConfig, cmd_generate)
 
     t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")

@@ -1,0 +1,88 @@
+"""Native head directories: config.json + model.safetensors, tied to one target by its fingerprint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import headway
+from headway.errors import HeadwayError
+from headway.heads.registry import KINDS
+from headway.heads.target import fingerprint_mismatch
+
+
+def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Optional[dict] = None) -> Path:
+    """Write the head directory whole or not at all (temp dir, then rename)."""
+    out = Path(out)
+    config = {
+        "kind": heads.kind,
+        "headway_version": headway.__version__,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+        "draft_vocab_size": heads.draft_vocab_size,
+        "head": asdict(heads.cfg),
+        "target_fingerprint": fingerprint,
+        **(extra or {}),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_head_config(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+        raise HeadwayError(f"{p} is not a head directory (needs config.json and model.safetensors): train one with `headway train`")
+    try:
+        return json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise HeadwayError(f"{p / 'config.json'} is not valid JSON: {e}") from None
+
+
+def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, device: Any = "cpu", dtype: Any = None) -> Any:
+    """Build the head a directory describes; refuse one made for another target (naming both)."""
+    p = Path(path)
+    config = read_head_config(p)
+    kind = config.get("kind")
+    if kind not in KINDS:
+        raise HeadwayError(f"{p}: unknown head kind '{kind}' (this headway knows {', '.join(KINDS)})")
+    if fingerprint is not None:
+        diff = fingerprint_mismatch(config.get("target_fingerprint", {}), fingerprint)
+        if diff:
+            raise HeadwayError(
+                f"head {p} was made for target {config.get('target_fingerprint', {}).get('id')} "
+                f"but the loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
+            )
+    cfg_cls, module_cls = KINDS[kind]
+    try:
+        state = load_file(str(p / "model.safetensors"))
+    except Exception as e:
+        raise HeadwayError(f"cannot read {p / 'model.safetensors'} ({e}): the file is damaged; re-export the head") from None
+    extra = {"d2t": state["d2t"]} if "d2t" in state else {}
+    heads = module_cls(cfg_cls(**config["head"]), config["hidden_size"], config["vocab_size"], **extra)
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadwayError(f"{p / 'model.safetensors'} does not match its config: missing {missing}, unexpected {unexpected}")
+    heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
+    if getattr(heads, "d2t", None) is not None:
+        heads.d2t = heads.d2t.to(device=device, dtype=torch.long)
+    return heads.eval()

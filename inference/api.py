@@ -1,0 +1,55 @@
+"""The Python API: load a target and a head, then decode chat prompts speculatively."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from headway.data_scripts.chat import ChatFormat
+from headway.heads.checkpoint import load_head
+from headway.heads.target import Target, load_target
+from headway.inference.config import GenerateRunConfig
+from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.generate import GenerationResult, greedy_generate, speculative_generate
+from headway.inference.tree import build_tree
+
+
+@dataclass
+class ChatResult:
+    text: str
+    spec: GenerationResult
+    plain: Optional[GenerationResult]
+
+    @property
+    def speedup(self) -> float:
+        return self.spec.tokens_per_second / self.plain.tokens_per_second if self.plain else float("nan")
+
+
+class SpeculativeDecoder:
+    """A frozen target plus a draft head; `generate` is exact greedy decoding, only faster."""
+
+    def __init__(self, target: Target, heads: Any, cfg: GenerateRunConfig):
+        self.target, self.heads, self.cfg = target, heads, cfg
+        self.drafter = MedusaDrafter(heads, build_tree(cfg.inference.tree))
+        self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
+
+    @classmethod
+    def load(cls, head_dir: str | Path, cfg: Optional[GenerateRunConfig] = None) -> "SpeculativeDecoder":
+        cfg = cfg or GenerateRunConfig()
+        target = load_target(cfg.target)
+        heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
+        heads.attach_target(target.model.get_output_embeddings().weight)
+        return cls(target, heads, cfg)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
+        n = max_new_tokens or self.cfg.inference.max_new_tokens
+        return speculative_generate(self.target.model, self.drafter, prompt_ids, n, self.fmt.stop_ids)
+
+    def chat(self, message: str, max_new_tokens: Optional[int] = None) -> ChatResult:
+        ids = self.fmt.first_turn(message)
+        n = max_new_tokens or self.cfg.inference.max_new_tokens
+        spec = self.generate(ids, n)
+        plain = greedy_generate(self.target.model, ids, n, self.fmt.stop_ids) if self.cfg.inference.compare_plain else None
+        text = self.target.tokenizer.decode(spec.tokens, skip_special_tokens=True)
+        return ChatResult(text, spec, plain)

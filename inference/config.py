@@ -1,0 +1,29 @@
+"""Decoding settings shared by `headway generate` (and later the benchmark)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from headway.heads.target import TargetConfig
+
+# A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
+# than it gains (8 tokens ~1.5x one token, 32 tokens ~2.3x), so the default stays small.
+DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+
+@dataclass
+class InferenceConfig:
+    # Medusa choices: each node is a path of top-k indices, one per head.
+    tree: list[list[int]] = field(default_factory=lambda: [list(c) for c in DEFAULT_MEDUSA_TREE])
+    max_new_tokens: int = 256
+    # Also decode plainly (same engine) and report the speedup and whether the outputs match.
+    compare_plain: bool = True
+    # System prompt for chat prompts; null = the chat template's default.
+    system_prompt: Optional[str] = None
+
+
+@dataclass
+class GenerateRunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)

@@ -1,0 +1,132 @@
+"""Medusa training: label alignment, the loss against hand-computed values, resume equivalence, round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.config import load_config
+from headway.data_scripts.distill import DistillRunConfig, distill
+from headway.errors import HeadwayError
+from headway.heads.checkpoint import load_head
+from headway.heads.target import TargetConfig, load_target
+from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.generate import greedy_generate, speculative_generate
+from headway.inference.tree import build_tree
+from headway.train.config import TrainRunConfig
+from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
+
+
+def test_labels_look_two_plus_i_ahead_and_follow_the_mask():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1]])
+    labels = medusa_labels(ids, mask, 2, None)
+    assert labels[0, 0].tolist() == [12, 13, IGNORE, 15, IGNORE, IGNORE]  # head 0: token t+2
+    assert labels[1, 0].tolist() == [13, IGNORE, 15, IGNORE, IGNORE, IGNORE]  # head 1: token t+3
+    d2t = torch.tensor([12, 15])  # reduced vocabulary: 13 has no draft id
+    labels = medusa_labels(ids, mask, 1, target_to_draft(d2t, 20, ids.device))
+    assert labels[0, 0].tolist() == [0, IGNORE, IGNORE, 1, IGNORE, IGNORE]
+
+
+def test_loss_matches_hand_computation():
+    logits = torch.tensor([[[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], [[[0.0, 0.0, 3.0], [1.0, 1.0, 1.0]]]])  # [K=2,B=1,T=2,V=3]
+    labels = torch.tensor([[[0, 1]], [[2, IGNORE]]])
+    loss, metrics = medusa_loss(logits, labels, decay=0.8)
+
+    def ce(row, y):
+        return -math.log(math.exp(row[y]) / sum(math.exp(v) for v in row))
+
+    head0 = (ce([2, 0, 0], 0) + ce([0, 1, 0], 1)) / 2
+    head1 = ce([0, 0, 3], 2)
+    assert loss.item() == pytest.approx(head0 + 0.8 * head1, rel=1e-6)
+    assert metrics["top1/head0"] == 1.0 and metrics["top1/head1"] == 1.0
+    soft = torch.zeros(2, 1, 2, 3)
+    soft[..., 0] = 1.0  # all mass on token 0: soft CE == CE to token 0
+    loss_kl, _ = medusa_loss(logits, labels, decay=0.8, soft_targets=soft)
+    expected = (ce([2, 0, 0], 0) + ce([0, 1, 0], 0)) / 2 + 0.8 * ce([0, 0, 3], 0)
+    assert loss_kl.item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("medusa-data")
+    rows = [{"instruction": f"Question {i}: what is {i} plus {i + 1}? Tell me a story about it."} for i in range(24)]
+    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(DistillRunConfig, None, [
+        f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1",
+        f"prompts.path={root / 'p.jsonl'}", f"distill.output_dir={root / 'ds'}", "distill.engine=hf",
+        "distill.max_new_tokens=24", "distill.batch_size=8",
+    ])
+    return distill(cfg)
+
+
+def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> TrainRunConfig:
+    return load_config(TrainRunConfig, None, [
+        f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", f"train.datasets=[{data}]",
+        f"train.output_dir={out}", "train.max_steps=6", "train.micro_batch_size=2", "train.grad_accum=2",
+        "train.warmup_steps=2", "train.lr=0.01", "train.eval_every=3", "train.eval_fraction=0.2", "train.log_every=1",
+        "train.autocast_dtype=float32", "train.save_every=3", "head.medusa.num_heads=3", "head.medusa.lm_head=reduced",
+        "head.medusa.draft_vocab_size=64", *extra,
+    ])
+
+
+def losses(run: Path) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def test_resumed_run_continues_the_same_curve(tiny_dirs, tiny_data, tmp_path: Path, monkeypatch):
+    from headway.train import loop
+
+    full = loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "full"))
+    ref = losses(tmp_path / "full")
+    assert [s for s, _ in ref] == [1, 2, 3, 4, 5, 6] and ref[-1][1] < ref[0][1]  # it learns
+
+    real_save = loop.save_checkpoint
+
+    def crash_after_first_checkpoint(*args, **kwargs):
+        path = real_save(*args, **kwargs)
+        raise KeyboardInterrupt("killed after step 3")
+
+    monkeypatch.setattr(loop, "save_checkpoint", crash_after_first_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut"))
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", "train.resume_from=auto"))
+    assert losses(tmp_path / "cut") == ref  # steps 1-3 before the crash, 4-6 after the resume: identical
+    a = load_head(full, None)
+    b = load_head(tmp_path / "cut" / "head", None)
+    for k, v in a.state_dict().items():
+        torch.testing.assert_close(b.state_dict()[k], v, rtol=0, atol=0)
+
+
+def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_path: Path):
+    from headway.train.loop import train
+
+    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=4"))
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["kind"] == "medusa" and config["draft_vocab_size"] == 64 and config["head"]["num_heads"] == 3
+    target = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64"))
+    heads = load_head(head_dir, target.fingerprint, dtype=torch.float64)
+    drafter = MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]))
+    ids = target.tokenizer("<|im_start|>user\nQuestion 3: what is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n",
+                           add_special_tokens=False)["input_ids"]
+    stop = [target.tokenizer.eos_token_id]
+    assert speculative_generate(target.model, drafter, ids, 30, stop).tokens == greedy_generate(target.model, ids, 30, stop).tokens
+    other = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False)
+    with pytest.raises(HeadwayError, match=rf"was made for target {target.fingerprint['id']} but the loaded target is "
+                                           rf"{other.fingerprint['id']} \(architecture: LlamaForCausalLM vs Qwen2ForCausalLM"):
+        load_head(head_dir, other.fingerprint)
+
+
+def test_dataset_from_another_target_is_refused(tiny_dirs, tiny_data, tmp_path: Path):
+    from headway.train.loop import train
+
+    with pytest.raises(HeadwayError, match=r"dataset .* was made by target .* not the configured target"):
+        train(train_cfg(tiny_dirs["mistral"], tiny_data, tmp_path / "run"))
+    with pytest.raises(HeadwayError, match="no training data"):
+        train(load_config(TrainRunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"]))

@@ -1,0 +1,68 @@
+"""Training checkpoints: head weights, optimizer, scheduler, RNG states and the data position.
+
+Written to a temp directory and renamed, so a checkpoint is whole or absent. Optimizer state is
+read back with torch.load(weights_only=True): tensors and plain containers only, never pickled code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from headway.errors import HeadwayError
+
+
+def save_checkpoint(root: Path, step: int, heads: Any, optimizer: Any, scheduler: Any, consumed: int) -> Path:
+    out = root / f"step-{step:08d}"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}."))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
+        state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate())}
+        (tmp / "trainer.json").write_text(json.dumps(state))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _jsonable(state: Any) -> Any:
+    return [_jsonable(x) for x in state] if isinstance(state, (tuple, list)) else state
+
+
+def _tupled(state: Any) -> Any:
+    return tuple(_tupled(x) for x in state) if isinstance(state, list) else state
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    found = sorted(p for p in root.glob("step-*") if (p / "trainer.json").is_file())
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, heads: Any, optimizer: Any, scheduler: Any) -> tuple[int, int]:
+    """Restore everything in place; returns (step, samples consumed)."""
+    files = [path / "heads.safetensors", path / "state.pt", path / "trainer.json"]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise HeadwayError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}): resume from another one")
+    heads.load_state_dict(load_file(str(files[0])))
+    state = torch.load(files[1], weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    trainer = json.loads(files[2].read_text())
+    random.setstate(_tupled(trainer["python_rng"]))
+    return int(trainer["step"]), int(trainer["consumed"])

@@ -1,0 +1,72 @@
+"""The training run's config: target, head, train and logging sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from headway.config import check_choice
+from headway.errors import HeadwayError
+from headway.heads.registry import HeadConfig
+from headway.heads.target import TargetConfig
+
+
+@dataclass
+class TrainConfig:
+    # Self-distilled dataset directories (from `headway distill`); all must come from the configured target.
+    datasets: list[str] = field(default_factory=list)
+    # Run directory: checkpoints/, head/ (the trained head), log.jsonl, config.yaml.
+    output_dir: str = "outputs/train"
+    # Optimiser steps; each sees micro_batch_size x grad_accum sequences.
+    max_steps: int = 1000
+    micro_batch_size: int = 4
+    grad_accum: int = 1
+    # Longer sequences are cut to this many tokens.
+    max_length: int = 1024
+    # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr.
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    # Compute dtype of the head (and target) forward under autocast: bfloat16 or float32.
+    autocast_dtype: str = "bfloat16"
+    # Loss to the self-distilled token (ce) or to the target's own distribution there (kl).
+    loss: str = "ce"
+    # Head i's loss weight is decay ** i.
+    decay: float = 0.8
+    # Fraction of samples held out for evaluation (chosen by sample id, stable across runs).
+    eval_fraction: float = 0.02
+    eval_every: int = 200
+    # Evaluate on at most this many held-out sequences.
+    eval_max_samples: int = 64
+    # Checkpoint every N steps (and at the end); 0 = only at the end.
+    save_every: int = 500
+    # A checkpoint directory to continue from, or "auto" for the newest in output_dir/checkpoints.
+    resume_from: Optional[str] = None
+    seed: int = 0
+    log_every: int = 10
+
+    def __post_init__(self) -> None:
+        check_choice("train", "loss", self.loss, ["ce", "kl"])
+        check_choice("train", "autocast_dtype", self.autocast_dtype, ["bfloat16", "float32"])
+        if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
+            raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
+        if not 0 <= self.eval_fraction < 1:
+            raise HeadwayError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+
+
+@dataclass
+class LoggingConfig:
+    # wandb project; null = no wandb. WANDB_MODE=offline works without a network.
+    wandb_project: Optional[str] = None
+    wandb_run_name: Optional[str] = None
+
+
+@dataclass
+class TrainRunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

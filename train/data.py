@@ -1,0 +1,91 @@
+"""Training data: self-distilled datasets checked against the target, a stable held-out split, batches.
+
+The sample order is a pure function of (seed, samples consumed), so a resumed run reads exactly the
+batches the uninterrupted run would have read.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from headway.data_scripts.distill import load_distilled
+from headway.errors import HeadwayError
+from headway.heads.target import fingerprint_mismatch
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[list[tuple[str, Sample]], dict]:
+    """(key, sample) pairs from every dataset; a dataset made by another target is refused."""
+    if not paths:
+        raise HeadwayError("no training data: set train.datasets=[DIR, ...] (directories written by `headway distill`)")
+    out = []
+    for path in paths:
+        ds, manifest = load_distilled(path)
+        diff = fingerprint_mismatch(manifest["target_fingerprint"], fingerprint)
+        if diff:
+            raise HeadwayError(
+                f"dataset {path} was made by target {manifest['target_fingerprint'].get('id')}, not the configured "
+                f"target {fingerprint.get('id')} ({'; '.join(diff)}): distil it again with this target"
+            )
+        for i, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
+            out.append((f"{path}#{i}", Sample(list(ids[:max_length]), list(mask[:max_length]))))
+    return out, {"datasets": paths}
+
+
+def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[list[Sample], list[Sample]]:
+    """Held-out by a hash of the sample's key: the same samples whatever the order or other data."""
+    train, held = [], []
+    for key, s in samples:
+        bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+        (held if bucket < fraction else train).append(s)
+    if not train:
+        raise HeadwayError("every sample was held out for evaluation: lower train.eval_fraction or add data")
+    return train, held
+
+
+@functools.lru_cache(maxsize=4)
+def sample_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return tuple(torch.randperm(n, generator=g).tolist())
+
+
+def batch_at(samples: list[Sample], consumed: int, size: int, seed: int) -> list[Sample]:
+    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream."""
+    n = len(samples)
+    out = []
+    for k in range(consumed, consumed + size):
+        out.append(samples[sample_order(n, seed, k // n)[k % n]])
+    return out
+
+
+def collate(batch: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and loss_mask tensors [B, T]."""
+    width = max(len(s.input_ids) for s in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(batch), width), dtype=torch.long)
+    loss = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, s in enumerate(batch):
+        n = len(s.input_ids)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        attn[i, :n] = 1
+        loss[i, :n] = torch.tensor(s.loss_mask)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+
+
+def token_frequencies(samples: list[Sample], vocab_size: int) -> torch.Tensor:
+    """How often each token id appears where the loss mask is on (the target's own writing)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = torch.tensor([t for t, m in zip(s.input_ids, s.loss_mask) if m], dtype=torch.long)
+        if len(ids):
+            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts

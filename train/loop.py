@@ -1,0 +1,166 @@
+"""The training loop, readable top to bottom: frozen target features in, head loss out.
+
+The target runs under no_grad in eval mode; its last hidden state feeds the heads. One optimizer
+step = grad_accum micro-batches. Checkpoints carry everything needed to continue the same curve.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from headway.config import save_config
+from headway.errors import HeadwayError
+from headway.heads.checkpoint import save_head
+from headway.heads.registry import KINDS
+from headway.heads.target import load_target
+from headway.runtime import parse_dtype
+from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from headway.train.config import TrainRunConfig
+from headway.train.data import batch_at, collate, load_samples, split_heldout, token_frequencies
+from headway.train.logging import RunLogger
+from headway.train.losses import medusa_labels, medusa_loss, medusa_soft_targets, target_to_draft
+
+log = logging.getLogger("headway")
+
+
+def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -> Any:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / max(1, warmup)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_heads(cfg: TrainRunConfig, target: Any, train_samples: list) -> Any:
+    """A fresh head for the target; a reduced vocabulary is the most frequent tokens the target wrote."""
+    kind_cfg = cfg.head.kind_config()
+    _, module_cls = KINDS[cfg.head.kind]
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    d2t = None
+    if getattr(kind_cfg, "lm_head", None) == "reduced":
+        freq = token_frequencies(train_samples, vocab)
+        size = min(kind_cfg.draft_vocab_size, vocab)
+        d2t = torch.sort(torch.topk(freq, size).indices).values
+        covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
+        log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
+    heads = module_cls(kind_cfg, hidden, vocab, d2t=d2t)
+    lm_head = target.model.get_output_embeddings().weight
+    heads.init_from_target(lm_head)
+    heads.attach_target(lm_head)
+    return heads
+
+
+def _step_loss(cfg: TrainRunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any) -> tuple[torch.Tensor, dict]:
+    ids = batch["input_ids"].to(device)
+    autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
+                              enabled=cfg.train.autocast_dtype != "float32")
+    with torch.no_grad(), autocast:
+        out = target.model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), output_hidden_states=True)
+    hidden = out.hidden_states[-1].float()
+    with autocast:
+        logits = heads(hidden)
+    labels = medusa_labels(ids, batch["loss_mask"].to(device), logits.shape[0], t2d)
+    soft = medusa_soft_targets(out.logits, logits.shape[0], heads.d2t) if cfg.train.loss == "kl" else None
+    return medusa_loss(logits, labels, cfg.train.decay, soft)
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainRunConfig, target: Any, heads: Any, held: list, t2d: Any, device: Any, pad_id: int) -> dict:
+    """Per-head top-1 / top-5 accuracy and loss on the held-out split (token-weighted over batches)."""
+    heads.eval()
+    sums: dict[str, float] = {}
+    batches = 0
+    samples = held[: cfg.train.eval_max_samples]
+    for start in range(0, len(samples), cfg.train.micro_batch_size):
+        batch = collate(samples[start : start + cfg.train.micro_batch_size], pad_id)
+        loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device)
+        metrics["loss"] = float(loss)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v
+        batches += 1
+    heads.train()
+    return {f"eval/{k}": v / batches for k, v in sums.items()} if batches else {}
+
+
+def train(cfg: TrainRunConfig) -> Path:
+    """Train a head on a frozen target; returns the directory of the exported native head."""
+    tc = cfg.train
+    out = Path(tc.output_dir).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    random.seed(tc.seed)
+    torch.manual_seed(tc.seed)
+    target = load_target(cfg.target)
+    device = target.device
+    samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
+    train_set, held = split_heldout(samples, tc.eval_fraction)
+    log.info("data: %d training sequences, %d held out", len(train_set), len(held))
+    heads = build_heads(cfg, target, train_set).to(device)
+    heads.train()
+    t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
+    params = [p for p in heads.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas))
+    scheduler = cosine_schedule(optimizer, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
+    step, consumed = 0, 0
+    ckpt_root = out / "checkpoints"
+    if tc.resume_from:
+        path = latest_checkpoint(ckpt_root) if tc.resume_from == "auto" else Path(tc.resume_from)
+        if path is None:
+            log.info("resume_from=auto: no checkpoint in %s yet, starting fresh", ckpt_root)
+        else:
+            step, consumed = load_checkpoint(path, heads, optimizer, scheduler)
+            log.info("resumed from %s at step %d", path, step)
+    save_config(cfg, out)
+    logger = RunLogger(out / "log.jsonl", cfg.logging, cfg, resume=step > 0)
+    pad_id = target.tokenizer.pad_token_id or 0
+    per_step = tc.micro_batch_size * tc.grad_accum
+    log.info("effective batch: %d sequences (%d x %d accumulation)", per_step, tc.micro_batch_size, tc.grad_accum)
+    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step")
+    started, tokens = time.time(), 0
+    while step < tc.max_steps:
+        optimizer.zero_grad(set_to_none=True)
+        metrics_sum: dict[str, float] = {}
+        loss_sum = 0.0
+        for _ in range(tc.grad_accum):
+            batch = collate(batch_at(train_set, consumed, tc.micro_batch_size, tc.seed), pad_id)
+            consumed += tc.micro_batch_size
+            tokens += int(batch["loss_mask"].sum())
+            loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device)
+            (loss / tc.grad_accum).backward()
+            loss_sum += float(loss.detach()) / tc.grad_accum
+            for k, v in metrics.items():
+                metrics_sum[k] = metrics_sum.get(k, 0.0) + v / tc.grad_accum
+        if not math.isfinite(loss_sum):
+            raise HeadwayError(f"loss became {loss_sum} at step {step}: lower train.lr or check the data")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip) if tc.grad_clip > 0 else torch.tensor(0.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_sum:.3f}")
+        record = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                  "tokens_per_s": tokens / max(1e-9, time.time() - started), **metrics_sum}
+        if step % tc.log_every == 0 or step == 1:
+            logger.log(record)
+        if tc.eval_every and (step % tc.eval_every == 0 or step == tc.max_steps) and held:
+            result = evaluate(cfg, target, heads, held, t2d, device, pad_id)
+            logger.log({"step": step, **result})
+            log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k))
+        if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
+            save_checkpoint(ckpt_root, step, heads, optimizer, scheduler, consumed)
+    bar.close()
+    logger.close()
+    head_dir = save_head(heads, out / "head", target.fingerprint, {"trained_steps": step, "datasets": tc.datasets})
+    log.info("trained head written to %s", head_dir)
+    return head_dir

@@ -1,0 +1,83 @@
+"""Losses for draft heads. Medusa: head i learns the token 2+i positions after its hidden state."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+IGNORE = -100
+
+
+def target_to_draft(d2t: Optional[torch.Tensor], vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
+    """t2d map: target id -> draft id, or -1 for tokens outside the draft vocabulary."""
+    if d2t is None:
+        return None
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=device)
+    t2d[d2t.to(device)] = torch.arange(len(d2t), device=device)
+    return t2d
+
+
+def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
+                  t2d: Optional[torch.Tensor]) -> torch.Tensor:
+    """[K, B, T] draft-id labels: position t of head i is the token at t+2+i where the mask is on, else IGNORE.
+
+    Tokens outside a reduced draft vocabulary are IGNORE too (no draft id can name them).
+    """
+    B, T = input_ids.shape
+    labels = torch.full((num_heads, B, T), IGNORE, dtype=torch.long, device=input_ids.device)
+    for i in range(num_heads):
+        shift = 2 + i
+        if shift >= T:
+            continue
+        tok = input_ids[:, shift:]
+        lab = tok if t2d is None else t2d[tok]
+        lab = torch.where(loss_mask[:, shift:].bool() & (lab >= 0), lab, torch.full_like(lab, IGNORE))
+        labels[i, : B, : T - shift] = lab
+    return labels
+
+
+def medusa_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    decay: float,
+    soft_targets: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted sum over heads of the mean loss on labelled positions; soft_targets [K,B,T,V] turns CE into KL.
+
+    With soft targets the loss is the cross-entropy to the target's distribution (KL up to a constant).
+    """
+    total = logits.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for i in range(logits.shape[0]):
+        valid = labels[i] != IGNORE
+        n = int(valid.sum())
+        if n == 0:
+            continue
+        lg = logits[i][valid].float()
+        if soft_targets is None:
+            loss = F.cross_entropy(lg, labels[i][valid])
+        else:
+            loss = -(soft_targets[i][valid].float() * F.log_softmax(lg, -1)).sum(-1).mean()
+        total = total + (decay**i) * loss
+        metrics[f"loss/head{i}"] = float(loss.detach())
+        top = lg.topk(min(5, lg.shape[-1]), dim=-1).indices
+        lab = labels[i][valid].unsqueeze(-1)
+        metrics[f"top1/head{i}"] = float((top[:, :1] == lab).any(-1).float().mean())
+        metrics[f"top5/head{i}"] = float((top == lab).any(-1).float().mean())
+    return total, metrics
+
+
+def medusa_soft_targets(target_logits: torch.Tensor, num_heads: int, d2t: Optional[torch.Tensor]) -> torch.Tensor:
+    """[K, B, T, V] target distributions: head i at t is taught the target's distribution at t+1+i
+    (the target's prediction of the token at t+2+i), restricted to the draft vocabulary."""
+    B, T, V = target_logits.shape
+    logits = target_logits if d2t is None else target_logits[..., d2t]
+    probs = torch.softmax(logits.float(), -1)
+    out = torch.zeros((num_heads, B, T, probs.shape[-1]), dtype=probs.dtype, device=probs.device)
+    for i in range(num_heads):
+        shift = 1 + i
+        if shift < T:
+            out[i, :, : T - shift] = probs[:, shift:]
+    return out
