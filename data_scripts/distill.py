@@ -13,9 +13,9 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tqdm import tqdm
 
@@ -23,12 +23,15 @@ import headway
 from headway.config import check_choice, save_config
 from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLLMEngine, vllm_available
-from headway.data_scripts.magpie import MagpieConfig, write_prompts
-from headway.data_scripts.prompts import Conversation, PromptConfig, load_conversations, source_hash
+from headway.data_scripts.magpie import write_prompts
+from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
-from headway.heads.target import TargetConfig, Target, load_target
+from headway.heads.target import Target, load_target
 from headway.io import atomic_write_json, read_json
 from headway.runtime import DistInfo, dist_info
+
+if TYPE_CHECKING:
+    from headway.run_config import RunConfig
 
 log = logging.getLogger("headway")
 
@@ -75,14 +78,6 @@ class DistillConfig:
         for key in ("batch_size", "max_new_tokens", "vllm_max_num_seqs"):
             if getattr(self, key) < 1:
                 raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
-
-
-@dataclass
-class DistillRunConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    prompts: PromptConfig = field(default_factory=PromptConfig)
-    magpie: MagpieConfig = field(default_factory=MagpieConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -155,7 +150,7 @@ def _chunk_path(out: Path, k: int) -> Path:
     return out / CHUNK_DIR / f"chunk-{k:06d}.json"
 
 
-def _make_engine(cfg: DistillRunConfig, target: Target, max_length: int) -> Engine:
+def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
     name = cfg.distill.engine
     if name == "auto":
         name = "vllm" if vllm_available() else "hf"
@@ -172,7 +167,7 @@ def _make_engine(cfg: DistillRunConfig, target: Target, max_length: int) -> Engi
     return HFEngine(target.model, target.tokenizer.pad_token_id, stop_ids, cfg.distill.batch_size)
 
 
-def _run_identity(cfg: DistillRunConfig, target: Target, source: str, total: int) -> dict:
+def _run_identity(cfg: RunConfig, target: Target, source: str, total: int) -> dict:
     """What must not change between a run and its resumption."""
     d = cfg.distill
     return {
@@ -210,7 +205,7 @@ def _barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def distill(cfg: DistillRunConfig) -> Path:
+def distill(cfg: RunConfig) -> Path:
     """Run (or resume) self-distillation; returns the dataset directory."""
     info = dist_info()
     out = Path(cfg.distill.output_dir).expanduser()
@@ -292,7 +287,7 @@ def distill(cfg: DistillRunConfig) -> Path:
     return out
 
 
-def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: DistillRunConfig, engine: str,
+def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfig, engine: str,
            tokens: int, elapsed: float) -> None:
     """Join the chunk files into one dataset; every prompt id must appear exactly once."""
     from datasets import Dataset, Features, Sequence, Value

@@ -6,26 +6,15 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from headway.config import config_to_yaml, load_config
 from headway.errors import HeadwayError
-from headway.data_scripts.distill import DistillRunConfig
 from headway.demo import DemoConfig
-from headway.heads.target import TargetConfig
-from headway.inference.config import GenerateRunConfig
-from headway.train.config import TrainRunConfig
+from headway.run_config import RunConfig
 from headway.runtime import dist_info
 
 log = logging.getLogger("headway")
-
-
-@dataclass
-class TargetRunConfig:
-    """Config for the `headway target` commands: only the target section."""
-
-    target: TargetConfig = field(default_factory=TargetConfig)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -47,7 +36,7 @@ def _add_config_args(p: argparse.ArgumentParser, schema: type, run: Callable[[An
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
-def cmd_distill(cfg: DistillRunConfig, args: argparse.Namespace) -> int:
+def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.data_scripts.distill import distill
 
     out = distill(cfg)
@@ -58,7 +47,7 @@ def cmd_distill(cfg: DistillRunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train(cfg: TrainRunConfig, args: argparse.Namespace) -> int:
+def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.train.loop import train
 
     head = train(cfg)
@@ -66,7 +55,7 @@ def cmd_train(cfg: TrainRunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(cfg: GenerateRunConfig, args: argparse.Namespace) -> int:
+def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.inference.api import SpeculativeDecoder
 
     decoder = SpeculativeDecoder.load(args.head, cfg)
@@ -89,7 +78,7 @@ def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_target_info(cfg: TargetRunConfig, args: argparse.Namespace) -> int:
+def cmd_target_info(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.heads.target import load_target
 
     target = load_target(cfg.target, with_model=False)
@@ -97,7 +86,7 @@ def cmd_target_info(cfg: TargetRunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_target_export(cfg: TargetRunConfig, args: argparse.Namespace) -> int:
+def cmd_target_export(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.heads.target import export_target, load_target
 
     cfg.target.device = "cpu"
@@ -119,23 +108,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, DemoConfig, cmd_demo)
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
-    _add_config_args(p, DistillRunConfig, cmd_distill)
+    _add_config_args(p, RunConfig, cmd_distill)
 
     p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
-    _add_config_args(p, TrainRunConfig, cmd_train)
+    _add_config_args(p, RunConfig, cmd_train)
 
     p = sub.add_parser("generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup")
     p.add_argument("--head", required=True, help="a head directory (a run's head/ folder)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable)")
-    _add_config_args(p, GenerateRunConfig, cmd_generate)
+    _add_config_args(p, RunConfig, cmd_generate)
 
     t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")
-    _add_config_args(p, TargetRunConfig, cmd_target_info)
+    _add_config_args(p, RunConfig, cmd_target_info)
     p = t.add_parser("export", help="write the target as a plain HF directory (safetensors) other engines can read")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    _add_config_args(p, TargetRunConfig, cmd_target_export)
+    _add_config_args(p, RunConfig, cmd_target_export)
     return parser
 
 

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headway.data_scripts.distill import DistillConfig, DistillRunConfig, distill, load_distilled
+from headway.data_scripts.distill import DistillConfig, distill, load_distilled
 from headway.data_scripts.magpie import MagpieConfig
+from headway.run_config import RunConfig
 from headway.heads.target import TargetConfig, load_tokenizer, resolve_target_dir
 
 
@@ -30,7 +31,7 @@ class DemoConfig:
 
 
 def run_demo(cfg: DemoConfig) -> Path:
-    run = DistillRunConfig(target=cfg.target, magpie=cfg.magpie, distill=cfg.distill)
+    run = RunConfig(target=cfg.target, magpie=cfg.magpie, distill=cfg.distill)
     start = time.time()
     out = distill(run)
     ds, manifest = load_distilled(out)

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from headway.data_scripts.chat import ChatFormat
 from headway.heads.checkpoint import load_head
 from headway.heads.target import Target, load_target
-from headway.inference.config import GenerateRunConfig
+from headway.run_config import RunConfig
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
@@ -29,14 +29,14 @@ class ChatResult:
 class SpeculativeDecoder:
     """A frozen target plus a draft head; `generate` is exact greedy decoding, only faster."""
 
-    def __init__(self, target: Target, heads: Any, cfg: GenerateRunConfig):
+    def __init__(self, target: Target, heads: Any, cfg: RunConfig):
         self.target, self.heads, self.cfg = target, heads, cfg
         self.drafter = MedusaDrafter(heads, build_tree(cfg.inference.tree))
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod
-    def load(cls, head_dir: str | Path, cfg: Optional[GenerateRunConfig] = None) -> "SpeculativeDecoder":
-        cfg = cfg or GenerateRunConfig()
+    def load(cls, head_dir: str | Path, cfg: Optional[RunConfig] = None) -> "SpeculativeDecoder":
+        cfg = cfg or RunConfig()
         target = load_target(cfg.target)
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model.get_output_embeddings().weight)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from headway.heads.target import TargetConfig
 
 # A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
 # than it gains (8 tokens ~1.5x one token, 32 tokens ~2.3x), so the default stays small.
@@ -22,8 +21,3 @@ class InferenceConfig:
     # System prompt for chat prompts; null = the chat template's default.
     system_prompt: Optional[str] = None
 
-
-@dataclass
-class GenerateRunConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    inference: InferenceConfig = field(default_factory=InferenceConfig)

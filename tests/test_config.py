@@ -6,14 +6,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from headway.config import load_config, save_config
-from headway.data_scripts.distill import DistillRunConfig
+from headway.run_config import RunConfig
 from headway.errors import HeadwayError
 
 
 def test_defaults_yaml_and_overrides(tmp_path: Path):
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text("distill:\n  max_new_tokens: 99\n  engine: hf\ntarget:\n  dtype: bfloat16\n")
-    cfg = load_config(DistillRunConfig, cfg_file, ["distill.max_new_tokens=7", "prompts.limit=3"])
+    cfg = load_config(RunConfig, cfg_file, ["distill.max_new_tokens=7", "prompts.limit=3"])
     assert cfg.distill.max_new_tokens == 7  # the command line wins over the file
     assert cfg.distill.engine == "hf"
     assert cfg.target.dtype == "bfloat16"
@@ -35,34 +35,34 @@ def test_unknown_key_is_named(tmp_path: Path, where: str, text: str, expected: s
         path = tmp_path / "bad.yaml"
         path.write_text(text)
         with pytest.raises(HeadwayError, match=expected) as e:
-            load_config(DistillRunConfig, path)
+            load_config(RunConfig, path)
         assert str(path) in str(e.value)
     else:
         with pytest.raises(HeadwayError, match=expected):
-            load_config(DistillRunConfig, None, [text])
+            load_config(RunConfig, None, [text])
 
 
 def test_bad_values_are_named():
     with pytest.raises(HeadwayError, match="distill.max_new_tokens"):
-        load_config(DistillRunConfig, None, ["distill.max_new_tokens=lots"])
+        load_config(RunConfig, None, ["distill.max_new_tokens=lots"])
     with pytest.raises(HeadwayError, match="distill.engine='fast'"):
-        load_config(DistillRunConfig, None, ["distill.engine=fast"])
+        load_config(RunConfig, None, ["distill.engine=fast"])
     with pytest.raises(HeadwayError, match="target.dtype='int3'"):
-        load_config(DistillRunConfig, None, ["target.dtype=int3"])
+        load_config(RunConfig, None, ["target.dtype=int3"])
     with pytest.raises(HeadwayError, match="not of the form key=value"):
-        load_config(DistillRunConfig, None, ["distill.engine"])
+        load_config(RunConfig, None, ["distill.engine"])
     with pytest.raises(HeadwayError, match="config file not found"):
-        load_config(DistillRunConfig, "/no/such.yaml")
+        load_config(RunConfig, "/no/such.yaml")
 
 
 def test_resolved_config_round_trips(tmp_path: Path):
-    cfg = load_config(DistillRunConfig, None, ["distill.seed=5", "prompts.path=x.jsonl"])
+    cfg = load_config(RunConfig, None, ["distill.seed=5", "prompts.path=x.jsonl"])
     path = save_config(cfg, tmp_path)
-    again = load_config(DistillRunConfig, path)
+    again = load_config(RunConfig, path)
     assert again == cfg
     assert OmegaConf.load(path).distill.seed == 5
 
 
 def test_shipped_configs_load():
-    for path in sorted(Path(__file__).parent.parent.joinpath("configs").glob("distill_*.yaml")):
-        load_config(DistillRunConfig, path)
+    for path in sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml")):
+        load_config(RunConfig, path)

@@ -11,7 +11,8 @@ from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
-from headway.data_scripts.distill import DistillRunConfig, distill, load_distilled
+from headway.data_scripts.distill import distill, load_distilled
+from headway.run_config import RunConfig
 from headway.heads.target import TargetConfig, export_target, load_target
 
 pytestmark = pytest.mark.slow
@@ -61,7 +62,7 @@ def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_p
             {"question": "Write one sentence about the moon."},
             {"turns": ["Name a prime number.", "Why is it prime?"]}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(DistillRunConfig, None, [
+    cfg = load_config(RunConfig, None, [
         f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2", f"prompts.path={prompts}",
         f"distill.output_dir={tmp_path / 'ds'}", "distill.engine=hf", "distill.batch_size=1", "distill.max_new_tokens=48",
     ])

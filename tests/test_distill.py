@@ -16,11 +16,12 @@ from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
-from headway.data_scripts.distill import DistillConfig, DistillRunConfig, answer, distill, load_distilled
+from headway.data_scripts.distill import DistillConfig, answer, distill, load_distilled
 from headway.data_scripts.engines import Generation, HFEngine, SamplingSettings
 from headway.data_scripts.magpie import MagpieConfig, write_prompts
 from headway.data_scripts.prompts import Conversation
 from headway.errors import HeadwayError
+from headway.run_config import RunConfig
 from headway.heads.target import TargetConfig, load_target
 
 PROMPTS = [
@@ -37,9 +38,9 @@ def write_prompts_file(path: Path, rows=PROMPTS) -> Path:
     return path
 
 
-def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> DistillRunConfig:
+def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> RunConfig:
     return load_config(
-        DistillRunConfig,
+        RunConfig,
         None,
         [
             f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", "target.dtype=float64",

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from headway.config import load_config
-from headway.data_scripts.distill import DistillRunConfig, distill
+from headway.data_scripts.distill import distill
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import load_head
 from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
-from headway.train.config import TrainRunConfig
+from headway.run_config import RunConfig
 from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
 
 
@@ -56,7 +56,7 @@ def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("medusa-data")
     rows = [{"instruction": f"Question {i}: what is {i} plus {i + 1}? Tell me a story about it."} for i in range(24)]
     (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(DistillRunConfig, None, [
+    cfg = load_config(RunConfig, None, [
         f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1",
         f"prompts.path={root / 'p.jsonl'}", f"distill.output_dir={root / 'ds'}", "distill.engine=hf",
         "distill.max_new_tokens=24", "distill.batch_size=8",
@@ -64,8 +64,8 @@ def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
     return distill(cfg)
 
 
-def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> TrainRunConfig:
-    return load_config(TrainRunConfig, None, [
+def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
+    return load_config(RunConfig, None, [
         f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", f"train.datasets=[{data}]",
         f"train.output_dir={out}", "train.max_steps=6", "train.micro_batch_size=2", "train.grad_accum=2",
         "train.warmup_steps=2", "train.lr=0.01", "train.eval_every=3", "train.eval_fraction=0.2", "train.log_every=1",
@@ -129,4 +129,4 @@ def test_dataset_from_another_target_is_refused(tiny_dirs, tiny_data, tmp_path: 
     with pytest.raises(HeadwayError, match=r"dataset .* was made by target .* not the configured target"):
         train(train_cfg(tiny_dirs["mistral"], tiny_data, tmp_path / "run"))
     with pytest.raises(HeadwayError, match="no training data"):
-        train(load_config(TrainRunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"]))
+        train(load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"]))

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     from headway.config import load_config
     from headway.data_scripts.chat import ChatFormat
-    from headway.data_scripts.distill import DistillRunConfig, distill, load_distilled
+    from headway.data_scripts.distill import distill, load_distilled
     from headway.heads.target import TargetConfig, load_target
 
     prompts = tmp_path / "p.jsonl"
@@ -26,7 +26,7 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     overrides = [f"target.cache_dir={shared_cache}", f"prompts.path={prompts}", "distill.engine=vllm",
                  "distill.max_new_tokens=40", "distill.vllm_max_num_seqs=8", "distill.max_length=1024",
                  "distill.vllm_dtype=float32"]
-    first = load_config(DistillRunConfig, None, overrides + [f"distill.output_dir={tmp_path / 'a'}"])
+    first = load_config(RunConfig, None, overrides + [f"distill.output_dir={tmp_path / 'a'}"])
     ds, manifest = load_distilled(distill(first))
     assert manifest["engine"] == "vllm" and ds["id"] == [0, 1]
     target = load_target(TargetConfig(cache_dir=str(shared_cache)), with_model=False)

@@ -7,8 +7,6 @@ from typing import Optional
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
-from headway.heads.registry import HeadConfig
-from headway.heads.target import TargetConfig
 
 
 @dataclass
@@ -63,10 +61,3 @@ class LoggingConfig:
     wandb_project: Optional[str] = None
     wandb_run_name: Optional[str] = None
 
-
-@dataclass
-class TrainRunConfig:
-    target: TargetConfig = field(default_factory=TargetConfig)
-    head: HeadConfig = field(default_factory=HeadConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -24,7 +24,7 @@ from headway.heads.registry import KINDS
 from headway.heads.target import load_target
 from headway.runtime import parse_dtype
 from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
-from headway.train.config import TrainRunConfig
+from headway.run_config import RunConfig
 from headway.train.data import batch_at, collate, load_samples, split_heldout, token_frequencies
 from headway.train.logging import RunLogger
 from headway.train.losses import medusa_labels, medusa_loss, medusa_soft_targets, target_to_draft
@@ -42,7 +42,7 @@ def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def build_heads(cfg: TrainRunConfig, target: Any, train_samples: list) -> Any:
+def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     """A fresh head for the target; a reduced vocabulary is the most frequent tokens the target wrote."""
     kind_cfg = cfg.head.kind_config()
     _, module_cls = KINDS[cfg.head.kind]
@@ -62,7 +62,7 @@ def build_heads(cfg: TrainRunConfig, target: Any, train_samples: list) -> Any:
     return heads
 
 
-def _step_loss(cfg: TrainRunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any) -> tuple[torch.Tensor, dict]:
+def _step_loss(cfg: RunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any) -> tuple[torch.Tensor, dict]:
     ids = batch["input_ids"].to(device)
     autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
                               enabled=cfg.train.autocast_dtype != "float32")
@@ -77,7 +77,7 @@ def _step_loss(cfg: TrainRunConfig, target: Any, heads: Any, batch: dict, t2d: A
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainRunConfig, target: Any, heads: Any, held: list, t2d: Any, device: Any, pad_id: int) -> dict:
+def evaluate(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, device: Any, pad_id: int) -> dict:
     """Per-head top-1 / top-5 accuracy and loss on the held-out split (token-weighted over batches)."""
     heads.eval()
     sums: dict[str, float] = {}
@@ -94,7 +94,7 @@ def evaluate(cfg: TrainRunConfig, target: Any, heads: Any, held: list, t2d: Any,
     return {f"eval/{k}": v / batches for k, v in sums.items()} if batches else {}
 
 
-def train(cfg: TrainRunConfig) -> Path:
+def train(cfg: RunConfig) -> Path:
     """Train a head on a frozen target; returns the directory of the exported native head."""
     tc = cfg.train
     out = Path(tc.output_dir).expanduser()

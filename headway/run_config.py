@@ -1,0 +1,29 @@
+"""One run config for every command: a recipe YAML holds all its sections, each command reads its own.
+
+Sections: target, prompts + magpie + distill (self-distillation), head + train + logging (training),
+inference (decoding). An unknown section or key anywhere is an error that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from headway.data_scripts.distill import DistillConfig
+from headway.data_scripts.magpie import MagpieConfig
+from headway.data_scripts.prompts import PromptConfig
+from headway.heads.registry import HeadConfig
+from headway.heads.target import TargetConfig
+from headway.inference.config import InferenceConfig
+from headway.train.config import LoggingConfig, TrainConfig
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
