@@ -85,3 +85,24 @@ def test_export_bf16_directory(smollm2, tmp_path: Path):
     again = load_target(TargetConfig(name_or_path=str(out), device="cpu", dtype="bfloat16"))
     assert again.fingerprint == smollm2.fingerprint
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache):
+    """Untrained Medusa heads on SmolLM2 in float64: speculative output equals plain greedy output."""
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+    from headway.inference.draft_medusa import MedusaDrafter
+    from headway.inference.generate import greedy_generate, speculative_generate
+    from headway.inference.tree import build_tree
+
+    t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
+    lm_head = t.model.get_output_embeddings().weight
+    heads = MedusaHeads(MedusaConfig(num_heads=3, lm_head="shared"), 576, 49152).double()
+    heads.attach_target(lm_head)
+    drafter = MedusaDrafter(heads, build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]))
+    fmt = ChatFormat(t.tokenizer, None, t.generation_config)
+    for question in ["Count from one to ten in words.", "What is the capital of France?"]:
+        ids = fmt.first_turn(question)
+        ref = greedy_generate(t.model, ids, 32, fmt.stop_ids)
+        spec = speculative_generate(t.model, drafter, ids, 32, fmt.stop_ids)
+        assert spec.tokens == ref.tokens
+        assert spec.target_forwards <= ref.target_forwards
