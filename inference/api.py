@@ -7,12 +7,25 @@ from pathlib import Path
 from typing import Any, Optional
 
 from headway.data_scripts.chat import ChatFormat
-from headway.heads.checkpoint import load_head
+from headway.errors import HeadwayError
+from headway.heads.checkpoint import load_head, read_head_config
 from headway.heads.target import Target, load_target
 from headway.run_config import RunConfig
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, greedy_generate, speculative_generate
-from headway.inference.tree import build_tree
+from headway.inference.tree import best_tree, build_tree
+
+
+def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
+    """The configured tree, or the best tree of `inference.tree_nodes` nodes from the head's calibration."""
+    n = cfg.inference.tree_nodes
+    if n <= 0:
+        return cfg.inference.tree
+    accuracy = head_config.get("rank_accuracy")
+    if not accuracy:
+        raise HeadwayError("inference.tree_nodes needs the head's measured accuracy (rank_accuracy in its config.json, "
+                           "written when training has a held-out split); set inference.tree_nodes=0 to use inference.tree")
+    return best_tree(accuracy, n)
 
 
 @dataclass
@@ -29,9 +42,9 @@ class ChatResult:
 class SpeculativeDecoder:
     """A frozen target plus a draft head; `generate` is exact greedy decoding, only faster."""
 
-    def __init__(self, target: Target, heads: Any, cfg: RunConfig):
+    def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None):
         self.target, self.heads, self.cfg = target, heads, cfg
-        self.drafter = MedusaDrafter(heads, build_tree(cfg.inference.tree))
+        self.drafter = MedusaDrafter(heads, build_tree(choose_tree(cfg, head_config or {})))
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod
@@ -40,7 +53,7 @@ class SpeculativeDecoder:
         target = load_target(cfg.target)
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model.get_output_embeddings().weight)
-        return cls(target, heads, cfg)
+        return cls(target, heads, cfg, read_head_config(head_dir))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens

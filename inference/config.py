@@ -15,6 +15,9 @@ DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 
 class InferenceConfig:
     # Medusa choices: each node is a path of top-k indices, one per head.
     tree: list[list[int]] = field(default_factory=lambda: [list(c) for c in DEFAULT_MEDUSA_TREE])
+    # > 0: build the best tree of this many nodes from the head's measured per-rank accuracy
+    # (saved at the end of training), instead of `tree`.
+    tree_nodes: int = 0
     max_new_tokens: int = 256
     # Also decode plainly (same engine) and report the speedup and whether the outputs match.
     compare_plain: bool = True

@@ -76,3 +76,26 @@ def tree_attention_bias(tree: Tree, prefix_len: int, dtype: torch.dtype, device:
     bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=device)
     bias[0, 0, :, prefix_len:].masked_fill_(~tree.ancestors.to(device), torch.finfo(dtype).min)
     return bias
+
+
+def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int]]:
+    """The `num_nodes` paths with the highest estimated acceptance, as Medusa builds its sparse trees.
+
+    rank_accuracy[d][k] is how often head d's rank-k guess was the right token (measured on held-out
+    data). A path's value is the product along it, its chance of being accepted if heads err
+    independently; the expected accepted length is the sum of the values of the chosen nodes, and the
+    top-N paths by value always form a valid tree because a child's value never exceeds its parent's.
+    """
+    import heapq
+
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-rank_accuracy[0][k], (k,)) for k in range(len(rank_accuracy[0]))]
+    heapq.heapify(frontier)
+    chosen: list[list[int]] = []
+    while frontier and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        depth = len(path)
+        if depth < len(rank_accuracy):
+            for k, acc in enumerate(rank_accuracy[depth]):
+                heapq.heappush(frontier, (neg * acc, path + (k,)))
+    return chosen

@@ -13,7 +13,7 @@ from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.inference.tree import build_tree, chain_choices
+from headway.inference.tree import best_tree, build_tree, chain_choices
 
 WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 
@@ -118,3 +118,14 @@ def test_sliding_window_overflow_is_refused(tiny_dirs):
     with pytest.raises(HeadwayError, match="sliding window"):
         speculative_generate(t.model, drafter, [1] * 100, 40, [])
     assert len(greedy_generate(t.model, [1] * 100, 40, []).tokens) == 40  # plain decoding never rolls back
+
+
+def test_best_tree_picks_the_most_likely_paths():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]]
+    tree = best_tree(acc, 4)
+    # values: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.06 (2)=.1 (1,0)=.1 -> top 4: (0), (0,0), (1), then (2) or (1,0) at 0.1
+    assert tree[:3] == [[0], [0, 0], [1]] and tree[3] in ([2], [1, 0])
+    built = build_tree(tree)  # always a valid tree
+    assert built.size == 5
+    assert best_tree(acc, 100) == best_tree(acc, 12)  # capped by what exists: 3 + 3*3 paths
+    assert len(best_tree(acc, 100)) == 12

@@ -130,3 +130,19 @@ def test_dataset_from_another_target_is_refused(tiny_dirs, tiny_data, tmp_path: 
         train(train_cfg(tiny_dirs["mistral"], tiny_data, tmp_path / "run"))
     with pytest.raises(HeadwayError, match="no training data"):
         train(load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"]))
+
+
+def test_training_measures_rank_accuracy_for_the_tree_builder(tiny_dirs, tiny_data, tmp_path: Path):
+    from headway.inference.api import SpeculativeDecoder
+    from headway.train.loop import train
+
+    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2"))
+    acc = json.loads((head_dir / "config.json").read_text())["rank_accuracy"]
+    assert len(acc) == 3 and len(acc[0]) == 8 and all(0 <= a <= 1 for row in acc for a in row)
+    assert all(sum(row) <= 1 + 1e-6 for row in acc)  # at most one rank can be right
+    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
+                                        "target.dtype=float64", "inference.tree_nodes=6", "inference.max_new_tokens=12"])
+    decoder = SpeculativeDecoder.load(head_dir, cfg)
+    assert decoder.drafter.tree.size == 7
+    result = decoder.chat("Question 1: what is 1 plus 2?")
+    assert result.spec.tokens == result.plain.tokens

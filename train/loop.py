@@ -23,6 +23,7 @@ from headway.heads.checkpoint import save_head
 from headway.heads.registry import KINDS
 from headway.heads.target import load_target
 from headway.runtime import parse_dtype
+from headway.train.calibration import rank_accuracy
 from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from headway.run_config import RunConfig
 from headway.train.data import batch_at, collate, load_samples, split_heldout, token_frequencies
@@ -161,6 +162,11 @@ def train(cfg: RunConfig) -> Path:
             save_checkpoint(ckpt_root, step, heads, optimizer, scheduler, consumed)
     bar.close()
     logger.close()
-    head_dir = save_head(heads, out / "head", target.fingerprint, {"trained_steps": step, "datasets": tc.datasets})
+    extra = {"trained_steps": step, "datasets": tc.datasets}
+    if held:
+        calib = held[: tc.eval_max_samples]
+        extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)
+        log.info("measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)", len(calib))
+    head_dir = save_head(heads, out / "head", target.fingerprint, extra)
     log.info("trained head written to %s", head_dir)
     return head_dir
