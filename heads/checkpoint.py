@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,8 +19,10 @@ from headway.heads.registry import KINDS
 from headway.heads.target import fingerprint_mismatch
 
 
-def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Optional[dict] = None) -> Path:
-    """Write the head directory whole or not at all (temp dir, then rename)."""
+def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Optional[dict] = None,
+              write_extra: Optional[Callable[[Path], None]] = None) -> Path:
+    """Write the head directory whole or not at all (temp dir, then rename); `write_extra` adds files
+    (Medusa-2's LoRA adapter) to the temp dir before the rename."""
     out = Path(out)
     config = {
         "kind": heads.kind,
@@ -38,6 +40,8 @@ def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Opti
         state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if write_extra is not None:
+            write_extra(tmp)
         tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)

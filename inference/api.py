@@ -51,6 +51,11 @@ class SpeculativeDecoder:
     def load(cls, head_dir: str | Path, cfg: Optional[RunConfig] = None) -> "SpeculativeDecoder":
         cfg = cfg or RunConfig()
         target = load_target(cfg.target)
+        lora_dir = Path(head_dir) / "lora"
+        if lora_dir.is_dir():  # Medusa-2: decode the adapted target (its output is what this reproduces)
+            from peft import PeftModel
+
+            target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model.get_output_embeddings().weight)
         return cls(target, heads, cfg, read_head_config(head_dir))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaHeads
 from headway.inference.tree import Tree
 
@@ -13,7 +14,10 @@ class MedusaDrafter:
 
     def __init__(self, heads: MedusaHeads, tree: Tree):
         if tree.max_depth > heads.cfg.num_heads:
-            raise ValueError(f"the tree is {tree.max_depth} deep but there are only {heads.cfg.num_heads} Medusa heads")
+            raise HeadwayError(
+                f"the tree is {tree.max_depth} deep but the head has only {heads.cfg.num_heads} Medusa heads: "
+                "use a shallower inference.tree, or inference.tree_nodes=N to build one from the head's accuracy"
+            )
         self.heads = heads
         self.tree = tree
         self.ks = tree.topk_per_depth()

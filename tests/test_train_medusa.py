@@ -79,10 +79,15 @@ def losses(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
 
 
-def test_resumed_run_continues_the_same_curve(tiny_dirs, tiny_data, tmp_path: Path, monkeypatch):
+MEDUSA2 = ("train.lora.enabled=true", "train.lora.heads_warmup_steps=2", "train.lora.lr=0.01", "train.lora.r=4")
+
+
+@pytest.mark.parametrize("variant", ["medusa1", "medusa2"])
+def test_resumed_run_continues_the_same_curve(tiny_dirs, tiny_data, tmp_path: Path, monkeypatch, variant: str):
     from headway.train import loop
 
-    full = loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "full"))
+    extra = MEDUSA2 if variant == "medusa2" else ()
+    full = loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "full", *extra))
     ref = losses(tmp_path / "full")
     assert [s for s, _ in ref] == [1, 2, 3, 4, 5, 6] and ref[-1][1] < ref[0][1]  # it learns
 
@@ -94,14 +99,38 @@ def test_resumed_run_continues_the_same_curve(tiny_dirs, tiny_data, tmp_path: Pa
 
     monkeypatch.setattr(loop, "save_checkpoint", crash_after_first_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut"))
+        loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", *extra))
     monkeypatch.setattr(loop, "save_checkpoint", real_save)
-    loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", "train.resume_from=auto"))
+    loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", "train.resume_from=auto", *extra))
     assert losses(tmp_path / "cut") == ref  # steps 1-3 before the crash, 4-6 after the resume: identical
     a = load_head(full, None)
     b = load_head(tmp_path / "cut" / "head", None)
     for k, v in a.state_dict().items():
         torch.testing.assert_close(b.state_dict()[k], v, rtol=0, atol=0)
+    if variant == "medusa2":
+        from safetensors.torch import load_file
+
+        lora_a = load_file(str(full / "lora" / "adapter_model.safetensors"))
+        lora_b = load_file(str(tmp_path / "cut" / "head" / "lora" / "adapter_model.safetensors"))
+        assert lora_a.keys() == lora_b.keys() and all(torch.equal(lora_a[k], lora_b[k]) for k in lora_a)
+        assert any("lora_B" in k and lora_a[k].abs().sum() > 0 for k in lora_a)  # the adapters did train
+
+
+def test_medusa2_decodes_the_adapted_target_exactly(tiny_dirs, tiny_data, tmp_path: Path):
+    from headway.inference.api import SpeculativeDecoder
+    from headway.train.loop import train
+
+    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "m2", *MEDUSA2, "train.max_steps=4"))
+    rows = [json.loads(line) for line in (tmp_path / "m2" / "log.jsonl").read_text().splitlines()]
+    assert "loss/distill" not in rows[0] and "loss/distill" in rows[-2]  # heads alone first, then adapters
+    assert json.loads((head_dir / "config.json").read_text())["adapted_target"] == "lora"
+    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
+                                        "target.dtype=float64", "inference.max_new_tokens=16",
+                                        "inference.tree=[[0],[1],[0,0],[0,0,0]]"])
+    decoder = SpeculativeDecoder.load(head_dir, cfg)
+    assert not hasattr(decoder.target.model, "peft_config")  # merged: a plain model again
+    result = decoder.chat("Question 2: what is 2 plus 3?")
+    assert result.spec.tokens == result.plain.tokens  # exact, against the adapted target
 
 
 def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_path: Path):

@@ -20,12 +20,16 @@ from safetensors.torch import load_file, save_file
 from headway.errors import HeadwayError
 
 
-def save_checkpoint(root: Path, step: int, heads: Any, optimizer: Any, scheduler: Any, consumed: int) -> Path:
+def save_checkpoint(root: Path, step: int, heads: Any, optimizer: Any, scheduler: Any, consumed: int,
+                    adapters: Optional[dict] = None) -> Path:
+    """`adapters`: the target's trainable adapter tensors (Medusa-2), saved beside the heads."""
     out = root / f"step-{step:08d}"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}."))
     try:
         save_file({k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+        if adapters is not None:
+            save_file({k: v.detach().contiguous().cpu() for k, v in adapters.items()}, str(tmp / "adapters.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
         state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate())}
@@ -52,13 +56,19 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, heads: Any, optimizer: Any, scheduler: Any) -> tuple[int, int]:
-    """Restore everything in place; returns (step, samples consumed)."""
+def load_checkpoint(path: Path, heads: Any, optimizer: Any, scheduler: Any, adapter_model: Any = None) -> tuple[int, int]:
+    """Restore everything in place; returns (step, samples consumed). `adapter_model`: the PEFT-wrapped target."""
     files = [path / "heads.safetensors", path / "state.pt", path / "trainer.json"]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise HeadwayError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}): resume from another one")
     heads.load_state_dict(load_file(str(files[0])))
+    if adapter_model is not None:
+        from peft import set_peft_model_state_dict
+
+        if not (path / "adapters.safetensors").is_file():
+            raise HeadwayError(f"checkpoint {path} has no adapters.safetensors but train.lora.enabled is true")
+        set_peft_model_state_dict(adapter_model, load_file(str(path / "adapters.safetensors")))
     state = torch.load(files[1], weights_only=True)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -10,6 +10,25 @@ from headway.errors import HeadwayError
 
 
 @dataclass
+class LoraConfig:
+    """Medusa-2: LoRA adapters on the target, trained with the heads after a heads-only warm-up."""
+
+    # Off = Medusa-1 (frozen target). On = Medusa-2: decoding then runs the adapted target, whose output
+    # is what speculative decoding reproduces exactly (not the original target's).
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # Learning rate of the adapters (the heads use train.lr).
+    lr: float = 1e-4
+    # Steps that train the heads alone before the adapters join.
+    heads_warmup_steps: int = 100
+    # Weight of the distillation loss: KL from the frozen target's next-token distribution to the adapted one's.
+    distill_weight: float = 1.0
+
+
+@dataclass
 class TrainConfig:
     # Self-distilled dataset directories (from `headway distill`); all must come from the configured target.
     datasets: list[str] = field(default_factory=list)
@@ -45,6 +64,8 @@ class TrainConfig:
     resume_from: Optional[str] = None
     seed: int = 0
     log_every: int = 10
+    # Medusa-2 (LoRA on the target); off by default.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])

@@ -28,9 +28,29 @@ from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save
 from headway.run_config import RunConfig
 from headway.train.data import batch_at, collate, load_samples, split_heldout, token_frequencies
 from headway.train.logging import RunLogger
-from headway.train.losses import medusa_labels, medusa_loss, medusa_soft_targets, target_to_draft
+from headway.train.losses import distill_kl, medusa_labels, medusa_loss, medusa_soft_targets, target_to_draft
 
 log = logging.getLogger("headway")
+
+
+def add_lora(model: Any, lora: Any) -> Any:
+    """Wrap the frozen target with trainable LoRA adapters (peft)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    try:
+        return get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                    target_modules=list(lora.target_modules), bias="none"))
+    except ValueError as e:
+        raise HeadwayError(f"train.lora.target_modules {list(lora.target_modules)} do not fit this target: {e}") from None
+
+
+def adapter_state(model: Any, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(model)
 
 
 def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -> Any:
@@ -63,18 +83,29 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     return heads
 
 
-def _step_loss(cfg: RunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any) -> tuple[torch.Tensor, dict]:
+def _step_loss(cfg: RunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any,
+               adapt: bool = False) -> tuple[torch.Tensor, dict]:
+    """Head loss on one micro-batch; with `adapt` (Medusa-2) the LoRA-adapted target runs with gradients
+    and a distillation loss keeps it close to the frozen target."""
     ids = batch["input_ids"].to(device)
+    attn = batch["attention_mask"].to(device)
     autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
                               enabled=cfg.train.autocast_dtype != "float32")
-    with torch.no_grad(), autocast:
-        out = target.model(input_ids=ids, attention_mask=batch["attention_mask"].to(device), output_hidden_states=True)
+    with torch.set_grad_enabled(adapt), autocast:
+        out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
     hidden = out.hidden_states[-1].float()
     with autocast:
         logits = heads(hidden)
     labels = medusa_labels(ids, batch["loss_mask"].to(device), logits.shape[0], t2d)
-    soft = medusa_soft_targets(out.logits, logits.shape[0], heads.d2t) if cfg.train.loss == "kl" else None
-    return medusa_loss(logits, labels, cfg.train.decay, soft)
+    soft = medusa_soft_targets(out.logits.detach(), logits.shape[0], heads.d2t) if cfg.train.loss == "kl" else None
+    loss, metrics = medusa_loss(logits, labels, cfg.train.decay, soft)
+    if adapt:
+        with torch.no_grad(), target.model.disable_adapter(), autocast:
+            frozen = target.model(input_ids=ids, attention_mask=attn).logits
+        kl = distill_kl(out.logits, frozen, attn)
+        metrics["loss/distill"] = float(kl.detach())
+        loss = loss + cfg.train.lora.distill_weight * kl
+    return loss, metrics
 
 
 @torch.no_grad()
@@ -111,7 +142,15 @@ def train(cfg: RunConfig) -> Path:
     heads.train()
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     params = [p for p in heads.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas))
+    groups = [{"params": params, "lr": tc.lr}]
+    lora_params: list = []
+    if tc.lora.enabled:
+        target.model = add_lora(target.model, tc.lora)
+        lora_params = [p for p in target.model.parameters() if p.requires_grad]
+        groups.append({"params": lora_params, "lr": tc.lora.lr})
+        log.info("Medusa-2: LoRA r=%d on %s (%d parameters), joining after %d heads-only steps",
+                 tc.lora.r, ",".join(tc.lora.target_modules), sum(p.numel() for p in lora_params), tc.lora.heads_warmup_steps)
+    optimizer = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas))
     scheduler = cosine_schedule(optimizer, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     step, consumed = 0, 0
     ckpt_root = out / "checkpoints"
@@ -120,7 +159,7 @@ def train(cfg: RunConfig) -> Path:
         if path is None:
             log.info("resume_from=auto: no checkpoint in %s yet, starting fresh", ckpt_root)
         else:
-            step, consumed = load_checkpoint(path, heads, optimizer, scheduler)
+            step, consumed = load_checkpoint(path, heads, optimizer, scheduler, target.model if tc.lora.enabled else None)
             log.info("resumed from %s at step %d", path, step)
     save_config(cfg, out)
     logger = RunLogger(out / "log.jsonl", cfg.logging, cfg, resume=step > 0)
@@ -131,20 +170,21 @@ def train(cfg: RunConfig) -> Path:
     started, tokens = time.time(), 0
     while step < tc.max_steps:
         optimizer.zero_grad(set_to_none=True)
+        adapt = tc.lora.enabled and step >= tc.lora.heads_warmup_steps
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
         for _ in range(tc.grad_accum):
             batch = collate(batch_at(train_set, consumed, tc.micro_batch_size, tc.seed), pad_id)
             consumed += tc.micro_batch_size
             tokens += int(batch["loss_mask"].sum())
-            loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device)
+            loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device, adapt)
             (loss / tc.grad_accum).backward()
             loss_sum += float(loss.detach()) / tc.grad_accum
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / tc.grad_accum
         if not math.isfinite(loss_sum):
             raise HeadwayError(f"loss became {loss_sum} at step {step}: lower train.lr or check the data")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.grad_clip) if tc.grad_clip > 0 else torch.tensor(0.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params + lora_params, tc.grad_clip) if tc.grad_clip > 0 else torch.tensor(0.0)
         optimizer.step()
         scheduler.step()
         step += 1
@@ -159,7 +199,7 @@ def train(cfg: RunConfig) -> Path:
             logger.log({"step": step, **result})
             log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k))
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
-            save_checkpoint(ckpt_root, step, heads, optimizer, scheduler, consumed)
+            save_checkpoint(ckpt_root, step, heads, optimizer, scheduler, consumed, adapter_state(target.model, tc.lora.enabled))
     bar.close()
     logger.close()
     extra = {"trained_steps": step, "datasets": tc.datasets}
@@ -167,6 +207,9 @@ def train(cfg: RunConfig) -> Path:
         calib = held[: tc.eval_max_samples]
         extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)
         log.info("measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)", len(calib))
-    head_dir = save_head(heads, out / "head", target.fingerprint, extra)
+    write_lora = (lambda d: target.model.save_pretrained(str(d / "lora"))) if tc.lora.enabled else None
+    if tc.lora.enabled:
+        extra["adapted_target"] = "lora"
+    head_dir = save_head(heads, out / "head", target.fingerprint, extra, write_extra=write_lora)
     log.info("trained head written to %s", head_dir)
     return head_dir

@@ -69,6 +69,15 @@ def medusa_loss(
     return total, metrics
 
 
+def distill_kl(adapted_logits: torch.Tensor, frozen_logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over real tokens of KL(frozen target || adapted target): keeps Medusa-2's target itself."""
+    logp = F.log_softmax(adapted_logits.float(), -1)
+    logq = F.log_softmax(frozen_logits.float(), -1)
+    kl = (logq.exp() * (logq - logp)).sum(-1)
+    mask = attention_mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
 def medusa_soft_targets(target_logits: torch.Tensor, num_heads: int, d2t: Optional[torch.Tensor]) -> torch.Tensor:
     """[K, B, T, V] target distributions: head i at t is taught the target's distribution at t+1+i
     (the target's prediction of the token at t+2+i), restricted to the draft vocabulary."""
