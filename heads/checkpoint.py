@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -15,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import headway
 from headway.errors import HeadwayError
+from headway.io import atomic_dir, safetensors_of
 from headway.heads.registry import KINDS
 from headway.heads.target import fingerprint_mismatch
 
@@ -34,21 +33,11 @@ def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Opti
         "target_fingerprint": fingerprint,
         **(extra or {}),
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
+    with atomic_dir(out) as tmp:
+        save_file(safetensors_of(heads.state_dict()), str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if write_extra is not None:
             write_extra(tmp)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -13,7 +13,6 @@ import fcntl
 import hashlib
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from typing import Any, Iterator
 import torch
 
 from headway.errors import HeadwayError
+from headway.io import atomic_dir
 
 log = logging.getLogger("headway")
 
@@ -166,18 +166,9 @@ def save_plain_hf(model: Any, tokenizer: Any, out: Path, dtype: torch.dtype) -> 
     if missing or unexpected:
         raise HeadwayError(f"cannot rebuild the target as a plain model: missing {missing}, unexpected {unexpected}")
     clean.generation_config = copy.deepcopy(model.generation_config)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
+    with atomic_dir(out) as tmp:
         clean.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config

@@ -94,7 +94,7 @@ def test_resumed_run_continues_the_same_curve(tiny_dirs, tiny_data, tmp_path: Pa
     real_save = loop.save_checkpoint
 
     def crash_after_first_checkpoint(*args, **kwargs):
-        path = real_save(*args, **kwargs)
+        real_save(*args, **kwargs)
         raise KeyboardInterrupt("killed after step 3")
 
     monkeypatch.setattr(loop, "save_checkpoint", crash_after_first_checkpoint)

@@ -7,10 +7,7 @@ read back with torch.load(weights_only=True): tensors and plain containers only,
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,28 +15,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
+from headway.io import atomic_dir, safetensors_of
 
 
 def save_checkpoint(root: Path, step: int, heads: Any, optimizer: Any, scheduler: Any, consumed: int,
                     adapters: Optional[dict] = None) -> Path:
     """`adapters`: the target's trainable adapter tensors (Medusa-2), saved beside the heads."""
     out = root / f"step-{step:08d}"
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{out.name}."))
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}, str(tmp / "heads.safetensors"))
+    with atomic_dir(out) as tmp:
+        save_file(safetensors_of(heads.state_dict()), str(tmp / "heads.safetensors"))
         if adapters is not None:
-            save_file({k: v.detach().contiguous().cpu() for k, v in adapters.items()}, str(tmp / "adapters.safetensors"))
+            save_file(safetensors_of(adapters), str(tmp / "adapters.safetensors"))
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
         state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate())}
         (tmp / "trainer.json").write_text(json.dumps(state))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -6,7 +6,6 @@ step = grad_accum micro-batches. Checkpoints carry everything needed to continue
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
