@@ -71,6 +71,25 @@ def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from headway.data_scripts.prompts import PromptConfig
+    from headway.inference.api import SpeculativeDecoder
+    from headway.inference.bench import markdown_table, run_bench, write_results
+
+    cfg.inference.compare_plain = False
+    decoder = SpeculativeDecoder.load(args.head, cfg)
+    prompts = PromptConfig(**{**cfg.prompts.__dict__, "path": args.prompts or cfg.prompts.path, "max_turns": 1,
+                              "limit": args.limit if args.limit is not None else cfg.prompts.limit})
+    result = run_bench(decoder, prompts, cfg.inference.max_new_tokens)
+    out = Path(args.out)
+    write_results(result, out)
+    print(markdown_table(result))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
 def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
     from headway.demo import run_demo
 
@@ -117,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", required=True, help="a head directory (a run's head/ folder)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable)")
     _add_config_args(p, RunConfig, cmd_generate)
+
+    p = sub.add_parser("bench", help="speculative vs plain decoding on a prompt file: tau, tok/s, speedup, exactness")
+    p.add_argument("--head", required=True, help="a head directory")
+    p.add_argument("--prompts", help="jsonl/json/parquet prompt file (first user turns are used); default prompts.path")
+    p.add_argument("--limit", type=int, help="only the first N prompts")
+    p.add_argument("--out", default="bench.json", help="results JSON (a Markdown table is written beside it)")
+    _add_config_args(p, RunConfig, cmd_bench)
 
     t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")

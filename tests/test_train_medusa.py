@@ -175,3 +175,25 @@ def test_training_measures_rank_accuracy_for_the_tree_builder(tiny_dirs, tiny_da
     assert decoder.drafter.tree.size == 7
     result = decoder.chat("Question 1: what is 1 plus 2?")
     assert result.spec.tokens == result.plain.tokens
+
+
+def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
+    import subprocess
+    import sys
+
+    from headway.train.loop import train
+
+    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2"))
+    prompts = tmp_path / "mt.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Question {i}?", "more?"], "category": c}) + "\n"
+                               for i, c in enumerate(["math", "writing", "math"])))
+    res = subprocess.run([sys.executable, "-m", "headway", "bench", "--head", str(head_dir), "--prompts", str(prompts),
+                          "--out", str(tmp_path / "b.json"), f"target.name_or_path={tiny_dirs['llama']}",
+                          "target.num_threads=1", "target.dtype=float64", "inference.max_new_tokens=12",
+                          "inference.tree=[[0],[1],[0,0]]"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["overall"]["prompts"] == 3 and set(result["by_category"]) == {"math", "writing"}
+    assert result["overall"]["match_rate"] == 1.0  # float64: exact
+    assert len(result["overall"]["acceptance_by_depth"]) == 2 and result["settings"]["threads"] == 1
+    assert "| **overall** | 3 |" in (tmp_path / "b.md").read_text()

@@ -1,0 +1,89 @@
+"""`headway bench`: speculative against plain decoding with the same engine, on a prompt file.
+
+Per prompt the two run back to back in alternating order (plain first on even prompts), with the
+same thread count and max_new_tokens. Reports tau, acceptance at each draft depth, tokens/s, the
+speedup, and whether each output matched plain greedy decoding; writes JSON and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from headway.data_scripts.prompts import PromptConfig, load_conversations
+from headway.inference.api import SpeculativeDecoder
+from headway.inference.generate import GenerationResult, greedy_generate
+from headway.io import atomic_write_json, atomic_write_text
+
+
+def _summary(rows: list[dict], depth: int) -> dict:
+    spec_tokens = sum(r["tokens"] for r in rows)
+    forwards = sum(r["target_forwards"] for r in rows)
+    accepted = [a for r in rows for a in r["accepted"]]
+    return {
+        "prompts": len(rows),
+        "tau": (spec_tokens - len(rows)) / max(1, forwards),
+        "acceptance_by_depth": [sum(a >= d for a in accepted) / max(1, len(accepted)) for d in range(1, depth + 1)],
+        "plain_tok_s": sum(r["plain_tokens"] for r in rows) / sum(r["plain_seconds"] for r in rows),
+        "spec_tok_s": spec_tokens / sum(r["spec_seconds"] for r in rows),
+        "match_rate": sum(r["match"] for r in rows) / len(rows),
+    }
+
+
+def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int) -> dict:
+    convs = load_conversations(prompts)
+    model, stop = decoder.target.model, decoder.fmt.stop_ids
+    warm = decoder.fmt.first_turn("Hello")
+    greedy_generate(model, warm, 4, stop)
+    decoder.generate(warm, 4)
+    rows = []
+    for i, conv in enumerate(tqdm(convs, desc="bench", unit="prompt")):
+        ids = decoder.fmt.first_turn(conv.turns[0], conv.system)
+        runs: dict[str, GenerationResult] = {}
+        for name in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
+            runs[name] = greedy_generate(model, ids, max_new_tokens, stop) if name == "plain" else decoder.generate(ids, max_new_tokens)
+        spec, plain = runs["spec"], runs["plain"]
+        rows.append({
+            "id": conv.id, "category": conv.meta.get("category", "all"), "tokens": len(spec.tokens),
+            "target_forwards": spec.target_forwards, "accepted": spec.accepted, "spec_seconds": spec.seconds,
+            "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "tau": spec.tau,
+            "speedup": spec.tokens_per_second / plain.tokens_per_second, "match": spec.tokens == plain.tokens,
+        })
+    depth = decoder.drafter.tree.max_depth
+    categories = sorted({r["category"] for r in rows})
+    result = {
+        "overall": _summary(rows, depth),
+        "by_category": {c: _summary([r for r in rows if r["category"] == c], depth) for c in categories},
+        "settings": {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "tree": decoder.drafter.tree.paths[1:],
+                     "dtype": str(next(model.parameters()).dtype), "machine": platform.processor() or platform.machine(),
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "prompts": prompts.path,
+                     "date": time.strftime("%Y-%m-%d")},
+        "per_prompt": rows,
+    }
+    for s in [result["overall"], *result["by_category"].values()]:
+        s["speedup"] = s["spec_tok_s"] / s["plain_tok_s"]
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    lines = ["| category | prompts | tau | plain tok/s | speculative tok/s | speedup | matches plain |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, s in [*result["by_category"].items(), ("**overall**", result["overall"])]:
+        lines.append(f"| {name} | {s['prompts']} | {s['tau']:.2f} | {s['plain_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
+                     f"{s['speedup']:.2f}x | {100 * s['match_rate']:.0f}% |")
+    acc = ", ".join(f"{a:.2f}" for a in result["overall"]["acceptance_by_depth"])
+    lines.append(f"\nAcceptance at draft depth 1..{len(result['overall']['acceptance_by_depth'])}: {acc}. "
+                 f"Threads {result['settings']['threads']}, {result['settings']['dtype']}, "
+                 f"{result['settings']['max_new_tokens']} new tokens.")
+    return "\n".join(lines) + "\n"
+
+
+def write_results(result: dict, out: Path) -> None:
+    atomic_write_json(out, result)
+    atomic_write_text(out.with_suffix(".md"), markdown_table(result))
