@@ -256,3 +256,16 @@ def test_demo_command_runs_on_a_tiny_target(tiny_dirs, tmp_path: Path):
     assert "self-distilled dataset" in res.stdout
     manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
     assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 12
+
+
+def test_broken_vllm_install_is_one_clear_error(monkeypatch):
+    import importlib.machinery
+    import types
+
+    from headway.data_scripts.engines import VLLMEngine
+
+    broken = types.ModuleType("vllm")  # imports, but has no LLM: what a half-broken install looks like
+    broken.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    monkeypatch.setitem(sys.modules, "vllm", broken)
+    with pytest.raises(HeadwayError, match="vLLM is installed but cannot be imported .*pip uninstall -y torchvision"):
+        VLLMEngine("/nowhere", [2], "float32", 128, 8, 0, 1)
