@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
 from safetensors.torch import load_file, save_file
 
 import headway
@@ -75,7 +74,4 @@ def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, devic
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HeadwayError(f"{p / 'model.safetensors'} does not match its config: missing {missing}, unexpected {unexpected}")
-    heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
-    if getattr(heads, "d2t", None) is not None:
-        heads.d2t = heads.d2t.to(device=device, dtype=torch.long)
-    return heads.eval()
+    return heads.to(device=device, dtype=dtype).eval()  # dtype casts floating tensors only: d2t stays int64

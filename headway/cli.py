@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -74,14 +75,13 @@ def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
 def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from headway.data_scripts.prompts import PromptConfig
     from headway.inference.api import SpeculativeDecoder
     from headway.inference.bench import markdown_table, run_bench, write_results
 
     cfg.inference.compare_plain = False
     decoder = SpeculativeDecoder.load(args.head, cfg)
-    prompts = PromptConfig(**{**cfg.prompts.__dict__, "path": args.prompts or cfg.prompts.path, "max_turns": 1,
-                              "limit": args.limit if args.limit is not None else cfg.prompts.limit})
+    prompts = dataclasses.replace(cfg.prompts, path=args.prompts or cfg.prompts.path, max_turns=1,
+                                  limit=args.limit if args.limit is not None else cfg.prompts.limit)
     result = run_bench(decoder, prompts, cfg.inference.max_new_tokens)
     out = Path(args.out)
     write_results(result, out)

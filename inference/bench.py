@@ -7,11 +7,9 @@ speedup, and whether each output matched plain greedy decoding; writes JSON and 
 
 from __future__ import annotations
 
-import json
 import platform
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm

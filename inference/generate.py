@@ -129,7 +129,6 @@ def speculative_generate(
         accepted_counts.append(len(path) - 1)
         new, done = _finish(new, stops, max_new_tokens - len(out))
         out += new
-        done = done or len(out) >= max_new_tokens
         root = choice[cur]
         hidden = o.hidden_states[-1][0, cur]
     return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts)
