@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 import headway
 from headway.errors import HeadwayError
 from headway.io import atomic_dir, safetensors_of
-from headway.heads.registry import KINDS
+from headway.heads.registry import KINDS, LAYERED, build_head
 from headway.heads.target import fingerprint_mismatch
 
 
@@ -29,6 +29,7 @@ def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Opti
         "vocab_size": heads.vocab_size,
         "draft_vocab_size": heads.draft_vocab_size,
         "head": asdict(heads.cfg),
+        **({"draft_layer": heads.layer_config} if hasattr(heads, "layer_config") else {}),
         "target_fingerprint": fingerprint,
         **(extra or {}),
     }
@@ -64,13 +65,15 @@ def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, devic
                 f"head {p} was made for target {config.get('target_fingerprint', {}).get('id')} "
                 f"but the loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
             )
-    cfg_cls, module_cls = KINDS[kind]
+    cfg_cls, _ = KINDS[kind]
     try:
         state = load_file(str(p / "model.safetensors"))
     except Exception as e:
         raise HeadwayError(f"cannot read {p / 'model.safetensors'} ({e}): the file is damaged; re-export the head") from None
-    extra = {"d2t": state["d2t"]} if "d2t" in state else {}
-    heads = module_cls(cfg_cls(**config["head"]), config["hidden_size"], config["vocab_size"], **extra)
+    if kind in LAYERED and not isinstance(config.get("draft_layer"), dict):
+        raise HeadwayError(f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it")
+    heads = build_head(kind, cfg_cls(**config["head"]), config["hidden_size"], config["vocab_size"],
+                       d2t=state.get("d2t"), layer_config=config.get("draft_layer"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HeadwayError(f"{p / 'model.safetensors'} does not match its config: missing {missing}, unexpected {unexpected}")

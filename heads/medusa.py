@@ -9,7 +9,7 @@ by all heads, or a reduced draft vocabulary (the most frequent tokens) with a ma
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -85,9 +85,14 @@ class MedusaHeads(nn.Module):
             for head in self.lm_heads:
                 head.weight.copy_(rows.to(head.weight.dtype))
 
-    def attach_target(self, target_lm_head: torch.Tensor) -> None:
+    @staticmethod
+    def feature_layers(cfg: MedusaConfig, num_target_layers: int) -> list[int]:
+        """Indices into the target's `output_hidden_states` the heads read: the last (post-norm) one."""
+        return [num_target_layers]
+
+    def attach_target(self, target_model: Any) -> None:
         """Give a shared-projection head the frozen target lm_head (not a parameter, never saved)."""
-        self.shared_lm_head = target_lm_head.detach()
+        self.shared_lm_head = target_model.get_output_embeddings().weight.detach()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -97,7 +102,7 @@ class MedusaHeads(nn.Module):
                 outs.append(self.lm_heads[i](h))
             else:
                 if self.shared_lm_head is None:
-                    raise HeadwayError("a shared-lm_head Medusa head needs attach_target(target lm_head) first")
+                    raise HeadwayError("a shared-lm_head Medusa head needs attach_target(target model) first")
                 outs.append(h @ self.shared_lm_head.to(h.dtype).T)
         return torch.stack(outs)
 

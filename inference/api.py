@@ -57,7 +57,7 @@ class SpeculativeDecoder:
 
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
-        heads.attach_target(target.model.get_output_embeddings().weight)
+        heads.attach_target(target.model)
         return cls(target, heads, cfg, read_head_config(head_dir))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:

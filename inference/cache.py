@@ -5,24 +5,18 @@ After a tree forward the cache holds the prefix plus every tree node; only the a
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 
 from headway.errors import HeadwayError
+from headway.heads.draft_layer import cache_kwarg  # noqa: F401  (re-exported for the decoding loop)
 
 
 def new_cache(model: Any) -> Any:
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
-
-
-def cache_kwarg(model: Any) -> str:
-    """transformers renamed `past_key_values` to `cache`; use whichever this version's forward takes."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def cache_length(cache: Any) -> int:

@@ -95,9 +95,8 @@ def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache
     from headway.inference.tree import build_tree
 
     t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
-    lm_head = t.model.get_output_embeddings().weight
     heads = MedusaHeads(MedusaConfig(num_heads=3, lm_head="shared"), 576, 49152).double()
-    heads.attach_target(lm_head)
+    heads.attach_target(t.model)
     drafter = MedusaDrafter(heads, build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]))
     fmt = ChatFormat(t.tokenizer, None, t.generation_config)
     for question in ["Count from one to ten in words.", "What is the capital of France?"]:

@@ -10,6 +10,7 @@ import logging
 import math
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from tqdm import tqdm
 from headway.config import save_config
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import save_head
-from headway.heads.registry import KINDS
+from headway.heads.draft_layer import draft_layer_config, text_config
+from headway.heads.eagle3 import Eagle3Head
+from headway.heads.registry import LAYERED, build_head
 from headway.heads.target import load_target
 from headway.runtime import parse_dtype
 from headway.train.calibration import rank_accuracy
@@ -27,7 +30,8 @@ from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save
 from headway.run_config import RunConfig
 from headway.train.data import batch_at, collate, load_samples, split_heldout, token_frequencies
 from headway.train.logging import RunLogger
-from headway.train.losses import distill_kl, medusa_labels, medusa_loss, medusa_soft_targets, target_to_draft
+from headway.train.losses import distill_kl, target_to_draft
+from headway.train.objectives import OBJECTIVES, Features
 
 log = logging.getLogger("headway")
 
@@ -64,40 +68,45 @@ def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -
 
 def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     """A fresh head for the target; a reduced vocabulary is the most frequent tokens the target wrote."""
+    kind = cfg.head.kind
     kind_cfg = cfg.head.kind_config()
-    _, module_cls = KINDS[cfg.head.kind]
-    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    hidden, vocab = int(text.hidden_size), int(text.vocab_size)
+    text = text_config(target.config)
+    hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
+    if kind == "eagle3" and not kind_cfg.feature_layers:  # resolve the defaults now: they are saved with the head
+        kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
     d2t = None
-    if getattr(kind_cfg, "lm_head", None) == "reduced":
+    if kind == "eagle3" or getattr(kind_cfg, "lm_head", None) == "reduced":
         freq = token_frequencies(train_samples, vocab)
         size = min(kind_cfg.draft_vocab_size, vocab)
         d2t = torch.sort(torch.topk(freq, size).indices).values
         covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
         log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
-    heads = module_cls(kind_cfg, hidden, vocab, d2t=d2t)
-    lm_head = target.model.get_output_embeddings().weight
-    heads.init_from_target(lm_head)
-    heads.attach_target(lm_head)
+    layer_config = draft_layer_config(target.config) if kind in LAYERED else None
+    heads = build_head(kind, kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
+    heads.init_from_target(target.model.get_output_embeddings().weight)
+    heads.attach_target(target.model)
     return heads
+
+
+def feature_layers(heads: Any, target: Any) -> list[int]:
+    """The target hidden states a step needs: the head's own, plus the last one (the target's logits)."""
+    num_layers = int(text_config(target.config).num_hidden_layers)
+    return sorted(set(heads.feature_layers(heads.cfg, num_layers)) | {num_layers})
 
 
 def _step_loss(cfg: RunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any,
                adapt: bool = False) -> tuple[torch.Tensor, dict]:
     """Head loss on one micro-batch; with `adapt` (Medusa-2) the LoRA-adapted target runs with gradients
     and a distillation loss keeps it close to the frozen target."""
-    ids = batch["input_ids"].to(device)
-    attn = batch["attention_mask"].to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    ids, attn = batch["input_ids"], batch["attention_mask"]
     autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
                               enabled=cfg.train.autocast_dtype != "float32")
     with torch.set_grad_enabled(adapt), autocast:
         out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-    hidden = out.hidden_states[-1].float()
+    feats = Features({i: out.hidden_states[i] for i in feature_layers(heads, target)}, out.logits)
     with autocast:
-        logits = heads(hidden)
-    labels = medusa_labels(ids, batch["loss_mask"].to(device), logits.shape[0], t2d)
-    soft = medusa_soft_targets(out.logits.detach(), logits.shape[0], heads.d2t) if cfg.train.loss == "kl" else None
-    loss, metrics = medusa_loss(logits, labels, cfg.train.decay, soft)
+        loss, metrics = OBJECTIVES[cfg.head.kind](cfg, heads, batch, feats, t2d)
     if adapt:
         with torch.no_grad(), target.model.disable_adapter(), autocast:
             frozen = target.model(input_ids=ids, attention_mask=attn).logits
@@ -202,7 +211,7 @@ def train(cfg: RunConfig) -> Path:
     bar.close()
     logger.close()
     extra = {"trained_steps": step, "datasets": tc.datasets}
-    if held:
+    if held and cfg.head.kind == "medusa":
         calib = held[: tc.eval_max_samples]
         extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)
         log.info("measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)", len(calib))

@@ -90,3 +90,9 @@ def medusa_soft_targets(target_logits: torch.Tensor, num_heads: int, d2t: Option
         if shift < T:
             out[i, :, : T - shift] = probs[:, shift:]
     return out
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` where `mask` is true (0 when nothing is)."""
+    m = mask.to(values.dtype)
+    return (values * m).sum() / m.sum().clamp(min=1)

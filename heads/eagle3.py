@@ -1,0 +1,117 @@
+"""EAGLE-3 drafter: target features fused from three layers, its own small draft vocabulary.
+
+Input at position t: fc([low; middle; high] target hidden states at t) (3h -> h), one decoder layer of
+the target's architecture whose attention reads [norm(embedding(token t+1)); norm(hidden)] (2h wide)
+with the hidden as the residual stream, then a final norm and an lm_head over a reduced draft
+vocabulary (d2t maps draft ids to target ids). While drafting, the layer's own output replaces the
+fused feature, which is what training-time test unrolls in training.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from headway.errors import HeadwayError
+from headway.heads.eagle import EagleBase
+
+
+@dataclass
+class Eagle3Config:
+    # Target hidden-state indices (HF output_hidden_states) fused as features; empty = (2, L//2, L-3),
+    # the EAGLE-3 paper's low/middle/high layers and what vLLM and SGLang feed by default.
+    feature_layers: list[int] = field(default_factory=list)
+    # Reduced draft vocabulary: the most frequent tokens of the training data (d2t/t2d map it).
+    draft_vocab_size: int = 8192
+    # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i.
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.feature_layers and len(self.feature_layers) != 3:
+            raise HeadwayError(f"head.eagle3.feature_layers needs 3 layer indices (low, middle, high), got {list(self.feature_layers)}")
+        if self.draft_vocab_size < 2 or self.ttt_steps < 1:
+            raise HeadwayError("head.eagle3: draft_vocab_size must be >= 2 and ttt_steps >= 1")
+
+
+class FusedInputNorm(nn.Module):
+    """Stands in for the layer's input norm: [norm(embedding); norm(hidden)], the embedding set per call."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.emb_norm = copy.deepcopy(norm)
+        self.hidden_norm = copy.deepcopy(norm)
+        self.embedding: Optional[torch.Tensor] = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.embedding is None:
+            raise HeadwayError("internal: the EAGLE-3 layer ran without its token embedding")
+        return torch.cat([self.emb_norm(self.embedding), self.hidden_norm(hidden)], dim=-1)
+
+
+class Eagle3Head(EagleBase):
+    kind = "eagle3"
+
+    def __init__(self, cfg: Eagle3Config, hidden_size: int, vocab_size: int, layer_config: dict,
+                 d2t: Optional[torch.Tensor] = None):
+        super().__init__(hidden_size, vocab_size, layer_config)
+        self.cfg = cfg
+        self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
+        layer = self.decoder.layers[0]
+        fused = FusedInputNorm(layer.input_layernorm)
+        layer.input_layernorm = fused
+        object.__setattr__(self, "fused_norm", fused)  # a handle, not a second registration of the same weights
+        attn = layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            new = nn.Linear(2 * hidden_size, old.out_features, bias=old.bias is not None)
+            nn.init.normal_(new.weight, std=float(layer_config.get("initializer_range", 0.02)))
+            if new.bias is not None:
+                nn.init.zeros_(new.bias)
+            setattr(attn, name, new)
+        self.norm = copy.deepcopy(fused.hidden_norm)
+        if d2t is None:
+            d2t = torch.arange(min(cfg.draft_vocab_size, vocab_size))
+        if len(d2t) > vocab_size or int(d2t.max()) >= vocab_size:
+            raise HeadwayError(f"draft vocabulary ({len(d2t)} ids, max {int(d2t.max())}) does not fit the target's {vocab_size}")
+        self.register_buffer("d2t", d2t.to(torch.long).clone(), persistent=True)
+        self.lm_head = nn.Linear(hidden_size, len(d2t), bias=False)
+
+    @staticmethod
+    def feature_layers(cfg: Eagle3Config, num_target_layers: int) -> list[int]:
+        if cfg.feature_layers:
+            bad = [i for i in cfg.feature_layers if not 0 <= i <= num_target_layers]
+            if bad:
+                raise HeadwayError(f"head.eagle3.feature_layers {bad} outside the target's 0..{num_target_layers}")
+            return list(cfg.feature_layers)
+        L = num_target_layers
+        return [min(2, L), L // 2, max(0, L - 3)]
+
+    def init_from_target(self, target_lm_head: torch.Tensor) -> None:
+        """Start the draft lm_head from the target's rows for the draft vocabulary."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight.dtype))
+
+    def project(self, target_features: torch.Tensor) -> torch.Tensor:
+        """The drafter's h-wide input from the concatenated low/middle/high target features [.., 3h]."""
+        return self.fc(target_features.to(self.fc.weight.dtype))
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
+        """The layer's output [B, T, h] (pre-norm) for positions with `tokens` and h-wide input `hidden`."""
+        self.fused_norm.embedding = self.embed(tokens)
+        try:
+            return self.run_decoder(hidden.to(self.fc.weight.dtype), position_ids, attention_mask, cache)
+        finally:
+            self.fused_norm.embedding = None
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over draft ids."""
+        return self.lm_head(self.norm(out))
+
+    def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        return out

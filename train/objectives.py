@@ -1,0 +1,127 @@
+"""What each head kind learns from the frozen target's features on one batch.
+
+`Features` is the target's side of a batch (hidden states at the layers a head reads, logits), made
+by running the target (online) or read back from a feature cache (offline): the objectives cannot
+tell which, so both modes give the same loss on the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from headway.heads.draft_layer import drafter_mask
+from headway.train.losses import masked_mean, medusa_labels, medusa_loss, medusa_soft_targets
+
+
+@dataclass
+class Features:
+    hidden: dict[int, torch.Tensor]  # HF output_hidden_states index -> [B, T, h]
+    logits: torch.Tensor  # the target's next-token logits [B, T, V]
+
+    def cat(self, layers: list[int]) -> torch.Tensor:
+        return torch.cat([self.hidden[i].float() for i in layers], dim=-1)
+
+
+def target_logits(model: Any, last_hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its final (post-norm) hidden state, as its own forward computes them."""
+    logits = model.get_output_embeddings()(last_hidden.to(model.get_output_embeddings().weight.dtype))
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: position t sees real positions s <= t."""
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
+
+
+def shifted(x: torch.Tensor, by: int, fill: int | float = 0) -> torch.Tensor:
+    """x[:, t + by] at position t, `fill` past the end (dim 1)."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def medusa_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """Head i at t learns the token at t+2+i (ce) or the target's distribution there (kl), weighted decay^i."""
+    num_layers = max(feats.hidden)
+    logits = heads(feats.hidden[num_layers].to(next(heads.parameters()).dtype))
+    labels = medusa_labels(batch["input_ids"], batch["loss_mask"], logits.shape[0], t2d)
+    soft = medusa_soft_targets(feats.logits.detach(), logits.shape[0], heads.d2t) if cfg.train.loss == "kl" else None
+    return medusa_loss(logits, labels, cfg.train.decay, soft)
+
+
+def eagle_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """EAGLE-1: from (feature t + noise, token t+1) predict feature t+1 (smooth-L1) and the target's
+    distribution there (cross-entropy), on positions whose next-next token is an answer token."""
+    ec = heads.cfg
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    T = ids.shape[1]
+    f = feats.hidden[max(feats.hidden)].float()
+    f_in = f + (torch.rand_like(f) - 0.5) * ec.feature_noise if heads.training and ec.feature_noise > 0 else f
+    pos = torch.arange(T, device=ids.device).unsqueeze(0)
+    mask = drafter_mask(causal_allowed(attn), heads.fc.weight.dtype)
+    out = heads(shifted(ids, 1), f_in, pos, mask)
+    valid = shifted(batch["loss_mask"], 2).bool()
+    vloss = masked_mean(F.smooth_l1_loss(out.float(), shifted(f, 1), reduction="none").mean(-1), valid)
+    target_p = torch.softmax(shifted(feats.logits.detach().float(), 1), -1)
+    pred = heads.logits(out).float()
+    ploss = masked_mean(-(target_p * F.log_softmax(pred, -1)).sum(-1), valid)
+    top1 = masked_mean((pred.argmax(-1) == target_p.argmax(-1)).float(), valid)
+    loss = ec.feature_weight * vloss + ec.token_weight * ploss
+    return loss, {"loss/feature": float(vloss.detach()), "loss/token": float(ploss.detach()), "top1/step0": float(top1)}
+
+
+def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """EAGLE-3 with training-time test: the drafter unrolled `ttt_steps` on its own outputs.
+
+    Step j at position t stands for drafting j tokens past t: it reads token t+1+j, sits at position
+    t+j, sees the real prefix (step 0 keys up to t) and its own earlier steps at t, and learns the
+    target's distribution at t+1+j restricted to the draft vocabulary (positions whose target argmax
+    is outside it are skipped, as is everything that is not an answer token).
+    """
+    from transformers import DynamicCache
+
+    ec = heads.cfg
+    ids, attn = batch["input_ids"], batch["attention_mask"]
+    B, T = ids.shape
+    hidden = heads.project(feats.cat(heads.cfg.feature_layers))
+    d2t = heads.d2t.to(ids.device)
+    tl = feats.logits.detach().float()
+    target_p = torch.softmax(tl[..., d2t], -1)
+    in_draft = (t2d[tl.argmax(-1)] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
+    base = causal_allowed(attn)
+    eye = torch.eye(T, dtype=torch.bool, device=ids.device).expand(B, T, T)
+    cache = DynamicCache(config=heads.decoder.config)
+    dtype = heads.fc.weight.dtype
+    total = hidden.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, float] = {}
+    for j in range(ec.ttt_steps):
+        allowed = torch.cat([base] + [eye] * j, dim=-1)
+        pos = (torch.arange(T, device=ids.device) + j).unsqueeze(0)
+        out = heads(shifted(ids, 1 + j), hidden, pos, drafter_mask(allowed, dtype), cache)
+        logits = heads.logits(out).float()
+        p = shifted(target_p, 1 + j)
+        valid = shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
+        loss_j = masked_mean(-(p * F.log_softmax(logits, -1)).sum(-1), valid)
+        total = total + (ec.ttt_decay**j) * loss_j
+        metrics[f"loss/step{j}"] = float(loss_j.detach())
+        metrics[f"top1/step{j}"] = float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), valid))
+        hidden = heads.next_hidden(out)
+    return total, metrics
+
+
+OBJECTIVES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {
+    "medusa": medusa_objective,
+    "eagle": eagle_objective,
+    "eagle3": eagle3_objective,
+}
+
+
