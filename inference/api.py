@@ -11,6 +11,8 @@ from headway.errors import HeadwayError
 from headway.heads.checkpoint import load_head, read_head_config
 from headway.heads.target import Target, load_target
 from headway.run_config import RunConfig
+from headway.heads.draft_layer import text_config
+from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, greedy_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
@@ -26,6 +28,15 @@ def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
         raise HeadwayError("inference.tree_nodes needs the head's measured accuracy (rank_accuracy in its config.json, "
                            "written when training has a held-out split); set inference.tree_nodes=0 to use inference.tree")
     return best_tree(accuracy, n)
+
+
+def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: Any) -> Any:
+    """The drafter for the head's kind: Medusa's static tree, or an EAGLE-2 dynamic tree."""
+    num_layers = int(text_config(target_config).num_hidden_layers)
+    if heads.kind == "medusa":
+        return MedusaDrafter(heads, build_tree(choose_tree(cfg, head_config)), num_layers)
+    ic = cfg.inference
+    return EagleDrafter(heads, num_layers, ic.depth, ic.top_k, ic.total_tokens)
 
 
 @dataclass
@@ -44,7 +55,7 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None):
         self.target, self.heads, self.cfg = target, heads, cfg
-        self.drafter = MedusaDrafter(heads, build_tree(choose_tree(cfg, head_config or {})))
+        self.drafter = make_drafter(heads, cfg, head_config or {}, target.config)
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod
@@ -58,6 +69,8 @@ class SpeculativeDecoder:
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
+        if lora_dir.is_dir() and heads.kind != "medusa":
+            raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
         return cls(target, heads, cfg, read_head_config(head_dir))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:

@@ -53,12 +53,12 @@ def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens
             "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "tau": spec.tau,
             "speedup": spec.tokens_per_second / plain.tokens_per_second, "match": spec.tokens == plain.tokens,
         })
-    depth = decoder.drafter.tree.max_depth
+    depth = decoder.drafter.max_depth
     categories = sorted({r["category"] for r in rows})
     result = {
         "overall": _summary(rows, depth),
         "by_category": {c: _summary([r for r in rows if r["category"] == c], depth) for c in categories},
-        "settings": {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "tree": decoder.drafter.tree.paths[1:],
+        "settings": {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "drafter": decoder.drafter.settings(),
                      "dtype": str(next(model.parameters()).dtype), "machine": platform.processor() or platform.machine(),
                      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "prompts": prompts.path,
                      "date": time.strftime("%Y-%m-%d")},

@@ -48,3 +48,17 @@ def keep_tree_nodes(cache: Any, tree_size: int, keep: list[int]) -> None:
         layer.values = torch.cat([v[..., : n - tree_size, :], v.index_select(-2, sel)], dim=-2)
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length -= tree_size - len(keep)
+
+
+def truncate_cache(cache: Any, length: int) -> None:
+    """Keep the first `length` positions of every layer (transformers' own `crop` changed meaning across versions)."""
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        removed = layer.keys.shape[-2] - length
+        if removed <= 0:
+            continue
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length -= removed

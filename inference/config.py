@@ -1,4 +1,4 @@
-"""Decoding settings shared by `headway generate` (and later the benchmark)."""
+"""Decoding settings shared by `headway generate` and `headway bench`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ class InferenceConfig:
     # > 0: build the best tree of this many nodes from the head's measured per-rank accuracy
     # (saved at the end of training), instead of `tree`.
     tree_nodes: int = 0
+    # EAGLE-2 dynamic tree (EAGLE heads): drafter steps per tree, children per expanded node, and how
+    # many draft nodes (root excluded) the target verifies per forward.
+    depth: int = 5
+    top_k: int = 8
+    total_tokens: int = 15
     max_new_tokens: int = 256
     # Also decode plainly (same engine) and report the speedup and whether the outputs match.
     compare_plain: bool = True

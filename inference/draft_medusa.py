@@ -12,7 +12,7 @@ from headway.inference.tree import Tree
 class MedusaDrafter:
     """Fills a static tree from the heads' guesses on the hidden state that produced the root token."""
 
-    def __init__(self, heads: MedusaHeads, tree: Tree):
+    def __init__(self, heads: MedusaHeads, tree: Tree, num_target_layers: int):
         if tree.max_depth > heads.cfg.num_heads:
             raise HeadwayError(
                 f"the tree is {tree.max_depth} deep but the head has only {heads.cfg.num_heads} Medusa heads: "
@@ -20,16 +20,32 @@ class MedusaDrafter:
             )
         self.heads = heads
         self.tree = tree
+        self.max_nodes = tree.size
+        self.feature_layers = heads.feature_layers(heads.cfg, num_target_layers)
         self.ks = tree.topk_per_depth()
         self.kmax = max(self.ks)
         self.node_depth = (tree.depth[1:] - 1).tolist()
         self.node_rank = [p[-1] for p in tree.paths[1:]]
+        self.hidden: torch.Tensor | None = None
+
+    @property
+    def max_depth(self) -> int:
+        return self.tree.max_depth
+
+    def settings(self) -> dict:
+        return {"kind": "medusa", "tree": [list(p) for p in self.tree.paths[1:]]}
+
+    def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
+        self.hidden = features[-1]
+
+    def accept(self, tokens: list[int], features: torch.Tensor) -> None:
+        self.hidden = features[-1]
 
     @torch.no_grad()
-    def tree_tokens(self, root: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Token ids of every tree node (root first) given the target's last hidden state [h]."""
+    def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
+        """Token ids of every tree node (root first), from the last hidden state that the target produced."""
         depth = len(self.ks)
-        logits = self.heads(hidden.view(1, -1).to(next(self.heads.parameters()).dtype))[:depth, 0]
+        logits = self.heads(self.hidden.view(1, -1).to(next(self.heads.parameters()).dtype))[:depth, 0]
         top = self.heads.to_target_ids(torch.topk(logits, self.kmax, dim=-1).indices)
         nodes = top[self.node_depth, self.node_rank]
-        return torch.cat([torch.tensor([root], device=nodes.device), nodes])
+        return torch.cat([torch.tensor([root], device=nodes.device), nodes]), self.tree

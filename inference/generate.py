@@ -1,10 +1,11 @@
 """The decoding loops: plain greedy (the reference), and greedy speculative decoding over a tree.
 
-Speculative step: the drafter fills a tree rooted at the token the target just produced; one target
-forward verifies every node (4-D tree mask, explicit positions, the model's own KV cache); the
-longest path whose every token equals the target's own greedy choice is accepted, plus the target's
-next token after it (the bonus); the cache keeps only the accepted path. The output is exactly what
-plain greedy decoding of the same target writes.
+Speculative step: the drafter builds a tree rooted at the token the target just produced (a static
+Medusa tree or an EAGLE-2 dynamic one); one target forward verifies every node (4-D tree mask,
+explicit positions, the model's own KV cache); the longest path whose every token equals the
+target's own greedy choice is accepted, plus the target's next token after it (the bonus); the cache
+keeps only the accepted path, and the drafter is told what was accepted with the target's features
+there. The output is exactly what plain greedy decoding of the same target writes.
 """
 
 from __future__ import annotations
@@ -21,9 +22,24 @@ from headway.inference.tree import Tree, tree_attention_bias
 
 
 class Drafter(Protocol):
-    tree: Tree
+    feature_layers: list[int]  # the target hidden states (HF output_hidden_states indices) it reads
+    max_nodes: int  # the most nodes (root included) a tree of its can have
+    max_depth: int  # the deepest a tree of its can go
 
-    def tree_tokens(self, root: int, hidden: torch.Tensor) -> torch.Tensor: ...
+    def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
+        """A new sequence: the prompt, the target's first token, and the features [len(prompt), F] of the prompt."""
+
+    def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
+        """Token ids of every tree node (root first) and the tree itself."""
+
+    def accept(self, tokens: list[int], features: torch.Tensor) -> None:
+        """The verified step: accepted drafts plus the bonus token, and the target's features [len(tokens), F]
+        at the root and the accepted nodes (the positions that produced those tokens)."""
+
+
+def features_at(hidden_states: tuple, layers: list[int], positions: Any) -> torch.Tensor:
+    """Concatenated target features [n, F] of batch row 0 at `positions`."""
+    return torch.cat([hidden_states[i][0, positions] for i in layers], dim=-1)
 
 
 @dataclass
@@ -88,27 +104,27 @@ def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids
 def speculative_generate(
     model: Any, drafter: Drafter, prompt: list[int], max_new_tokens: int, stop_ids: list[int]
 ) -> GenerationResult:
-    """Greedy speculative decoding over the drafter's tree; returns exactly greedy_generate's tokens."""
-    tree = drafter.tree
-    _check_length(model, len(prompt), max_new_tokens, tree.size)
+    """Greedy speculative decoding over the drafter's trees; returns exactly greedy_generate's tokens."""
+    _check_length(model, len(prompt), max_new_tokens, drafter.max_nodes)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     stops = set(stop_ids)
+    layers = drafter.feature_layers
     start = time.perf_counter()
     cache = new_cache(model)
     kw = cache_kwarg(model)
     o = model(torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True, **{kw: cache})
     root = int(o.logits[0, -1].argmax())
-    hidden = o.hidden_states[-1][0, -1]
+    drafter.begin(prompt, root, features_at(o.hidden_states, layers, slice(None)))
     out, done = _finish([root], stops, max_new_tokens)
     forwards, accepted_counts = 0, []
-    depth = tree.depth.to(device)
     while not done:
-        nodes = drafter.tree_tokens(root, hidden).to(device)
+        nodes, tree = drafter.draft(root)
+        nodes = nodes.to(device)
         prefix = cache_length(cache)
         o = model(
             nodes.view(1, -1),
-            position_ids=(prefix + depth).view(1, -1),
+            position_ids=(prefix + tree.depth.to(device)).view(1, -1),
             attention_mask=tree_attention_bias(tree, prefix, dtype, device),
             use_cache=True,
             output_hidden_states=True,
@@ -127,8 +143,8 @@ def speculative_generate(
         keep_tree_nodes(cache, tree.size, path)
         new = [node_ids[i] for i in path[1:]] + [choice[cur]]
         accepted_counts.append(len(path) - 1)
+        drafter.accept(new, features_at(o.hidden_states, layers, path))
         new, done = _finish(new, stops, max_new_tokens - len(out))
         out += new
         root = choice[cur]
-        hidden = o.hidden_states[-1][0, cur]
     return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts)

@@ -28,3 +28,23 @@ def tiny_dir(request, tiny_dirs) -> Path:
 def shared_cache(tmp_path_factory) -> Path:
     """Where the real default target is cached: HEADWAY_CACHE when set (CI reuses it), else the user cache."""
     return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
+    """A small dataset self-distilled from the tiny Llama (24 prompts, 24 new tokens each)."""
+    import json
+
+    from headway.config import load_config
+    from headway.data_scripts.distill import distill
+    from headway.run_config import RunConfig
+
+    root = tmp_path_factory.mktemp("tiny-data")
+    rows = [{"instruction": f"Question {i}: what is {i} plus {i + 1}? Tell me a story about it."} for i in range(24)]
+    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(RunConfig, None, [
+        f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1",
+        f"prompts.path={root / 'p.jsonl'}", f"distill.output_dir={root / 'ds'}", "distill.engine=hf",
+        "distill.max_new_tokens=24", "distill.batch_size=8",
+    ])
+    return distill(cfg)

@@ -97,7 +97,7 @@ def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache
     t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
     heads = MedusaHeads(MedusaConfig(num_heads=3, lm_head="shared"), 576, 49152).double()
     heads.attach_target(t.model)
-    drafter = MedusaDrafter(heads, build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]))
+    drafter = MedusaDrafter(heads, build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]), 30)
     fmt = ChatFormat(t.tokenizer, None, t.generation_config)
     for question in ["Count from one to ten in words.", "What is the capital of France?"]:
         ids = fmt.first_turn(question)

@@ -31,12 +31,23 @@ class OracleDrafter:
     """Knows the greedy continuation; puts it on some branches and noise on others, so accepted paths
     have every length, through every branch: the cache compaction is exercised for real."""
 
+    feature_layers = [0]
+    max_depth = 4
+
     def __init__(self, tree, reference: list[int], vocab: int, seed: int):
         self.tree, self.ref, self.vocab = tree, reference, vocab
+        self.max_nodes = tree.size
         self.rng = random.Random(seed)
         self.pos = 1  # index in the reference of the token after the current root
 
-    def tree_tokens(self, root: int, hidden: torch.Tensor) -> torch.Tensor:
+    def begin(self, prompt, root, features):
+        self.pos = 1
+
+    def accept(self, tokens, features):
+        assert len(features) == len(tokens)
+        self.pos += len(tokens)
+
+    def draft(self, root: int):
         tokens = [root]
         correct = {0: True}
         for i, path in enumerate(self.tree.paths[1:], start=1):
@@ -45,7 +56,7 @@ class OracleDrafter:
             right = correct[parent] and self.rng.random() < 0.6 and (path[-1] == 0 or self.rng.random() < 0.5)
             tokens.append(want if right else (want + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
             correct[i] = right and tokens[-1] == want
-        return torch.tensor(tokens)
+        return torch.tensor(tokens), self.tree
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
@@ -59,7 +70,7 @@ def test_medusa_untrained_heads_are_exact(tiny_dirs, arch: str):
         heads.attach_target(t.model)
         for block in heads.blocks:  # random, not identity: the guesses differ per head
             torch.nn.init.normal_(block[0].linear.weight, std=0.5)
-        drafter = MedusaDrafter(heads, build_tree(WIDE_TREE))
+        drafter = MedusaDrafter(heads, build_tree(WIDE_TREE), t.config.num_hidden_layers)
         for prompt in prompts_for(t.tokenizer):
             ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
             ref = greedy_generate(t.model, ids, 40, [t.tokenizer.eos_token_id])
@@ -71,31 +82,13 @@ def test_medusa_untrained_heads_are_exact(tiny_dirs, arch: str):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
-def test_accepted_paths_of_every_length_keep_output_exact(tiny_dirs, arch: str, monkeypatch):
-    import headway.inference.generate as g
-
+def test_accepted_paths_of_every_length_keep_output_exact(tiny_dirs, arch: str):
     t = load64(tiny_dirs[arch])
     tree = build_tree(WIDE_TREE)
-    emitted = {"n": 1}
-    keep = g.keep_tree_nodes
-
-    def counting_keep(cache, size, path):  # tells the oracle how far the output has come
-        emitted["n"] += len(path)
-        return keep(cache, size, path)
-
-    monkeypatch.setattr(g, "keep_tree_nodes", counting_keep)
     for seed, prompt in enumerate(prompts_for(t.tokenizer)):
         ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         ref = greedy_generate(t.model, ids, 48, []).tokens
         oracle = OracleDrafter(tree, ref, t.config.vocab_size, seed)
-        draft = oracle.tree_tokens
-        emitted["n"] = 1
-
-        def tree_tokens(root, hidden, _draft=draft, _oracle=oracle):
-            _oracle.pos = emitted["n"]
-            return _draft(root, hidden)
-
-        oracle.tree_tokens = tree_tokens
         res = speculative_generate(t.model, oracle, ids, 48, [])
         assert res.tokens == ref
         assert max(res.accepted) >= 3 and min(res.accepted) == 0, res.accepted  # long and empty acceptances
@@ -114,7 +107,7 @@ def test_chain_and_bad_trees():
 def test_sliding_window_overflow_is_refused(tiny_dirs):
     t = load64(tiny_dirs["gemma3"])
     heads = MedusaHeads(MedusaConfig(num_heads=2, lm_head="own"), t.config.hidden_size, t.config.vocab_size).double()
-    drafter = MedusaDrafter(heads, build_tree(chain_choices(2)))
+    drafter = MedusaDrafter(heads, build_tree(chain_choices(2)), t.config.num_hidden_layers)
     with pytest.raises(HeadwayError, match="sliding window"):
         speculative_generate(t.model, drafter, [1] * 100, 40, [])
     assert len(greedy_generate(t.model, [1] * 100, 40, []).tokens) == 40  # plain decoding never rolls back

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from headway.config import load_config
-from headway.data_scripts.distill import distill
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import load_head
 from headway.heads.target import TargetConfig, load_target
@@ -19,6 +18,7 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
 from headway.run_config import RunConfig
 from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
+from train_helpers import losses, small_run
 
 
 def test_labels_look_two_plus_i_ahead_and_follow_the_mask():
@@ -51,32 +51,11 @@ def test_loss_matches_hand_computation():
     assert loss_kl.item() == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("medusa-data")
-    rows = [{"instruction": f"Question {i}: what is {i} plus {i + 1}? Tell me a story about it."} for i in range(24)]
-    (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(RunConfig, None, [
-        f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1",
-        f"prompts.path={root / 'p.jsonl'}", f"distill.output_dir={root / 'ds'}", "distill.engine=hf",
-        "distill.max_new_tokens=24", "distill.batch_size=8",
-    ])
-    return distill(cfg)
+MEDUSA_HEAD = ("head.medusa.num_heads=3", "head.medusa.lm_head=reduced", "head.medusa.draft_vocab_size=64")
 
 
 def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
-    return load_config(RunConfig, None, [
-        f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", f"train.datasets=[{data}]",
-        f"train.output_dir={out}", "train.max_steps=6", "train.micro_batch_size=2", "train.grad_accum=2",
-        "train.warmup_steps=2", "train.lr=0.01", "train.eval_every=3", "train.eval_fraction=0.2", "train.log_every=1",
-        "train.autocast_dtype=float32", "train.save_every=3", "head.medusa.num_heads=3", "head.medusa.lm_head=reduced",
-        "head.medusa.draft_vocab_size=64", *extra,
-    ])
-
-
-def losses(run: Path) -> list[tuple[int, float]]:
-    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    return small_run(model_dir, data, out, *MEDUSA_HEAD, *extra)
 
 
 MEDUSA2 = ("train.lora.enabled=true", "train.lora.heads_warmup_steps=2", "train.lora.lr=0.01", "train.lora.r=4")
@@ -141,7 +120,7 @@ def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_
     assert config["kind"] == "medusa" and config["draft_vocab_size"] == 64 and config["head"]["num_heads"] == 3
     target = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64"))
     heads = load_head(head_dir, target.fingerprint, dtype=torch.float64)
-    drafter = MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]))
+    drafter = MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]), target.config.num_hidden_layers)
     ids = target.tokenizer("<|im_start|>user\nQuestion 3: what is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n",
                            add_special_tokens=False)["input_ids"]
     stop = [target.tokenizer.eos_token_id]

@@ -79,34 +79,43 @@ def eagle_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Opt
     return loss, {"loss/feature": float(vloss.detach()), "loss/token": float(ploss.detach()), "top1/step0": float(top1)}
 
 
-def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
-    """EAGLE-3 with training-time test: the drafter unrolled `ttt_steps` on its own outputs.
+def ttt_unroll(heads: Any, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """The drafter unrolled `steps` times on its own outputs (training-time test); returns each step's output.
 
-    Step j at position t stands for drafting j tokens past t: it reads token t+1+j, sits at position
-    t+j, sees the real prefix (step 0 keys up to t) and its own earlier steps at t, and learns the
-    target's distribution at t+1+j restricted to the draft vocabulary (positions whose target argmax
-    is outside it are skipped, as is everything that is not an answer token).
+    Step j at position t stands for drafting j tokens past t: it reads token t+1+j at position t+j,
+    and sees the real prefix (step 0's keys up to t) plus its own earlier steps at t, the same
+    attention the drafter has at inference when it extends a chain from t.
     """
     from transformers import DynamicCache
 
-    ec = heads.cfg
-    ids, attn = batch["input_ids"], batch["attention_mask"]
     B, T = ids.shape
-    hidden = heads.project(feats.cat(heads.cfg.feature_layers))
+    base = causal_allowed(attn)
+    eye = torch.eye(T, dtype=torch.bool, device=ids.device).expand(B, T, T)
+    cache = DynamicCache(config=heads.decoder.config)
+    outs = []
+    for j in range(steps):
+        allowed = torch.cat([base] + [eye] * j, dim=-1)
+        pos = (torch.arange(T, device=ids.device) + j).unsqueeze(0)
+        out = heads(shifted(ids, 1 + j), hidden, pos, drafter_mask(allowed, heads.fc.weight.dtype), cache)
+        outs.append(out)
+        hidden = heads.next_hidden(out)
+    return outs
+
+
+def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """EAGLE-3: step j of the unrolled drafter at t learns the target's distribution at t+1+j restricted
+    to the draft vocabulary, weighted ttt_decay^j; positions whose target argmax is outside the draft
+    vocabulary are skipped, as is everything that is not an answer token."""
+    ec = heads.cfg
+    ids = batch["input_ids"]
     d2t = heads.d2t.to(ids.device)
     tl = feats.logits.detach().float()
     target_p = torch.softmax(tl[..., d2t], -1)
     in_draft = (t2d[tl.argmax(-1)] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
-    base = causal_allowed(attn)
-    eye = torch.eye(T, dtype=torch.bool, device=ids.device).expand(B, T, T)
-    cache = DynamicCache(config=heads.decoder.config)
-    dtype = heads.fc.weight.dtype
-    total = hidden.new_zeros((), dtype=torch.float32)
+    outs = ttt_unroll(heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps)
+    total = tl.new_zeros(())
     metrics: dict[str, float] = {}
-    for j in range(ec.ttt_steps):
-        allowed = torch.cat([base] + [eye] * j, dim=-1)
-        pos = (torch.arange(T, device=ids.device) + j).unsqueeze(0)
-        out = heads(shifted(ids, 1 + j), hidden, pos, drafter_mask(allowed, dtype), cache)
+    for j, out in enumerate(outs):
         logits = heads.logits(out).float()
         p = shifted(target_p, 1 + j)
         valid = shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
@@ -114,7 +123,6 @@ def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Op
         total = total + (ec.ttt_decay**j) * loss_j
         metrics[f"loss/step{j}"] = float(loss_j.detach())
         metrics[f"top1/step{j}"] = float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), valid))
-        hidden = heads.next_hidden(out)
     return total, metrics
 
 

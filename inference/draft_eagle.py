@@ -1,0 +1,134 @@
+"""EAGLE drafting with an EAGLE-2 dynamic tree, for EAGLE-1 and EAGLE-3 heads.
+
+The drafter keeps its own KV cache of committed positions: position t holds (target feature at t,
+token t+1). After each verification it reads the accepted positions with the target's real
+features. To draft, it expands the tree `depth - 1` times: at each depth the `top_k` most likely
+nodes so far (by the product of draft probabilities along their path) run through the drafter at
+once, under a mask that lets each see the committed prefix and its own ancestors, and each gets
+`top_k` children. The `total_tokens` best nodes overall become the tree the target verifies; the
+cache entries of the expansions are dropped again, so the cache always matches the accepted text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from headway.errors import HeadwayError
+from headway.heads.draft_layer import drafter_mask
+from headway.inference.cache import truncate_cache
+from headway.inference.tree import Tree, build_tree
+
+
+class EagleDrafter:
+    def __init__(self, heads: Any, num_target_layers: int, depth: int, top_k: int, total_tokens: int):
+        if depth < 1 or top_k < 1 or total_tokens < 1:
+            raise HeadwayError(f"EAGLE tree settings need depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})")
+        if top_k > heads.draft_vocab_size:
+            raise HeadwayError(f"inference.top_k={top_k} exceeds the head's draft vocabulary ({heads.draft_vocab_size})")
+        self.heads = heads
+        self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
+        self.max_nodes = total_tokens + 1
+        self.feature_layers = heads.feature_layers(heads.cfg, num_target_layers)
+        self.param = next(heads.parameters())
+        self.cache: Any = None
+        self.committed = 0
+        self.last_out: torch.Tensor | None = None  # drafter output at the last committed position [h]
+        self.pending: list[int] = []  # tokens whose drafter positions are not in the cache yet
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    def settings(self) -> dict:
+        return {"kind": self.heads.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.heads.decoder.config)
+
+    @torch.no_grad()
+    def _commit(self, tokens: list[int], features: torch.Tensor) -> None:
+        """Drafter positions committed..committed+n-1 from the target's real features and the next tokens."""
+        n = len(tokens)
+        dev = self.param.device
+        hidden = self.heads.project(features.to(dev).unsqueeze(0))
+        pos = torch.arange(self.committed, self.committed + n, device=dev).unsqueeze(0)
+        allowed = torch.ones(1, n, self.committed + n, dtype=torch.bool, device=dev)
+        allowed[0, :, self.committed:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        out = self.heads(torch.tensor([tokens], device=dev), hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
+        self.committed += n
+        self.last_out = out[0, -1]
+
+    def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
+        self.cache = self._new_cache()
+        self.committed = 0
+        self._commit(prompt[1:] + [root], features)
+
+    def accept(self, tokens: list[int], features: torch.Tensor) -> None:
+        self._commit(tokens, features)
+
+    @torch.no_grad()
+    def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
+        heads, k, dev = self.heads, self.top_k, self.param.device
+        # Candidates: draft token id, cumulative log-prob, parent candidate (-1: the root), depth.
+        logp = torch.log_softmax(heads.logits(self.last_out.view(1, -1)).float(), -1)[0]
+        top = logp.topk(k)
+        tokens = top.indices.tolist()
+        scores = top.values.tolist()
+        parents = [-1] * k
+        depths = [1] * k
+        layer = list(range(k))  # the nodes to expand next
+        layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
+        expanded: list[int] = []  # candidate index of each drafter cache entry added in this step
+        for d in range(1, self.depth):
+            n_prev = len(expanded)
+            allowed = torch.zeros(1, len(layer), self.committed + n_prev + len(layer), dtype=torch.bool, device=dev)
+            allowed[0, :, : self.committed] = True
+            for row, c in enumerate(layer):
+                allowed[0, row, self.committed + n_prev + row] = True
+                p = parents[c]
+                while p >= 0:
+                    allowed[0, row, self.committed + expanded.index(p)] = True
+                    p = parents[p]
+            ids = heads.to_target_ids(torch.tensor([tokens[c] for c in layer], device=dev)).view(1, -1)
+            pos = torch.full((1, len(layer)), self.committed + d - 1, device=dev)
+            out = heads(ids, layer_hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
+            expanded += layer
+            child = torch.log_softmax(heads.logits(out[0]).float(), -1).topk(k)
+            base = torch.tensor([scores[c] for c in layer], device=dev).unsqueeze(-1)
+            cum = (base + child.values).flatten()
+            first = len(tokens)
+            tokens += child.indices.flatten().tolist()
+            scores += cum.tolist()
+            parents += [c for c in layer for _ in range(k)]
+            depths += [d + 1] * (len(layer) * k)
+            best = cum.topk(min(k, len(cum))).indices.tolist()
+            layer = [first + b for b in best]
+            layer_hidden = heads.next_hidden(out[0, [b // k for b in best]]).unsqueeze(0)
+        truncate_cache(self.cache, self.committed)
+        return self._select(root, tokens, scores, parents, depths)
+
+    def _select(self, root: int, tokens: list[int], scores: list[float], parents: list[int],
+                depths: list[int]) -> tuple[torch.Tensor, Tree]:
+        """The `total_tokens` best candidates as a tree; a parent never ranks below its child (its score is
+        at least the child's and it is shallower), so every chosen node's ancestors are chosen too."""
+        order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))[: self.total_tokens]
+        chosen = set(order)
+        rank: dict[int, int] = {}
+        seen: dict[int, int] = {}
+        for c in sorted(chosen, key=lambda c: (depths[c], -scores[c], c)):
+            rank[c] = seen.get(parents[c], 0)
+            seen[parents[c]] = rank[c] + 1
+        paths: dict[int, tuple[int, ...]] = {}
+        for c in sorted(chosen, key=lambda c: depths[c]):
+            if parents[c] >= 0 and parents[c] not in chosen:
+                raise HeadwayError("internal: a draft node was chosen without its parent")
+            paths[c] = (paths[parents[c]] if parents[c] >= 0 else ()) + (rank[c],)
+        tree = build_tree(list(paths.values()))
+        by_path = {p: c for c, p in paths.items()}
+        draft_ids = torch.tensor([tokens[by_path[p]] for p in tree.paths[1:]], device=self.param.device)
+        nodes = torch.cat([torch.tensor([root], device=draft_ids.device), self.heads.to_target_ids(draft_ids)])
+        return nodes, tree

@@ -1,0 +1,160 @@
+"""EAGLE-1 and EAGLE-3: exact decoding over dynamic trees, a drafter cache that matches the accepted text,
+training-time test with the inference-time attention, training and round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from headway.errors import HeadwayError
+from headway.heads.checkpoint import load_head
+from headway.heads.draft_layer import draft_layer_config, drafter_mask
+from headway.heads.eagle import EagleConfig
+from headway.heads.eagle3 import Eagle3Config, Eagle3Head
+from headway.heads.registry import build_head
+from headway.heads.target import TargetConfig, load_target
+from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.generate import features_at, greedy_generate, speculative_generate
+from headway.train.objectives import ttt_unroll
+from train_helpers import losses, small_run
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
+
+
+def load64(path: Path):
+    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
+
+
+def random_head(t, kind: str, seed: int = 0):
+    """An untrained head of `kind` for target `t`, float64, with random (not zero) weights."""
+    torch.manual_seed(seed)
+    L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
+    if kind == "eagle3":
+        cfg = Eagle3Config(draft_vocab_size=96, ttt_steps=3)
+        cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
+        d2t = torch.sort(torch.randperm(V)[:96]).values
+    else:
+        cfg, d2t = EagleConfig(), None
+    heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config))
+    heads.init_from_target(t.model.get_output_embeddings().weight)
+    heads.attach_target(t.model)
+    return heads.double().eval()
+
+
+def chat_ids(t, text: str) -> list[int]:
+    prompt = t.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_untrained_eagle_heads_are_exact(tiny_dirs, arch: str, kind: str):
+    t = load64(tiny_dirs[arch])
+    heads = random_head(t, kind)
+    for depth, top_k, total in [(4, 3, 10), (1, 1, 1), (6, 5, 40)]:
+        drafter = EagleDrafter(heads, t.config.num_hidden_layers, depth, top_k, total)
+        for text in ["What is two plus three?", "Write a short poem about the sea."]:
+            ids = chat_ids(t, text)
+            ref = greedy_generate(t.model, ids, 32, [t.tokenizer.eos_token_id])
+            spec = speculative_generate(t.model, drafter, ids, 32, [t.tokenizer.eos_token_id])
+            assert spec.tokens == ref.tokens, (arch, kind, depth, top_k, total)
+            assert max(spec.accepted) <= depth
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
+    """After decoding, the drafter's state equals one fresh causal pass over everything it was told:
+    the tree expansions left nothing behind and every accepted position has the target's real feature."""
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, kind)
+    drafter = EagleDrafter(heads, t.config.num_hidden_layers, 4, 4, 12)
+    told: list[int] = []
+    begin, accept = drafter.begin, drafter.accept
+    drafter.begin = lambda prompt, root, f: (told.extend(prompt + [root]), begin(prompt, root, f))
+    drafter.accept = lambda tokens, f: (told.extend(tokens), accept(tokens, f))
+    ids = chat_ids(t, "Tell me a story about a fox.")
+    speculative_generate(t.model, drafter, ids, 40, [])
+    with torch.no_grad():
+        o = t.model(torch.tensor([told[:-1]]), output_hidden_states=True)
+        feats = features_at(o.hidden_states, drafter.feature_layers, slice(None))
+        n = len(told) - 1
+        mask = drafter_mask(torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64)
+        fresh = heads(torch.tensor([told[1:]]), heads.project(feats.unsqueeze(0)), torch.arange(n).unsqueeze(0), mask)
+    assert drafter.committed == n
+    torch.testing.assert_close(drafter.last_out, fresh[0, -1], rtol=1e-9, atol=1e-9)
+
+
+def test_training_time_test_sees_what_inference_sees(tiny_dirs):
+    """Step j of the unrolled drafter at position t equals drafting a chain j steps past t at inference,
+    and depends on nothing later: tokens up to t+1+j and features up to t."""
+    from transformers import DynamicCache
+
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, "eagle3")
+    torch.manual_seed(1)
+    T, steps = 12, 3
+    ids = torch.randint(0, t.config.vocab_size, (1, T))
+    attn = torch.ones(1, T, dtype=torch.long)
+    feats = torch.randn(1, T, 3 * t.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        outs = ttt_unroll(heads, ids, attn, heads.project(feats), steps)
+        for pos in (0, 4, 7):  # inference: commit 0..pos with real features, then extend a chain of true tokens
+            cache = DynamicCache(config=heads.decoder.config)
+            n = pos + 1
+            causal = drafter_mask(torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64)
+            out = heads(ids[:, 1 : n + 1], heads.project(feats[:, :n]), torch.arange(n).unsqueeze(0), causal, cache)
+            hidden = out[:, -1:]
+            torch.testing.assert_close(hidden[0, 0], outs[0][0, pos])
+            for j in range(1, steps):
+                mask = drafter_mask(torch.ones(1, 1, n + j, dtype=torch.bool), torch.float64)
+                out = heads(ids[:, pos + 1 + j : pos + 2 + j], hidden, torch.tensor([[pos + j]]), mask, cache)
+                torch.testing.assert_close(out[0, 0], outs[j][0, pos])
+                hidden = out
+        later_ids, later_feats = ids.clone(), feats.clone()
+        later_ids[0, 9] = (later_ids[0, 9] + 1) % t.config.vocab_size
+        later_feats[0, 9] += 1.0
+        moved_ids = ttt_unroll(heads, later_ids, attn, heads.project(feats), steps)
+        moved_feats = ttt_unroll(heads, ids, attn, heads.project(later_feats), steps)
+    for j in range(steps):
+        torch.testing.assert_close(moved_ids[j][0, : 9 - 1 - j], outs[j][0, : 9 - 1 - j])  # tokens <= t+1+j < 9
+        assert not torch.allclose(moved_ids[j][0, 8 - j], outs[j][0, 8 - j])  # reads token 9 at t = 8 - j
+        torch.testing.assert_close(moved_feats[j][0, :9], outs[j][0, :9])  # features <= t < 9
+
+
+def test_eagle_tree_settings_are_checked(tiny_dirs):
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, "eagle3")
+    with pytest.raises(HeadwayError, match="depth, top_k and total_tokens >= 1"):
+        EagleDrafter(heads, t.config.num_hidden_layers, 0, 4, 8)
+    with pytest.raises(HeadwayError, match="top_k=500 exceeds the head's draft vocabulary"):
+        EagleDrafter(heads, t.config.num_hidden_layers, 3, 500, 8)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_path: Path, kind: str):
+    from headway.config import load_config
+    from headway.inference.api import SpeculativeDecoder
+    from headway.run_config import RunConfig
+    from headway.train.loop import train
+
+    head_dir = train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "run", f"head.kind={kind}",
+                               "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=3", "train.max_steps=12"))
+    curve = losses(tmp_path / "run")
+    assert curve[-1][1] < curve[0][1]  # it learns
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["kind"] == kind and config["draft_layer"]["num_hidden_layers"] == 1
+    if kind == "eagle3":
+        assert config["head"]["feature_layers"] == [2, 2, 1]  # (2, L//2, L-3) resolved for the 4-layer target
+        assert config["draft_vocab_size"] == 64
+    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
+                                        "target.dtype=float64", "inference.max_new_tokens=24"])
+    decoder = SpeculativeDecoder.load(head_dir, cfg)
+    result = decoder.chat("Question 3: what is 3 plus 4?")
+    assert result.spec.tokens == result.plain.tokens
+    assert result.spec.tau > 1.0  # the tiny target repeats itself; a trained drafter sees it
+    other = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False)
+    with pytest.raises(HeadwayError, match="was made for target"):
+        load_head(head_dir, other.fingerprint)
