@@ -48,6 +48,14 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from headway.data_scripts.cache_features import run_cache_features
+
+    out = run_cache_features(cfg)
+    print(f"features: {out}  (train with train.features_dir={out})")
+    return 0
+
+
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.train.loop import train
 
@@ -128,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
     _add_config_args(p, RunConfig, cmd_distill)
+
+    p = sub.add_parser("cache-features", help="run the target once over train.datasets and keep the features heads read")
+    _add_config_args(p, RunConfig, cmd_cache_features)
 
     p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
     _add_config_args(p, RunConfig, cmd_train)

@@ -74,6 +74,26 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
     _fsync_dir(out.parent)
 
 
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `path` for a writer that wants a file name; fsync and rename it on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
 def safetensors_of(tensors: dict) -> dict:
     """Detached, contiguous CPU copies: what safetensors can write."""
     return {k: v.detach().contiguous().cpu() for k, v in tensors.items()}

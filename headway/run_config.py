@@ -1,6 +1,7 @@
 """One run config for every command: a recipe YAML holds all its sections, each command reads its own.
 
-Sections: target, prompts + magpie + distill (self-distillation), head + train + logging (training),
+Sections: target, prompts + magpie + distill (self-distillation), features (offline target features),
+head + train + logging (training),
 inference (decoding). An unknown section or key anywhere is an error that names it.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from headway.data_scripts.cache_features import FeaturesConfig
 from headway.data_scripts.distill import DistillConfig
 from headway.data_scripts.magpie import MagpieConfig
 from headway.data_scripts.prompts import PromptConfig
@@ -23,6 +25,7 @@ class RunConfig:
     prompts: PromptConfig = field(default_factory=PromptConfig)
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -158,3 +158,32 @@ def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(tiny_dirs, ti
     other = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False)
     with pytest.raises(HeadwayError, match="was made for target"):
         load_head(head_dir, other.fingerprint)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: Path, kind: str):
+    """Features cached once (float32) give the same loss on the same batch as running the target."""
+    import subprocess
+    import sys
+
+    from headway.train.loop import train
+
+    extra = (f"head.kind={kind}", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "head.medusa.num_heads=2",
+             "head.eagle.feature_noise=0", "train.max_steps=3", "train.eval_every=0", "train.save_every=0")
+    feats = tmp_path / "feats"
+    res = subprocess.run([sys.executable, "-m", "headway", "cache-features", f"target.name_or_path={tiny_dirs['llama']}",
+                          "target.num_threads=1", f"train.datasets=[{tiny_data}]", f"features.output_dir={feats}",
+                          "features.dtype=float32", "features.shard_size=10", "features.layers=[1,2,4]"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "GB on disk" in res.stdout and len(list((feats / "shards").glob("*.safetensors"))) == 3
+    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))
+    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra, f"train.features_dir={feats}"))
+    online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
+    assert [s for s, _ in online] == [1, 2, 3]
+    for (_, a), (_, b) in zip(online, offline):
+        assert b == pytest.approx(a, rel=1e-5)
+    shard = sorted((feats / "shards").glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-8])  # a damaged shard is named, not read
+    with pytest.raises(HeadwayError, match=rf"feature shard .*{shard.name} is missing or damaged"):
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "again", *extra, f"train.features_dir={feats}"))

@@ -38,6 +38,9 @@ class TrainConfig:
     max_steps: int = 1000
     micro_batch_size: int = 4
     grad_accum: int = 1
+    # Read the target's features from a cache written by `headway cache-features` (same datasets and
+    # max_length) instead of running the target in every step; null = online. Not with Medusa-2.
+    features_dir: Optional[str] = None
     # Longer sequences are cut to this many tokens.
     max_length: int = 1024
     # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr.
@@ -72,6 +75,9 @@ class TrainConfig:
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["bfloat16", "float32"])
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
+        if self.features_dir and self.lora.enabled:
+            raise HeadwayError("train.features_dir (offline features) cannot train Medusa-2: its LoRA target must run in "
+                               "every step; unset one of them")
         if not 0 <= self.eval_fraction < 1:
             raise HeadwayError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 

@@ -21,6 +21,7 @@ from headway.heads.target import fingerprint_mismatch
 class Sample:
     input_ids: list[int]
     loss_mask: list[int]
+    key: str = ""  # "<dataset dir>#<sample id>": stable across runs (held-out split, feature cache)
 
 
 def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[list[tuple[str, Sample]], dict]:
@@ -37,7 +38,8 @@ def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[
                 f"target {fingerprint.get('id')} ({'; '.join(diff)}): distil it again with this target"
             )
         for i, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
-            out.append((f"{path}#{i}", Sample(list(ids[:max_length]), list(mask[:max_length]))))
+            key = f"{path}#{i}"
+            out.append((key, Sample(list(ids[:max_length]), list(mask[:max_length]), key)))
     return out, {"datasets": paths}
 
 

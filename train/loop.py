@@ -12,7 +12,7 @@ import random
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from tqdm import tqdm
@@ -28,7 +28,8 @@ from headway.runtime import parse_dtype
 from headway.train.calibration import rank_accuracy
 from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from headway.run_config import RunConfig
-from headway.train.data import batch_at, collate, load_samples, split_heldout, token_frequencies
+from headway.data_scripts.cache_features import FeatureCache
+from headway.train.data import Sample, batch_at, collate, load_samples, split_heldout, token_frequencies
 from headway.train.logging import RunLogger
 from headway.train.losses import distill_kl, target_to_draft
 from headway.train.objectives import OBJECTIVES, Features
@@ -94,17 +95,21 @@ def feature_layers(heads: Any, target: Any) -> list[int]:
     return sorted(set(heads.feature_layers(heads.cfg, num_layers)) | {num_layers})
 
 
-def _step_loss(cfg: RunConfig, target: Any, heads: Any, batch: dict, t2d: Any, device: Any,
-               adapt: bool = False) -> tuple[torch.Tensor, dict]:
-    """Head loss on one micro-batch; with `adapt` (Medusa-2) the LoRA-adapted target runs with gradients
-    and a distillation loss keeps it close to the frozen target."""
-    batch = {k: v.to(device) for k, v in batch.items()}
+def _step_loss(cfg: RunConfig, target: Any, heads: Any, samples: list[Sample], t2d: Any, device: Any,
+               adapt: bool = False, cache: Optional[FeatureCache] = None) -> tuple[torch.Tensor, dict]:
+    """Head loss on one micro-batch. The target's features come from running it, or from the offline
+    `cache`; with `adapt` (Medusa-2) the LoRA-adapted target runs with gradients and a distillation
+    loss keeps it close to the frozen target."""
+    batch = {k: v.to(device) for k, v in collate(samples, target.tokenizer.pad_token_id or 0).items()}
     ids, attn = batch["input_ids"], batch["attention_mask"]
     autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
                               enabled=cfg.train.autocast_dtype != "float32")
-    with torch.set_grad_enabled(adapt), autocast:
-        out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-    feats = Features({i: out.hidden_states[i] for i in feature_layers(heads, target)}, out.logits)
+    if cache is not None:
+        feats = Features(cache.batch([s.key for s in samples], ids.shape[1], device), model=target.model)
+    else:
+        with torch.set_grad_enabled(adapt), autocast:
+            out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+        feats = Features({i: out.hidden_states[i] for i in feature_layers(heads, target)}, out.logits)
     with autocast:
         loss, metrics = OBJECTIVES[cfg.head.kind](cfg, heads, batch, feats, t2d)
     if adapt:
@@ -117,15 +122,16 @@ def _step_loss(cfg: RunConfig, target: Any, heads: Any, batch: dict, t2d: Any, d
 
 
 @torch.no_grad()
-def evaluate(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, device: Any, pad_id: int) -> dict:
+def evaluate(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, device: Any,
+             cache: Optional[FeatureCache] = None) -> dict:
     """Per-head top-1 / top-5 accuracy and loss on the held-out split (token-weighted over batches)."""
     heads.eval()
     sums: dict[str, float] = {}
     batches = 0
     samples = held[: cfg.train.eval_max_samples]
     for start in range(0, len(samples), cfg.train.micro_batch_size):
-        batch = collate(samples[start : start + cfg.train.micro_batch_size], pad_id)
-        loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device)
+        loss, metrics = _step_loss(cfg, target, heads, samples[start : start + cfg.train.micro_batch_size], t2d, device,
+                                   cache=cache)
         metrics["loss"] = float(loss)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
@@ -147,6 +153,11 @@ def train(cfg: RunConfig) -> Path:
     train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
     heads = build_heads(cfg, target, train_set).to(device)
+    cache = None
+    if tc.features_dir:
+        cache = FeatureCache(tc.features_dir, target.fingerprint, feature_layers(heads, target),
+                             {"datasets": list(tc.datasets), "max_length": tc.max_length})
+        log.info("offline: the target's features come from %s", tc.features_dir)
     heads.train()
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     params = [p for p in heads.parameters() if p.requires_grad]
@@ -171,7 +182,6 @@ def train(cfg: RunConfig) -> Path:
             log.info("resumed from %s at step %d", path, step)
     save_config(cfg, out)
     logger = RunLogger(out / "log.jsonl", cfg.logging, cfg, resume=step > 0)
-    pad_id = target.tokenizer.pad_token_id or 0
     per_step = tc.micro_batch_size * tc.grad_accum
     log.info("effective batch: %d sequences (%d x %d accumulation)", per_step, tc.micro_batch_size, tc.grad_accum)
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step")
@@ -182,10 +192,10 @@ def train(cfg: RunConfig) -> Path:
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
         for _ in range(tc.grad_accum):
-            batch = collate(batch_at(train_set, consumed, tc.micro_batch_size, tc.seed), pad_id)
+            batch = batch_at(train_set, consumed, tc.micro_batch_size, tc.seed)
             consumed += tc.micro_batch_size
-            tokens += int(batch["loss_mask"].sum())
-            loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device, adapt)
+            tokens += sum(sum(s.loss_mask) for s in batch)
+            loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device, adapt, cache)
             (loss / tc.grad_accum).backward()
             loss_sum += float(loss.detach()) / tc.grad_accum
             for k, v in metrics.items():
@@ -203,7 +213,7 @@ def train(cfg: RunConfig) -> Path:
         if step % tc.log_every == 0 or step == 1:
             logger.log(record)
         if tc.eval_every and (step % tc.eval_every == 0 or step == tc.max_steps) and held:
-            result = evaluate(cfg, target, heads, held, t2d, device, pad_id)
+            result = evaluate(cfg, target, heads, held, t2d, device, cache)
             logger.log({"step": step, **result})
             log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k))
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:

@@ -7,7 +7,6 @@ tell which, so both modes give the same loss on the same batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -17,10 +16,21 @@ from headway.heads.draft_layer import drafter_mask
 from headway.train.losses import masked_mean, medusa_labels, medusa_loss, medusa_soft_targets
 
 
-@dataclass
 class Features:
-    hidden: dict[int, torch.Tensor]  # HF output_hidden_states index -> [B, T, h]
-    logits: torch.Tensor  # the target's next-token logits [B, T, V]
+    """hidden: HF output_hidden_states index -> [B, T, h]; logits: the target's next-token logits [B, T, V],
+    given (online) or recomputed on first use from the last hidden state through `model`'s lm_head (offline)."""
+
+    def __init__(self, hidden: dict[int, torch.Tensor], logits: Optional[torch.Tensor] = None, model: Any = None):
+        self.hidden = hidden
+        self._logits = logits
+        self._model = model
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            with torch.no_grad():
+                self._logits = target_logits(self._model, self.hidden[max(self.hidden)])
+        return self._logits
 
     def cat(self, layers: list[int]) -> torch.Tensor:
         return torch.cat([self.hidden[i].float() for i in layers], dim=-1)

@@ -1,0 +1,202 @@
+"""Offline features: run the frozen target once over the training data and keep the hidden states a
+head reads, in safetensors shards, so training epochs (and sweeps) never run the target again.
+
+Layout of the output directory:
+  shards/shard-NNNNN.safetensors  h{layer}: [tokens, hidden] for each cached layer, offsets: [n + 1]
+  manifest.json                   target fingerprint, layers, dtype, the sample keys of every shard
+                                  and each shard's sha256 (written last: present = complete)
+Each shard is written atomically and skipped when it exists, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from headway.config import check_choice
+from headway.errors import HeadwayError
+from headway.heads.target import fingerprint_mismatch
+from headway.io import atomic_file, atomic_write_json
+from headway.runtime import parse_dtype
+
+log = logging.getLogger("headway")
+
+
+@dataclass
+class FeaturesConfig:
+    # Where `headway cache-features` writes the shards; train.features_dir reads them.
+    output_dir: str = "outputs/features"
+    # Target hidden-state indices (HF output_hidden_states) to keep; empty = what head.kind reads, plus the
+    # last one (the target's logits are recomputed from it). Cache (2, L//2, L-3, L) to serve every kind.
+    layers: list[int] = field(default_factory=list)
+    # Storage dtype: bfloat16 halves the disk; float32 gives bit-identical losses to online training.
+    dtype: str = "bfloat16"
+    # Sequences per shard (the unit of resumption) and per target forward.
+    shard_size: int = 256
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        check_choice("features", "dtype", self.dtype, ["bfloat16", "float16", "float32"])
+        if self.shard_size < 1 or self.batch_size < 1:
+            raise HeadwayError("features.shard_size and features.batch_size must be >= 1")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def cache_features(model: Any, samples: list, keys: list[str], layers: list[int], fingerprint: dict, cfg: FeaturesConfig,
+                   identity: dict, pad_id: int) -> Path:
+    """Write the shards and the manifest; `identity` (datasets, max_length) must match on resume."""
+    from headway.train.data import collate
+
+    out = Path(cfg.output_dir).expanduser()
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    dtype = parse_dtype(cfg.dtype)
+    run = {"target_fingerprint": fingerprint, "layers": layers, "dtype": cfg.dtype, "shard_size": cfg.shard_size, **identity}
+    run_file = out / "run.json"
+    if run_file.is_file():
+        previous = json.loads(run_file.read_text())
+        if previous != run:
+            changed = sorted(k for k in set(previous) | set(run) if previous.get(k) != run.get(k))
+            raise HeadwayError(f"{out} holds features cached with other settings ({', '.join(changed)}): "
+                               "use another features.output_dir or delete it")
+    else:
+        atomic_write_json(run_file, run)
+    hidden = int(model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") else model.config.hidden_size)
+    tokens = sum(len(s.input_ids) for s in samples)
+    need = tokens * len(layers) * hidden * dtype.itemsize
+    log.info("caching layers %s for %d sequences (%d tokens) in %s: needs %.2f GB of disk", layers, len(samples), tokens,
+             cfg.dtype, need / 1e9)
+    print(f"feature cache: {len(samples)} sequences, {tokens} tokens, layers {layers}, {cfg.dtype}: "
+          f"{need / 1e9:.2f} GB on disk in {out}", flush=True)
+    device = next(model.parameters()).device
+    shards = []
+    bar = tqdm(total=len(samples), desc="cache-features", unit="seq")
+    for first in range(0, len(samples), cfg.shard_size):
+        name = f"shard-{first // cfg.shard_size:05d}.safetensors"
+        path = out / "shards" / name
+        part = samples[first : first + cfg.shard_size]
+        if not path.is_file():
+            per_layer: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+            for b in range(0, len(part), cfg.batch_size):
+                batch = collate(part[b : b + cfg.batch_size], pad_id)
+                o = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                          output_hidden_states=True)
+                for row, s in enumerate(part[b : b + cfg.batch_size]):
+                    for i in layers:
+                        per_layer[i].append(o.hidden_states[i][row, : len(s.input_ids)].to(dtype).cpu())
+                bar.update(len(part[b : b + cfg.batch_size]))
+            lengths = torch.tensor([0] + [len(s.input_ids) for s in part])
+            tensors = {f"h{i}": torch.cat(per_layer[i]).contiguous() for i in layers}
+            tensors["offsets"] = torch.cumsum(lengths, 0)
+            with atomic_file(path) as tmp:
+                save_file(tensors, str(tmp))
+        else:
+            bar.update(len(part))
+        shards.append({"file": f"shards/{name}", "keys": keys[first : first + cfg.shard_size], "sha256": _sha256(path)})
+    bar.close()
+    atomic_write_json(out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards})
+    return out
+
+
+class FeatureCache:
+    """Reads cached features back by sample key; refuses a cache made by another target, with other
+    layers, from other data, or whose shard no longer matches its checksum."""
+
+    def __init__(self, path: str | Path, fingerprint: dict, layers: list[int], identity: dict):
+        self.path = Path(path).expanduser()
+        manifest_file = self.path / "manifest.json"
+        if not manifest_file.is_file():
+            raise HeadwayError(f"{self.path} has no manifest.json: run `headway cache-features` to completion first")
+        m = json.loads(manifest_file.read_text())
+        diff = fingerprint_mismatch(m["target_fingerprint"], fingerprint)
+        if diff:
+            raise HeadwayError(f"features in {self.path} were cached from another target ({'; '.join(diff)}): cache them again")
+        missing = [i for i in layers if i not in m["layers"]]
+        if missing:
+            raise HeadwayError(f"features in {self.path} hold layers {m['layers']}, not {missing} which this head reads: "
+                               "cache them with features.layers including those")
+        for k, v in identity.items():
+            if m.get(k) != v:
+                raise HeadwayError(f"features in {self.path} were cached with {k}={m.get(k)}, but training has {k}={v}: "
+                                   "cache them again from the same data")
+        self.where: dict[str, tuple[int, int]] = {}
+        self.files = []
+        for si, shard in enumerate(m["shards"]):
+            f = self.path / shard["file"]
+            if not f.is_file() or _sha256(f) != shard["sha256"]:
+                raise HeadwayError(f"feature shard {f} is missing or damaged (checksum differs): delete it and rerun "
+                                   "`headway cache-features` to rebuild it")
+            self.files.append(f)
+            for row, key in enumerate(shard["keys"]):
+                self.where[key] = (si, row)
+        self.layers = layers
+        self._open: dict[int, Any] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    def _handle(self, si: int) -> Any:
+        if si not in self._open:
+            if len(self._open) >= 8:
+                self._open.pop(next(iter(self._open)))
+            self._open[si] = safe_open(str(self.files[si]), framework="pt")
+            self._offsets[si] = self._open[si].get_tensor("offsets")
+        return self._open[si]
+
+    def batch(self, keys: list[str], width: int, device: Any = "cpu") -> dict[int, torch.Tensor]:
+        """Right-padded features {layer: [B, width, h]} for the samples `keys`, as float32."""
+        out: dict[int, Optional[torch.Tensor]] = {i: None for i in self.layers}
+        for b, key in enumerate(keys):
+            if key not in self.where:
+                raise HeadwayError(f"sample {key} is not in the feature cache {self.path}: cache the features again")
+            si, row = self.where[key]
+            h = self._handle(si)
+            lo, hi = (int(x) for x in self._offsets[si][row : row + 2])
+            for i in self.layers:
+                rows = h.get_slice(f"h{i}")[lo:hi]
+                if out[i] is None:
+                    out[i] = torch.zeros(len(keys), width, rows.shape[-1], dtype=torch.float32)
+                n = min(width, hi - lo)
+                out[i][b, :n] = rows[:n].float()
+        return {i: t.to(device) for i, t in out.items()}
+
+
+def layers_for(cfg: Any, num_target_layers: int) -> list[int]:
+    """features.layers, or those head.kind reads; always with the last layer (the target's logits)."""
+    from headway.heads.registry import KINDS
+
+    layers = list(cfg.features.layers)
+    if not layers:
+        layers = KINDS[cfg.head.kind][1].feature_layers(cfg.head.kind_config(), num_target_layers)
+    bad = [i for i in layers if not 0 <= i <= num_target_layers]
+    if bad:
+        raise HeadwayError(f"features.layers {bad} outside the target's hidden states 0..{num_target_layers}")
+    return sorted(set(layers) | {num_target_layers})
+
+
+def run_cache_features(cfg: Any) -> Path:
+    """`headway cache-features`: the features of every sample of train.datasets (held-out ones too)."""
+    from headway.heads.draft_layer import text_config
+    from headway.heads.target import load_target
+    from headway.train.data import load_samples
+
+    target = load_target(cfg.target)
+    pairs, _ = load_samples(cfg.train.datasets, target.fingerprint, cfg.train.max_length)
+    layers = layers_for(cfg, int(text_config(target.config).num_hidden_layers))
+    identity = {"datasets": list(cfg.train.datasets), "max_length": cfg.train.max_length}
+    return cache_features(target.model, [s for _, s in pairs], [k for k, _ in pairs], layers, target.fingerprint,
+                          cfg.features, identity, target.tokenizer.pad_token_id or 0)
