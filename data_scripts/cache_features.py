@@ -2,7 +2,8 @@
 head reads, in safetensors shards, so training epochs (and sweeps) never run the target again.
 
 Layout of the output directory:
-  shards/shard-NNNNN.safetensors  h{layer}: [tokens, hidden] for each cached layer, offsets: [n + 1]
+  shards/shard-NNNNN.safetensors  h{layer}: [tokens, hidden] for each cached layer, argmax: [tokens] (the
+                                  target's greedy next token), offsets: [n + 1]
   manifest.json                   target fingerprint, layers, dtype, the sample keys of every shard
                                   and each shard's sha256 (written last: present = complete)
 Each shard is written atomically and skipped when it exists, so a killed run resumes where it stopped.
@@ -93,17 +94,21 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
         part = samples[first : first + cfg.shard_size]
         if not path.is_file():
             per_layer: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+            argmax: list[torch.Tensor] = []
             for b in range(0, len(part), cfg.batch_size):
                 batch = collate(part[b : b + cfg.batch_size], pad_id)
                 o = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
                           output_hidden_states=True)
+                greedy = o.logits.argmax(-1).to(torch.int32).cpu()
                 for row, s in enumerate(part[b : b + cfg.batch_size]):
+                    argmax.append(greedy[row, : len(s.input_ids)])
                     for i in layers:
                         per_layer[i].append(o.hidden_states[i][row, : len(s.input_ids)].to(dtype).cpu())
                 bar.update(len(part[b : b + cfg.batch_size]))
             lengths = torch.tensor([0] + [len(s.input_ids) for s in part])
             tensors = {f"h{i}": torch.cat(per_layer[i]).contiguous() for i in layers}
             tensors["offsets"] = torch.cumsum(lengths, 0)
+            tensors["argmax"] = torch.cat(argmax)
             with atomic_file(path) as tmp:
                 save_file(tensors, str(tmp))
         else:
@@ -157,22 +162,24 @@ class FeatureCache:
             self._offsets[si] = self._open[si].get_tensor("offsets")
         return self._open[si]
 
-    def batch(self, keys: list[str], width: int, device: Any = "cpu") -> dict[int, torch.Tensor]:
-        """Right-padded features {layer: [B, width, h]} for the samples `keys`, as float32."""
+    def batch(self, keys: list[str], width: int, device: Any = "cpu") -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Right-padded features {layer: [B, width, h]} (float32) and the target's greedy tokens [B, width]."""
         out: dict[int, Optional[torch.Tensor]] = {i: None for i in self.layers}
+        argmax = torch.zeros(len(keys), width, dtype=torch.long)
         for b, key in enumerate(keys):
             if key not in self.where:
                 raise HeadwayError(f"sample {key} is not in the feature cache {self.path}: cache the features again")
             si, row = self.where[key]
             h = self._handle(si)
             lo, hi = (int(x) for x in self._offsets[si][row : row + 2])
+            argmax[b, : min(width, hi - lo)] = h.get_slice("argmax")[lo:hi][:width].long()
             for i in self.layers:
                 rows = h.get_slice(f"h{i}")[lo:hi]
                 if out[i] is None:
                     out[i] = torch.zeros(len(keys), width, rows.shape[-1], dtype=torch.float32)
                 n = min(width, hi - lo)
                 out[i][b, :n] = rows[:n].float()
-        return {i: t.to(device) for i, t in out.items()}
+        return {i: t.to(device) for i, t in out.items()}, argmax.to(device)
 
 
 def layers_for(cfg: Any, num_target_layers: int) -> list[int]:

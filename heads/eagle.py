@@ -58,7 +58,7 @@ class EagleBase(nn.Module):
         object.__setattr__(self, "_embed", target_model.get_input_embeddings())
         self._target_lm_head = target_model.get_output_embeddings().weight.detach()
 
-    def init_from_target(self, target_lm_head: torch.Tensor) -> None:
+    def init_from_target(self, target_model: Any) -> None:
         """EAGLE-1 reads out through the target's lm_head itself: nothing to copy."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:

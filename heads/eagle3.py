@@ -91,10 +91,19 @@ class Eagle3Head(EagleBase):
         L = num_target_layers
         return [min(2, L), L // 2, max(0, L - 3)]
 
-    def init_from_target(self, target_lm_head: torch.Tensor) -> None:
-        """Start the draft lm_head from the target's rows for the draft vocabulary."""
+    def init_from_target(self, target_model: Any) -> None:
+        """Start the read-out where the target's is: its final norm and its lm_head rows for the draft vocabulary."""
+        target_lm_head = target_model.get_output_embeddings().weight
+        final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         with torch.no_grad():
             self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight.dtype))
+            if final_norm is not None and type(final_norm) is type(self.norm):
+                self.norm.load_state_dict(final_norm.state_dict())
+            # fc starts by passing the highest fused layer through: the untrained drafter then reads the
+            # target's own late residual stream out through the target's own norm and lm_head.
+            h = self.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, 2 * h :] = torch.eye(h, dtype=self.fc.weight.dtype)
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
         """The drafter's h-wide input from the concatenated low/middle/high target features [.., 3h]."""

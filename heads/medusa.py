@@ -76,10 +76,11 @@ class MedusaHeads(nn.Module):
     def draft_vocab_size(self) -> int:
         return len(self.d2t) if self.d2t is not None else self.vocab_size
 
-    def init_from_target(self, target_lm_head: torch.Tensor) -> None:
+    def init_from_target(self, target_model: Any) -> None:
         """Copy the target's lm_head rows into each head's projection (own: all rows; reduced: the draft rows)."""
         if self.lm_heads is None:
             return
+        target_lm_head = target_model.get_output_embeddings().weight
         rows = target_lm_head if self.d2t is None else target_lm_head[self.d2t]
         with torch.no_grad():
             for head in self.lm_heads:

@@ -39,7 +39,7 @@ def random_head(t, kind: str, seed: int = 0):
     else:
         cfg, d2t = EagleConfig(), None
     heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config))
-    heads.init_from_target(t.model.get_output_embeddings().weight)
+    heads.init_from_target(t.model)
     heads.attach_target(t.model)
     return heads.double().eval()
 

@@ -66,7 +66,7 @@ def test_medusa_untrained_heads_are_exact(tiny_dirs, arch: str):
     hidden, vocab = t.config.hidden_size, t.config.vocab_size
     for lm_head in ("own", "shared", "reduced"):
         heads = MedusaHeads(MedusaConfig(num_heads=4, lm_head=lm_head, draft_vocab_size=64), hidden, vocab).double()
-        heads.init_from_target(t.model.get_output_embeddings().weight)
+        heads.init_from_target(t.model)
         heads.attach_target(t.model)
         for block in heads.blocks:  # random, not identity: the guesses differ per head
             torch.nn.init.normal_(block[0].linear.weight, std=0.5)

@@ -84,7 +84,7 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
         log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
     layer_config = draft_layer_config(target.config) if kind in LAYERED else None
     heads = build_head(kind, kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
-    heads.init_from_target(target.model.get_output_embeddings().weight)
+    heads.init_from_target(target.model)
     heads.attach_target(target.model)
     return heads
 
@@ -105,7 +105,8 @@ def _step_loss(cfg: RunConfig, target: Any, heads: Any, samples: list[Sample], t
     autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
                               enabled=cfg.train.autocast_dtype != "float32")
     if cache is not None:
-        feats = Features(cache.batch([s.key for s in samples], ids.shape[1], device), model=target.model)
+        hidden, argmax = cache.batch([s.key for s in samples], ids.shape[1], device)
+        feats = Features(hidden, model=target.model, argmax=argmax)
     else:
         with torch.set_grad_enabled(adapt), autocast:
             out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)

@@ -18,12 +18,15 @@ from headway.train.losses import masked_mean, medusa_labels, medusa_loss, medusa
 
 class Features:
     """hidden: HF output_hidden_states index -> [B, T, h]; logits: the target's next-token logits [B, T, V],
-    given (online) or recomputed on first use from the last hidden state through `model`'s lm_head (offline)."""
+    given (online) or recomputed on first use from the last hidden state through `model`'s lm_head
+    (offline); argmax: the target's greedy next token [B, T], given by the cache or read off the logits."""
 
-    def __init__(self, hidden: dict[int, torch.Tensor], logits: Optional[torch.Tensor] = None, model: Any = None):
+    def __init__(self, hidden: dict[int, torch.Tensor], logits: Optional[torch.Tensor] = None, model: Any = None,
+                 argmax: Optional[torch.Tensor] = None):
         self.hidden = hidden
         self._logits = logits
         self._model = model
+        self._argmax = argmax
 
     @property
     def logits(self) -> torch.Tensor:
@@ -32,13 +35,32 @@ class Features:
                 self._logits = target_logits(self._model, self.hidden[max(self.hidden)])
         return self._logits
 
+    @property
+    def argmax(self) -> torch.Tensor:
+        if self._argmax is None:
+            self._argmax = self.logits.argmax(-1)
+        return self._argmax
+
+    def draft_logits(self, d2t: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the draft vocabulary only (offline: just those rows of its lm_head)."""
+        if self._logits is not None:
+            return self._logits[..., d2t]
+        with torch.no_grad():
+            return target_logits(self._model, self.hidden[max(self.hidden)], rows=d2t)
+
     def cat(self, layers: list[int]) -> torch.Tensor:
         return torch.cat([self.hidden[i].float() for i in layers], dim=-1)
 
 
-def target_logits(model: Any, last_hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its final (post-norm) hidden state, as its own forward computes them."""
-    logits = model.get_output_embeddings()(last_hidden.to(model.get_output_embeddings().weight.dtype))
+def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The target's logits from its final (post-norm) hidden state, as its own forward computes them;
+    `rows`: only those vocabulary entries."""
+    head = model.get_output_embeddings()
+    weight = head.weight if rows is None else head.weight[rows.to(head.weight.device)]
+    bias = getattr(head, "bias", None)
+    if bias is not None and rows is not None:
+        bias = bias[rows.to(bias.device)]
+    logits = F.linear(last_hidden.to(weight.dtype), weight, bias)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cap = getattr(cfg, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
@@ -81,10 +103,10 @@ def eagle_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Opt
     out = heads(shifted(ids, 1), f_in, pos, mask)
     valid = shifted(batch["loss_mask"], 2).bool()
     vloss = masked_mean(F.smooth_l1_loss(out.float(), shifted(f, 1), reduction="none").mean(-1), valid)
-    target_p = torch.softmax(shifted(feats.logits.detach().float(), 1), -1)
-    pred = heads.logits(out).float()
-    ploss = masked_mean(-(target_p * F.log_softmax(pred, -1)).sum(-1), valid)
-    top1 = masked_mean((pred.argmax(-1) == target_p.argmax(-1)).float(), valid)
+    target_p = torch.softmax(shifted(feats.logits.detach(), 1)[valid].float(), -1)
+    pred = heads.logits(out[valid]).float()  # the full-vocabulary read-out only where a loss is taken
+    ploss = -(target_p * F.log_softmax(pred, -1)).sum(-1).mean() if len(pred) else pred.sum()
+    top1 = (pred.argmax(-1) == target_p.argmax(-1)).float().mean() if len(pred) else pred.sum()
     loss = ec.feature_weight * vloss + ec.token_weight * ploss
     return loss, {"loss/feature": float(vloss.detach()), "loss/token": float(ploss.detach()), "top1/step0": float(top1)}
 
@@ -118,21 +140,21 @@ def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Op
     vocabulary are skipped, as is everything that is not an answer token."""
     ec = heads.cfg
     ids = batch["input_ids"]
-    d2t = heads.d2t.to(ids.device)
-    tl = feats.logits.detach().float()
-    target_p = torch.softmax(tl[..., d2t], -1)
-    in_draft = (t2d[tl.argmax(-1)] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
+    target_p = torch.softmax(feats.draft_logits(heads.d2t.to(ids.device)).detach().float(), -1)
+    in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
     outs = ttt_unroll(heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps)
-    total = tl.new_zeros(())
+    total = target_p.new_zeros(())
     metrics: dict[str, float] = {}
     for j, out in enumerate(outs):
-        logits = heads.logits(out).float()
-        p = shifted(target_p, 1 + j)
         valid = shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
-        loss_j = masked_mean(-(p * F.log_softmax(logits, -1)).sum(-1), valid)
+        if not bool(valid.any()):
+            continue
+        logits = heads.logits(out[valid]).float()  # the draft lm_head only where a loss is taken: most of a step's cost
+        p = shifted(target_p, 1 + j)[valid]
+        loss_j = -(p * F.log_softmax(logits, -1)).sum(-1).mean()
         total = total + (ec.ttt_decay**j) * loss_j
         metrics[f"loss/step{j}"] = float(loss_j.detach())
-        metrics[f"top1/step{j}"] = float(masked_mean((logits.argmax(-1) == p.argmax(-1)).float(), valid))
+        metrics[f"top1/step{j}"] = float((logits.argmax(-1) == p.argmax(-1)).float().mean())
     return total, metrics
 
 
