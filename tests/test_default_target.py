@@ -105,3 +105,28 @@ def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache
         spec = speculative_generate(t.model, drafter, ids, 32, fmt.stop_ids)
         assert spec.tokens == ref.tokens
         assert spec.target_forwards <= ref.target_forwards
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache, kind: str):
+    """Untrained EAGLE heads on SmolLM2 in float64 (dynamic trees): speculative output equals plain greedy."""
+    from headway.heads.draft_layer import draft_layer_config
+    from headway.heads.eagle import EagleConfig
+    from headway.heads.eagle3 import Eagle3Config
+    from headway.heads.registry import build_head
+    from headway.inference.draft_eagle import EagleDrafter
+    from headway.inference.generate import greedy_generate, speculative_generate
+
+    t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
+    torch.manual_seed(0)
+    cfg = Eagle3Config(feature_layers=[2, 15, 27], draft_vocab_size=2048) if kind == "eagle3" else EagleConfig()
+    d2t = torch.arange(2048) if kind == "eagle3" else None
+    heads = build_head(kind, cfg, 576, 49152, d2t=d2t, layer_config=draft_layer_config(t.model.config))
+    heads.init_from_target(t.model)
+    heads.attach_target(t.model)
+    drafter = EagleDrafter(heads.double().eval(), 30, 4, 4, 12)
+    fmt = ChatFormat(t.tokenizer, None, t.generation_config)
+    ids = fmt.first_turn("Count from one to ten in words.")
+    ref = greedy_generate(t.model, ids, 16, fmt.stop_ids)
+    spec = speculative_generate(t.model, drafter, ids, 16, fmt.stop_ids)
+    assert spec.tokens == ref.tokens
