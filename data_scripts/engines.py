@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from headway.errors import HeadwayError
+from headway.runtime import native_bf16
 
 log = logging.getLogger("headway")
 
@@ -110,10 +111,7 @@ def vllm_available() -> bool:
 
 def vllm_default_dtype() -> str:
     """bfloat16 on GPUs and on CPUs with native bf16 (AVX512_BF16, AMX); float32 elsewhere (AVX2 emulates bf16 slowly)."""
-    if torch.cuda.is_available():
-        return "bfloat16"
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "bfloat16" if ("BF16" in capability or "AMX" in capability) else "float32"
+    return "bfloat16" if native_bf16("cuda" if torch.cuda.is_available() else "cpu") else "float32"
 
 
 class VLLMEngine:

@@ -81,3 +81,24 @@ def configure_threads(num_threads: int) -> int:
         num_threads = max(1, cores // max(1, dist_info().local_world_size))
     torch.set_num_threads(num_threads)
     return num_threads
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether bf16 math is native here: any CUDA GPU, or a CPU with AVX512_BF16 or AMX (AVX2-only CPUs
+    emulate bf16 several times slower than float32)."""
+    if torch.device(device).type == "cuda":
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+        return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        capability = torch.backends.cpu.get_cpu_capability()
+        return "BF16" in capability or "AMX" in capability
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 where it is native (see native_bf16), else float32."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    return parse_dtype(name)

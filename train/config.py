@@ -50,8 +50,10 @@ class TrainConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    # Compute dtype of the head (and target) forward under autocast: bfloat16 or float32.
-    autocast_dtype: str = "bfloat16"
+    # Compute dtype of the head (and target) forward under autocast: auto (bfloat16 on GPUs and on CPUs
+    # with native bf16 such as AVX512_BF16/AMX, float32 on AVX2-only CPUs that emulate it slowly),
+    # bfloat16 or float32.
+    autocast_dtype: str = "auto"
     # Loss to the self-distilled token (ce) or to the target's own distribution there (kl).
     loss: str = "ce"
     # Head i's loss weight is decay ** i.
@@ -72,7 +74,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])
-        check_choice("train", "autocast_dtype", self.autocast_dtype, ["bfloat16", "float32"])
+        check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if self.features_dir and self.lora.enabled:

@@ -24,7 +24,7 @@ from headway.heads.draft_layer import draft_layer_config, text_config
 from headway.heads.eagle3 import Eagle3Head
 from headway.heads.registry import LAYERED, build_head
 from headway.heads.target import load_target
-from headway.runtime import parse_dtype
+from headway.runtime import autocast_dtype
 from headway.train.calibration import rank_accuracy
 from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
 from headway.run_config import RunConfig
@@ -102,8 +102,8 @@ def _step_loss(cfg: RunConfig, target: Any, heads: Any, samples: list[Sample], t
     loss keeps it close to the frozen target."""
     batch = {k: v.to(device) for k, v in collate(samples, target.tokenizer.pad_token_id or 0).items()}
     ids, attn = batch["input_ids"], batch["attention_mask"]
-    autocast = torch.autocast(device.type, dtype=parse_dtype(cfg.train.autocast_dtype),
-                              enabled=cfg.train.autocast_dtype != "float32")
+    compute = autocast_dtype(cfg.train.autocast_dtype, device)
+    autocast = torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32)
     if cache is not None:
         hidden, argmax = cache.batch([s.key for s in samples], ids.shape[1], device)
         feats = Features(hidden, model=target.model, argmax=argmax)
