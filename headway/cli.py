@@ -90,7 +90,7 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
     decoder = SpeculativeDecoder.load(args.head, cfg)
     prompts = dataclasses.replace(cfg.prompts, path=args.prompts or cfg.prompts.path, max_turns=1,
                                   limit=args.limit if args.limit is not None else cfg.prompts.limit)
-    result = run_bench(decoder, prompts, cfg.inference.max_new_tokens)
+    result = run_bench(decoder, prompts, cfg.inference.max_new_tokens, args.per_category or 0)
     out = Path(args.out)
     write_results(result, out)
     print(markdown_table(result))
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", required=True, help="a head directory")
     p.add_argument("--prompts", help="jsonl/json/parquet prompt file (first user turns are used); default prompts.path")
     p.add_argument("--limit", type=int, help="only the first N prompts")
+    p.add_argument("--per-category", type=int, help="only the first N prompts of each category (after --limit)")
     p.add_argument("--out", default="bench.json", help="results JSON (a Markdown table is written beside it)")
     _add_config_args(p, RunConfig, cmd_bench)
 

@@ -34,8 +34,22 @@ def _summary(rows: list[dict], depth: int) -> dict:
     }
 
 
-def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int) -> dict:
+def per_category(convs: list, n: int) -> list:
+    """The first `n` prompts of each category, in file order (a balanced subset of a large set)."""
+    seen: dict[str, int] = {}
+    out = []
+    for c in convs:
+        cat = c.meta.get("category", "all")
+        if seen.get(cat, 0) < n:
+            out.append(c)
+            seen[cat] = seen.get(cat, 0) + 1
+    return out
+
+
+def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int, per_cat: int = 0) -> dict:
     convs = load_conversations(prompts)
+    if per_cat > 0:
+        convs = per_category(convs, per_cat)
     model, stop = decoder.target.model, decoder.fmt.stop_ids
     warm = decoder.fmt.first_turn("Hello")
     greedy_generate(model, warm, 4, stop)

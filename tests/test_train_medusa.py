@@ -176,3 +176,12 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     assert result["overall"]["match_rate"] == 1.0  # float64: exact
     assert len(result["overall"]["acceptance_by_depth"]) == 2 and result["settings"]["threads"] == 1
     assert "| **overall** | 3 |" in (tmp_path / "b.md").read_text()
+
+
+def test_bench_subset_takes_the_first_prompts_of_each_category():
+    from types import SimpleNamespace
+
+    from headway.inference.bench import per_category
+
+    convs = [SimpleNamespace(id=i, meta={"category": c}) for i, c in enumerate("aaabbbc")]
+    assert [c.id for c in per_category(convs, 2)] == [0, 1, 3, 4, 6]
