@@ -31,6 +31,12 @@ def _summary(rows: list[dict], depth: int) -> dict:
         "plain_tok_s": sum(r["plain_tokens"] for r in rows) / sum(r["plain_seconds"] for r in rows),
         "spec_tok_s": spec_tokens / sum(r["spec_seconds"] for r in rows),
         "match_rate": sum(r["match"] for r in rows) / len(rows),
+        # where the speculative time goes, in milliseconds per generated token
+        "ms_per_token": {
+            "drafting": 1e3 * sum(r["draft_seconds"] for r in rows) / max(1, spec_tokens),
+            "verification": 1e3 * sum(r["verify_seconds"] for r in rows) / max(1, spec_tokens),
+            "other": 1e3 * sum(r["spec_seconds"] - r["draft_seconds"] - r["verify_seconds"] for r in rows) / max(1, spec_tokens),
+        },
     }
 
 
@@ -66,6 +72,7 @@ def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens
             "target_forwards": spec.target_forwards, "accepted": spec.accepted, "spec_seconds": spec.seconds,
             "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "tau": spec.tau,
             "speedup": spec.tokens_per_second / plain.tokens_per_second, "match": spec.tokens == plain.tokens,
+            "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
         })
     depth = decoder.drafter.max_depth
     categories = sorted({r["category"] for r in rows})
@@ -90,7 +97,10 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {name} | {s['prompts']} | {s['tau']:.2f} | {s['plain_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
                      f"{s['speedup']:.2f}x | {100 * s['match_rate']:.0f}% |")
     acc = ", ".join(f"{a:.2f}" for a in result["overall"]["acceptance_by_depth"])
-    lines.append(f"\nAcceptance at draft depth 1..{len(result['overall']['acceptance_by_depth'])}: {acc}. "
+    ms = result["overall"]["ms_per_token"]
+    lines.append(f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
+                 f"other (prefill, bookkeeping) {ms['other']:.1f} ms.")
+    lines.append(f"Acceptance at draft depth 1..{len(result['overall']['acceptance_by_depth'])}: {acc}. "
                  f"Threads {result['settings']['threads']}, {result['settings']['dtype']}, "
                  f"{result['settings']['max_new_tokens']} new tokens.")
     return "\n".join(lines) + "\n"

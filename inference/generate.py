@@ -48,6 +48,8 @@ class GenerationResult:
     target_forwards: int  # target forward passes after the prefill
     seconds: float
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted at each verification
+    draft_seconds: float = 0.0  # in the drafter (drafting the tree, reading the accepted tokens)
+    verify_seconds: float = 0.0  # in target forwards after the prefill (the tree verifications)
 
     @property
     def tau(self) -> float:
@@ -118,10 +120,13 @@ def speculative_generate(
     drafter.begin(prompt, root, features_at(o.hidden_states, layers, slice(None)))
     out, done = _finish([root], stops, max_new_tokens)
     forwards, accepted_counts = 0, []
+    t_draft = t_verify = 0.0
     while not done:
+        t0 = time.perf_counter()
         nodes, tree = drafter.draft(root)
         nodes = nodes.to(device)
         prefix = cache_length(cache)
+        t1 = time.perf_counter()
         o = model(
             nodes.view(1, -1),
             position_ids=(prefix + tree.depth.to(device)).view(1, -1),
@@ -132,6 +137,7 @@ def speculative_generate(
         )
         forwards += 1
         choice = o.logits[0].argmax(-1).tolist()  # the target's greedy next token after each node
+        t2 = time.perf_counter()
         node_ids = nodes.tolist()
         path, cur = [0], 0
         while True:
@@ -143,8 +149,11 @@ def speculative_generate(
         keep_tree_nodes(cache, tree.size, path)
         new = [node_ids[i] for i in path[1:]] + [choice[cur]]
         accepted_counts.append(len(path) - 1)
+        t3 = time.perf_counter()
         drafter.accept(new, features_at(o.hidden_states, layers, path))
+        t_draft += (t1 - t0) + (time.perf_counter() - t3)
+        t_verify += t2 - t1
         new, done = _finish(new, stops, max_new_tokens - len(out))
         out += new
         root = choice[cur]
-    return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts)
+    return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify)

@@ -176,6 +176,8 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     assert result["overall"]["match_rate"] == 1.0  # float64: exact
     assert len(result["overall"]["acceptance_by_depth"]) == 2 and result["settings"]["threads"] == 1
     assert "| **overall** | 3 |" in (tmp_path / "b.md").read_text()
+    ms = result["overall"]["ms_per_token"]
+    assert ms["drafting"] > 0 and ms["verification"] > 0 and "Per generated token: drafting" in (tmp_path / "b.md").read_text()
 
 
 def test_bench_subset_takes_the_first_prompts_of_each_category():
