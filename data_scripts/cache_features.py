@@ -11,7 +11,6 @@ Each shard is written atomically and skipped when it exists, so a killed run res
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from tqdm import tqdm
 from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.heads.target import fingerprint_mismatch
-from headway.io import atomic_file, atomic_write_json
+from headway.io import atomic_file, atomic_write_json, sha256_file
 from headway.runtime import parse_dtype
 
 log = logging.getLogger("headway")
@@ -49,14 +48,6 @@ class FeaturesConfig:
         check_choice("features", "dtype", self.dtype, ["bfloat16", "float16", "float32"])
         if self.shard_size < 1 or self.batch_size < 1:
             raise HeadwayError("features.shard_size and features.batch_size must be >= 1")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 @torch.no_grad()
@@ -113,7 +104,7 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
                 save_file(tensors, str(tmp))
         else:
             bar.update(len(part))
-        shards.append({"file": f"shards/{name}", "keys": keys[first : first + cfg.shard_size], "sha256": _sha256(path)})
+        shards.append({"file": f"shards/{name}", "keys": keys[first : first + cfg.shard_size], "sha256": sha256_file(path)})
     bar.close()
     atomic_write_json(out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards})
     return out
@@ -144,7 +135,7 @@ class FeatureCache:
         self.files = []
         for si, shard in enumerate(m["shards"]):
             f = self.path / shard["file"]
-            if not f.is_file() or _sha256(f) != shard["sha256"]:
+            if not f.is_file() or sha256_file(f) != shard["sha256"]:
                 raise HeadwayError(f"feature shard {f} is missing or damaged (checksum differs): delete it and rerun "
                                    "`headway cache-features` to rebuild it")
             self.files.append(f)

