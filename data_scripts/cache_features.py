@@ -112,7 +112,8 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
 
 class FeatureCache:
     """Reads cached features back by sample key; refuses a cache made by another target, with other
-    layers, from other data, or whose shard no longer matches its checksum."""
+    layers or max_length, without one of the training datasets, or whose shard no longer matches its
+    checksum. Training on a subset of the cached datasets (a data-size sweep) reads just those samples."""
 
     def __init__(self, path: str | Path, fingerprint: dict, layers: list[int], identity: dict):
         self.path = Path(path).expanduser()
@@ -127,10 +128,13 @@ class FeatureCache:
         if missing:
             raise HeadwayError(f"features in {self.path} hold layers {m['layers']}, not {missing} which this head reads: "
                                "cache them with features.layers including those")
-        for k, v in identity.items():
-            if m.get(k) != v:
-                raise HeadwayError(f"features in {self.path} were cached with {k}={m.get(k)}, but training has {k}={v}: "
-                                   "cache them again from the same data")
+        if m.get("max_length") != identity["max_length"]:
+            raise HeadwayError(f"features in {self.path} were cached with max_length={m.get('max_length')}, but training "
+                               f"has train.max_length={identity['max_length']}: use the same, or cache them again")
+        extra = [d for d in identity["datasets"] if d not in m.get("datasets", [])]
+        if extra:
+            raise HeadwayError(f"features in {self.path} were cached from {m.get('datasets')}, not from {extra}: cache "
+                               "them from every dataset you train on (training on a subset of the cached ones is fine)")
         self.where: dict[str, tuple[int, int]] = {}
         self.files = []
         for si, shard in enumerate(m["shards"]):

@@ -183,6 +183,9 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
     assert [s for s, _ in online] == [1, 2, 3]
     for (_, a), (_, b) in zip(online, offline):
         assert b == pytest.approx(a, rel=1e-5)
+    with pytest.raises(HeadwayError, match=r"cached with max_length=1024, but training has train.max_length=64"):
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir={feats}",
+                        "train.max_length=64"))
     shard = sorted((feats / "shards").glob("*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-8])  # a damaged shard is named, not read
     with pytest.raises(HeadwayError, match=rf"feature shard .*{shard.name} is missing or damaged"):
