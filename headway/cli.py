@@ -167,7 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow options (`--head DIR key=value`), where argparse stops collecting them.
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", None) or []) + extra
     _setup_logging(args.verbose)
     try:
         cfg = load_config(args.schema, args.config, args.overrides)

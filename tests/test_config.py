@@ -66,3 +66,14 @@ def test_resolved_config_round_trips(tmp_path: Path):
 def test_shipped_configs_load():
     for path in sorted(Path(__file__).parent.parent.joinpath("configs").glob("*.yaml")):
         load_config(RunConfig, path)
+
+
+def test_overrides_may_follow_options(capsys):
+    from headway.cli import main
+
+    assert main(["bench", "--head", "h", "inference.max_new_tokens=7", "--limit", "2", "inference.top_k=3", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "max_new_tokens: 7" in out and "top_k: 3" in out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--head", "h", "--bogus", "inference.top_k=3"])
+    assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
