@@ -61,17 +61,18 @@ class SpeculativeDecoder:
     @classmethod
     def load(cls, head_dir: str | Path, cfg: Optional[RunConfig] = None) -> "SpeculativeDecoder":
         cfg = cfg or RunConfig()
-        target = load_target(cfg.target)
+        head_config = read_head_config(head_dir)
         lora_dir = Path(head_dir) / "lora"
+        if lora_dir.is_dir() and head_config.get("kind") != "medusa":
+            raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
+        target = load_target(cfg.target)
         if lora_dir.is_dir():  # Medusa-2: decode the adapted target (its output is what this reproduces)
             from peft import PeftModel
 
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
-        if lora_dir.is_dir() and heads.kind != "medusa":
-            raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
-        return cls(target, heads, cfg, read_head_config(head_dir))
+        return cls(target, heads, cfg, head_config)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens
