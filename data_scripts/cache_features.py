@@ -33,7 +33,7 @@ log = logging.getLogger("headway")
 
 @dataclass
 class FeaturesConfig:
-    # Where `headway cache-features` writes the shards; train.features_dir reads them.
+    # Where `headway cache-features` writes the shards; train.features_dir lists such directories.
     output_dir: str = "outputs/features"
     # Target hidden-state indices (HF output_hidden_states) to keep; empty = what head.kind reads, plus the
     # last one (the target's logits are recomputed from it). Cache (2, L//2, L-3, L) to serve every kind.
@@ -111,43 +111,51 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
 
 
 class FeatureCache:
-    """Reads cached features back by sample key; refuses a cache made by another target, with other
-    layers or max_length, without one of the training datasets, or whose shard no longer matches its
+    """Reads cached features back by sample key, from one or several caches (one per group of datasets, so
+    new data is cached without redoing the old). Refuses a cache made by another target, with other layers
+    or max_length, caches that miss one of the training datasets, or a shard that no longer matches its
     checksum. Training on a subset of the cached datasets (a data-size sweep) reads just those samples."""
 
-    def __init__(self, path: str | Path, fingerprint: dict, layers: list[int], identity: dict):
-        self.path = Path(path).expanduser()
-        manifest_file = self.path / "manifest.json"
-        if not manifest_file.is_file():
-            raise HeadwayError(f"{self.path} has no manifest.json: run `headway cache-features` to completion first")
-        m = json.loads(manifest_file.read_text())
-        diff = fingerprint_mismatch(m["target_fingerprint"], fingerprint)
-        if diff:
-            raise HeadwayError(f"features in {self.path} were cached from another target ({'; '.join(diff)}): cache them again")
-        missing = [i for i in layers if i not in m["layers"]]
-        if missing:
-            raise HeadwayError(f"features in {self.path} hold layers {m['layers']}, not {missing} which this head reads: "
-                               "cache them with features.layers including those")
-        if m.get("max_length") != identity["max_length"]:
-            raise HeadwayError(f"features in {self.path} were cached with max_length={m.get('max_length')}, but training "
-                               f"has train.max_length={identity['max_length']}: use the same, or cache them again")
-        extra = [d for d in identity["datasets"] if d not in m.get("datasets", [])]
-        if extra:
-            raise HeadwayError(f"features in {self.path} were cached from {m.get('datasets')}, not from {extra}: cache "
-                               "them from every dataset you train on (training on a subset of the cached ones is fine)")
+    def __init__(self, paths: str | Path | list, fingerprint: dict, layers: list[int], identity: dict):
+        self.paths = [Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
         self.where: dict[str, tuple[int, int]] = {}
-        self.files = []
-        for si, shard in enumerate(m["shards"]):
-            f = self.path / shard["file"]
-            if not f.is_file() or sha256_file(f) != shard["sha256"]:
-                raise HeadwayError(f"feature shard {f} is missing or damaged (checksum differs): delete it and rerun "
-                                   "`headway cache-features` to rebuild it")
-            self.files.append(f)
-            for row, key in enumerate(shard["keys"]):
-                self.where[key] = (si, row)
+        self.files: list[Path] = []
+        cached: list[str] = []
+        for path in self.paths:
+            cached += self._read_manifest(path, fingerprint, layers, identity)
+        extra = [d for d in identity["datasets"] if d not in cached]
+        if extra:
+            raise HeadwayError(f"features in {', '.join(map(str, self.paths))} were cached from {cached}, not from {extra}: "
+                               "cache them from every dataset you train on (training on a subset of the cached ones is fine)")
         self.layers = layers
         self._open: dict[int, Any] = {}
         self._offsets: dict[int, torch.Tensor] = {}
+
+    def _read_manifest(self, path: Path, fingerprint: dict, layers: list[int], identity: dict) -> list[str]:
+        """Check one cache against the run and index its shards; returns the datasets it holds."""
+        manifest_file = path / "manifest.json"
+        if not manifest_file.is_file():
+            raise HeadwayError(f"{path} has no manifest.json: run `headway cache-features` to completion first")
+        m = json.loads(manifest_file.read_text())
+        diff = fingerprint_mismatch(m["target_fingerprint"], fingerprint)
+        if diff:
+            raise HeadwayError(f"features in {path} were cached from another target ({'; '.join(diff)}): cache them again")
+        missing = [i for i in layers if i not in m["layers"]]
+        if missing:
+            raise HeadwayError(f"features in {path} hold layers {m['layers']}, not {missing} which this head reads: "
+                               "cache them with features.layers including those")
+        if m.get("max_length") != identity["max_length"]:
+            raise HeadwayError(f"features in {path} were cached with max_length={m.get('max_length')}, but training "
+                               f"has train.max_length={identity['max_length']}: use the same, or cache them again")
+        for shard in m["shards"]:
+            f = path / shard["file"]
+            if not f.is_file() or sha256_file(f) != shard["sha256"]:
+                raise HeadwayError(f"feature shard {f} is missing or damaged (checksum differs): delete it and rerun "
+                                   "`headway cache-features` to rebuild it")
+            for row, key in enumerate(shard["keys"]):
+                self.where[key] = (len(self.files), row)
+            self.files.append(f)
+        return list(m.get("datasets", []))
 
     def _handle(self, si: int) -> Any:
         if si not in self._open:
@@ -163,7 +171,7 @@ class FeatureCache:
         argmax = torch.zeros(len(keys), width, dtype=torch.long)
         for b, key in enumerate(keys):
             if key not in self.where:
-                raise HeadwayError(f"sample {key} is not in the feature cache {self.path}: cache the features again")
+                raise HeadwayError(f"sample {key} is not in the feature caches {[str(p) for p in self.paths]}: cache the features again")
             si, row = self.where[key]
             h = self._handle(si)
             lo, hi = (int(x) for x in self._offsets[si][row : row + 2])

@@ -52,7 +52,7 @@ def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.data_scripts.cache_features import run_cache_features
 
     out = run_cache_features(cfg)
-    print(f"features: {out}  (train with train.features_dir={out})")
+    print(f"features: {out}  (train with train.features_dir=[{out}])")
     return 0
 
 

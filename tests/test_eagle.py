@@ -178,15 +178,43 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
     assert res.returncode == 0, res.stderr[-2000:]
     assert "GB on disk" in res.stdout and len(list((feats / "shards").glob("*.safetensors"))) == 3
     train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))
-    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra, f"train.features_dir={feats}"))
+    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra, f"train.features_dir=[{feats}]"))
     online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert [s for s, _ in online] == [1, 2, 3]
     for (_, a), (_, b) in zip(online, offline):
         assert b == pytest.approx(a, rel=1e-5)
     with pytest.raises(HeadwayError, match=r"cached with max_length=1024, but training has train.max_length=64"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir={feats}",
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{feats}]",
                         "train.max_length=64"))
     shard = sorted((feats / "shards").glob("*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-8])  # a damaged shard is named, not read
     with pytest.raises(HeadwayError, match=rf"feature shard .*{shard.name} is missing or damaged"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "again", *extra, f"train.features_dir={feats}"))
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "again", *extra, f"train.features_dir=[{feats}]"))
+
+
+def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
+    """Data cached in groups (one cache per dataset) trains as one cache would; a dataset no cache holds is named."""
+    import shutil
+
+    from headway.config import load_config
+    from headway.data_scripts.cache_features import run_cache_features
+    from headway.run_config import RunConfig
+    from headway.train.loop import train
+
+    second = tmp_path / "second"
+    shutil.copytree(tiny_data, second)
+    caches = []
+    for i, ds in enumerate([tiny_data, second]):
+        caches.append(tmp_path / f"feats{i}")
+        run_cache_features(load_config(RunConfig, None, [
+            f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1", f"train.datasets=[{ds}]",
+            f"features.output_dir={caches[-1]}", "features.dtype=float32", "features.layers=[1,2,4]"]))
+    extra = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.max_steps=3",
+             "train.eval_every=0", "train.save_every=0", f"train.datasets=[{tiny_data},{second}]")
+    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))
+    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra,
+                    f"train.features_dir=[{caches[0]},{caches[1]}]"))
+    for (_, a), (_, b) in zip(losses(tmp_path / "online"), losses(tmp_path / "offline")):
+        assert b == pytest.approx(a, rel=1e-5)
+    with pytest.raises(HeadwayError, match=rf"not from \['{second}'\]"):
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{caches[0]}]"))

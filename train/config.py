@@ -38,9 +38,10 @@ class TrainConfig:
     max_steps: int = 1000
     micro_batch_size: int = 4
     grad_accum: int = 1
-    # Read the target's features from a cache written by `headway cache-features` (same datasets and
-    # max_length) instead of running the target in every step; null = online. Not with Medusa-2.
-    features_dir: Optional[str] = None
+    # Read the target's features from caches written by `headway cache-features` (together covering
+    # train.datasets, same max_length) instead of running the target in every step; [] = online.
+    # Not with Medusa-2.
+    features_dir: list[str] = field(default_factory=list)
     # Longer sequences are cut to this many tokens.
     max_length: int = 1024
     # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr.
