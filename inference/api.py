@@ -14,7 +14,7 @@ from headway.run_config import RunConfig
 from headway.heads.draft_layer import text_config
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
-from headway.inference.generate import GenerationResult, greedy_generate, speculative_generate
+from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
 
 
@@ -51,7 +51,8 @@ class ChatResult:
 
 
 class SpeculativeDecoder:
-    """A frozen target plus a draft head; `generate` is exact greedy decoding, only faster."""
+    """A frozen target plus a draft head; `generate` decodes exactly as the target would (greedy, or its sampling
+    distribution), only faster."""
 
     def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None):
         self.target, self.heads, self.cfg = target, heads, cfg
@@ -76,12 +77,18 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens
-        return speculative_generate(self.target.model, self.drafter, prompt_ids, n, self.fmt.stop_ids)
+        return speculative_generate(self.target.model, self.drafter, prompt_ids, n, self.fmt.stop_ids,
+                                    self.cfg.inference.sampling)
+
+    def generate_plain(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
+        """The same target decoded plainly, with the same sampling settings: the reference."""
+        n = max_new_tokens or self.cfg.inference.max_new_tokens
+        return plain_generate(self.target.model, prompt_ids, n, self.fmt.stop_ids, self.cfg.inference.sampling)
 
     def chat(self, message: str, max_new_tokens: Optional[int] = None) -> ChatResult:
         ids = self.fmt.first_turn(message)
         n = max_new_tokens or self.cfg.inference.max_new_tokens
         spec = self.generate(ids, n)
-        plain = greedy_generate(self.target.model, ids, n, self.fmt.stop_ids) if self.cfg.inference.compare_plain else None
+        plain = self.generate_plain(ids, n) if self.cfg.inference.compare_plain else None
         text = self.target.tokenizer.decode(spec.tokens, skip_special_tokens=True)
         return ChatResult(text, spec, plain)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from headway.inference.sampling import SamplingConfig
+
 
 # A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
 # than it gains (8 tokens ~1.5x one token, 32 tokens ~2.3x), so the default stays small.
@@ -28,4 +30,6 @@ class InferenceConfig:
     compare_plain: bool = True
     # System prompt for chat prompts; null = the chat template's default.
     system_prompt: Optional[str] = None
+    # Temperature 0 (greedy, the default) or sampling; plain and speculative decoding use the same.
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
 

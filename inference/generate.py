@@ -1,11 +1,12 @@
-"""The decoding loops: plain greedy (the reference), and greedy speculative decoding over a tree.
+"""The decoding loops: plain decoding (the reference), and speculative decoding over a tree.
 
 Speculative step: the drafter builds a tree rooted at the token the target just produced (a static
 Medusa tree or an EAGLE-2 dynamic one); one target forward verifies every node (4-D tree mask,
-explicit positions, the model's own KV cache); the longest path whose every token equals the
-target's own greedy choice is accepted, plus the target's next token after it (the bonus); the cache
-keeps only the accepted path, and the drafter is told what was accepted with the target's features
-there. The output is exactly what plain greedy decoding of the same target writes.
+explicit positions, the model's own KV cache); an acceptance rule walks the tree from the root
+(greedy: the longest path of the target's own argmax choices; sampling: tree rejection sampling, see
+sampling.py) and gives the target's next token after the accepted path (the bonus); the cache keeps
+only the accepted path, and the drafter is told what was accepted with the target's features there.
+Greedy output is exactly plain greedy decoding's; sampled output has exactly its distribution.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit
+from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
 from headway.inference.tree import Tree, tree_attention_bias
+
+GREEDY = SamplingConfig()
 
 
 class Drafter(Protocol):
@@ -84,39 +88,50 @@ def _finish(tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple
 
 
 @torch.inference_mode()
-def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> GenerationResult:
-    """Plain greedy decoding with the same engine: one target forward per token."""
+def plain_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
+                   sampling: SamplingConfig = GREEDY) -> GenerationResult:
+    """Plain decoding with the same engine (one target forward per token): greedy, or sampled."""
     _check_length(model, len(prompt), max_new_tokens, 1)
     device = next(model.parameters()).device
+    sampler = Sampler(sampling)
     start = time.perf_counter()
     cache = new_cache(model)
     kw = cache_kwarg(model)
     logits = model(torch.tensor([prompt], device=device), use_cache=True, **{kw: cache}).logits[0, -1]
-    out = [int(logits.argmax())]
+    out = [sampler.next_token(logits)]
     forwards = 0
     stops = set(stop_ids)
     while len(out) < max_new_tokens and out[-1] not in stops:
         logits = model(torch.tensor([[out[-1]]], device=device), use_cache=True, **{kw: cache}).logits[0, -1]
         forwards += 1
-        out.append(int(logits.argmax()))
+        out.append(sampler.next_token(logits))
     return GenerationResult(out, forwards, time.perf_counter() - start, [])
+
+
+def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> GenerationResult:
+    """Plain greedy decoding: the reference every speculative greedy output must equal."""
+    return plain_generate(model, prompt, max_new_tokens, stop_ids)
 
 
 @torch.inference_mode()
 def speculative_generate(
-    model: Any, drafter: Drafter, prompt: list[int], max_new_tokens: int, stop_ids: list[int]
+    model: Any, drafter: Drafter, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
+    sampling: SamplingConfig = GREEDY, rule: Any = None,
 ) -> GenerationResult:
-    """Greedy speculative decoding over the drafter's trees; returns exactly greedy_generate's tokens."""
+    """Speculative decoding over the drafter's trees: greedy gives exactly plain_generate's tokens, sampling
+    exactly its distribution (with acceptance=exact). `rule` overrides the acceptance rule (tests)."""
     _check_length(model, len(prompt), max_new_tokens, drafter.max_nodes)
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     stops = set(stop_ids)
     layers = drafter.feature_layers
+    sampler = Sampler(sampling)
+    rule = rule or acceptance_rule(sampling)
     start = time.perf_counter()
     cache = new_cache(model)
     kw = cache_kwarg(model)
     o = model(torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True, **{kw: cache})
-    root = int(o.logits[0, -1].argmax())
+    root = sampler.next_token(o.logits[0, -1])
     drafter.begin(prompt, root, features_at(o.hidden_states, layers, slice(None)))
     out, done = _finish([root], stops, max_new_tokens)
     forwards, accepted_counts = 0, []
@@ -136,18 +151,11 @@ def speculative_generate(
             **{kw: cache},
         )
         forwards += 1
-        choice = o.logits[0].argmax(-1).tolist()  # the target's greedy next token after each node
         t2 = time.perf_counter()
         node_ids = nodes.tolist()
-        path, cur = [0], 0
-        while True:
-            nxt = next((c for c in tree.children[cur] if node_ids[c] == choice[cur]), None)
-            if nxt is None:
-                break
-            path.append(nxt)
-            cur = nxt
+        path, bonus = rule(tree, node_ids, o.logits[0], sampler)
         keep_tree_nodes(cache, tree.size, path)
-        new = [node_ids[i] for i in path[1:]] + [choice[cur]]
+        new = [node_ids[i] for i in path[1:]] + [bonus]
         accepted_counts.append(len(path) - 1)
         t3 = time.perf_counter()
         drafter.accept(new, features_at(o.hidden_states, layers, path))
@@ -155,5 +163,5 @@ def speculative_generate(
         t_verify += t2 - t1
         new, done = _finish(new, stops, max_new_tokens - len(out))
         out += new
-        root = choice[cur]
+        root = bonus
     return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify)

@@ -1,0 +1,143 @@
+"""Sampling at temperature > 0: one target distribution for plain and speculative decoding, and the
+tree acceptance rules that decide which drafted tokens a verification keeps.
+
+`exact` (the default) is tree rejection sampling for deterministic drafts (a drafter's top-k, a static
+Medusa tree, an n-gram): at a node the target's distribution p is the residual; the children are tried
+in order, child x is accepted with probability p(x), and a rejected x has its mass removed from the
+residual, which is renormalised; when every child fails, the next token is sampled from the residual.
+Token x ends up chosen with probability exactly p(x) (p(x1), then (1 - p(x1)) * p(x2) / (1 - p(x1)),
+...), so the output has the target's own distribution whatever the drafter guessed. `typical` is
+Medusa's typical acceptance: faster, and lossy (the output is not the target's distribution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headway.config import check_choice
+from headway.errors import HeadwayError
+from headway.inference.tree import Tree
+
+
+@dataclass
+class SamplingConfig:
+    # 0 = greedy decoding (exactly the target's argmax); > 0 samples from the target's distribution.
+    temperature: float = 0.0
+    # Keep only the k most likely tokens before sampling; 0 = all (applied after temperature).
+    top_k: int = 0
+    # Nucleus: keep the smallest set of tokens whose probability reaches top_p; 1.0 = all (after top_k).
+    top_p: float = 1.0
+    # Seed of the sampler's random generator: with the same seed a run is reproducible.
+    seed: int = 0
+    # exact: tree rejection sampling, the target's own distribution. typical: Medusa's typical
+    # acceptance, LOSSY (accepts any draft the target finds plausible enough; the output distribution
+    # is not the target's).
+    acceptance: str = "exact"
+    # typical: accept a draft x when p(x) > min(typical_epsilon, typical_delta * exp(-entropy(p))).
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+    def __post_init__(self) -> None:
+        check_choice("inference.sampling", "acceptance", self.acceptance, ["exact", "typical"])
+        if self.temperature < 0:
+            raise HeadwayError(f"inference.sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise HeadwayError(f"inference.sampling.top_k={self.top_k} must be >= 0 (0 = no top-k filter)")
+        if not 0 < self.top_p <= 1:
+            raise HeadwayError(f"inference.sampling.top_p={self.top_p} must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Probabilities (float64, last dim) after temperature, then top-k, then top-p, as Hugging Face's
+    sampling applies them. Plain and speculative decoding both sample from exactly this."""
+    scores = logits.double() / cfg.temperature
+    if cfg.top_k and cfg.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        ordered, order = torch.sort(scores, dim=-1, descending=False)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - cfg.top_p
+        drop[..., -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores.softmax(-1)
+
+
+class Sampler:
+    """Draws the random numbers of one generation from its own seeded generator (on the CPU, so a seed
+    gives the same run on any device)."""
+
+    def __init__(self, cfg: SamplingConfig):
+        self.cfg = cfg
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+    def sample(self, probs: torch.Tensor) -> int:
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+    def next_token(self, logits: torch.Tensor) -> int:
+        """A token from the target's distribution after `logits` (plain decoding, and the first token)."""
+        if self.cfg.greedy:
+            return int(logits.argmax())
+        return self.sample(target_distribution(logits, self.cfg))
+
+
+def accept_greedy(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+    """The longest path whose every token is the target's argmax; the next token is the argmax after it."""
+    choice = logits.argmax(-1).tolist()
+    path, cur = [0], 0
+    while True:
+        nxt = next((c for c in tree.children[cur] if node_ids[c] == choice[cur]), None)
+        if nxt is None:
+            return path, choice[cur]
+        path.append(nxt)
+        cur = nxt
+
+
+def accept_exact(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+    """Tree rejection sampling for deterministic drafts (see the module docstring): lossless."""
+    path, cur = [0], 0
+    while True:
+        residual = target_distribution(logits[cur], sampler.cfg).cpu()
+        accepted = None
+        for child in tree.children[cur]:
+            x = node_ids[child]
+            if sampler.uniform() < float(residual[x]):
+                accepted = child
+                break
+            residual[x] = 0.0
+            residual /= residual.sum()
+        if accepted is None:
+            return path, sampler.sample(residual)
+        path.append(accepted)
+        cur = accepted
+
+
+def accept_typical(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+    """Medusa's typical acceptance (LOSSY): follow the first child the target finds plausible enough."""
+    cfg = sampler.cfg
+    path, cur = [0], 0
+    while True:
+        p = target_distribution(logits[cur], cfg).cpu()
+        entropy = float(-(p * torch.log(p.clamp_min(1e-30))).sum())
+        threshold = min(cfg.typical_epsilon, cfg.typical_delta * float(torch.exp(torch.tensor(-entropy))))
+        nxt = next((c for c in tree.children[cur] if float(p[node_ids[c]]) > threshold), None)
+        if nxt is None:
+            return path, sampler.sample(p)
+        path.append(nxt)
+        cur = nxt
+
+
+def acceptance_rule(cfg: SamplingConfig):
+    """The rule a verification uses: greedy at temperature 0, else exact (or the lossy typical)."""
+    if cfg.greedy:
+        return accept_greedy
+    return accept_typical if cfg.acceptance == "typical" else accept_exact
