@@ -19,9 +19,13 @@ log = logging.getLogger("headway")
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s [headway] %(message)s", datefmt="%H:%M:%S"
-    )
+    """INFO from one process; under a launcher, the other ranks only warn (and name their rank)."""
+    from headway.runtime import dist_info
+
+    info = dist_info()
+    level = logging.DEBUG if verbose else logging.INFO if info.is_main else logging.WARNING
+    tag = f"headway rank {info.rank}" if info.world_size > 1 else "headway"
+    logging.basicConfig(level=level, format=f"%(asctime)s [{tag}] %(message)s", datefmt="%H:%M:%S")
     try:
         from transformers.utils import logging as hf_logging
 
@@ -56,9 +60,26 @@ def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def launch(nproc: int, cfg: RunConfig, args: argparse.Namespace) -> int:
+    """`--nproc N`: start N training processes on this machine with torchrun (the same command, minus
+    --nproc), for the configured train.backend."""
+    import subprocess
+
+    if cfg.train.backend == "none":
+        raise HeadwayError(f"--nproc {nproc} needs a distributed train.backend: add train.backend=ddp or train.backend=fsdp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "headway", "train"]
+    if args.config:
+        cmd += ["--config", str(args.config)]
+    cmd += list(args.overrides or [])
+    print(f"launching {nproc} processes: {' '.join(cmd)}", flush=True)
+    return subprocess.call(cmd)
+
+
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.train.loop import train
 
+    if args.nproc and args.nproc > 1:
+        return launch(args.nproc, cfg, args)
     head = train(cfg)
     print(f"head: {head}")
     return 0
@@ -144,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RunConfig, cmd_cache_features)
 
     p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="start this many processes with torchrun (needs train.backend=ddp or fsdp)")
     _add_config_args(p, RunConfig, cmd_train)
 
     p = sub.add_parser("generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup")

@@ -1,4 +1,4 @@
-"""Training checkpoints: head weights, optimizer, scheduler, RNG states and the data position.
+"""Training checkpoints: head weights, optimizer, scheduler, each rank's RNG state and the data position.
 
 Written to a temp directory and renamed, so a checkpoint is whole or absent. Optimizer state is
 read back with torch.load(weights_only=True): tensors and plain containers only, never pickled code.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,17 +19,21 @@ from headway.errors import HeadwayError
 from headway.io import atomic_dir, safetensors_of
 
 
-def save_checkpoint(root: Path, step: int, heads: Any, optimizer: Any, scheduler: Any, consumed: int,
-                    adapters: Optional[dict] = None) -> Path:
-    """`adapters`: the target's trainable adapter tensors (Medusa-2), saved beside the heads."""
+def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict, scheduler: Any, consumed: int,
+                    adapters: Optional[dict] = None, rng_states: Optional[list] = None, optimizer_format: str = "index") -> Path:
+    """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the target's
+    trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state, in rank order;
+    `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter name,
+    loadable under any backend and world size)."""
     out = root / f"step-{step:08d}"
     with atomic_dir(out) as tmp:
-        save_file(safetensors_of(heads.state_dict()), str(tmp / "heads.safetensors"))
+        save_file(safetensors_of(model_state), str(tmp / "heads.safetensors"))
         if adapters is not None:
             save_file(safetensors_of(adapters), str(tmp / "adapters.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "torch_rng": torch.get_rng_state()}, tmp / "state.pt")
-        state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate())}
+        torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
+                    "torch_rng": rng_states or [torch.get_rng_state()]}, tmp / "state.pt")
+        state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate()),
+                 "optimizer_format": optimizer_format, "world_size": len(rng_states or [None])}
         (tmp / "trainer.json").write_text(json.dumps(state))
     return out
 
@@ -46,23 +51,32 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: Path, heads: Any, optimizer: Any, scheduler: Any, adapter_model: Any = None) -> tuple[int, int]:
-    """Restore everything in place; returns (step, samples consumed). `adapter_model`: the PEFT-wrapped target."""
+@dataclass
+class Checkpoint:
+    step: int
+    consumed: int
+    model_state: dict
+    optim_state: dict
+    optimizer_format: str
+    rng_states: list
+    adapters: Optional[dict]
+
+
+def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoint:
+    """Read a checkpoint (every rank), restore the scheduler and Python RNG; the caller loads the rest."""
     files = [path / "heads.safetensors", path / "state.pt", path / "trainer.json"]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise HeadwayError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}): resume from another one")
-    heads.load_state_dict(load_file(str(files[0])))
-    if adapter_model is not None:
-        from peft import set_peft_model_state_dict
-
+    adapters = None
+    if with_adapters:
         if not (path / "adapters.safetensors").is_file():
             raise HeadwayError(f"checkpoint {path} has no adapters.safetensors but train.lora.enabled is true")
-        set_peft_model_state_dict(adapter_model, load_file(str(path / "adapters.safetensors")))
+        adapters = load_file(str(path / "adapters.safetensors"))
     state = torch.load(files[1], weights_only=True)
-    optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
     trainer = json.loads(files[2].read_text())
     random.setstate(_tupled(trainer["python_rng"]))
-    return int(trainer["step"]), int(trainer["consumed"])
+    rng = state["torch_rng"]
+    return Checkpoint(int(trainer["step"]), int(trainer["consumed"]), load_file(str(files[0])), state["optimizer"],
+                      trainer.get("optimizer_format", "index"), rng if isinstance(rng, list) else [rng], adapters)

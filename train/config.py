@@ -72,10 +72,18 @@ class TrainConfig:
     log_every: int = 10
     # Medusa-2 (LoRA on the target); off by default.
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Several processes (launched by torchrun, or `headway train --nproc N`): ddp replicates the head,
+    # fsdp (FSDP2) shards it and its optimizer state; none = one process. Each rank reads its own share
+    # of every batch, so the effective batch is micro_batch_size x grad_accum x world size.
+    backend: str = "none"
 
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
+        check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp"])
+        if self.backend == "fsdp" and self.lora.enabled:
+            raise HeadwayError("train.backend=fsdp shards the head, but Medusa-2's LoRA adapters live in the target: "
+                               "train Medusa-2 with train.backend=ddp")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if self.features_dir and self.lora.enabled:

@@ -8,12 +8,28 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from headway.io import atomic_write_text
+
 log = logging.getLogger("headway")
 
 
+def _step_of(line: str) -> float:
+    """A record's step; a line cut short by a kill counts as after every step (it is dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except json.JSONDecodeError:
+        return float("inf")
+
+
 class RunLogger:
-    def __init__(self, path: Path, cfg: Any, run_cfg: Any, resume: bool):
-        self.file = open(path, "a" if resume else "w")
+    """`resume_step`: continuing a run from that step's checkpoint; records of later steps (written before
+    the run was killed, and about to be redone) are dropped, so the log holds each step once."""
+
+    def __init__(self, path: Path, cfg: Any, run_cfg: Any, resume_step: int | None = None):
+        if resume_step is not None and path.is_file():
+            kept = [line for line in path.read_text().splitlines() if _step_of(line) <= resume_step]
+            atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+        self.file = open(path, "a" if resume_step is not None else "w")
         self.wandb = None
         if cfg.wandb_project:
             try:

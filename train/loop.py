@@ -1,7 +1,8 @@
 """The training loop, readable top to bottom: frozen target features in, head loss out.
 
-The target runs under no_grad in eval mode; its last hidden state feeds the heads. One optimizer
-step = grad_accum micro-batches. Checkpoints carry everything needed to continue the same curve.
+The target runs under no_grad in eval mode; its features feed the head. One optimizer step =
+grad_accum micro-batches on each of world_size ranks. Checkpoints carry everything needed to continue
+the same curve.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from headway.heads.registry import LAYERED, build_head
 from headway.heads.target import load_target
 from headway.runtime import autocast_dtype
 from headway.train.calibration import rank_accuracy
-from headway.train.checkpointing import latest_checkpoint, load_checkpoint, save_checkpoint
+from headway.faults import fault_point
+from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
+from headway.train.distributed import HeadObjective, Parallel, full_state, load_full_state, start, wrap
 from headway.run_config import RunConfig
 from headway.data_scripts.cache_features import FeatureCache
 from headway.train.data import Sample, batch_at, collate, load_samples, split_heldout, token_frequencies
@@ -95,7 +98,61 @@ def feature_layers(heads: Any, target: Any) -> list[int]:
     return sorted(set(heads.feature_layers(heads.cfg, num_layers)) | {num_layers})
 
 
-def _step_loss(cfg: RunConfig, target: Any, heads: Any, samples: list[Sample], t2d: Any, device: Any,
+def cfg_feature_layers(cfg: RunConfig, target: Any) -> list[int]:
+    """feature_layers from the config alone (the head may be sharded): the resolved kind config."""
+    from headway.heads.registry import KINDS
+
+    num_layers = int(text_config(target.config).num_hidden_layers)
+    kind_cfg = cfg.head.kind_config()
+    if cfg.head.kind == "eagle3" and not kind_cfg.feature_layers:
+        kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
+    return sorted(set(KINDS[cfg.head.kind][1].feature_layers(kind_cfg, num_layers)) | {num_layers})
+
+
+def _gather_state(objective: Any, heads: Any, optimizer: Any, par: Parallel, lora: bool) -> tuple[dict, dict, str]:
+    """The head's and optimizer's whole state (a collective: every rank calls it). Runs with LoRA adapters
+    keep torch's own optimizer format (their optimizer also holds the target's adapters)."""
+    if lora:
+        return heads.state_dict(), optimizer.state_dict(), "index"
+    model_state, optim_state = full_state(objective, optimizer, par)
+    return {k.removeprefix("heads."): v for k, v in model_state.items()}, optim_state, "fqn"
+
+
+def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any, optimizer: Any, scheduler: Any,
+                target: Any, tc: Any, par: Parallel) -> None:
+    model_state, optim_state, fmt = _gather_state(objective, heads, optimizer, par, tc.lora.enabled)
+    rngs = par.gather_objects(torch.get_rng_state())
+    if par.is_main:
+        save_checkpoint(root, step, model_state, optim_state, scheduler, consumed, adapter_state(target.model, tc.lora.enabled),
+                        rngs, fmt)
+    par.barrier()
+    fault_point(f"checkpoint:{step}")
+
+
+def _resume(path: Path, objective: Any, heads: Any, optimizer: Any, scheduler: Any, target: Any, tc: Any,
+            par: Parallel) -> tuple[int, int]:
+    ck = read_checkpoint(path, scheduler, tc.lora.enabled)
+    if ck.optimizer_format == "index":
+        if par.backend == "fsdp":
+            raise HeadwayError(f"checkpoint {path} was written by a Medusa-2 or older run: resume it without fsdp")
+        heads.load_state_dict(ck.model_state)
+        optimizer.load_state_dict(ck.optim_state)
+    else:
+        load_full_state(objective, optimizer, {f"heads.{k}": v for k, v in ck.model_state.items()}, ck.optim_state, par)
+    if ck.adapters is not None:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(target.model, ck.adapters)
+    if len(ck.rng_states) == par.world_size:
+        torch.set_rng_state(ck.rng_states[par.rank])
+    else:
+        log.warning("checkpoint %s was written by %d ranks, this run has %d: random streams (feature noise) restart",
+                    path, len(ck.rng_states), par.world_size)
+        torch.manual_seed(tc.seed + 1000 * ck.step + par.rank)
+    return ck.step, ck.consumed
+
+
+def _step_loss(cfg: RunConfig, target: Any, objective: Any, samples: list[Sample], t2d: Any, device: Any,
                adapt: bool = False, cache: Optional[FeatureCache] = None) -> tuple[torch.Tensor, dict]:
     """Head loss on one micro-batch. The target's features come from running it, or from the offline
     `cache`; with `adapt` (Medusa-2) the LoRA-adapted target runs with gradients and a distillation
@@ -110,9 +167,9 @@ def _step_loss(cfg: RunConfig, target: Any, heads: Any, samples: list[Sample], t
     else:
         with torch.set_grad_enabled(adapt), autocast:
             out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-        feats = Features({i: out.hidden_states[i] for i in feature_layers(heads, target)}, out.logits)
+        feats = Features({i: out.hidden_states[i] for i in cfg_feature_layers(cfg, target)}, out.logits)
     with autocast:
-        loss, metrics = OBJECTIVES[cfg.head.kind](cfg, heads, batch, feats, t2d)
+        loss, metrics = objective(batch, feats, t2d)
     if adapt:
         with torch.no_grad(), target.model.disable_adapter(), autocast:
             frozen = target.model(input_ids=ids, attention_mask=attn).logits
@@ -123,33 +180,37 @@ def _step_loss(cfg: RunConfig, target: Any, heads: Any, samples: list[Sample], t
 
 
 @torch.no_grad()
-def evaluate(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, device: Any,
-             cache: Optional[FeatureCache] = None) -> dict:
-    """Per-head top-1 / top-5 accuracy and loss on the held-out split (token-weighted over batches)."""
-    heads.eval()
+def evaluate(cfg: RunConfig, target: Any, objective: Any, held: list, t2d: Any, device: Any,
+             cache: Optional[FeatureCache] = None, par: Parallel = Parallel()) -> dict:
+    """Per-head top-1 / top-5 accuracy and loss on the held-out split (mean over batches and ranks; every
+    rank runs the same number of batches, as FSDP's collectives need)."""
+    objective.eval()
     sums: dict[str, float] = {}
     batches = 0
     samples = held[: cfg.train.eval_max_samples]
-    for start in range(0, len(samples), cfg.train.micro_batch_size):
-        loss, metrics = _step_loss(cfg, target, heads, samples[start : start + cfg.train.micro_batch_size], t2d, device,
-                                   cache=cache)
+    samples = par.shard(samples[: len(samples) // par.world_size * par.world_size])
+    for first in range(0, len(samples), cfg.train.micro_batch_size):
+        loss, metrics = _step_loss(cfg, target, objective, samples[first : first + cfg.train.micro_batch_size], t2d,
+                                   device, cache=cache)
         metrics["loss"] = float(loss)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
         batches += 1
-    heads.train()
-    return {f"eval/{k}": v / batches for k, v in sums.items()} if batches else {}
+    objective.train()
+    return par.mean({f"eval/{k}": v / batches for k, v in sums.items()}) if batches else {}
 
 
 def train(cfg: RunConfig) -> Path:
     """Train a head on a frozen target; returns the directory of the exported native head."""
     tc = cfg.train
     out = Path(tc.output_dir).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
     random.seed(tc.seed)
-    torch.manual_seed(tc.seed)
+    torch.manual_seed(tc.seed)  # the same initial head on every rank
     target = load_target(cfg.target)
     device = target.device
+    par = start(tc.backend, device)
+    if par.is_main:
+        out.mkdir(parents=True, exist_ok=True)
     samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
     train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
@@ -159,9 +220,11 @@ def train(cfg: RunConfig) -> Path:
         cache = FeatureCache(tc.features_dir, target.fingerprint, feature_layers(heads, target),
                              {"datasets": list(tc.datasets), "max_length": tc.max_length})
         log.info("offline: the target's features come from %s", tc.features_dir)
-    heads.train()
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
-    params = [p for p in heads.parameters() if p.requires_grad]
+    objective = wrap(HeadObjective(heads, OBJECTIVES[cfg.head.kind], cfg), par, device)
+    objective.train()
+    torch.manual_seed(tc.seed + par.rank)  # each rank's own random stream (feature noise)
+    params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
     lora_params: list = []
     if tc.lora.enabled:
@@ -175,17 +238,20 @@ def train(cfg: RunConfig) -> Path:
     step, consumed = 0, 0
     ckpt_root = out / "checkpoints"
     if tc.resume_from:
-        path = latest_checkpoint(ckpt_root) if tc.resume_from == "auto" else Path(tc.resume_from)
+        path = par.broadcast_object(latest_checkpoint(ckpt_root) if tc.resume_from == "auto" else Path(tc.resume_from))
         if path is None:
             log.info("resume_from=auto: no checkpoint in %s yet, starting fresh", ckpt_root)
         else:
-            step, consumed = load_checkpoint(path, heads, optimizer, scheduler, target.model if tc.lora.enabled else None)
+            step, consumed = _resume(path, objective, heads, optimizer, scheduler, target, tc, par)
             log.info("resumed from %s at step %d", path, step)
-    save_config(cfg, out)
-    logger = RunLogger(out / "log.jsonl", cfg.logging, cfg, resume=step > 0)
-    per_step = tc.micro_batch_size * tc.grad_accum
-    log.info("effective batch: %d sequences (%d x %d accumulation)", per_step, tc.micro_batch_size, tc.grad_accum)
-    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step")
+    logger = None
+    if par.is_main:
+        save_config(cfg, out)
+        logger = RunLogger(out / "log.jsonl", cfg.logging, cfg, resume_step=step if step > 0 else None)
+    micro = tc.micro_batch_size * par.world_size  # one global micro-batch; each rank reads its share
+    log.info("effective batch: %d sequences (%d per rank x %d accumulation x %d ranks)",
+             micro * tc.grad_accum, tc.micro_batch_size, tc.grad_accum, par.world_size)
+    bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
     started, tokens = time.time(), 0
     while step < tc.max_steps:
         optimizer.zero_grad(set_to_none=True)
@@ -193,35 +259,65 @@ def train(cfg: RunConfig) -> Path:
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
         for _ in range(tc.grad_accum):
-            batch = batch_at(train_set, consumed, tc.micro_batch_size, tc.seed)
-            consumed += tc.micro_batch_size
+            batch = par.shard(batch_at(train_set, consumed, micro, tc.seed))
+            consumed += micro
             tokens += sum(sum(s.loss_mask) for s in batch)
-            loss, metrics = _step_loss(cfg, target, heads, batch, t2d, device, adapt, cache)
+            loss, metrics = _step_loss(cfg, target, objective, batch, t2d, device, adapt, cache)
             (loss / tc.grad_accum).backward()
             loss_sum += float(loss.detach()) / tc.grad_accum
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / tc.grad_accum
+        par.all_reduce_grads(lora_params)
+        averaged = par.mean({"loss": loss_sum, **metrics_sum})
+        loss_sum = averaged.pop("loss")
         if not math.isfinite(loss_sum):
             raise HeadwayError(f"loss became {loss_sum} at step {step}: lower train.lr or check the data")
         grad_norm = torch.nn.utils.clip_grad_norm_(params + lora_params, tc.grad_clip) if tc.grad_clip > 0 else torch.tensor(0.0)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         optimizer.step()
         scheduler.step()
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
         record = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                  "tokens_per_s": tokens / max(1e-9, time.time() - started), **metrics_sum}
-        if step % tc.log_every == 0 or step == 1:
+                  "tokens_per_s": par.world_size * tokens / max(1e-9, time.time() - started), **averaged}
+        if logger and (step % tc.log_every == 0 or step == 1):
             logger.log(record)
         if tc.eval_every and (step % tc.eval_every == 0 or step == tc.max_steps) and held:
-            result = evaluate(cfg, target, heads, held, t2d, device, cache)
-            logger.log({"step": step, **result})
+            result = evaluate(cfg, target, objective, held, t2d, device, cache, par)
+            if logger:
+                logger.log({"step": step, **result})
             log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k))
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
-            save_checkpoint(ckpt_root, step, heads, optimizer, scheduler, consumed, adapter_state(target.model, tc.lora.enabled))
+            _checkpoint(ckpt_root, step, consumed, objective, heads, optimizer, scheduler, target, tc, par)
     bar.close()
-    logger.close()
-    extra = {"trained_steps": step, "datasets": tc.datasets}
+    head_dir = out / "head"
+    final = _final_heads(cfg, target, train_set, objective, heads, optimizer, par)
+    if par.is_main:
+        logger.close()
+        head_dir = _export(cfg, target, final, held, t2d, out)
+    par.close()
+    return head_dir
+
+
+def _final_heads(cfg: RunConfig, target: Any, train_set: list, objective: Any, heads: Any, optimizer: Any,
+                 par: Parallel) -> Any:
+    """The trained head as one plain module on rank 0 (FSDP: gathered from the shards; a collective)."""
+    if par.backend != "fsdp":
+        return heads
+    model_state, _, _ = _gather_state(objective, heads, optimizer, par, False)
+    if not par.is_main:
+        return None
+    torch.manual_seed(cfg.train.seed)
+    final = build_heads(cfg, target, train_set).to(target.device)
+    final.load_state_dict(model_state)
+    return final
+
+
+def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: Path) -> Path:
+    """Write the native head (rank 0), with Medusa's per-rank calibration for the tree builder."""
+    tc = cfg.train
+    extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
     if held and cfg.head.kind == "medusa":
         calib = held[: tc.eval_max_samples]
         extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)

@@ -1,0 +1,75 @@
+"""Training with several processes (torchrun, gloo, 2 processes x 1 thread): the same curve as one
+process with the same effective batch, and a killed run resumes where it stopped.
+
+Tolerance: the ranks' gradients are summed by an all-reduce instead of one process's accumulation, so
+float32 sums run in another order (relative error ~1e-7 per step); after a few AdamW steps the losses
+agree to ~1e-6. rel=1e-4 leaves room for that and still fails on any real difference in data, batch
+or averaging (those move the loss by 1e-2 or more here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train_helpers import losses, small_run
+
+HEADS = {
+    "medusa": ("head.kind=medusa", "head.medusa.num_heads=2"),
+    "eagle3": ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2"),
+}
+
+
+def overrides(model_dir: Path, data: Path, out: Path, kind: str, *extra: str) -> list[str]:
+    """small_run's settings as command-line overrides: 6 steps of 2 sequences per rank x 2 accumulation."""
+    return [f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", f"train.datasets=[{data}]",
+            f"train.output_dir={out}", "train.max_steps=6", "train.micro_batch_size=2", "train.grad_accum=2",
+            "train.warmup_steps=2", "train.lr=0.01", "train.eval_every=3", "train.eval_fraction=0.2", "train.log_every=1",
+            "train.autocast_dtype=float32", "train.save_every=3", *HEADS[kind], *extra]
+
+
+def torchrun(args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("HEADWAY_KILL_AT", None)
+    if kill_at:
+        env["HEADWAY_KILL_AT"] = kill_at
+    cmd = [sys.executable, "-m", "headway", "train", "--nproc", "2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.mark.parametrize("backend,kind", [("ddp", "medusa"), ("fsdp", "eagle3")])
+def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_data, tmp_path: Path, backend: str,
+                                                               kind: str):
+    from headway.train.loop import train
+
+    model = tiny_dirs["llama"]
+    train(small_run(model, tiny_data, tmp_path / "one", *HEADS[kind], "train.grad_accum=4"))
+    one = losses(tmp_path / "one")
+
+    res = torchrun(overrides(model, tiny_data, tmp_path / "two", kind, f"train.backend={backend}"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "effective batch: 8 sequences (2 per rank x 2 accumulation x 2 ranks)" in res.stderr
+    two = losses(tmp_path / "two")
+    assert [s for s, _ in two] == [1, 2, 3, 4, 5, 6]
+    for (_, a), (_, b) in zip(one, two):
+        assert b == pytest.approx(a, rel=1e-4)
+    evals = [json.loads(line) for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines() if "eval/loss" in line]
+    assert len(evals) == 2 and (tmp_path / "two" / "head" / "config.json").is_file()
+
+    killed = torchrun(overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}"), "checkpoint:3")
+    assert killed.returncode != 0 and not (tmp_path / "cut" / "head").exists()
+    res = torchrun(overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}", "train.resume_from=auto"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    cut = losses(tmp_path / "cut")
+    assert [s for s, _ in cut] == [1, 2, 3, 4, 5, 6]  # steps 1-3 before the kill, 4-6 after: each once
+    assert [v for _, v in cut] == pytest.approx([v for _, v in two], rel=1e-6)
+
+
+def test_nproc_needs_a_distributed_backend(tiny_dirs, tiny_data, tmp_path: Path):
+    res = torchrun(overrides(tiny_dirs["llama"], tiny_data, tmp_path / "x", "medusa"))
+    assert res.returncode == 2 and "--nproc 2 needs a distributed train.backend" in res.stderr

@@ -1,0 +1,151 @@
+"""Several processes training one head, launched by torchrun: DDP or FSDP2, gloo on CPU, nccl on GPU.
+
+The head and its objective run as one module (`HeadObjective`), so every parameter is used inside the
+forward that DDP and FSDP wrap. Each rank reads a disjoint slice of every global micro-batch; losses and
+metrics are averaged across ranks; rank 0 writes logs and exports; checkpoints gather the full state
+(every rank takes part) so that a run can resume, also under another world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from headway.errors import HeadwayError
+from headway.runtime import dist_info
+
+log = logging.getLogger("headway")
+
+BACKENDS = ["none", "ddp", "fsdp"]
+
+
+class HeadObjective(torch.nn.Module):
+    """A head with its training objective: forward(batch, features, t2d) -> (loss, metrics)."""
+
+    def __init__(self, heads: torch.nn.Module, objective: Any, cfg: Any):
+        super().__init__()
+        self.heads = heads
+        self._objective = objective
+        self._cfg = cfg
+
+    def forward(self, batch: dict, feats: Any, t2d: Any) -> tuple[torch.Tensor, dict]:
+        return self._objective(self._cfg, self.heads, batch, feats, t2d)
+
+
+@dataclass
+class Parallel:
+    """This process's place in the run and the collectives the loop needs (no-ops when alone)."""
+
+    backend: str = "none"
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1 or self.backend != "none"
+
+    def shard(self, items: list) -> list:
+        """This rank's share of a global micro-batch of world_size x micro_batch_size items."""
+        n = len(items) // self.world_size
+        return items[self.rank * n : (self.rank + 1) * n]
+
+    def mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Average each value across ranks (every rank gets the result)."""
+        if not self.active or not values:
+            return values
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist())}
+
+    def all_reduce_grads(self, params: list[torch.Tensor]) -> None:
+        """Average gradients of parameters outside the wrapped module (Medusa-2's LoRA adapters)."""
+        if not self.active:
+            return
+        for p in params:
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= self.world_size
+
+    def gather_objects(self, obj: Any) -> list:
+        if not self.active:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        if not self.active:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def close(self) -> None:
+        """End of the run: wait for every rank, then leave the process group, so launchers exit 0."""
+        if self.active and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def start(backend: str, device: torch.device) -> Parallel:
+    """Join the launcher's process group (gloo on CPU, nccl on CUDA) for a distributed backend."""
+    info = dist_info()
+    if backend == "none":
+        if info.world_size > 1:
+            raise HeadwayError(f"launched as {info.world_size} processes but train.backend=none: set train.backend=ddp or "
+                               "fsdp (or launch one process)")
+        return Parallel()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    par = Parallel(backend, dist.get_rank(), dist.get_world_size())
+    log.info("distributed: %s over %s, rank %d of %d", backend, dist.get_backend(), par.rank, par.world_size)
+    return par
+
+
+def wrap(module: torch.nn.Module, par: Parallel, device: torch.device) -> torch.nn.Module:
+    """DDP replicates the module and averages gradients; FSDP2 shards its parameters and optimizer state."""
+    if par.backend == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    if par.backend == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(module)
+    return module
+
+
+def full_state(module: torch.nn.Module, optimizer: Any, par: Parallel) -> tuple[dict, dict]:
+    """The whole model and optimizer state, gathered to rank 0 on CPU (every rank must call this)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=par.active)
+    return (get_model_state_dict(module, options=options),
+            get_optimizer_state_dict(module, optimizer, options=options))
+
+
+def load_full_state(module: torch.nn.Module, optimizer: Any, model_state: dict, optim_state: dict, par: Parallel) -> None:
+    """Load a full (gathered) state into the possibly sharded module and optimizer on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(module, model_state, options=options)
+    set_optimizer_state_dict(module, optimizer, optim_state, options=options)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The HeadObjective inside a DDP wrapper (FSDP2 modifies the module in place)."""
+    return getattr(module, "module", module)
