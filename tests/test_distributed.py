@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,11 +64,16 @@ def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_d
 
     killed = torchrun(overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}"), "checkpoint:3")
     assert killed.returncode != 0 and not (tmp_path / "cut" / "head").exists()
+    shutil.copytree(tmp_path / "cut", tmp_path / "cut-alone")
     res = torchrun(overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}", "train.resume_from=auto"))
     assert res.returncode == 0, res.stderr[-3000:]
     cut = losses(tmp_path / "cut")
     assert [s for s, _ in cut] == [1, 2, 3, 4, 5, 6]  # steps 1-3 before the kill, 4-6 after: each once
     assert [v for _, v in cut] == pytest.approx([v for _, v in two], rel=1e-6)
+
+    # the same checkpoint resumed by one process (same effective batch): another world size, same curve
+    train(small_run(model, tiny_data, tmp_path / "cut-alone", *HEADS[kind], "train.grad_accum=4", "train.resume_from=auto"))
+    assert [v for _, v in losses(tmp_path / "cut-alone")] == pytest.approx([v for _, v in two], rel=1e-4)
 
 
 def test_nproc_needs_a_distributed_backend(tiny_dirs, tiny_data, tmp_path: Path):
