@@ -70,14 +70,21 @@ def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def kind_config(cfg: RunConfig, num_layers: int) -> Any:
+    """The head kind's config with defaults resolved for this target (EAGLE-3's feature layers: they
+    are saved with the head)."""
+    kind_cfg = cfg.head.kind_config()
+    if cfg.head.kind == "eagle3" and not kind_cfg.feature_layers:
+        kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
+    return kind_cfg
+
+
 def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     """A fresh head for the target; a reduced vocabulary is the most frequent tokens the target wrote."""
     kind = cfg.head.kind
-    kind_cfg = cfg.head.kind_config()
     text = text_config(target.config)
     hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
-    if kind == "eagle3" and not kind_cfg.feature_layers:  # resolve the defaults now: they are saved with the head
-        kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
+    kind_cfg = kind_config(cfg, num_layers)
     d2t = None
     if kind == "eagle3" or getattr(kind_cfg, "lm_head", None) == "reduced":
         freq = token_frequencies(train_samples, vocab)
@@ -92,21 +99,13 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     return heads
 
 
-def feature_layers(heads: Any, target: Any) -> list[int]:
-    """The target hidden states a step needs: the head's own, plus the last one (the target's logits)."""
-    num_layers = int(text_config(target.config).num_hidden_layers)
-    return sorted(set(heads.feature_layers(heads.cfg, num_layers)) | {num_layers})
-
-
-def cfg_feature_layers(cfg: RunConfig, target: Any) -> list[int]:
-    """feature_layers from the config alone (the head may be sharded): the resolved kind config."""
+def feature_layers(cfg: RunConfig, target: Any) -> list[int]:
+    """The target hidden states a step needs: the head's own (from the config, as build_heads resolves
+    them), plus the last one (the target's logits)."""
     from headway.heads.registry import KINDS
 
     num_layers = int(text_config(target.config).num_hidden_layers)
-    kind_cfg = cfg.head.kind_config()
-    if cfg.head.kind == "eagle3" and not kind_cfg.feature_layers:
-        kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
-    return sorted(set(KINDS[cfg.head.kind][1].feature_layers(kind_cfg, num_layers)) | {num_layers})
+    return sorted(set(KINDS[cfg.head.kind][1].feature_layers(kind_config(cfg, num_layers), num_layers)) | {num_layers})
 
 
 def _gather_state(objective: Any, heads: Any, optimizer: Any, par: Parallel, lora: bool) -> tuple[dict, dict, str]:
@@ -167,7 +166,7 @@ def _step_loss(cfg: RunConfig, target: Any, objective: Any, samples: list[Sample
     else:
         with torch.set_grad_enabled(adapt), autocast:
             out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-        feats = Features({i: out.hidden_states[i] for i in cfg_feature_layers(cfg, target)}, out.logits)
+        feats = Features({i: out.hidden_states[i] for i in feature_layers(cfg, target)}, out.logits)
     with autocast:
         loss, metrics = objective(batch, feats, t2d)
     if adapt:
@@ -217,7 +216,7 @@ def train(cfg: RunConfig) -> Path:
     heads = build_heads(cfg, target, train_set).to(device)
     cache = None
     if tc.features_dir:
-        cache = FeatureCache(tc.features_dir, target.fingerprint, feature_layers(heads, target),
+        cache = FeatureCache(tc.features_dir, target.fingerprint, feature_layers(cfg, target),
                              {"datasets": list(tc.datasets), "max_length": tc.max_length})
         log.info("offline: the target's features come from %s", tc.features_dir)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
