@@ -7,6 +7,8 @@ Layout of the output directory:
   manifest.json                   target fingerprint, layers, dtype, the sample keys of every shard
                                   and each shard's sha256 (written last: present = complete)
 Each shard is written atomically and skipped when it exists, so a killed run resumes where it stopped.
+Under a launcher (torchrun, deepspeed, `--nproc N`) rank r writes shards r, r + N, ...; rank 0 checks
+that every shard is there and writes the manifest.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.heads.target import fingerprint_mismatch
 from headway.io import atomic_file, atomic_write_json, sha256_file
-from headway.runtime import parse_dtype
+from headway.runtime import barrier, dist_info, parse_dtype
 
 log = logging.getLogger("headway")
 
@@ -54,8 +56,7 @@ class FeaturesConfig:
 def cache_features(model: Any, samples: list, keys: list[str], layers: list[int], fingerprint: dict, cfg: FeaturesConfig,
                    identity: dict, pad_id: int) -> Path:
     """Write the shards and the manifest; `identity` (datasets, max_length) must match on resume."""
-    from headway.train.data import collate
-
+    info = dist_info()
     out = Path(cfg.output_dir).expanduser()
     (out / "shards").mkdir(parents=True, exist_ok=True)
     dtype = parse_dtype(cfg.dtype)
@@ -67,47 +68,71 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
             changed = sorted(k for k in set(previous) | set(run) if previous.get(k) != run.get(k))
             raise HeadwayError(f"{out} holds features cached with other settings ({', '.join(changed)}): "
                                "use another features.output_dir or delete it")
-    else:
+    elif info.is_main:
         atomic_write_json(run_file, run)
     hidden = int(model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") else model.config.hidden_size)
     tokens = sum(len(s.input_ids) for s in samples)
     need = tokens * len(layers) * hidden * dtype.itemsize
     log.info("caching layers %s for %d sequences (%d tokens) in %s: needs %.2f GB of disk", layers, len(samples), tokens,
              cfg.dtype, need / 1e9)
-    print(f"feature cache: {len(samples)} sequences, {tokens} tokens, layers {layers}, {cfg.dtype}: "
-          f"{need / 1e9:.2f} GB on disk in {out}", flush=True)
+    if info.is_main:
+        print(f"feature cache: {len(samples)} sequences, {tokens} tokens, layers {layers}, {cfg.dtype}: "
+              f"{need / 1e9:.2f} GB on disk in {out}", flush=True)
     device = next(model.parameters()).device
-    shards = []
-    bar = tqdm(total=len(samples), desc="cache-features", unit="seq")
-    for first in range(0, len(samples), cfg.shard_size):
-        name = f"shard-{first // cfg.shard_size:05d}.safetensors"
-        path = out / "shards" / name
+    starts = list(range(0, len(samples), cfg.shard_size))
+    mine = [first for n, first in enumerate(starts) if n % info.world_size == info.rank]
+    bar = tqdm(total=sum(len(samples[f : f + cfg.shard_size]) for f in mine), unit="seq", position=info.rank,
+               desc=f"cache-features[rank {info.rank}]" if info.world_size > 1 else "cache-features")
+    for first in mine:
+        path = out / "shards" / _shard_name(first, cfg.shard_size)
         part = samples[first : first + cfg.shard_size]
         if not path.is_file():
-            per_layer: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-            argmax: list[torch.Tensor] = []
-            for b in range(0, len(part), cfg.batch_size):
-                batch = collate(part[b : b + cfg.batch_size], pad_id)
-                o = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                          output_hidden_states=True)
-                greedy = o.logits.argmax(-1).to(torch.int32).cpu()
-                for row, s in enumerate(part[b : b + cfg.batch_size]):
-                    argmax.append(greedy[row, : len(s.input_ids)])
-                    for i in layers:
-                        per_layer[i].append(o.hidden_states[i][row, : len(s.input_ids)].to(dtype).cpu())
-                bar.update(len(part[b : b + cfg.batch_size]))
-            lengths = torch.tensor([0] + [len(s.input_ids) for s in part])
-            tensors = {f"h{i}": torch.cat(per_layer[i]).contiguous() for i in layers}
-            tensors["offsets"] = torch.cumsum(lengths, 0)
-            tensors["argmax"] = torch.cat(argmax)
-            with atomic_file(path) as tmp:
-                save_file(tensors, str(tmp))
+            _write_shard(model, part, layers, dtype, cfg.batch_size, pad_id, device, path, bar)
         else:
             bar.update(len(part))
-        shards.append({"file": f"shards/{name}", "keys": keys[first : first + cfg.shard_size], "sha256": sha256_file(path)})
     bar.close()
-    atomic_write_json(out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards})
+    barrier(info)
+    if info.is_main:
+        shards = []
+        for first in starts:
+            path = out / "shards" / _shard_name(first, cfg.shard_size)
+            if not path.is_file():
+                raise HeadwayError(f"feature shard {path} is missing after every rank finished: rerun the same command")
+            shards.append({"file": f"shards/{path.name}", "keys": keys[first : first + cfg.shard_size],
+                           "sha256": sha256_file(path)})
+        atomic_write_json(out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards})
+    barrier(info)
     return out
+
+
+def _shard_name(first: int, shard_size: int) -> str:
+    return f"shard-{first // shard_size:05d}.safetensors"
+
+
+def _write_shard(model: Any, part: list, layers: list[int], dtype: torch.dtype, batch_size: int, pad_id: int, device: Any,
+                 path: Path, bar: Any) -> None:
+    """Run the target over one shard's sequences and write their features atomically."""
+    from headway.train.data import collate
+
+    per_layer: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+    argmax: list[torch.Tensor] = []
+    for b in range(0, len(part), batch_size):
+        batch = collate(part[b : b + batch_size], pad_id)
+        o = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                  output_hidden_states=True)
+        greedy = o.logits.argmax(-1).to(torch.int32).cpu()
+        for row, s in enumerate(part[b : b + batch_size]):
+            argmax.append(greedy[row, : len(s.input_ids)])
+            for i in layers:
+                per_layer[i].append(o.hidden_states[i][row, : len(s.input_ids)].to(dtype).cpu())
+        bar.update(len(part[b : b + batch_size]))
+    lengths = torch.tensor([0] + [len(s.input_ids) for s in part])
+    tensors = {f"h{i}": torch.cat(per_layer[i]).contiguous() for i in layers}
+    tensors["offsets"] = torch.cumsum(lengths, 0)
+    tensors["argmax"] = torch.cat(argmax)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp))
+
 
 
 class FeatureCache:
@@ -204,9 +229,17 @@ def run_cache_features(cfg: Any) -> Path:
     from headway.heads.target import load_target
     from headway.train.data import load_samples
 
+    info = dist_info()
+    if info.world_size > 1 and not torch.distributed.is_initialized():
+        import datetime
+
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=48))  # barriers only
     target = load_target(cfg.target)
     pairs, _ = load_samples(cfg.train.datasets, target.fingerprint, cfg.train.max_length)
     layers = layers_for(cfg, int(text_config(target.config).num_hidden_layers))
     identity = {"datasets": list(cfg.train.datasets), "max_length": cfg.train.max_length}
-    return cache_features(target.model, [s for _, s in pairs], [k for k, _ in pairs], layers, target.fingerprint,
-                          cfg.features, identity, target.tokenizer.pad_token_id or 0)
+    out = cache_features(target.model, [s for _, s in pairs], [k for k, _ in pairs], layers, target.fingerprint,
+                         cfg.features, identity, target.tokenizer.pad_token_id or 0)
+    if info.world_size > 1:
+        torch.distributed.destroy_process_group()
+    return out

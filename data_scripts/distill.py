@@ -28,7 +28,7 @@ from headway.data_scripts.prompts import Conversation, load_conversations, sourc
 from headway.errors import HeadwayError
 from headway.heads.target import Target, load_target
 from headway.io import atomic_write_json, read_json
-from headway.runtime import DistInfo, dist_info
+from headway.runtime import DistInfo, barrier, dist_info
 
 if TYPE_CHECKING:
     from headway.run_config import RunConfig
@@ -198,12 +198,6 @@ def _check_or_write_identity(out: Path, identity: dict, info: DistInfo) -> None:
         atomic_write_json(path, identity)
 
 
-def _barrier(info: DistInfo) -> None:
-    if info.world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-
 
 def distill(cfg: RunConfig) -> Path:
     """Run (or resume) self-distillation; returns the dataset directory."""
@@ -240,7 +234,7 @@ def distill(cfg: RunConfig) -> Path:
     if info.is_main:
         _check_or_write_identity(out, identity, info)
         save_config(cfg, out)
-    _barrier(info)
+    barrier(info)
     if not info.is_main:
         _check_or_write_identity(out, identity, info)
 
@@ -276,10 +270,10 @@ def distill(cfg: RunConfig) -> Path:
         bar.update(hi - lo)
     bar.close()
     elapsed = time.time() - stats["start"]
-    _barrier(info)
+    barrier(info)
     if info.is_main:
         _merge(out, num_chunks, total, identity, cfg, engine.name, stats["tokens"], elapsed)
-    _barrier(info)
+    barrier(info)
     if info.world_size > 1:
         import torch.distributed as dist
 

@@ -44,6 +44,8 @@ def _add_config_args(p: argparse.ArgumentParser, schema: type, run: Callable[[An
 def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.data_scripts.distill import distill
 
+    if args.nproc and args.nproc > 1:
+        return launch(args.nproc, "distill", cfg, args)
     out = distill(cfg)
     if not dist_info().is_main:
         return 0
@@ -55,31 +57,68 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
 def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.data_scripts.cache_features import run_cache_features
 
+    if args.nproc and args.nproc > 1:
+        return launch(args.nproc, "cache-features", cfg, args)
     out = run_cache_features(cfg)
+    if not dist_info().is_main:
+        return 0
     print(f"features: {out}  (train with train.features_dir=[{out}])")
     return 0
 
 
-def launch(nproc: int, cfg: RunConfig, args: argparse.Namespace) -> int:
-    """`--nproc N`: start N training processes on this machine with torchrun (the same command, minus
-    --nproc), for the configured train.backend."""
-    import subprocess
-
-    if cfg.train.backend == "none":
-        raise HeadwayError(f"--nproc {nproc} needs a distributed train.backend: add train.backend=ddp or train.backend=fsdp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "headway", "train"]
+def launcher_command(nproc: int, command: str, backend: str, args: argparse.Namespace) -> list[str]:
+    """The launcher for `--nproc N` on this machine: deepspeed's for train.backend=deepspeed, torchrun otherwise;
+    it reruns the same headway command (minus --nproc) in every process."""
+    if command == "train" and backend == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--no_local_rank",
+               "--master_port", str(_free_port()), "--module", "headway", command]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "headway",
+               command]
     if args.config:
         cmd += ["--config", str(args.config)]
-    cmd += list(args.overrides or [])
+    return cmd + list(args.overrides or [])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, command: str, cfg: RunConfig, args: argparse.Namespace) -> int:
+    """`--nproc N`: start N processes of `command` on this machine (training: for the configured train.backend)."""
+    import os
+    import subprocess
+
+    if command == "train" and cfg.train.backend == "none":
+        raise HeadwayError(f"--nproc {nproc} needs a distributed train.backend: add train.backend=ddp, fsdp or deepspeed")
+    env = dict(os.environ)
+    if command == "train" and cfg.train.backend == "deepspeed":
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            raise HeadwayError("train.backend=deepspeed needs DeepSpeed: pip install 'headway[deepspeed]'")
+        if cfg.target.device == "cpu" or not _cuda_available():
+            env.setdefault("DS_ACCELERATOR", "cpu")
+    cmd = launcher_command(nproc, command, cfg.train.backend, args)
     print(f"launching {nproc} processes: {' '.join(cmd)}", flush=True)
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=env)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.train.loop import train
 
     if args.nproc and args.nproc > 1:
-        return launch(args.nproc, cfg, args)
+        return launch(args.nproc, "train", cfg, args)
     head = train(cfg)
     print(f"head: {head}")
     return 0
@@ -159,14 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, DemoConfig, cmd_demo)
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
+    p.add_argument("--nproc", type=int, default=0, help="start this many processes with torchrun (each answers a share)")
     _add_config_args(p, RunConfig, cmd_distill)
 
     p = sub.add_parser("cache-features", help="run the target once over train.datasets and keep the features heads read")
+    p.add_argument("--nproc", type=int, default=0, help="start this many processes with torchrun (each writes a share)")
     _add_config_args(p, RunConfig, cmd_cache_features)
 
     p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
     p.add_argument("--nproc", type=int, default=0,
-                   help="start this many processes with torchrun (needs train.backend=ddp or fsdp)")
+                   help="start this many processes (torchrun, or deepspeed's launcher for train.backend=deepspeed)")
     _add_config_args(p, RunConfig, cmd_train)
 
     p = sub.add_parser("generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup")
@@ -194,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # deepspeed's launcher adds --local_rank=N unless told --no_local_rank; the rank comes from the environment.
+    argv = [a for a in argv if not a.startswith("--local_rank")]
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may also follow options (`--head DIR key=value`), where argparse stops collecting them.
     stray = [a for a in extra if a.startswith("-") or "=" not in a]

@@ -49,6 +49,12 @@ def dist_info() -> DistInfo:
     )
 
 
+def barrier(info: DistInfo) -> None:
+    """Wait for every rank of a launched job (no-op for one process)."""
+    if info.world_size > 1:
+        torch.distributed.barrier()
+
+
 def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name.lower()]

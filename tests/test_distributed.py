@@ -9,6 +9,7 @@ or averaging (those move the loss by 1e-2 or more here).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from headway.errors import HeadwayError
 from train_helpers import losses, small_run
 
 HEADS = {
@@ -43,7 +45,11 @@ def torchrun(args: list[str], kill_at: str | None = None) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
-@pytest.mark.parametrize("backend,kind", [("ddp", "medusa"), ("fsdp", "eagle3")])
+DEEPSPEED = pytest.param("deepspeed", "eagle3", marks=pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[dev]')"))
+
+
+@pytest.mark.parametrize("backend,kind", [("ddp", "medusa"), ("fsdp", "eagle3"), DEEPSPEED])
 def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_data, tmp_path: Path, backend: str,
                                                                kind: str):
     from headway.train.loop import train
@@ -71,11 +77,33 @@ def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_d
     assert [s for s, _ in cut] == [1, 2, 3, 4, 5, 6]  # steps 1-3 before the kill, 4-6 after: each once
     assert [v for _, v in cut] == pytest.approx([v for _, v in two], rel=1e-6)
 
+    alone = small_run(model, tiny_data, tmp_path / "cut-alone", *HEADS[kind], "train.grad_accum=4", "train.resume_from=auto")
+    if backend == "deepspeed":  # ZeRO shards are per rank: another world size is refused, by name
+        with pytest.raises(HeadwayError, match="written by train.backend=deepspeed: resume it with train.backend=deepspeed "
+                                               "and 2 processes"):
+            train(alone)
+        return
     # the same checkpoint resumed by one process (same effective batch): another world size, same curve
-    train(small_run(model, tiny_data, tmp_path / "cut-alone", *HEADS[kind], "train.grad_accum=4", "train.resume_from=auto"))
+    train(alone)
     assert [v for _, v in losses(tmp_path / "cut-alone")] == pytest.approx([v for _, v in two], rel=1e-4)
 
 
 def test_nproc_needs_a_distributed_backend(tiny_dirs, tiny_data, tmp_path: Path):
     res = torchrun(overrides(tiny_dirs["llama"], tiny_data, tmp_path / "x", "medusa"))
     assert res.returncode == 2 and "--nproc 2 needs a distributed train.backend" in res.stderr
+
+
+def test_cache_features_in_two_processes_writes_the_one_process_cache(tiny_dirs, tiny_data, tmp_path: Path):
+    """Each rank writes every other shard; rank 0's manifest equals one process's, checksums included."""
+    base = ["cache-features", f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1",
+            f"train.datasets=[{tiny_data}]", "features.shard_size=5", "features.layers=[1,4]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, "-m", "headway", *base, f"features.output_dir={tmp_path / 'one'}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "headway", *base, "--nproc", "2", f"features.output_dir={tmp_path / 'two'}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "cache-features[rank 1]" in two.stderr
+    a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two"))
+    assert len(a["shards"]) >= 4 and a == b

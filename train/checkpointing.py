@@ -7,6 +7,7 @@ read back with torch.load(weights_only=True): tensors and plain containers only,
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,11 +21,13 @@ from headway.io import atomic_dir, safetensors_of
 
 
 def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict, scheduler: Any, consumed: int,
-                    adapters: Optional[dict] = None, rng_states: Optional[list] = None, optimizer_format: str = "index") -> Path:
+                    adapters: Optional[dict] = None, rng_states: Optional[list] = None, optimizer_format: str = "index",
+                    shards: Optional[dict[str, Path]] = None) -> Path:
     """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the target's
     trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state, in rank order;
     `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter name,
-    loadable under any backend and world size)."""
+    loadable under any backend and world size) or "deepspeed" (DeepSpeed's per-rank files, in `shards`:
+    directories written by every rank, moved into the checkpoint under their names)."""
     out = root / f"step-{step:08d}"
     with atomic_dir(out) as tmp:
         save_file(safetensors_of(model_state), str(tmp / "heads.safetensors"))
@@ -34,6 +37,8 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict,
                     "torch_rng": rng_states or [torch.get_rng_state()]}, tmp / "state.pt")
         state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate()),
                  "optimizer_format": optimizer_format, "world_size": len(rng_states or [None])}
+        for name, src in (shards or {}).items():
+            os.replace(src, tmp / name)
         (tmp / "trainer.json").write_text(json.dumps(state))
     return out
 

@@ -75,15 +75,19 @@ class TrainConfig:
     # Several processes (launched by torchrun, or `headway train --nproc N`): ddp replicates the head,
     # fsdp (FSDP2) shards it and its optimizer state; none = one process. Each rank reads its own share
     # of every batch, so the effective batch is micro_batch_size x grad_accum x world size.
+    # deepspeed = ZeRO (stage set by deepspeed_config), launched by `deepspeed` or torchrun.
     backend: str = "none"
+    # train.backend=deepspeed: zero1, zero2 or zero3 (the configs in configs/deepspeed/), or the path of a
+    # DeepSpeed JSON config; its "auto" fields (batch, accumulation, clipping, bf16) come from train.*.
+    deepspeed_config: str = "zero2"
 
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
-        check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp"])
-        if self.backend == "fsdp" and self.lora.enabled:
-            raise HeadwayError("train.backend=fsdp shards the head, but Medusa-2's LoRA adapters live in the target: "
-                               "train Medusa-2 with train.backend=ddp")
+        check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
+        if self.backend in ("fsdp", "deepspeed") and self.lora.enabled:
+            raise HeadwayError(f"train.backend={self.backend} wraps the head alone, but Medusa-2's LoRA adapters live in the "
+                               "target: train Medusa-2 with train.backend=ddp")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if self.features_dir and self.lora.enabled:

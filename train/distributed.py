@@ -1,4 +1,5 @@
-"""Several processes training one head, launched by torchrun: DDP or FSDP2, gloo on CPU, nccl on GPU.
+"""Several processes training one head, launched by torchrun (or deepspeed): DDP, FSDP2 or DeepSpeed ZeRO
+(train/deepspeed_engine.py), gloo on CPU, nccl on GPU.
 
 The head and its objective run as one module (`HeadObjective`), so every parameter is used inside the
 forward that DDP and FSDP wrap. Each rank reads a disjoint slice of every global micro-batch; losses and
@@ -19,9 +20,6 @@ from headway.errors import HeadwayError
 from headway.runtime import dist_info
 
 log = logging.getLogger("headway")
-
-BACKENDS = ["none", "ddp", "fsdp"]
-
 
 class HeadObjective(torch.nn.Module):
     """A head with its training objective: forward(batch, features, t2d) -> (loss, metrics)."""
@@ -105,8 +103,8 @@ def start(backend: str, device: torch.device) -> Parallel:
     info = dist_info()
     if backend == "none":
         if info.world_size > 1:
-            raise HeadwayError(f"launched as {info.world_size} processes but train.backend=none: set train.backend=ddp or "
-                               "fsdp (or launch one process)")
+            raise HeadwayError(f"launched as {info.world_size} processes but train.backend=none: set train.backend=ddp, "
+                               "fsdp or deepspeed (or launch one process)")
         return Parallel()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -144,6 +142,34 @@ def load_full_state(module: torch.nn.Module, optimizer: Any, model_state: dict, 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(module, model_state, options=options)
     set_optimizer_state_dict(module, optimizer, optim_state, options=options)
+
+
+class TorchStep:
+    """Backward and optimizer step for ddp, fsdp and one process: each micro-batch's loss is scaled by
+    1/grad_accum; the step averages the LoRA adapters' gradients (outside the wrapped head), clips and
+    steps the optimizer and the schedule."""
+
+    def __init__(self, optimizer: Any, scheduler: Any, params: list, lora_params: list, grad_clip: float,
+                 grad_accum: int, par: Parallel):
+        self.optimizer, self.scheduler, self.par = optimizer, scheduler, par
+        self.params, self.lora_params = params, lora_params
+        self.grad_clip, self.grad_accum = grad_clip, grad_accum
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.grad_accum).backward()
+
+    def step(self) -> float:
+        self.par.all_reduce_grads(self.lora_params)
+        norm = torch.tensor(0.0)
+        if self.grad_clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params + self.lora_params, self.grad_clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.scheduler.step()
+        return float(norm)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -29,7 +30,8 @@ from headway.runtime import autocast_dtype
 from headway.train.calibration import rank_accuracy
 from headway.faults import fault_point
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
-from headway.train.distributed import HeadObjective, Parallel, full_state, load_full_state, start, wrap
+from headway.train import deepspeed_engine
+from headway.train.distributed import HeadObjective, Parallel, TorchStep, full_state, load_full_state, start, wrap
 from headway.run_config import RunConfig
 from headway.data_scripts.cache_features import FeatureCache
 from headway.train.data import Sample, batch_at, collate, load_samples, split_heldout, token_frequencies
@@ -110,20 +112,35 @@ def feature_layers(cfg: RunConfig, target: Any) -> list[int]:
 
 def _gather_state(objective: Any, heads: Any, optimizer: Any, par: Parallel, lora: bool) -> tuple[dict, dict, str]:
     """The head's and optimizer's whole state (a collective: every rank calls it). Runs with LoRA adapters
-    keep torch's own optimizer format (their optimizer also holds the target's adapters)."""
+    keep torch's own optimizer format (their optimizer also holds the target's adapters); DeepSpeed's
+    optimizer state stays in its own per-rank shards."""
     if lora:
         return heads.state_dict(), optimizer.state_dict(), "index"
-    model_state, optim_state = full_state(objective, optimizer, par)
-    return {k.removeprefix("heads."): v for k, v in model_state.items()}, optim_state, "fqn"
+    if par.backend == "deepspeed":
+        model_state, optim_state, fmt = deepspeed_engine.full_module_state(objective), {}, "deepspeed"
+    else:
+        (model_state, optim_state), fmt = full_state(objective, optimizer, par), "fqn"
+    return {k.removeprefix("heads."): v for k, v in model_state.items()}, optim_state, fmt
 
 
 def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any, optimizer: Any, scheduler: Any,
                 target: Any, tc: Any, par: Parallel) -> None:
     model_state, optim_state, fmt = _gather_state(objective, heads, optimizer, par, tc.lora.enabled)
     rngs = par.gather_objects(torch.get_rng_state())
+    shards = {}
+    if fmt == "deepspeed":  # every rank writes its shard beside the checkpoint; rank 0 moves them in
+        staging = root / f".step-{step:08d}.shards"
+        if par.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+        par.barrier()
+        deepspeed_engine.save_shards(objective, staging)
+        par.barrier()
+        shards = {deepspeed_engine.TAG: staging / deepspeed_engine.TAG}
     if par.is_main:
         save_checkpoint(root, step, model_state, optim_state, scheduler, consumed, adapter_state(target.model, tc.lora.enabled),
-                        rngs, fmt)
+                        rngs, fmt, shards)
+        if shards:
+            shutil.rmtree(root / f".step-{step:08d}.shards", ignore_errors=True)
     par.barrier()
     fault_point(f"checkpoint:{step}")
 
@@ -131,7 +148,12 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
 def _resume(path: Path, objective: Any, heads: Any, optimizer: Any, scheduler: Any, target: Any, tc: Any,
             par: Parallel) -> tuple[int, int]:
     ck = read_checkpoint(path, scheduler, tc.lora.enabled)
-    if ck.optimizer_format == "index":
+    if par.backend == "deepspeed":
+        deepspeed_engine.load_shards(objective, path, par.world_size, len(ck.rng_states))
+    elif ck.optimizer_format == "deepspeed":
+        raise HeadwayError(f"checkpoint {path} was written by train.backend=deepspeed: resume it with train.backend="
+                           f"deepspeed and {len(ck.rng_states)} processes")
+    elif ck.optimizer_format == "index":
         if par.backend == "fsdp":
             raise HeadwayError(f"checkpoint {path} was written by a Medusa-2 or older run: resume it without fsdp")
         heads.load_state_dict(ck.model_state)
@@ -221,8 +243,6 @@ def train(cfg: RunConfig) -> Path:
         log.info("offline: the target's features come from %s", tc.features_dir)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     objective = wrap(HeadObjective(heads, OBJECTIVES[cfg.head.kind], cfg), par, device)
-    objective.train()
-    torch.manual_seed(tc.seed + par.rank)  # each rank's own random stream (feature noise)
     params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
     lora_params: list = []
@@ -234,6 +254,15 @@ def train(cfg: RunConfig) -> Path:
                  tc.lora.r, ",".join(tc.lora.target_modules), sum(p.numel() for p in lora_params), tc.lora.heads_warmup_steps)
     optimizer = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas))
     scheduler = cosine_schedule(optimizer, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
+    if par.backend == "deepspeed":
+        bf16 = autocast_dtype(tc.autocast_dtype, device) == torch.bfloat16
+        objective = deepspeed_engine.initialize(
+            objective, optimizer, scheduler, deepspeed_engine.resolve_config(tc.deepspeed_config, tc, par.world_size, bf16))
+        stepper: Any = deepspeed_engine.DeepSpeedStep(objective)
+    else:
+        stepper = TorchStep(optimizer, scheduler, params, lora_params, tc.grad_clip, tc.grad_accum, par)
+    objective.train()
+    torch.manual_seed(tc.seed + par.rank)  # each rank's own random stream (feature noise)
     step, consumed = 0, 0
     ckpt_root = out / "checkpoints"
     if tc.resume_from:
@@ -253,7 +282,7 @@ def train(cfg: RunConfig) -> Path:
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
     started, tokens = time.time(), 0
     while step < tc.max_steps:
-        optimizer.zero_grad(set_to_none=True)
+        stepper.zero_grad()
         adapt = tc.lora.enabled and step >= tc.lora.heads_warmup_steps
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
@@ -262,23 +291,19 @@ def train(cfg: RunConfig) -> Path:
             consumed += micro
             tokens += sum(sum(s.loss_mask) for s in batch)
             loss, metrics = _step_loss(cfg, target, objective, batch, t2d, device, adapt, cache)
-            (loss / tc.grad_accum).backward()
+            stepper.backward(loss)
             loss_sum += float(loss.detach()) / tc.grad_accum
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / tc.grad_accum
-        par.all_reduce_grads(lora_params)
         averaged = par.mean({"loss": loss_sum, **metrics_sum})
         loss_sum = averaged.pop("loss")
         if not math.isfinite(loss_sum):
             raise HeadwayError(f"loss became {loss_sum} at step {step}: lower train.lr or check the data")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params + lora_params, tc.grad_clip) if tc.grad_clip > 0 else torch.tensor(0.0)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
-        scheduler.step()
+        grad_norm = stepper.step()
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
-        record = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+        record = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                   "tokens_per_s": par.world_size * tokens / max(1e-9, time.time() - started), **averaged}
         if logger and (step % tc.log_every == 0 or step == 1):
             logger.log(record)
@@ -301,8 +326,8 @@ def train(cfg: RunConfig) -> Path:
 
 def _final_heads(cfg: RunConfig, target: Any, train_set: list, objective: Any, heads: Any, optimizer: Any,
                  par: Parallel) -> Any:
-    """The trained head as one plain module on rank 0 (FSDP: gathered from the shards; a collective)."""
-    if par.backend != "fsdp":
+    """The trained head as one plain module on rank 0 (FSDP, DeepSpeed: gathered from the shards; a collective)."""
+    if par.backend not in ("fsdp", "deepspeed"):
         return heads
     model_state, _, _ = _gather_state(objective, heads, optimizer, par, False)
     if not par.is_main:
