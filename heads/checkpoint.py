@@ -72,7 +72,10 @@ def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, devic
         raise HeadwayError(f"cannot read {p / 'model.safetensors'} ({e}): the file is damaged; re-export the head") from None
     if kind in LAYERED and not isinstance(config.get("draft_layer"), dict):
         raise HeadwayError(f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it")
-    heads = build_head(kind, cfg_cls(**config["head"]), config["hidden_size"], config["vocab_size"],
+    head_cfg = dict(config["head"])
+    if kind == "eagle" and "fc_bias" not in head_cfg:  # heads written before fc_bias was a setting had one
+        head_cfg["fc_bias"] = "fc.bias" in state
+    heads = build_head(kind, cfg_cls(**head_cfg), config["hidden_size"], config["vocab_size"],
                        d2t=state.get("d2t"), layer_config=config.get("draft_layer"))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -26,6 +26,8 @@ class EagleConfig:
     # Loss = feature_weight x smooth-L1(feature) + token_weight x cross-entropy to the target's distribution.
     feature_weight: float = 1.0
     token_weight: float = 0.1
+    # A bias in fc (the original EAGLE has one; vLLM's EAGLE-1 has none, so an fc bias keeps the head out of vLLM).
+    fc_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.feature_noise < 0 or self.feature_weight < 0 or self.token_weight < 0:
@@ -95,7 +97,7 @@ class EagleHead(EagleBase):
             raise HeadwayError("EAGLE-1 reads out through the target's full lm_head: it takes no draft vocabulary")
         self.cfg = cfg
         self.d2t = None  # draft ids are target ids
-        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=True)
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=cfg.fc_bias)
         self.decoder.layers[0].input_layernorm = nn.Identity()
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:

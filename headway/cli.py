@@ -120,7 +120,27 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "train", cfg, args)
     head = train(cfg)
-    print(f"head: {head}")
+    if dist_info().is_main:
+        print(f"head: {head}")
+    return 0
+
+
+def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from headway.export.exporter import export_head, read_export, serve_hint
+    from headway.heads.target import load_target
+
+    if args.check:
+        fmt, config, tensors = read_export(args.check)
+        print(f"{args.check}: a valid {fmt} export of a {config['headway']['kind']} head ({len(tensors)} tensors)")
+        return 0
+    if not (args.head and args.format and args.out):
+        raise HeadwayError("headway export needs --head DIR --format FORMAT --out DIR (or --check DIR)")
+    target = load_target(cfg.target, with_model=False)
+    out = export_head(args.head, args.format, args.out, args.dtype, target.fingerprint)
+    kind = json.loads((out / "config.json").read_text()).get("headway", {}).get("kind") or "native"
+    print(f"exported: {out}  ({args.format})")
+    if kind != "native":
+        print(f"serve it: {serve_hint(args.format, kind, out)}")
     return 0
 
 
@@ -209,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=0,
                    help="start this many processes (torchrun, or deepspeed's launcher for train.backend=deepspeed)")
     _add_config_args(p, RunConfig, cmd_train)
+
+    p = sub.add_parser("export", help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM), checked key by key")
+    p.add_argument("--head", help="a head directory (a run's head/ folder)")
+    p.add_argument("--format", choices=["native", "vllm", "sglang", "trtllm"], help="the engine layout")
+    p.add_argument("--out", help="output directory (written whole or not at all)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype")
+    p.add_argument("--check", metavar="DIR", help="only check an existing export against its engine layout")
+    _add_config_args(p, RunConfig, cmd_export)
 
     p = sub.add_parser("generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup")
     p.add_argument("--head", required=True, help="a head directory (a run's head/ folder)")

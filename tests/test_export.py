@@ -1,0 +1,220 @@
+"""Exports for serving engines: every kind in every format it supports round-trips to a head that drafts
+exactly as the original; each layout's tensors and config keys are what the engine reads; broken or
+mismatched checkpoints are refused with the problem named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from headway.errors import HeadwayError
+from headway.export.exporter import export_head, load_export, read_export
+from headway.export.layouts import CONVERTERS
+from headway.heads.checkpoint import save_head
+from headway.heads.draft_layer import draft_layer_config
+from headway.heads.eagle import EagleConfig
+from headway.heads.eagle3 import Eagle3Config, Eagle3Head
+from headway.heads.medusa import MedusaConfig
+from headway.heads.registry import build_head
+from headway.heads.target import TargetConfig, load_target
+from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.generate import speculative_generate
+from headway.inference.tree import build_tree
+
+TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def random_head(t, kind: str, lm_head: str = "reduced", seed: int = 0):
+    """An untrained head of `kind` for target `t` with random (not identity) weights."""
+    torch.manual_seed(seed)
+    L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
+    d2t = torch.sort(torch.randperm(V)[:64]).values
+    if kind == "eagle3":
+        cfg = Eagle3Config(draft_vocab_size=64, ttt_steps=2)
+        cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
+        heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config))
+    elif kind == "eagle":
+        heads = build_head(kind, EagleConfig(), h, V, layer_config=draft_layer_config(t.model.config))
+    else:
+        heads = build_head(kind, MedusaConfig(num_heads=3, lm_head=lm_head, draft_vocab_size=64), h, V,
+                           d2t=d2t if lm_head == "reduced" else None)
+    heads.init_from_target(t.model)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if "norm" not in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return heads.eval()
+
+
+def drafter_for(t, heads):
+    heads.attach_target(t.model)
+    if heads.kind == "medusa":
+        return MedusaDrafter(heads, build_tree(TREE), t.config.num_hidden_layers)
+    return EagleDrafter(heads, t.config.num_hidden_layers, 3, 2, 6)
+
+
+def trace(t, heads) -> list:
+    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story about a cat."}],
+                                          add_generation_prompt=True, tokenize=False)
+    ids = t.tokenizer(ids, add_special_tokens=False)["input_ids"]
+    r = speculative_generate(t.model, drafter_for(t, heads), ids, 24, [t.tokenizer.eos_token_id])
+    return [r.tokens, r.accepted]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_dirs):
+    return load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
+
+
+@pytest.mark.parametrize("fmt,kind", sorted(CONVERTERS) + [("native", "eagle3"), ("native", "medusa"), ("native", "eagle")])
+def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path, fmt: str, kind: str):
+    t = llama
+    heads = random_head(t, kind, lm_head="own" if fmt == "trtllm" else "reduced")
+    native = save_head(heads, tmp_path / "head", t.fingerprint)
+    out = export_head(native, fmt, tmp_path / "out", dtype="float32", target_fingerprint=t.fingerprint)
+    again = load_export(out, t.fingerprint)
+    original = heads.state_dict()
+    assert set(again.state_dict()) == set(original)
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, original[k]), k
+    assert trace(t, again) == trace(t, heads)
+    if fmt != "native":  # the layout check passes on what was written, and bf16 (the default) reads back too
+        assert read_export(out)[0] == fmt
+        export_head(native, fmt, tmp_path / "bf16", target_fingerprint=t.fingerprint)
+        assert load_file(str(tmp_path / "bf16" / "model.safetensors"))[next(iter(load_file(str(out / "model.safetensors"))))].dtype in (
+            torch.bfloat16, torch.int64)
+
+
+def test_eagle3_layout_is_what_vllm_reads(llama, tmp_path: Path):
+    t = llama
+    heads = random_head(t, "eagle3")
+    export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "v" / "model.safetensors"))
+    h, n, kv, hd, inter = 64, t.config.num_attention_heads, t.config.num_key_value_heads, 16, t.config.intermediate_size
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["eagle_aux_hidden_state_layer_ids"] == heads.cfg.feature_layers  # HF output_hidden_states indices
+    assert config["draft_vocab_size"] == 64 and config["vocab_size"] == t.config.vocab_size
+    assert t.config.hidden_size == h and config["head_dim"] == hd
+    assert {k: list(v.shape) for k, v in tensors.items()} == {
+        "fc.weight": [h, 3 * h], "midlayer.input_layernorm.weight": [h], "midlayer.hidden_norm.weight": [h],
+        "midlayer.self_attn.q_proj.weight": [n * hd, 2 * h], "midlayer.self_attn.k_proj.weight": [kv * hd, 2 * h],
+        "midlayer.self_attn.v_proj.weight": [kv * hd, 2 * h], "midlayer.self_attn.o_proj.weight": [h, n * hd],
+        "midlayer.mlp.gate_proj.weight": [inter, h], "midlayer.mlp.up_proj.weight": [inter, h],
+        "midlayer.mlp.down_proj.weight": [h, inter], "midlayer.post_attention_layernorm.weight": [h],
+        "norm.weight": [h], "lm_head.weight": [64, h], "d2t": [64], "t2d": [t.config.vocab_size]}
+    # d2t is an offset: target id = draft id + d2t[draft id]; t2d marks those ids
+    assert torch.equal(torch.arange(64) + tensors["d2t"], heads.d2t)
+    assert tensors["t2d"].dtype == torch.bool and torch.equal(tensors["t2d"].nonzero().flatten(), heads.d2t)
+    # the embedding norm and the hidden norm land where vLLM applies them (input_layernorm: embeddings)
+    assert torch.equal(tensors["midlayer.input_layernorm.weight"], heads.decoder.layers[0].input_layernorm.emb_norm.weight)
+    export_head(tmp_path / "head", "sglang", tmp_path / "s", "float32")
+    sglang = json.loads((tmp_path / "s" / "config.json").read_text())
+    # SGLang and TensorRT-LLM name the layer whose output they take: HF index - 1
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in heads.cfg.feature_layers]
+
+
+def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
+    t = llama
+    h, V = t.config.hidden_size, t.config.vocab_size
+    export_head(save_head(random_head(t, "eagle"), tmp_path / "e1", t.fingerprint), "vllm", tmp_path / "e1v", "float32")
+    tensors = load_file(str(tmp_path / "e1v" / "model.safetensors"))
+    assert tensors["fc.weight"].shape == (h, 2 * h) and "fc.bias" not in tensors
+    assert not any("input_layernorm" in k for k in tensors) and "layers.0.self_attn.q_proj.weight" in tensors
+    export_head(tmp_path / "e1", "sglang", tmp_path / "e1s", "float32")
+    s = load_file(str(tmp_path / "e1s" / "model.safetensors"))
+    assert torch.equal(s["fc.bias"], torch.zeros(h))  # SGLang's fc has a bias: zeros keep it exact
+
+    medusa = random_head(t, "medusa")
+    export_head(save_head(medusa, tmp_path / "m", t.fingerprint), "vllm", tmp_path / "mv", "float32")
+    config = json.loads((tmp_path / "mv" / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "mv" / "model.safetensors"))
+    assert config["medusa_fc_bias"] is True  # without it vLLM silently drops the blocks' biases
+    assert (config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]) == (3, 1, 64)
+    assert tensors["blocks.2.layers.0.bias"].shape == (h,) and tensors["lm_heads.0.weight"].shape == (64, h)
+    assert torch.equal(tensors["token_map"], medusa.d2t)
+    assert not any("num" in k for k in config if k not in ("num_heads", "num_hidden_layers"))  # vLLM renames those
+
+    own = random_head(t, "medusa", lm_head="own")
+    export_head(save_head(own, tmp_path / "mo", t.fingerprint), "trtllm", tmp_path / "mt", "float32")
+    tensors = load_file(str(tmp_path / "mt" / "model.safetensors"))
+    assert tensors["medusa_head.0.0.linear.weight"].shape == (h, h) and tensors["medusa_head.1.1.weight"].shape == (V, h)
+
+
+@pytest.mark.parametrize("fmt,kind,message", [
+    ("sglang", "medusa", "SGLang serves EAGLE drafts, not Medusa heads"),
+    ("trtllm", "eagle", "EAGLE-1 for vLLM and SGLang only"),
+    ("trtllm", "medusa", "TensorRT-LLM's Medusa reads heads over the full target vocabulary"),
+])
+def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, kind: str, message: str):
+    head = save_head(random_head(llama, kind), tmp_path / "h", llama.fingerprint)
+    with pytest.raises(HeadwayError, match=message):
+        export_head(head, fmt, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_other_families_and_biased_fc_are_refused_by_name(tiny_dirs, llama, tmp_path: Path):
+    qwen = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1))
+    head = save_head(random_head(qwen, "eagle3"), tmp_path / "q", qwen.fingerprint)
+    with pytest.raises(HeadwayError, match=r"hold a Llama decoder layer; this head.s draft layer is qwen2, which they cannot represent"):
+        export_head(head, "vllm", tmp_path / "o")
+    export_head(head, "native", tmp_path / "n")  # native holds every family
+    biased = build_head("eagle", EagleConfig(fc_bias=True), 64, llama.config.vocab_size,
+                        layer_config=draft_layer_config(llama.model.config))
+    torch.nn.init.normal_(biased.fc.bias)
+    head = save_head(biased, tmp_path / "b", llama.fingerprint)
+    with pytest.raises(HeadwayError, match="vLLM's EAGLE-1 .* has no fc bias"):
+        export_head(head, "vllm", tmp_path / "o")
+    export_head(head, "sglang", tmp_path / "s", "float32")
+    assert torch.equal(load_export(tmp_path / "s").fc.bias, biased.fc.bias)
+
+
+def test_a_head_for_another_target_is_refused(tiny_dirs, llama, tmp_path: Path):
+    other = load_target(TargetConfig(name_or_path=str(tiny_dirs["mistral"]), device="cpu"), with_model=False)
+    head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
+    with pytest.raises(HeadwayError, match="was made for target"):
+        export_head(head, "vllm", tmp_path / "o", target_fingerprint=other.fingerprint)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("delete", r"tensor 'midlayer.self_attn.k_proj.weight' is missing \(expected shape"),
+    ("shape", r"tensor 'lm_head.weight' has shape \[63, 64\], expected \[64, 64\]"),
+    ("d2t", r"t2d does not mark exactly the target ids d2t maps to"),
+    ("truncate", r"is truncated or damaged"),
+    ("config", r"config key 'draft_vocab_size' is missing"),
+])
+def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path, damage: str, message: str):
+    head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
+    out = export_head(head, "vllm", tmp_path / "v")
+    weights, config_file = out / "model.safetensors", out / "config.json"
+    tensors = load_file(str(weights))
+    if damage == "delete":
+        del tensors["midlayer.self_attn.k_proj.weight"]
+    elif damage == "shape":
+        tensors["lm_head.weight"] = tensors["lm_head.weight"][:63]
+    elif damage == "d2t":
+        tensors["d2t"] = tensors["d2t"].clone()
+        tensors["d2t"][5] += 1  # a draft id now points at a target id t2d does not mark
+    if damage in ("delete", "shape", "d2t"):
+        save_file(tensors, str(weights))
+    elif damage == "truncate":
+        weights.write_bytes(weights.read_bytes()[:-100])
+    else:
+        config = json.loads(config_file.read_text())
+        del config["draft_vocab_size"]
+        config_file.write_text(json.dumps(config))
+    with pytest.raises(HeadwayError, match=message):
+        load_export(out)
+
+
+def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
+    head = save_head(random_head(llama, "medusa"), tmp_path / "h", llama.fingerprint)
+    (head / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes()[:-64])
+    with pytest.raises(HeadwayError, match="the file is damaged"):
+        export_head(head, "vllm", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
