@@ -88,6 +88,19 @@ def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_d
     assert [v for _, v in losses(tmp_path / "cut-alone")] == pytest.approx([v for _, v in two], rel=1e-4)
 
 
+def test_a_sharded_target_gives_the_replicated_curve(tiny_dirs, tiny_data, tmp_path: Path):
+    """train.shard_target: the frozen target's decoder layers sharded by FSDP2 across the 2 ranks."""
+    from headway.train.loop import train
+
+    model = tiny_dirs["llama"]
+    train(small_run(model, tiny_data, tmp_path / "one", *HEADS["eagle3"], "train.grad_accum=4", "train.save_every=0"))
+    res = torchrun(overrides(model, tiny_data, tmp_path / "two", "eagle3", "train.backend=fsdp", "train.shard_target=true",
+                             "train.save_every=0"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "decoder layers sharded across 2 ranks" in res.stderr
+    assert [v for _, v in losses(tmp_path / "two")] == pytest.approx([v for _, v in losses(tmp_path / "one")], rel=1e-4)
+
+
 def test_nproc_needs_a_distributed_backend(tiny_dirs, tiny_data, tmp_path: Path):
     res = torchrun(overrides(tiny_dirs["llama"], tiny_data, tmp_path / "x", "medusa"))
     assert res.returncode == 2 and "--nproc 2 needs a distributed train.backend" in res.stderr
@@ -107,3 +120,10 @@ def test_cache_features_in_two_processes_writes_the_one_process_cache(tiny_dirs,
     assert "cache-features[rank 1]" in two.stderr
     a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two"))
     assert len(a["shards"]) >= 4 and a == b
+
+
+def test_shard_target_needs_fsdp():
+    from headway.train.config import TrainConfig
+
+    with pytest.raises(HeadwayError, match="train.shard_target shards the target with FSDP2: set train.backend=fsdp"):
+        TrainConfig(shard_target=True, backend="ddp")

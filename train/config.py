@@ -80,6 +80,9 @@ class TrainConfig:
     # train.backend=deepspeed: zero1, zero2 or zero3 (the configs in configs/deepspeed/), or the path of a
     # DeepSpeed JSON config; its "auto" fields (batch, accumulation, clipping, bf16) come from train.*.
     deepspeed_config: str = "zero2"
+    # train.backend=fsdp: shard the frozen target's decoder layers across ranks (FSDP2) instead of keeping
+    # a whole copy on every rank; its embedding and lm_head stay whole (the heads share them).
+    shard_target: bool = False
 
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])
@@ -88,6 +91,8 @@ class TrainConfig:
         if self.backend in ("fsdp", "deepspeed") and self.lora.enabled:
             raise HeadwayError(f"train.backend={self.backend} wraps the head alone, but Medusa-2's LoRA adapters live in the "
                                "target: train Medusa-2 with train.backend=ddp")
+        if self.shard_target and self.backend != "fsdp":
+            raise HeadwayError("train.shard_target shards the target with FSDP2: set train.backend=fsdp")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if self.features_dir and self.lora.enabled:

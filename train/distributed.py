@@ -126,6 +126,20 @@ def wrap(module: torch.nn.Module, par: Parallel, device: torch.device) -> torch.
     return module
 
 
+def shard_target(model: torch.nn.Module) -> None:
+    """FSDP2 over each decoder layer of the frozen target: every rank keeps 1/world_size of their weights and
+    gathers a layer's weights just for its forward. The embedding and lm_head stay whole on every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise HeadwayError(f"train.shard_target: {type(model).__name__} has no model.layers to shard; "
+                           "set train.shard_target=false")
+    for layer in layers:
+        fully_shard(layer)
+    log.info("target: %d decoder layers sharded across %d ranks", len(layers), dist.get_world_size())
+
+
 def full_state(module: torch.nn.Module, optimizer: Any, par: Parallel) -> tuple[dict, dict]:
     """The whole model and optimizer state, gathered to rank 0 on CPU (every rank must call this)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict

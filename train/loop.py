@@ -31,7 +31,8 @@ from headway.train.calibration import rank_accuracy
 from headway.faults import fault_point
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
 from headway.train import deepspeed_engine
-from headway.train.distributed import HeadObjective, Parallel, TorchStep, full_state, load_full_state, start, wrap
+from headway.train.distributed import (HeadObjective, Parallel, TorchStep, full_state, load_full_state, shard_target, start,
+                                      wrap)
 from headway.run_config import RunConfig
 from headway.data_scripts.cache_features import FeatureCache
 from headway.train.data import Sample, batch_at, collate, load_samples, split_heldout, token_frequencies
@@ -232,6 +233,8 @@ def train(cfg: RunConfig) -> Path:
     par = start(tc.backend, device)
     if par.is_main:
         out.mkdir(parents=True, exist_ok=True)
+    if tc.shard_target and not tc.features_dir:
+        shard_target(target.model)
     samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
     train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
@@ -342,7 +345,10 @@ def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: 
     """Write the native head (rank 0), with Medusa's per-rank calibration for the tree builder."""
     tc = cfg.train
     extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
-    if held and cfg.head.kind == "medusa":
+    if held and cfg.head.kind == "medusa" and tc.shard_target:
+        log.warning("train.shard_target: the target is sharded, so rank 0 cannot measure the heads' per-rank accuracy "
+                    "alone; the head is saved without it (generate uses inference.tree)")
+    elif held and cfg.head.kind == "medusa":
         calib = held[: tc.eval_max_samples]
         extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)
         log.info("measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)", len(calib))
