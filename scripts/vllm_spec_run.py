@@ -5,9 +5,10 @@ scripts/check_vllm.sh. Prompts are formatted by Headway's own chat formatting, a
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -75,8 +76,6 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         stats = {"drafts": d, "acceptance_length": 1 + acc / d if d else None,
                  "per_position": [round((a * stats["drafts"] - b * before["drafts"]) / d, 3)
                                   for a, b in zip(stats["per_position"], before["per_position"])] if d else []}
-    del llm
-    gc.collect()
     return {"mode": mode, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, **stats, "outputs": outputs}
 
 
@@ -93,9 +92,18 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument("--mode", choices=["plain", "ngram", "head"], help="one engine run (the script runs each in its own process)")
     args = p.parse_args()
     ids, stops = prompt_ids(args.target, args.prompts, args.limit, args.per_category)
-    results = [run(mode, args, ids, stops) for mode in ("plain", "ngram", "head")]
+    if args.mode:  # vLLM does not start a second engine cleanly in one process: one process per mode
+        with open(f"{args.out}.{args.mode}", "w") as f:
+            json.dump(run(args.mode, args, ids, stops), f)
+        return
+    results = []
+    for mode in ("plain", "ngram", "head"):
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode], check=True)
+        with open(f"{args.out}.{mode}") as f:
+            results.append(json.load(f))
     plain = results[0]["outputs"]
     for r in results:
         r["matches_plain"] = sum(o == q for o, q in zip(r.pop("outputs"), plain)) / len(plain)
