@@ -39,10 +39,13 @@ CARRIED = ("kind", "headway_version", "hidden_size", "vocab_size", "draft_vocab_
 
 def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "bfloat16",
                 target_fingerprint: Optional[dict] = None) -> Path:
-    """Write `head_dir` in `fmt` to `out`; refuse a head made for another target than `target_fingerprint`."""
+    """Write `head_dir` (a head directory, or a training run's directory) in `fmt` to `out`; refuse a head made
+    for another target than `target_fingerprint`."""
     if fmt not in FORMATS:
         raise HeadwayError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     head_dir, out = Path(head_dir), Path(out)
+    if not (head_dir / "config.json").is_file() and (head_dir / "head" / "config.json").is_file():
+        head_dir = head_dir / "head"  # a training run's directory: its exported head
     if out.resolve() == head_dir.resolve():
         raise HeadwayError(f"--out {out} is the head directory itself: choose another directory")
     native = read_head_config(head_dir)

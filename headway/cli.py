@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RunConfig, cmd_train)
 
     p = sub.add_parser("export", help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM), checked key by key")
-    p.add_argument("--head", help="a head directory (a run's head/ folder)")
+    p.add_argument("--head", help="a head directory, or a training run's directory (its head/ is exported)")
     p.add_argument("--format", choices=["native", "vllm", "sglang", "trtllm"], help="the engine layout")
     p.add_argument("--out", help="output directory (written whole or not at all)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype")

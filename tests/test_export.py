@@ -213,7 +213,9 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
 
 
 def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
-    head = save_head(random_head(llama, "medusa"), tmp_path / "h", llama.fingerprint)
+    head = save_head(random_head(llama, "medusa"), tmp_path / "run" / "head", llama.fingerprint)
+    export_head(tmp_path / "run", "vllm", tmp_path / "from-run")  # a run directory exports its head
+    assert read_export(tmp_path / "from-run")[0] == "vllm"
     (head / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes()[:-64])
     with pytest.raises(HeadwayError, match="the file is damaged"):
         export_head(head, "vllm", tmp_path / "o")
