@@ -38,7 +38,7 @@ CARRIED = ("kind", "headway_version", "hidden_size", "vocab_size", "draft_vocab_
 
 
 def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "bfloat16",
-                target_fingerprint: Optional[dict] = None) -> Path:
+                target_fingerprint: Optional[dict] = None, target_lm_head: Optional[torch.Tensor] = None) -> Path:
     """Write `head_dir` (a head directory, or a training run's directory) in `fmt` to `out`; refuse a head made
     for another target than `target_fingerprint`."""
     if fmt not in FORMATS:
@@ -56,7 +56,10 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
     if fmt == "native":
         return _export_native(head_dir, out)
     conv = converter(fmt, native["kind"])
-    config, tensors = conv.to_engine(native, {k: v.detach().cpu() for k, v in heads.state_dict().items()})
+    state = {k: v.detach().cpu() for k, v in heads.state_dict().items()}
+    if needs_target_lm_head(native) and target_lm_head is not None:
+        state["target.lm_head.weight"] = target_lm_head.detach().cpu()
+    config, tensors = conv.to_engine(native, state)
     config["headway"] = {"format": fmt, **{k: native[k] for k in CARRIED if k in native}, "head": asdict(heads.cfg)}
     tensors = to_dtype(tensors, parse_dtype(dtype))
     check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")
@@ -68,6 +71,11 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
         _read_back(tmp, heads, dtype)
     log.info("%s: %s head written in the %s layout (%s)", out, native["kind"], fmt, conv.layout.engines)
     return out
+
+
+def needs_target_lm_head(native: dict) -> bool:
+    """A Medusa head over the target's own lm_head: engines load that lm_head with the draft."""
+    return native.get("kind") == "medusa" and native.get("head", {}).get("lm_head") == "shared"
 
 
 def _export_native(head_dir: Path, out: Path) -> Path:

@@ -253,58 +253,57 @@ def _eagle_layout(fmt: str, engines: str) -> Layout:
 
 def _medusa_native(native: dict) -> tuple[int, int, int, int]:
     head = native["head"]
-    if head.get("lm_head") == "shared":
-        raise HeadwayError("this Medusa head reads out through the target's own lm_head (head.medusa.lm_head=shared), "
-                           "which engines load as a separate tensor: train with lm_head=own or reduced to export it")
     return int(native["hidden_size"]), int(native["vocab_size"]), int(head["num_heads"]), int(head["num_layers"])
+
+
+def _shared_lm_head(native: dict, state: dict) -> Any:
+    """lm_head=shared: the target's lm_head, which the exporter passes in as `target.lm_head.weight`."""
+    if native["head"].get("lm_head") != "shared":
+        return None
+    weight = state.pop("target.lm_head.weight", None)
+    if weight is None:
+        raise HeadwayError("this Medusa head reads out through the target's own lm_head (lm_head=shared): the export "
+                           "needs the target's weights (headway export loads them from target.*)")
+    return weight
 
 
 def _vllm_medusa_specs(config: dict) -> dict[str, Spec]:
     h, heads, layers = int(config["hidden_size"]), int(config["num_heads"]), int(config["num_hidden_layers"])
-    vd = int(config["truncated_vocab_size"])
     specs = {}
     for i in range(heads):
         for j in range(layers):
             specs[f"blocks.{i}.layers.{j}.weight"] = Spec((h, h))
             specs[f"blocks.{i}.layers.{j}.bias"] = Spec((h,))
-        specs[f"lm_heads.{i}.weight"] = Spec((vd, h))
-    if vd < int(config["vocab_size"]):
-        specs["token_map"] = Spec((vd,), "int64")
+        if i == 0 or not config.get("original_lm_head"):
+            specs[f"lm_heads.{i}.weight"] = Spec((int(config["vocab_size"]), h))
     return specs
-
-
-def _check_token_map(config: dict, tensors: dict) -> list[str]:
-    tm = tensors.get("token_map")
-    if tm is None:
-        return []
-    if int(tm.min()) < 0 or int(tm.max()) >= int(config["vocab_size"]) or len(torch.unique(tm)) != len(tm):
-        return ["token_map must list distinct target ids inside the target vocabulary (the draft vocabulary)"]
-    return []
 
 
 def _vllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
     h, vocab, heads, layers = _medusa_native(native)
     state = dict(state)
-    d2t = state.pop("d2t", None)
+    if "d2t" in state:
+        raise HeadwayError("vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary (its token_map path "
+                           "builds every per-head lm_head over the full vocabulary and asserts on the shape): train with "
+                           "head.medusa.lm_head=shared (the target's lm_head; the cheapest) or own for vLLM")
+    shared = _shared_lm_head(native, state)
     tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.layers.\2.\3"),
                               (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
-    if d2t is not None:
-        tensors["token_map"] = d2t.long()
+    if shared is not None:  # one lm_head for every head: the target's
+        tensors["lm_heads.0.weight"] = shared
     config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": h, "vocab_size": vocab,
-              "num_heads": heads, "num_hidden_layers": layers, "truncated_vocab_size": len(d2t) if d2t is not None else vocab,
+              "num_heads": heads, "num_hidden_layers": layers, "truncated_vocab_size": vocab,
               # vLLM drops the blocks' bias tensors unless this is set.
-              "medusa_fc_bias": True, "original_lm_head": False, "torch_dtype": "bfloat16"}
+              "medusa_fc_bias": True, "original_lm_head": shared is not None, "torch_dtype": "bfloat16"}
     return config, tensors
 
 
 def _vllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     tensors = dict(tensors)
-    token_map = tensors.pop("token_map", None)
-    state = _rename(tensors, [(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
-                              (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
-    if token_map is not None:
-        state["d2t"] = token_map.long()
-    return state
+    if config.get("original_lm_head"):
+        tensors.pop("lm_heads.0.weight")  # the target's own lm_head, which a shared head does not hold
+    return _rename(tensors, [(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
+                             (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
 
 
 def _trtllm_medusa_specs(config: dict) -> dict[str, Spec]:
@@ -321,9 +320,13 @@ def _trtllm_medusa_specs(config: dict) -> dict[str, Spec]:
 
 def _trtllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
     h, vocab, heads, layers = _medusa_native(native)
+    state = dict(state)
+    shared = _shared_lm_head(native, state)
+    if shared is not None:  # every head reads out through its own copy of the target's lm_head
+        state.update({f"lm_heads.{i}.weight": shared.clone() for i in range(heads)})
     if "d2t" in state:
         raise HeadwayError("TensorRT-LLM's Medusa reads heads over the full target vocabulary; this head has a reduced "
-                           "one (head.medusa.lm_head=reduced): train with lm_head=own for TensorRT-LLM, or export --format vllm")
+                           "one (head.medusa.lm_head=reduced): train with lm_head=shared or own for TensorRT-LLM")
     tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"medusa_head.\1.\2.linear.\3"),
                               (r"lm_heads\.(\d+)\.weight", rf"medusa_head.\1.{layers}.weight")])
     config = {"architectures": ["MedusaModel"], "medusa_num_heads": heads, "medusa_num_layers": layers,
@@ -333,6 +336,8 @@ def _trtllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
 
 def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     layers = int(config["medusa_num_layers"])
+    if config.get("headway", {}).get("head", {}).get("lm_head") == "shared":
+        tensors = {k: v for k, v in tensors.items() if not re.fullmatch(rf"medusa_head\.\d+\.{layers}\.weight", k)}
     return _rename(tensors, [(r"medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
                              (rf"medusa_head\.(\d+)\.{layers}\.weight", r"lm_heads.\1.weight")])
 
@@ -352,7 +357,7 @@ CONVERTERS: dict[tuple[str, str], Converter] = {
     ("vllm", "medusa"): Converter(
         Layout("vllm/medusa", VLLM, ("architectures", "model_type", "hidden_size", "vocab_size", "num_heads",
                                      "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias"),
-               {"model_type": "medusa", "medusa_fc_bias": True}, _vllm_medusa_specs, _check_token_map),
+               {"model_type": "medusa", "medusa_fc_bias": True}, _vllm_medusa_specs),
         _vllm_medusa_to_engine, _vllm_medusa_from_engine),
     ("trtllm", "medusa"): Converter(
         Layout("trtllm/medusa", TRTLLM, ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"), {},

@@ -71,12 +71,22 @@ def llama(tiny_dirs):
     return load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
 
 
-@pytest.mark.parametrize("fmt,kind", sorted(CONVERTERS) + [("native", "eagle3"), ("native", "medusa"), ("native", "eagle")])
-def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path, fmt: str, kind: str):
+CASES = [(f, k, "reduced") for f, k in sorted(CONVERTERS) if k != "medusa"] + [
+    ("vllm", "medusa", "shared"), ("vllm", "medusa", "own"), ("trtllm", "medusa", "shared"), ("trtllm", "medusa", "own"),
+    ("native", "eagle3", "reduced"), ("native", "eagle", "reduced"), ("native", "medusa", "reduced")]
+
+
+def lm_head_of(t):
+    return t.model.get_output_embeddings().weight
+
+
+@pytest.mark.parametrize("fmt,kind,lm_head", CASES)
+def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path, fmt: str, kind: str, lm_head: str):
     t = llama
-    heads = random_head(t, kind, lm_head="own" if fmt == "trtllm" else "reduced")
+    heads = random_head(t, kind, lm_head=lm_head)
     native = save_head(heads, tmp_path / "head", t.fingerprint)
-    out = export_head(native, fmt, tmp_path / "out", dtype="float32", target_fingerprint=t.fingerprint)
+    out = export_head(native, fmt, tmp_path / "out", dtype="float32", target_fingerprint=t.fingerprint,
+                      target_lm_head=lm_head_of(t))
     again = load_export(out, t.fingerprint)
     original = heads.state_dict()
     assert set(again.state_dict()) == set(original)
@@ -85,7 +95,7 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path
     assert trace(t, again) == trace(t, heads)
     if fmt != "native":  # the layout check passes on what was written, and bf16 (the default) reads back too
         assert read_export(out)[0] == fmt
-        export_head(native, fmt, tmp_path / "bf16", target_fingerprint=t.fingerprint)
+        export_head(native, fmt, tmp_path / "bf16", target_fingerprint=t.fingerprint, target_lm_head=lm_head_of(t))
         assert load_file(str(tmp_path / "bf16" / "model.safetensors"))[next(iter(load_file(str(out / "model.safetensors"))))].dtype in (
             torch.bfloat16, torch.int64)
 
@@ -130,26 +140,34 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     s = load_file(str(tmp_path / "e1s" / "model.safetensors"))
     assert torch.equal(s["fc.bias"], torch.zeros(h))  # SGLang's fc has a bias: zeros keep it exact
 
-    medusa = random_head(t, "medusa")
-    export_head(save_head(medusa, tmp_path / "m", t.fingerprint), "vllm", tmp_path / "mv", "float32")
+    medusa = random_head(t, "medusa", lm_head="shared")
+    export_head(save_head(medusa, tmp_path / "m", t.fingerprint), "vllm", tmp_path / "mv", "float32",
+                target_lm_head=lm_head_of(t))
     config = json.loads((tmp_path / "mv" / "config.json").read_text())
     tensors = load_file(str(tmp_path / "mv" / "model.safetensors"))
     assert config["medusa_fc_bias"] is True  # without it vLLM silently drops the blocks' biases
-    assert (config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]) == (3, 1, 64)
-    assert tensors["blocks.2.layers.0.bias"].shape == (h,) and tensors["lm_heads.0.weight"].shape == (64, h)
-    assert torch.equal(tensors["token_map"], medusa.d2t)
+    assert (config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]) == (3, 1, V)
+    assert config["original_lm_head"] is True and torch.equal(tensors["lm_heads.0.weight"], lm_head_of(t))
+    assert tensors["blocks.2.layers.0.bias"].shape == (h,) and "lm_heads.1.weight" not in tensors
     assert not any("num" in k for k in config if k not in ("num_heads", "num_hidden_layers"))  # vLLM renames those
+    with pytest.raises(HeadwayError, match="needs the target's weights"):
+        export_head(tmp_path / "m", "vllm", tmp_path / "no-lm-head", "float32")
 
     own = random_head(t, "medusa", lm_head="own")
     export_head(save_head(own, tmp_path / "mo", t.fingerprint), "trtllm", tmp_path / "mt", "float32")
     tensors = load_file(str(tmp_path / "mt" / "model.safetensors"))
     assert tensors["medusa_head.0.0.linear.weight"].shape == (h, h) and tensors["medusa_head.1.1.weight"].shape == (V, h)
+    export_head(tmp_path / "mo", "vllm", tmp_path / "mov", "float32")
+    config = json.loads((tmp_path / "mov" / "config.json").read_text())
+    assert config["original_lm_head"] is False and load_file(str(tmp_path / "mov" / "model.safetensors"))[
+        "lm_heads.2.weight"].shape == (V, h)
 
 
 @pytest.mark.parametrize("fmt,kind,message", [
     ("sglang", "medusa", "SGLang serves EAGLE drafts, not Medusa heads"),
     ("trtllm", "eagle", "EAGLE-1 for vLLM and SGLang only"),
     ("trtllm", "medusa", "TensorRT-LLM's Medusa reads heads over the full target vocabulary"),
+    ("vllm", "medusa", "vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary"),
 ])
 def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, kind: str, message: str):
     head = save_head(random_head(llama, kind), tmp_path / "h", llama.fingerprint)
@@ -213,7 +231,7 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
 
 
 def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
-    head = save_head(random_head(llama, "medusa"), tmp_path / "run" / "head", llama.fingerprint)
+    head = save_head(random_head(llama, "medusa", lm_head="own"), tmp_path / "run" / "head", llama.fingerprint)
     export_head(tmp_path / "run", "vllm", tmp_path / "from-run")  # a run directory exports its head
     assert read_export(tmp_path / "from-run")[0] == "vllm"
     (head / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes()[:-64])
