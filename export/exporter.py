@@ -43,9 +43,7 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
     for another target than `target_fingerprint`."""
     if fmt not in FORMATS:
         raise HeadwayError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
-    head_dir, out = Path(head_dir), Path(out)
-    if not (head_dir / "config.json").is_file() and (head_dir / "head" / "config.json").is_file():
-        head_dir = head_dir / "head"  # a training run's directory: its exported head
+    head_dir, out = resolve_head_dir(head_dir), Path(out)
     if out.resolve() == head_dir.resolve():
         raise HeadwayError(f"--out {out} is the head directory itself: choose another directory")
     native = read_head_config(head_dir)
@@ -71,6 +69,14 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
         _read_back(tmp, heads, dtype)
     log.info("%s: %s head written in the %s layout (%s)", out, native["kind"], fmt, conv.layout.engines)
     return out
+
+
+def resolve_head_dir(path: str | os.PathLike) -> Path:
+    """A head directory as given, or a training run's directory's head/."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "head" / "config.json").is_file():
+        return path / "head"
+    return path
 
 
 def needs_target_lm_head(native: dict) -> bool:

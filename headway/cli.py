@@ -7,7 +7,6 @@ import dataclasses
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from headway.config import config_to_yaml, load_config
@@ -127,7 +126,7 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.export.exporter import export_head, needs_target_lm_head, read_export, serve_hint
+    from headway.export.exporter import export_head, needs_target_lm_head, read_export, resolve_head_dir, serve_hint
     from headway.heads.checkpoint import read_head_config
     from headway.heads.target import load_target
 
@@ -137,8 +136,7 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
         return 0
     if not (args.head and args.format and args.out):
         raise HeadwayError("headway export needs --head DIR --format FORMAT --out DIR (or --check DIR)")
-    head = Path(args.head)
-    head = head / "head" if not (head / "config.json").is_file() and (head / "head" / "config.json").is_file() else head
+    head = resolve_head_dir(args.head)
     with_model = args.format != "native" and needs_target_lm_head(read_head_config(head))
     target = load_target(cfg.target, with_model=with_model)
     lm_head = target.model.get_output_embeddings().weight if with_model else None
