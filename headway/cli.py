@@ -174,14 +174,20 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.inference.bench import markdown_table, run_bench, write_results
 
     cfg.inference.compare_plain = False
+    if args.per_category is not None:
+        cfg.bench.per_category = args.per_category
+    if args.turns is not None:
+        cfg.bench.turns = args.turns
     decoder = SpeculativeDecoder.load(args.head, cfg)
-    prompts = dataclasses.replace(cfg.prompts, path=args.prompts or cfg.prompts.path, max_turns=1,
+    prompts = dataclasses.replace(cfg.prompts, path=args.prompts or cfg.prompts.path,
                                   limit=args.limit if args.limit is not None else cfg.prompts.limit)
-    result = run_bench(decoder, prompts, cfg.inference.max_new_tokens, args.per_category or 0)
+    if not prompts.path:
+        raise HeadwayError("headway bench needs prompts: --prompts FILE (jsonl with a `turns` or `prompt` field)")
+    result = run_bench(decoder, prompts, cfg.inference.max_new_tokens, cfg.bench)
     out = Path(args.out)
-    write_results(result, out)
+    written = write_results(result, out, cfg.bench.plot)
     print(markdown_table(result))
-    print(f"wrote {out} and {out.with_suffix('.md')}")
+    print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
 
@@ -247,12 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a user message (repeatable)")
     _add_config_args(p, RunConfig, cmd_generate)
 
-    p = sub.add_parser("bench", help="speculative vs plain decoding on a prompt file: tau, tok/s, speedup, exactness")
+    p = sub.add_parser("bench", help="speculative decoding beside plain decoding, HF generate and HF prompt lookup: "
+                                     "tau, tok/s, speedups, exactness, per category")
     p.add_argument("--head", required=True, help="a head directory")
-    p.add_argument("--prompts", help="jsonl/json/parquet prompt file (first user turns are used); default prompts.path")
+    p.add_argument("--prompts", help="jsonl/json/parquet prompt file (a `category` field groups results); default prompts.path")
     p.add_argument("--limit", type=int, help="only the first N prompts")
-    p.add_argument("--per-category", type=int, help="only the first N prompts of each category (after --limit)")
-    p.add_argument("--out", default="bench.json", help="results JSON (a Markdown table is written beside it)")
+    p.add_argument("--per-category", type=int, help="only the first N prompts of each category (after --limit; bench.per_category)")
+    p.add_argument("--turns", type=int, help="user turns per prompt, 0 = all (bench.turns)")
+    p.add_argument("--out", default="bench.json", help="results JSON (a Markdown table and a PNG plot are written beside it)")
     _add_config_args(p, RunConfig, cmd_bench)
 
     t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)

@@ -2,7 +2,7 @@
 
 Sections: target, prompts + magpie + distill (self-distillation), features (offline target features),
 head + train + logging (training),
-inference (decoding). An unknown section or key anywhere is an error that names it.
+inference (decoding), bench (`headway bench`). An unknown section or key anywhere is an error that names it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from headway.data_scripts.magpie import MagpieConfig
 from headway.data_scripts.prompts import PromptConfig
 from headway.heads.registry import HeadConfig
 from headway.heads.target import TargetConfig
-from headway.inference.config import InferenceConfig
+from headway.inference.config import BenchConfig, InferenceConfig
 from headway.train.config import LoggingConfig, TrainConfig
 
 
@@ -30,3 +30,4 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)

@@ -1,10 +1,14 @@
-"""`headway bench`: speculative against plain decoding with the same engine, on a prompt file.
+"""`headway bench`: Headway's speculative decoding beside plain decoding and Hugging Face's own decoders.
 
-Per prompt the two run back to back in alternating order (plain first on even prompts), with the
-same thread count and max_new_tokens. Reports tau, acceptance at each draft depth, tokens/s, the
-speedup, and (greedy) whether each output matched plain decoding; writes JSON and a Markdown table.
-With inference.sampling.temperature > 0 both sample (outputs differ by design; the test suite proves the
-distributions equal) and tau is measured at that temperature.
+Per prompt (and per turn of multi-turn prompts) every method runs back to back with the same thread
+count, prompt ids, stop tokens and max_new_tokens, in an order that rotates from prompt to prompt, so
+a slow spell of the machine hits every method alike. Methods: Headway's plain decoding (the
+reference), Hugging Face `generate` (greedy), its prompt-lookup decoding, and Headway speculative
+decoding. Reported per category and overall: tau, acceptance at each draft depth, tokens/s of every
+method, the speculative speedup over each, and (greedy) whether each output equals plain decoding.
+Later turns continue from the plain answer to the earlier turns, the same history for every method.
+With inference.sampling.temperature > 0 every method samples (outputs differ by design; the test
+suite proves the distributions equal) and tau is measured at that temperature.
 """
 
 from __future__ import annotations
@@ -13,33 +17,51 @@ import dataclasses
 import platform
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from headway.data_scripts.prompts import PromptConfig, load_conversations
 from headway.inference.api import SpeculativeDecoder
+from headway.inference.baselines import hf_generate
+from headway.inference.config import BASELINES, BenchConfig
 from headway.inference.generate import GenerationResult
 from headway.io import atomic_write_json, atomic_write_text
 
+PLAIN, SPEC = "plain", "speculative"
+LABELS = {PLAIN: "Headway plain", "hf_generate": "HF generate", "hf_prompt_lookup": "HF prompt lookup",
+          SPEC: "Headway speculative"}
 
-def _summary(rows: list[dict], depth: int) -> dict:
-    spec_tokens = sum(r["tokens"] for r in rows)
-    forwards = sum(r["target_forwards"] for r in rows)
-    accepted = [a for r in rows for a in r["accepted"]]
+
+def _rate(hits: list[bool]) -> float:
+    return sum(hits) / max(1, len(hits))
+
+
+def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> dict:
+    spec = [r[SPEC] for r in rows]
+    spec_tokens = sum(s["tokens"] for s in spec)
+    forwards = sum(s["target_forwards"] for s in spec)
+    accepted = [a for s in spec for a in s["accepted"]]
+    tok_s = {m: sum(r[m]["tokens"] for r in rows) / max(1e-9, sum(r[m]["seconds"] for r in rows)) for m in methods}
     return {
         "prompts": len(rows),
         "tau": (spec_tokens - len(rows)) / max(1, forwards),
         "acceptance_by_depth": [sum(a >= d for a in accepted) / max(1, len(accepted)) for d in range(1, depth + 1)],
-        "plain_tok_s": sum(r["plain_tokens"] for r in rows) / sum(r["plain_seconds"] for r in rows),
-        "spec_tok_s": spec_tokens / sum(r["spec_seconds"] for r in rows),
-        "match_rate": sum(r["match"] for r in rows) / len(rows) if rows[0]["match"] is not None else None,
+        "tok_s": tok_s,
+        # speculative tokens/s over each other method's
+        "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
+        # share of outputs equal to Headway's plain greedy decoding (None when sampling)
+        "matches_plain": {m: _rate([r[m]["match"] for r in rows]) if greedy else None for m in methods if m != PLAIN},
         # where the speculative time goes, in milliseconds per generated token
         "ms_per_token": {
-            "drafting": 1e3 * sum(r["draft_seconds"] for r in rows) / max(1, spec_tokens),
-            "verification": 1e3 * sum(r["verify_seconds"] for r in rows) / max(1, spec_tokens),
-            "other": 1e3 * sum(r["spec_seconds"] - r["draft_seconds"] - r["verify_seconds"] for r in rows) / max(1, spec_tokens),
+            "drafting": 1e3 * sum(s["draft_seconds"] for s in spec) / max(1, spec_tokens),
+            "verification": 1e3 * sum(s["verify_seconds"] for s in spec) / max(1, spec_tokens),
+            "other": 1e3 * sum(s["seconds"] - s["draft_seconds"] - s["verify_seconds"] for s in spec) / max(1, spec_tokens),
         },
+        # the headline pair, kept under the names earlier results files used
+        "plain_tok_s": tok_s[PLAIN], "spec_tok_s": tok_s[SPEC], "speedup": tok_s[SPEC] / tok_s[PLAIN],
+        "match_rate": _rate([r[SPEC]["match"] for r in rows]) if greedy else None,
     }
 
 
@@ -55,44 +77,69 @@ def per_category(convs: list, n: int) -> list:
     return out
 
 
-def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int, per_cat: int = 0) -> dict:
+def _runners(decoder: SpeculativeDecoder, bc: BenchConfig, max_new_tokens: int) -> dict[str, Callable[[list[int]], GenerationResult]]:
+    model, stops, sampling = decoder.target.model, decoder.fmt.stop_ids, decoder.cfg.inference.sampling
+    runners: dict[str, Callable[[list[int]], GenerationResult]] = {
+        PLAIN: lambda ids: decoder.generate_plain(ids, max_new_tokens),
+        SPEC: lambda ids: decoder.generate(ids, max_new_tokens),
+    }
+    if "hf_generate" in bc.baselines:
+        runners["hf_generate"] = lambda ids: hf_generate(model, ids, max_new_tokens, stops, sampling)
+    if "hf_prompt_lookup" in bc.baselines:
+        runners["hf_prompt_lookup"] = lambda ids: hf_generate(model, ids, max_new_tokens, stops, sampling,
+                                                              bc.prompt_lookup_tokens, bc.prompt_lookup_max_ngram)
+    return runners
+
+
+def _record(res: GenerationResult, plain: GenerationResult | None, greedy: bool) -> dict:
+    rec = {"tokens": len(res.tokens), "seconds": res.seconds,
+           "match": (res.tokens == plain.tokens) if greedy and plain is not None else None}
+    if res.target_forwards:
+        rec.update(target_forwards=res.target_forwards, accepted=res.accepted, tau=res.tau,
+                   draft_seconds=res.draft_seconds, verify_seconds=res.verify_seconds)
+    return rec
+
+
+def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int, bc: BenchConfig) -> dict:
     convs = load_conversations(prompts)
-    if per_cat > 0:
-        convs = per_category(convs, per_cat)
-    model = decoder.target.model
-    warm = decoder.fmt.first_turn("Hello")
+    if bc.per_category > 0:
+        convs = per_category(convs, bc.per_category)
     greedy = decoder.cfg.inference.sampling.greedy
-    decoder.generate_plain(warm, 4)
-    decoder.generate(warm, 4)
-    rows = []
-    for i, conv in enumerate(tqdm(convs, desc="bench", unit="prompt")):
-        ids = decoder.fmt.first_turn(conv.turns[0], conv.system)
-        runs: dict[str, GenerationResult] = {}
-        for name in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):
-            runs[name] = decoder.generate_plain(ids, max_new_tokens) if name == "plain" else decoder.generate(ids, max_new_tokens)
-        spec, plain = runs["spec"], runs["plain"]
-        rows.append({
-            "id": conv.id, "category": conv.meta.get("category", "all"), "tokens": len(spec.tokens),
-            "target_forwards": spec.target_forwards, "accepted": spec.accepted, "spec_seconds": spec.seconds,
-            "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "tau": spec.tau,
-            "speedup": spec.tokens_per_second / plain.tokens_per_second, "match": spec.tokens == plain.tokens if greedy else None,
-            "draft_seconds": spec.draft_seconds, "verify_seconds": spec.verify_seconds,
-        })
+    runners = _runners(decoder, bc, max_new_tokens)
+    methods = [PLAIN, *[b for b in BASELINES if b in runners], SPEC]
+    warm = decoder.fmt.first_turn("Hello")
+    for run in runners.values():
+        run(warm)
+    work = [(c, t) for c in convs for t in range(len(c.turns) if bc.turns == 0 else min(bc.turns, len(c.turns)))]
+    rows: list[dict] = []
+    history: dict[int, list[int]] = {}  # conversation id -> its ids so far (prompts + plain answers)
+    for i, (conv, turn) in enumerate(tqdm(work, desc="bench", unit="turn")):
+        if turn == 0:
+            ids = decoder.fmt.first_turn(conv.turns[0], conv.system)
+        else:
+            ids = history[conv.id] + decoder.fmt.next_turn(conv.turns[turn], history[conv.id][-1], conv.system)
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
+        results = {m: runners[m](ids) for m in order}
+        plain = results[PLAIN]
+        history[conv.id] = ids + plain.tokens
+        row = {"id": conv.id, "turn": turn + 1, "category": conv.meta.get("category", "all"), "prompt_tokens": len(ids)}
+        row.update({m: _record(results[m], None if m == PLAIN else plain, greedy) for m in methods})
+        rows.append(row)
     depth = decoder.drafter.max_depth
     categories = sorted({r["category"] for r in rows})
-    result = {
-        "overall": _summary(rows, depth),
-        "by_category": {c: _summary([r for r in rows if r["category"] == c], depth) for c in categories},
+    model = decoder.target.model
+    return {
+        "overall": _summary(rows, methods, depth, greedy),
+        "by_category": {c: _summary([r for r in rows if r["category"] == c], methods, depth, greedy) for c in categories},
+        "methods": methods,
         "settings": {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "drafter": decoder.drafter.settings(),
-                     "dtype": str(next(model.parameters()).dtype), "machine": platform.processor() or platform.machine(),
+                     "dtype": str(next(model.parameters()).dtype), "device": str(next(model.parameters()).device),
+                     "machine": platform.processor() or platform.machine(),
                      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "prompts": prompts.path,
-                     "date": time.strftime("%Y-%m-%d"),
+                     "date": time.strftime("%Y-%m-%d"), "bench": dataclasses.asdict(bc),
                      "sampling": dataclasses.asdict(decoder.cfg.inference.sampling)},
         "per_prompt": rows,
     }
-    for s in [result["overall"], *result["by_category"].values()]:
-        s["speedup"] = s["spec_tok_s"] / s["plain_tok_s"]
-    return result
 
 
 def _match(rate: float | None) -> str:
@@ -100,21 +147,37 @@ def _match(rate: float | None) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    lines = ["| category | prompts | tau | plain tok/s | speculative tok/s | speedup | matches plain |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    methods = result.get("methods", [PLAIN, SPEC])
+    others = [m for m in methods if m != SPEC]
+    head = ["category", "prompts", "tau", *[f"{LABELS[m]} tok/s" for m in methods],
+            *[f"speedup vs {LABELS[m]}" for m in others], "matches plain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, s in [*result["by_category"].items(), ("**overall**", result["overall"])]:
-        lines.append(f"| {name} | {s['prompts']} | {s['tau']:.2f} | {s['plain_tok_s']:.1f} | {s['spec_tok_s']:.1f} | "
-                     f"{s['speedup']:.2f}x | {_match(s['match_rate'])} |")
-    acc = ", ".join(f"{a:.2f}" for a in result["overall"]["acceptance_by_depth"])
-    ms = result["overall"]["ms_per_token"]
+        cells = [name, str(s["prompts"]), f"{s['tau']:.2f}", *[f"{s['tok_s'][m]:.1f}" for m in methods],
+                 *[f"{s['speedup_over'][m]:.2f}x" for m in others], _match(s["match_rate"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    o = result["overall"]
+    acc = ", ".join(f"{a:.2f}" for a in o["acceptance_by_depth"])
+    ms = o["ms_per_token"]
+    st = result["settings"]
     lines.append(f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
                  f"other (prefill, bookkeeping) {ms['other']:.1f} ms.")
-    lines.append(f"Acceptance at draft depth 1..{len(result['overall']['acceptance_by_depth'])}: {acc}. "
-                 f"Threads {result['settings']['threads']}, {result['settings']['dtype']}, "
-                 f"{result['settings']['max_new_tokens']} new tokens.")
+    lines.append(f"Acceptance at draft depth 1..{len(o['acceptance_by_depth'])}: {acc}. "
+                 f"Threads {st['threads']}, {st['dtype']}, {st['max_new_tokens']} new tokens.")
+    peers = [m for m in others if m != PLAIN]
+    if peers and o["matches_plain"][peers[0]] is not None:
+        lines.append("Outputs equal to Headway plain greedy: "
+                     + ", ".join(f"{LABELS[m]} {_match(o['matches_plain'][m])}" for m in [*peers, SPEC]) + ".")
     return "\n".join(lines) + "\n"
 
 
-def write_results(result: dict, out: Path) -> None:
+def write_results(result: dict, out: Path, plot: bool = True) -> list[Path]:
+    """The JSON, a Markdown table beside it, and (plot) a PNG; returns the paths written."""
     atomic_write_json(out, result)
     atomic_write_text(out.with_suffix(".md"), markdown_table(result))
+    written = [out, out.with_suffix(".md")]
+    if plot:
+        from headway.inference.bench_plot import plot_results
+
+        written.append(plot_results(result, out.with_suffix(".png")))
+    return written

@@ -1,11 +1,15 @@
-"""Decoding settings shared by `headway generate` and `headway bench`."""
+"""Decoding settings shared by `headway generate` and `headway bench`, and the bench's own settings."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
+from headway.config import check_choice
+from headway.errors import HeadwayError
 from headway.inference.sampling import SamplingConfig
+
+BASELINES = ("hf_generate", "hf_prompt_lookup")  # the peers `headway bench` can run
 
 
 # A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
@@ -33,3 +37,23 @@ class InferenceConfig:
     # Temperature 0 (greedy, the default) or sampling; plain and speculative decoding use the same.
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
+
+@dataclass
+class BenchConfig:
+    # Peers run beside Headway's plain and speculative decoding: hf_generate, hf_prompt_lookup; [] = none.
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    # Hugging Face prompt lookup: draft tokens per step (prompt_lookup_num_tokens) and the longest n-gram matched.
+    prompt_lookup_tokens: int = 10
+    prompt_lookup_max_ngram: int = 2
+    # User turns per prompt record (MT-bench has 2); 0 = all the record has.
+    turns: int = 0
+    # Only the first N prompts of each category (after prompts.limit); 0 = all.
+    per_category: int = 0
+    # Also draw a PNG (acceptance by depth; speedup by category and method) beside the JSON.
+    plot: bool = True
+
+    def __post_init__(self) -> None:
+        for b in self.baselines:
+            check_choice("bench", "baselines", b, list(BASELINES))
+        if self.turns < 0 or self.per_category < 0 or self.prompt_lookup_tokens < 1 or self.prompt_lookup_max_ngram < 1:
+            raise HeadwayError("bench.turns and bench.per_category must be >= 0, bench.prompt_lookup_* >= 1")

@@ -172,12 +172,22 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
                           "inference.tree=[[0],[1],[0,0]]"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads((tmp_path / "b.json").read_text())
-    assert result["overall"]["prompts"] == 3 and set(result["by_category"]) == {"math", "writing"}
-    assert result["overall"]["match_rate"] == 1.0  # float64: exact
-    assert len(result["overall"]["acceptance_by_depth"]) == 2 and result["settings"]["threads"] == 1
-    assert "| **overall** | 3 |" in (tmp_path / "b.md").read_text()
-    ms = result["overall"]["ms_per_token"]
-    assert ms["drafting"] > 0 and ms["verification"] > 0 and "Per generated token: drafting" in (tmp_path / "b.md").read_text()
+    o = result["overall"]
+    # both turns of each record: 6 rows; later turns continue from the plain answer
+    assert o["prompts"] == 6 and set(result["by_category"]) == {"math", "writing"}
+    assert [r["turn"] for r in result["per_prompt"]] == [1, 2] * 3
+    assert result["per_prompt"][1]["prompt_tokens"] > result["per_prompt"][0]["prompt_tokens"] + result["per_prompt"][0]["plain"]["tokens"]
+    assert result["methods"] == ["plain", "hf_generate", "hf_prompt_lookup", "speculative"]
+    # float64: every method writes exactly plain greedy's tokens
+    assert o["match_rate"] == 1.0 and o["matches_plain"] == {"hf_generate": 1.0, "hf_prompt_lookup": 1.0, "speculative": 1.0}
+    assert set(o["speedup_over"]) == {"plain", "hf_generate", "hf_prompt_lookup"}
+    assert o["speedup_over"]["hf_generate"] == pytest.approx(o["tok_s"]["speculative"] / o["tok_s"]["hf_generate"])
+    assert len(o["acceptance_by_depth"]) == 2 and result["settings"]["threads"] == 1
+    md = (tmp_path / "b.md").read_text()
+    assert "| **overall** | 6 |" in md and "speedup vs HF prompt lookup" in md
+    ms = o["ms_per_token"]
+    assert ms["drafting"] > 0 and ms["verification"] > 0 and "Per generated token: drafting" in md
+    assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_subset_takes_the_first_prompts_of_each_category():
