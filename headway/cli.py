@@ -151,6 +151,7 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
 def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
     from headway.inference.api import SpeculativeDecoder
 
+    _explicit_tree(cfg, args)
     decoder = SpeculativeDecoder.load(args.head, cfg)
     prompts = args.prompt or ["Write a short story about a robot who learns to paint."]
     for prompt in prompts:
@@ -178,6 +179,7 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg.bench.per_category = args.per_category
     if args.turns is not None:
         cfg.bench.turns = args.turns
+    _explicit_tree(cfg, args)
     decoder = SpeculativeDecoder.load(args.head, cfg)
     prompts = dataclasses.replace(cfg.prompts, path=args.prompts or cfg.prompts.path,
                                   limit=args.limit if args.limit is not None else cfg.prompts.limit)
@@ -189,6 +191,48 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
     print(markdown_table(result))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _explicit_tree(cfg: RunConfig, args: argparse.Namespace) -> None:
+    """A tree set on the command line wins over the head's tuned tree."""
+    from headway.inference.tune import TREE_KEYS
+
+    given = [o.split("=", 1)[0] for o in getattr(args, "overrides", None) or []]
+    if any(k in (f"inference.{t}" for t in TREE_KEYS) for k in given):
+        cfg.inference.use_tuned = False
+
+
+def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
+    from headway.inference.tune import tune
+
+    if args.prompts:
+        cfg.tune.prompts = args.prompts
+    entry = tune(args.head, cfg)
+    chosen = entry["chosen"]
+    print("\nbest settings on this machine (expected tokens/s from measured costs and acceptance):")
+    print("| settings | draft nodes | expected tau | verify ms | draft ms | expected tok/s |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for c in entry["top_candidates"][:8]:
+        print(f"| {_settings_text(c['inference'])} | {c['draft_nodes']} | {c['expected_tau']:.2f} | {c['verify_ms']:.1f} | "
+              f"{c['draft_ms']:.1f} | {c['tok_s']:.1f} |")
+    if entry["plain_tok_s_estimate"]:
+        print(f"plain decoding, expected: {entry['plain_tok_s_estimate']:.1f} tok/s")
+    v = entry.get("validation")
+    if v:
+        print(f"\nmeasured on the calibration prompts: plain {v['plain']['tok_s']:.1f} tok/s, "
+              f"configured tree {v['configured']['tok_s']:.1f} tok/s (tau {v['configured']['tau']:.2f}), "
+              f"tuned tree {v['tuned']['tok_s']:.1f} tok/s (tau {v['tuned']['tau']:.2f}): "
+              f"tuned/configured {v['tuned_over_configured']:.2f}x, tuned/plain {v['tuned_over_plain']:.2f}x; "
+              f"outputs equal to plain: configured {v['configured']['matches_plain']:.0%}, tuned {v['tuned']['matches_plain']:.0%}")
+    print(f"chosen: {_settings_text(chosen['inference'])} -> saved in {args.head}/tuned.json "
+          "(used by generate and bench on this machine)")
+    return 0
+
+
+def _settings_text(s: dict) -> str:
+    if "tree" in s:
+        return f"Medusa tree of {len(s['tree'])} nodes"
+    return f"depth={s['depth']} top_k={s['top_k']} total_tokens={s['total_tokens']}"
 
 
 def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
@@ -262,6 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, help="user turns per prompt, 0 = all (bench.turns)")
     p.add_argument("--out", default="bench.json", help="results JSON (a Markdown table and a PNG plot are written beside it)")
     _add_config_args(p, RunConfig, cmd_bench)
+
+    p = sub.add_parser("tune", help="measure this machine and the head, pick the fastest tree, save it in the head directory")
+    p.add_argument("--head", required=True, help="a head directory")
+    p.add_argument("--prompts", help="calibration prompts (tune.prompts); default: the set shipped with Headway")
+    _add_config_args(p, RunConfig, cmd_tune)
 
     t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")

@@ -2,7 +2,7 @@
 
 Sections: target, prompts + magpie + distill (self-distillation), features (offline target features),
 head + train + logging (training),
-inference (decoding), bench (`headway bench`). An unknown section or key anywhere is an error that names it.
+inference (decoding), bench (`headway bench`), tune (`headway tune`). An unknown section or key anywhere is an error that names it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from headway.data_scripts.prompts import PromptConfig
 from headway.heads.registry import HeadConfig
 from headway.heads.target import TargetConfig
 from headway.inference.config import BenchConfig, InferenceConfig
+from headway.inference.tune import TuneConfig
 from headway.train.config import LoggingConfig, TrainConfig
 
 
@@ -31,3 +32,4 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)

@@ -16,6 +16,7 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
+from headway.inference.tune import apply_tuned
 
 
 def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
@@ -56,7 +57,8 @@ class SpeculativeDecoder:
 
     def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None):
         self.target, self.heads, self.cfg = target, heads, cfg
-        self.drafter = make_drafter(heads, cfg, head_config or {}, target.config)
+        self.head_config = head_config or {}
+        self.drafter = make_drafter(heads, cfg, self.head_config, target.config)
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod
@@ -73,6 +75,7 @@ class SpeculativeDecoder:
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
+        apply_tuned(cfg, head_dir, target.model)
         return cls(target, heads, cfg, head_config)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:

@@ -30,6 +30,9 @@ class InferenceConfig:
     top_k: int = 8
     total_tokens: int = 15
     max_new_tokens: int = 256
+    # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in place
+    # of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also turns it off.
+    use_tuned: bool = True
     # Also decode plainly (same engine) and report the speedup and whether the outputs match.
     compare_plain: bool = True
     # System prompt for chat prompts; null = the chat template's default.

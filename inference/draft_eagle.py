@@ -70,9 +70,15 @@ class EagleDrafter:
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
         self._commit(tokens, features)
 
-    @torch.no_grad()
     def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
-        heads, k, dev = self.heads, self.top_k, self.param.device
+        return self._select(root, *self.candidates())
+
+    @torch.no_grad()
+    def candidates(self, depth: int | None = None, top_k: int | None = None) -> tuple[list[int], list[float], list[int], list[int]]:
+        """Every node the expansion reaches (draft token id, cumulative log-prob, parent index or -1, depth),
+        with this drafter's depth and top_k unless given; the drafter cache is left as it was."""
+        heads, dev = self.heads, self.param.device
+        k = top_k or self.top_k
         # Candidates: draft token id, cumulative log-prob, parent candidate (-1: the root), depth.
         logp = torch.log_softmax(heads.logits(self.last_out.view(1, -1)).float(), -1)[0]
         top = logp.topk(k)
@@ -83,7 +89,7 @@ class EagleDrafter:
         layer = list(range(k))  # the nodes to expand next
         layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
         expanded: list[int] = []  # candidate index of each drafter cache entry added in this step
-        for d in range(1, self.depth):
+        for d in range(1, depth or self.depth):
             n_prev = len(expanded)
             allowed = torch.zeros(1, len(layer), self.committed + n_prev + len(layer), dtype=torch.bool, device=dev)
             allowed[0, :, : self.committed] = True
@@ -109,7 +115,7 @@ class EagleDrafter:
             layer = [first + b for b in best]
             layer_hidden = heads.next_hidden(out[0, [b // k for b in best]]).unsqueeze(0)
         truncate_cache(self.cache, self.committed)
-        return self._select(root, tokens, scores, parents, depths)
+        return tokens, scores, parents, depths
 
     def _select(self, root: int, tokens: list[int], scores: list[float], parents: list[int],
                 depths: list[int]) -> tuple[torch.Tensor, Tree]:
