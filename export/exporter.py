@@ -26,7 +26,7 @@ from headway.export.schema import check, to_dtype
 from headway.heads.checkpoint import load_head, read_head_config
 from headway.heads.registry import KINDS, build_head
 from headway.heads.target import fingerprint_mismatch
-from headway.io import atomic_dir
+from headway.io import atomic_dir, safetensors_of
 from headway.runtime import parse_dtype
 
 log = logging.getLogger("headway")
@@ -52,7 +52,7 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
         raise HeadwayError(f"{head_dir} is a Medusa-2 head: its output is the LoRA-adapted target's, which engines do "
                            "not load with the draft; merge the adapter into the target first, or use Medusa-1")
     if fmt == "native":
-        return _export_native(head_dir, out)
+        return _export_native(head_dir, out, heads, dtype)
     conv = converter(fmt, native["kind"])
     state = {k: v.detach().cpu() for k, v in heads.state_dict().items()}
     if needs_target_lm_head(native) and target_lm_head is not None:
@@ -84,12 +84,16 @@ def needs_target_lm_head(native: dict) -> bool:
     return native.get("kind") == "medusa" and native.get("head", {}).get("lm_head") == "shared"
 
 
-def _export_native(head_dir: Path, out: Path) -> Path:
+def _export_native(head_dir: Path, out: Path, heads: Any, dtype: str) -> Path:
+    """The head directory as it is (tuned.json, a LoRA adapter included), its weights cast to `dtype`."""
     with atomic_dir(out) as tmp:
         for name in os.listdir(head_dir):
             src = head_dir / name
-            (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
-        load_head(tmp)
+            if name != "model.safetensors":
+                (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
+        tensors = to_dtype({k: v.detach().cpu() for k, v in heads.state_dict().items()}, parse_dtype(dtype))
+        save_file(safetensors_of(tensors), str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
+        _read_back(tmp, heads, dtype)
     return out
 
 

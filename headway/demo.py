@@ -1,51 +1,160 @@
-"""`headway demo`: the main job on the default target, end to end, from a fresh machine.
+"""`headway demo`: the main job on the default target, from a fresh machine, with numbers measured in the run.
 
-Today it runs the data stage: fetch the default target, let it write its own prompts (Magpie-style)
-and answer them, and show what the resulting training data looks like. Training, export and
-speculative decoding join this command as they land.
+Without `--train` it decodes a handful of prompts of different kinds with the EAGLE-3 head that ships
+with Headway (heads/reference/), beside plain decoding of the same target, and prints the text, tau,
+tokens/s, the speedup and whether the output equals plain greedy decoding. With `--train` it first
+runs the whole pipeline on a small budget: the target writes its own prompts and answers them
+(Magpie-style self-distillation), an EAGLE-3 head is trained on that, exported for vLLM, and then
+measured the same way. Every budget (prompts, tokens, steps) is a field of DemoConfig.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
 
 from headway.data_scripts.distill import DistillConfig, distill, load_distilled
 from headway.data_scripts.magpie import MagpieConfig
+from headway.errors import HeadwayError
+from headway.heads.eagle3 import Eagle3Config
+from headway.heads.registry import HeadConfig
+from headway.heads.target import TargetConfig
+from headway.inference.config import InferenceConfig
+from headway.io import atomic_write_json
 from headway.run_config import RunConfig
-from headway.heads.target import TargetConfig, load_tokenizer, resolve_target_dir
+from headway.train.config import TrainConfig
+
+log = logging.getLogger("headway")
+
+# The head shipped with Headway for the default target (see its README.md for how it was made).
+REFERENCE_HEAD = Path(__file__).resolve().parent.parent / "heads" / "reference" / "smollm2-135m-instruct-eagle3"
+if not REFERENCE_HEAD.is_dir():  # installed as a package: heads/ is headway/heads/
+    REFERENCE_HEAD = Path(__file__).resolve().parent / "heads" / "reference" / "smollm2-135m-instruct-eagle3"
+
+DEMO_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "What is 15% of 240? Show your steps.",
+    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+    "Summarize in two sentences: The town library will close for renovation from June to August. During "
+    "that time, books can be borrowed from the school library on Main Street, which will open every weekday "
+    "from 9 am to 6 pm. The renovated library will have a new children's room and a cafe.",
+    "Give me a packing list for a three-day hiking trip.",
+]
 
 
 @dataclass
 class DemoConfig:
-    """The demo's budget: small enough for a few minutes on 2 CPU cores."""
+    """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=16))
-    distill: DistillConfig = field(
-        default_factory=lambda: DistillConfig(output_dir="outputs/demo/distill", max_new_tokens=128, chunk_size=16, batch_size=16)
-    )
-    # How many samples to print.
-    show: int = 2
+    # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
+    head_dir: Optional[str] = None
+    # User messages decoded with plain and speculative decoding; a mix of kinds.
+    prompts: list[str] = field(default_factory=lambda: list(DEMO_PROMPTS))
+    max_new_tokens: int = 128
+    # Characters of each answer to print.
+    show_chars: int = 300
+    # Results (results.json) and, with --train, the dataset, the training run and the export.
+    output_dir: str = "outputs/demo"
+    # Decoding settings (tree, sampling); the head's tuned tree for this machine is used when it has one.
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    # --train: self-distillation budget (the target writes magpie.num_prompts prompts itself and answers them).
+    magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=96))
+    distill: DistillConfig = field(default_factory=lambda: DistillConfig(
+        output_dir="", engine="hf", max_new_tokens=160, batch_size=16, chunk_size=16, max_length=512))
+    # --train: the head trained (EAGLE-3 with a small draft vocabulary and a short training-time test).
+    head: HeadConfig = field(default_factory=lambda: HeadConfig(
+        kind="eagle3", eagle3=Eagle3Config(draft_vocab_size=2048, ttt_steps=3)))
+    # --train: the training budget.
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        output_dir="", max_steps=150, micro_batch_size=4, grad_accum=1, max_length=512, lr=1e-3, warmup_steps=10,
+        grad_clip=0.5, eval_every=50, eval_fraction=0.05, save_every=50, log_every=10, resume_from="auto"))
 
 
-def run_demo(cfg: DemoConfig) -> Path:
-    run = RunConfig(target=cfg.target, magpie=cfg.magpie, distill=cfg.distill)
+def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:
+    out = Path(cfg.output_dir)
     start = time.time()
-    out = distill(run)
-    ds, manifest = load_distilled(out)
-    counts = manifest["counts"]
-    tok = load_tokenizer(resolve_target_dir(cfg.target))
-    print(f"\n== self-distilled dataset: {out}")
-    print(f"   samples {counts['samples']}  generated tokens {counts['generated_tokens']}  skipped {counts['skipped']}")
-    print(f"   engine {manifest['engine']}  {manifest['rank0_throughput_tok_s']} tok/s  ({time.time() - start:.0f} s in all)")
-    for row in ds.select(range(min(cfg.show, len(ds)))):
-        ids, mask = row["input_ids"], row["loss_mask"]
-        first = mask.index(1) if 1 in mask else len(mask)
-        prompt = tok.decode(ids[:first], skip_special_tokens=True).split("user\n", 1)[-1].rsplit("assistant", 1)[0].strip()
-        answer = tok.decode([t for t, m in zip(ids, mask) if m], skip_special_tokens=True).strip()
-        print(f"\n-- the target asked itself:\n{prompt}\n-- and answered ({sum(mask)} tokens, in the loss mask):\n{answer}")
-    print("\nNext stages of the demo (train a head, export it, decode faster) arrive with the training issues.")
-    return out
+    if train_first:
+        head_dir = train_pipeline(cfg, out)
+    else:
+        head_dir = Path(cfg.head_dir) if cfg.head_dir else REFERENCE_HEAD
+        if not (head_dir / "model.safetensors").is_file():
+            raise HeadwayError(f"no head at {head_dir}: pass demo.head_dir=DIR, or run `headway demo --train` to make one")
+    result = measure(cfg, head_dir)
+    result["wall_seconds"] = time.time() - start
+    atomic_write_json(out / "results.json", result)
+    print(f"\nwrote {out / 'results.json'}  ({result['wall_seconds'] / 60:.1f} min in all)")
+    return result
 
+
+def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
+    return RunConfig(target=cfg.target, inference=dataclasses.replace(cfg.inference), **sections)
+
+
+def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
+    """Self-distil, train an EAGLE-3 head and export it for vLLM; returns the head directory. Reruns resume."""
+    from headway.export.exporter import export_head
+    from headway.heads.target import load_target
+    from headway.train.loop import train
+
+    distill_cfg = dataclasses.replace(cfg.distill, output_dir=cfg.distill.output_dir or str(out / "distill"))
+    t0 = time.time()
+    print(f"== 1/3 self-distillation: the target writes {cfg.magpie.num_prompts} prompts and answers them "
+          f"(up to {distill_cfg.max_new_tokens} tokens each)")
+    data = distill(_run_config(cfg, magpie=cfg.magpie, distill=distill_cfg))
+    _, manifest = load_distilled(data)
+    print(f"   {manifest['counts']['samples']} samples, {manifest['counts']['generated_tokens']} answer tokens "
+          f"in {(time.time() - t0) / 60:.1f} min -> {data}")
+    train_cfg = dataclasses.replace(cfg.train, datasets=[str(data)], output_dir=cfg.train.output_dir or str(out / "eagle3"))
+    t0 = time.time()
+    print(f"== 2/3 training an EAGLE-3 head: {train_cfg.max_steps} steps of {train_cfg.micro_batch_size * train_cfg.grad_accum} sequences")
+    head_dir = train(_run_config(cfg, head=cfg.head, train=train_cfg))
+    print(f"   trained in {(time.time() - t0) / 60:.1f} min -> {head_dir}")
+    target = load_target(cfg.target, with_model=False)
+    exported = export_head(head_dir, "vllm", out / "eagle3-vllm", "bfloat16", target.fingerprint)
+    print(f"== 3/3 exported for vLLM -> {exported}")
+    return head_dir
+
+
+def measure(cfg: DemoConfig, head_dir: Path) -> dict:
+    """Plain and speculative decoding of every prompt, alternating which goes first; prints as it goes."""
+    from headway.inference.api import SpeculativeDecoder
+
+    run = _run_config(cfg)
+    decoder = SpeculativeDecoder.load(head_dir, run)
+    print(f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
+          f"({decoder.drafter.settings()}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)")
+    warm = decoder.fmt.first_turn("Hello")
+    decoder.generate(warm, 4)
+    decoder.generate_plain(warm, 4)
+    rows = []
+    for i, text in enumerate(tqdm(cfg.prompts, desc="demo", unit="prompt")):
+        ids = decoder.fmt.first_turn(text)
+        if i % 2 == 0:
+            plain, spec = decoder.generate_plain(ids, cfg.max_new_tokens), decoder.generate(ids, cfg.max_new_tokens)
+        else:
+            spec, plain = decoder.generate(ids, cfg.max_new_tokens), decoder.generate_plain(ids, cfg.max_new_tokens)
+        same = spec.tokens == plain.tokens if run.inference.sampling.greedy else None
+        answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
+        tqdm.write(f"\n-- {text[:100]}\n{answer[:cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
+                   f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | plain {plain.tokens_per_second:.1f} "
+                   f"tok/s | speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}")
+        rows.append({"prompt": text, "tokens": len(spec.tokens), "tau": spec.tau, "spec_seconds": spec.seconds,
+                     "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "target_forwards": spec.target_forwards,
+                     "equals_plain": same})
+    tokens = sum(r["tokens"] for r in rows)
+    spec_tok_s = tokens / sum(r["spec_seconds"] for r in rows)
+    plain_tok_s = sum(r["plain_tokens"] for r in rows) / sum(r["plain_seconds"] for r in rows)
+    overall = {"tau": (tokens - len(rows)) / max(1, sum(r["target_forwards"] for r in rows)),
+               "spec_tok_s": spec_tok_s, "plain_tok_s": plain_tok_s, "speedup": spec_tok_s / plain_tok_s,
+               "all_equal_plain": all(r["equals_plain"] for r in rows) if run.inference.sampling.greedy else None}
+    print(f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_tok_s:.1f} tok/s | plain {plain_tok_s:.1f} tok/s | "
+          f"speedup {overall['speedup']:.2f}x | every output equals plain greedy: {overall['all_equal_plain']}")
+    return {"head": str(head_dir), "drafter": decoder.drafter.settings(), "threads": decoder.target.num_threads,
+            "device": str(decoder.target.device), "overall": overall, "prompts": rows}
