@@ -245,19 +245,6 @@ def test_cli_errors_are_one_line(tmp_path: Path):
     assert res.returncode == 2 and "did you mean 'distill.max_new_tokens'" in res.stderr
 
 
-def test_demo_command_runs_on_a_tiny_target(tiny_dirs, tmp_path: Path):
-    res = subprocess.run(
-        [sys.executable, "-m", "headway", "demo", f"target.name_or_path={tiny_dirs['gemma3']}", "target.num_threads=1",
-         "magpie.num_prompts=12", "magpie.min_chars=1", "magpie.max_prompt_tokens=300", "distill.max_new_tokens=8",
-         "distill.engine=hf", f"distill.output_dir={tmp_path / 'demo'}"],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "self-distilled dataset" in res.stdout
-    manifest = json.loads((tmp_path / "demo" / "manifest.json").read_text())
-    assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 12
-
-
 def test_broken_vllm_install_is_one_clear_error(monkeypatch):
     import importlib.machinery
     import types

@@ -1,0 +1,56 @@
+"""`headway demo`: the whole pipeline on a tiny target (--train), and the shipped head on the real default target."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: Path):
+    out = tmp_path / "demo"
+    cmd = [sys.executable, "-m", "headway", "demo", "--train", f"target.name_or_path={tiny_dirs['llama']}",
+           "target.num_threads=1", f"output_dir={out}", "magpie.num_prompts=12",
+           "magpie.min_chars=1", "magpie.max_prompt_tokens=300", "distill.max_new_tokens=16", "train.max_steps=4",
+           "train.eval_every=2", "train.save_every=2", "head.eagle3.draft_vocab_size=64", "max_new_tokens=12",
+           "prompts=[What is 3 plus 4?,Tell me a story.]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for stage in ("1/3 self-distillation", "2/3 training an EAGLE-3 head", "3/3 exported for vLLM", "== overall: tau"):
+        assert stage in res.stdout, stage
+    result = json.loads((out / "results.json").read_text())
+    assert result["overall"]["all_equal_plain"] is True and len(result["prompts"]) == 2
+    assert result["head"] == str(out / "eagle3" / "head")
+    assert json.loads((out / "eagle3-vllm" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    manifest = json.loads((out / "distill" / "manifest.json").read_text())
+    assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 12
+    # a rerun resumes every stage (nothing is redone) and measures again
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "results.json").read_text())["overall"]["all_equal_plain"] is True
+
+
+def test_demo_without_a_head_names_the_fix(tmp_path: Path):
+    res = subprocess.run([sys.executable, "-m", "headway", "demo", f"head_dir={tmp_path / 'none'}"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "no head at" in res.stderr and "headway demo --train" in res.stderr
+
+
+@pytest.mark.slow
+def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path: Path):
+    from headway.demo import DemoConfig, reference_head, run_demo
+    from headway.heads.target import TargetConfig
+
+    head = reference_head()
+    assert (head / "model.safetensors").stat().st_size < 25e6  # ~20 MB in bf16
+    cfg = DemoConfig(target=TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2),
+                     prompts=["What is 15% of 240? Show your steps."], max_new_tokens=32, output_dir=str(tmp_path))
+    result = run_demo(cfg)
+    assert result["overall"]["all_equal_plain"] is True
+    assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
