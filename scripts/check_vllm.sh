@@ -42,7 +42,7 @@ else
   CHAIN="inference.depth=$K inference.top_k=1 inference.total_tokens=$K"
 fi
 headway bench --head "$HEAD" --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --out "$OUT/headway.json" \
-  target.dtype=float32 target.num_threads="$THREADS" inference.max_new_tokens="$MAX_TOKENS" $CHAIN "$@"
+  target.dtype=float32 target.num_threads="$THREADS" inference.max_new_tokens="$MAX_TOKENS" "bench.baselines=[]" $CHAIN "$@"
 
 python3 - "$OUT" <<'PY'
 import json, sys
