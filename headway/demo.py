@@ -66,8 +66,10 @@ class DemoConfig:
     show_chars: int = 300
     # Results (results.json) and, with --train, the dataset, the training run and the export.
     output_dir: str = "outputs/demo"
-    # Decoding settings (tree, sampling); the head's tuned tree for this machine is used when it has one.
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    # Decoding settings (tree, sampling). The head's tuned tree for this machine (tuned.json) wins when it has one;
+    # otherwise this small tree, `headway tune`'s choice for the shipped head on a 2-core CPU (a GPU gains from a
+    # larger one: run `headway tune`, or pass inference.depth=5 inference.total_tokens=15).
+    inference: InferenceConfig = field(default_factory=lambda: InferenceConfig(depth=1, top_k=8, total_tokens=5))
     # --train: self-distillation budget (the target writes magpie.num_prompts prompts itself and answers them).
     magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=96))
     distill: DistillConfig = field(default_factory=lambda: DistillConfig(

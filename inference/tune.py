@@ -53,8 +53,10 @@ class TuneConfig:
     prompts: Optional[str] = None
     num_prompts: int = 8
     max_new_tokens: int = 128
-    # Verified-token counts whose target forward time is measured (others are interpolated), and repeats of each.
-    verify_sizes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+    # Verified-token counts whose target forward time is measured (others are interpolated); [] = every count the
+    # search scores (each tree size + the root). Small counts can cost more than larger ones on a CPU (matmul
+    # kernels change with the row count), so measuring each is safer than interpolating.
+    verify_sizes: list[int] = field(default_factory=list)
     repeats: int = 7
     # EAGLE-2 search space (every combination is scored; total_tokens larger than the expansion are skipped).
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
@@ -69,7 +71,7 @@ class TuneConfig:
     def __post_init__(self) -> None:
         for name in ("verify_sizes", "depths", "top_ks", "total_tokens", "medusa_nodes"):
             values = getattr(self, name)
-            if not values or min(values) < 1:
+            if (not values and name != "verify_sizes") or (values and min(values) < 1):
                 raise HeadwayError(f"tune.{name} must be a non-empty list of numbers >= 1 (got {values})")
         if self.num_prompts < 1 or self.max_new_tokens < 2 or self.repeats < 1 or self.medusa_top_k < 1:
             raise HeadwayError("tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2")
@@ -390,8 +392,9 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     prompts = calibration_prompts(decoder, tc)
     replays = replay_answers(decoder, prompts, tc.max_new_tokens)
     prefix = int(statistics.median(len(p) for p in prompts) + tc.max_new_tokens // 2)
-    log.info("measuring the target's forward time over 1..%d tokens after a %d-token cache", max(tc.verify_sizes), prefix)
-    costs = verify_cost(model, sorted({1, *tc.verify_sizes}), prefix, tc.repeats)
+    sizes = tc.verify_sizes or [n + 1 for n in (tc.medusa_nodes if decoder.heads.kind == "medusa" else tc.total_tokens)]
+    log.info("measuring the target's verification time over 1..%d tokens after a %d-token cache", max(sizes), prefix)
+    costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats)
     candidates = search(decoder, replays, costs, tc)
     best = candidates[0]
     entry = {
