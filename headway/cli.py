@@ -215,8 +215,7 @@ def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
     for c in entry["top_candidates"][:8]:
         print(f"| {_settings_text(c['inference'])} | {c['draft_nodes']} | {c['expected_tau']:.2f} | {c['verify_ms']:.1f} | "
               f"{c['draft_ms']:.1f} | {c['tok_s']:.1f} |")
-    if entry["plain_tok_s_estimate"]:
-        print(f"plain decoding, expected: {entry['plain_tok_s_estimate']:.1f} tok/s")
+    print(f"plain decoding, expected: {entry['plain_tok_s_estimate']:.1f} tok/s")
     v = entry.get("validation")
     if v:
         print(f"\nmeasured on the calibration prompts: plain {v['plain']['tok_s']:.1f} tok/s, "

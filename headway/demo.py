@@ -100,7 +100,7 @@ def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:
 
 
 def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
-    return RunConfig(target=cfg.target, inference=dataclasses.replace(cfg.inference), **sections)
+    return RunConfig(target=cfg.target, inference=cfg.inference, **sections)
 
 
 def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
@@ -134,6 +134,7 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
 def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     """Plain and speculative decoding of every prompt, alternating which goes first; prints as it goes."""
     from headway.inference.api import SpeculativeDecoder
+    from headway.inference.generate import alternate, pooled
 
     run = _run_config(cfg)
     decoder = SpeculativeDecoder.load(head_dir, run)
@@ -142,14 +143,14 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     warm = decoder.fmt.first_turn("Hello")
     decoder.generate(warm, 4)
     decoder.generate_plain(warm, 4)
-    rows = []
+    greedy = decoder.cfg.inference.sampling.greedy
+    runners = {"plain": lambda ids: decoder.generate_plain(ids, cfg.max_new_tokens),
+               "spec": lambda ids: decoder.generate(ids, cfg.max_new_tokens)}
+    rows, specs, plains = [], [], []
     for i, text in enumerate(tqdm(cfg.prompts, desc="demo", unit="prompt")):
-        ids = decoder.fmt.first_turn(text)
-        if i % 2 == 0:
-            plain, spec = decoder.generate_plain(ids, cfg.max_new_tokens), decoder.generate(ids, cfg.max_new_tokens)
-        else:
-            spec, plain = decoder.generate(ids, cfg.max_new_tokens), decoder.generate_plain(ids, cfg.max_new_tokens)
-        same = spec.tokens == plain.tokens if run.inference.sampling.greedy else None
+        res = alternate(runners, decoder.fmt.first_turn(text), i)
+        spec, plain = res["spec"], res["plain"]
+        same = spec.tokens == plain.tokens if greedy else None
         answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
         tqdm.write(f"\n-- {text[:100]}\n{answer[:cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
                    f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | plain {plain.tokens_per_second:.1f} "
@@ -157,13 +158,13 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
         rows.append({"prompt": text, "tokens": len(spec.tokens), "tau": spec.tau, "spec_seconds": spec.seconds,
                      "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "target_forwards": spec.target_forwards,
                      "equals_plain": same})
-    tokens = sum(r["tokens"] for r in rows)
-    spec_tok_s = tokens / sum(r["spec_seconds"] for r in rows)
-    plain_tok_s = sum(r["plain_tokens"] for r in rows) / sum(r["plain_seconds"] for r in rows)
-    overall = {"tau": (tokens - len(rows)) / max(1, sum(r["target_forwards"] for r in rows)),
-               "spec_tok_s": spec_tok_s, "plain_tok_s": plain_tok_s, "speedup": spec_tok_s / plain_tok_s,
-               "all_equal_plain": all(r["equals_plain"] for r in rows) if run.inference.sampling.greedy else None}
-    print(f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_tok_s:.1f} tok/s | plain {plain_tok_s:.1f} tok/s | "
+        specs.append(spec)
+        plains.append(plain)
+    spec_all, plain_all = pooled(specs), pooled(plains)
+    overall = {"tau": spec_all["tau"], "spec_tok_s": spec_all["tok_s"], "plain_tok_s": plain_all["tok_s"],
+               "speedup": spec_all["tok_s"] / plain_all["tok_s"],
+               "all_equal_plain": all(r["equals_plain"] for r in rows) if greedy else None}
+    print(f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain {plain_all['tok_s']:.1f} tok/s | "
           f"speedup {overall['speedup']:.2f}x | every output equals plain greedy: {overall['all_equal_plain']}")
     return {"head": str(head_dir), "drafter": decoder.drafter.settings(), "threads": decoder.target.num_threads,
             "device": str(decoder.target.device), "overall": overall, "prompts": rows}

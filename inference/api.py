@@ -75,8 +75,7 @@ class SpeculativeDecoder:
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
-        apply_tuned(cfg, head_dir, target.model)
-        return cls(target, heads, cfg, head_config)
+        return cls(target, heads, apply_tuned(cfg, head_dir, target.model), head_config)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens

@@ -26,7 +26,7 @@ from headway.data_scripts.prompts import PromptConfig, load_conversations
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.baselines import hf_generate
 from headway.inference.config import BASELINES, BenchConfig
-from headway.inference.generate import GenerationResult
+from headway.inference.generate import GenerationResult, alternate
 from headway.io import atomic_write_json, atomic_write_text
 
 PLAIN, SPEC = "plain", "speculative"
@@ -118,8 +118,7 @@ def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens
             ids = decoder.fmt.first_turn(conv.turns[0], conv.system)
         else:
             ids = history[conv.id] + decoder.fmt.next_turn(conv.turns[turn], history[conv.id][-1], conv.system)
-        order = methods[i % len(methods):] + methods[: i % len(methods)]
-        results = {m: runners[m](ids) for m in order}
+        results = alternate({m: runners[m] for m in methods}, ids, i)
         plain = results[PLAIN]
         history[conv.id] = ids + plain.tokens
         row = {"id": conv.id, "turn": turn + 1, "category": conv.meta.get("category", "all"), "prompt_tokens": len(ids)}

@@ -65,6 +65,21 @@ class GenerationResult:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+def alternate(runners: dict[str, Any], ids: list[int], i: int) -> dict[str, GenerationResult]:
+    """Every runner on the same prompt ids, starting from a different one for each prompt index i, so that a slow
+    spell of the machine hits every method alike."""
+    names = list(runners)
+    k = i % len(names)
+    return {n: runners[n](ids) for n in names[k:] + names[:k]}
+
+
+def pooled(results: list[GenerationResult]) -> dict:
+    """Tokens/s and tau over several generations (totals, not a mean of per-prompt rates)."""
+    tokens = sum(len(r.tokens) for r in results)
+    return {"tok_s": tokens / max(1e-9, sum(r.seconds for r in results)),
+            "tau": (tokens - len(results)) / max(1, sum(r.target_forwards for r in results))}
+
+
 def _check_length(model: Any, prompt_len: int, max_new_tokens: int, tree_size: int) -> None:
     """Refuse requests the target cannot serve exactly: past its context, or (with a tree) its sliding window."""
     limit = sliding_window_limit(model) if tree_size > 1 else None

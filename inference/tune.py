@@ -37,7 +37,7 @@ from tqdm import tqdm
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.cache import cache_kwarg, keep_tree_nodes, new_cache, truncate_cache
-from headway.inference.generate import features_at
+from headway.inference.generate import alternate, features_at, pooled
 from headway.inference.tree import build_tree, tree_attention_bias
 from headway.io import atomic_write_json, read_json
 
@@ -210,7 +210,7 @@ def eagle_accepted_along(drafter: Any, r: Replay, depths: list[int], top_ks: lis
         counts: dict[tuple[int, int, int], int] = {}
         for k in top_ks:
             tokens, scores, parents, cdepths = drafter.candidates(dmax, k)
-            target_ids = drafter.heads.to_target_ids(torch.tensor(tokens)).tolist()
+            target_ids = drafter.heads.to_target_ids(torch.tensor(tokens, device=drafter.param.device)).tolist()
             chain = _matching_chain(target_ids, parents, cdepths, want)
             for d in depths:
                 pool = [c for c in range(len(tokens)) if cdepths[c] <= d]
@@ -362,10 +362,11 @@ def save_tuned(head_dir: str | Path, entry: dict) -> Path:
     return path
 
 
-def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Optional[dict]:
-    """Replace cfg.inference's tree settings with the head's tuned ones for this machine, if there are any."""
+def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
+    """cfg with its tree settings replaced by the head's tuned ones for this machine, if there are any (a copy;
+    the caller's config is left as it was)."""
     if not cfg.inference.use_tuned:
-        return None
+        return cfg
     entries = read_tuned(head_dir)
     key = machine_key(model)
     match = next((e for e in entries if e.get("machine") == key), None)
@@ -373,12 +374,11 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Optional[dict]:
         if entries:
             log.info("%s/%s has no tuned tree for this machine (%s); using the configured tree (run `headway tune`)",
                      head_dir, TUNED_FILENAME, key)
-        return None
-    for k, v in match["chosen"]["inference"].items():
-        setattr(cfg.inference, k, v)
+        return cfg
+    chosen = match["chosen"]["inference"]
     log.info("using the tree `headway tune` chose for this machine: %s (inference.use_tuned=false for the configured one)",
-             match["chosen"]["inference"])
-    return match
+             chosen)
+    return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **chosen))
 
 
 def tune(head_dir: str | Path, cfg: Any) -> dict:
@@ -418,24 +418,16 @@ def validate(decoder: Any, cfg: Any, tuned: dict, prompts: list[list[int]], max_
     from headway.inference.api import SpeculativeDecoder
 
     tuned_cfg = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **tuned))
-    runs = {
-        "plain": decoder.generate_plain,
-        "configured": decoder.generate,
-        "tuned": SpeculativeDecoder(decoder.target, decoder.heads, tuned_cfg, decoder.head_config).generate,
-    }
-    names = list(runs)
-    totals = {n: {"tokens": 0, "seconds": 0.0, "forwards": 0, "match": 0} for n in names}
+    tuned_decoder = SpeculativeDecoder(decoder.target, decoder.heads, tuned_cfg, decoder.head_config)
+    runs = {"plain": lambda ids: decoder.generate_plain(ids, max_new_tokens),
+            "configured": lambda ids: decoder.generate(ids, max_new_tokens),
+            "tuned": lambda ids: tuned_decoder.generate(ids, max_new_tokens)}
+    results: dict[str, list] = {n: [] for n in runs}
     for i, ids in enumerate(tqdm(prompts, desc="tune: validation", unit="prompt")):
-        order = names[i % 3:] + names[: i % 3]
-        res = {n: runs[n](ids, max_new_tokens) for n in order}
-        for n in names:
-            t = totals[n]
-            t["tokens"] += len(res[n].tokens)
-            t["seconds"] += res[n].seconds
-            t["forwards"] += res[n].target_forwards
-            t["match"] += int(res[n].tokens == res["plain"].tokens)
-    out = {n: {"tok_s": t["tokens"] / t["seconds"], "matches_plain": t["match"] / len(prompts),
-               "tau": (t["tokens"] - len(prompts)) / max(1, t["forwards"])} for n, t in totals.items()}
+        for n, r in alternate(runs, ids, i).items():
+            results[n].append(r)
+    out: dict = {n: {**pooled(rs), "matches_plain": sum(r.tokens == p.tokens for r, p in zip(rs, results["plain"])) / len(rs)}
+                 for n, rs in results.items()}
     out["tuned_over_configured"] = out["tuned"]["tok_s"] / out["configured"]["tok_s"]
     out["tuned_over_plain"] = out["tuned"]["tok_s"] / out["plain"]["tok_s"]
     return out
