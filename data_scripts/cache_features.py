@@ -27,6 +27,7 @@ from tqdm import tqdm
 from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.heads.target import fingerprint_mismatch
+from headway.faults import fault_point
 from headway.io import atomic_file, atomic_write_json, sha256_file
 from headway.runtime import barrier, dist_info, parse_dtype
 
@@ -88,6 +89,7 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
         part = samples[first : first + cfg.shard_size]
         if not path.is_file():
             _write_shard(model, part, layers, dtype, cfg.batch_size, pad_id, device, path, bar)
+            fault_point(f"features:shard:{first // cfg.shard_size}")
         else:
             bar.update(len(part))
     bar.close()

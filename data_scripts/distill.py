@@ -27,7 +27,8 @@ from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
 from headway.heads.target import Target, load_target
-from headway.io import atomic_write_json, read_json
+from headway.faults import fault_point
+from headway.io import atomic_write_json, file_checksums, read_json, verify_checksums
 from headway.runtime import DistInfo, barrier, dist_info
 
 if TYPE_CHECKING:
@@ -150,6 +151,21 @@ def _chunk_path(out: Path, k: int) -> Path:
     return out / CHUNK_DIR / f"chunk-{k:06d}.json"
 
 
+def _chunk_is_whole(out: Path, k: int) -> bool:
+    """A chunk file that exists and parses; a damaged one is named and redone."""
+    p = _chunk_path(out, k)
+    if not p.exists():
+        return False
+    try:
+        data = read_json(p)
+        if data.get("chunk") == k and isinstance(data.get("rows"), list):
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    log.warning("chunk %s is damaged (not the JSON this run wrote): generating it again", p)
+    return False
+
+
 def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
     name = cfg.distill.engine
     if name == "auto":
@@ -159,7 +175,8 @@ def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
         log.info("generation engine: vllm")
         d = cfg.distill
         return VLLMEngine(
-            str(target.path), stop_ids, d.vllm_dtype, max_length, d.vllm_max_num_seqs, d.seed, target.num_threads
+            str(target.path), stop_ids, d.vllm_dtype, max_length, d.vllm_max_num_seqs, d.seed, target.num_threads,
+            cfg.target.trust_remote_code,
         )
     log.info("generation engine: hf (transformers), batch %d", cfg.distill.batch_size)
     if target.model is None:
@@ -241,7 +258,7 @@ def distill(cfg: RunConfig) -> Path:
     cs = cfg.distill.chunk_size
     num_chunks = (total + cs - 1) // cs
     mine = [k for k in range(num_chunks) if k % info.world_size == info.rank]
-    todo = [k for k in mine if not _chunk_path(out, k).exists()]
+    todo = [k for k in mine if not _chunk_is_whole(out, k)]
     my_total = sum(min(cs, total - k * cs) for k in mine)
     done = my_total - sum(min(cs, total - k * cs) for k in todo)
     if done:
@@ -267,6 +284,7 @@ def distill(cfg: RunConfig) -> Path:
             skipped = [{"id": lo + j, "reason": "magpie_rejected"} for j, t in enumerate(texts) if t is None]
         rows, too_long = answer(chunk, fmt, engine, cfg.distill, max_length, seed + 1, progress)
         atomic_write_json(_chunk_path(out, k), {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long})
+        fault_point(f"distill:chunk:{k}")
         bar.update(hi - lo)
     bar.close()
     elapsed = time.time() - stats["start"]
@@ -320,6 +338,7 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfi
     for f in tmp.iterdir():
         os.replace(f, out / f.name)
     tmp.rmdir()
+    fault_point("distill:merged")
     gen_tokens = sum(sum(r["loss_mask"]) for r in rows)
     reasons: dict[str, int] = {}
     for s in skipped:
@@ -338,6 +357,8 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfi
             "unfinished_samples": sum(1 for r in rows if not r["finished"]),
         },
         "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        "files": file_checksums(out, [f.name for f in out.iterdir() if f.is_file() and f.name not in (MANIFEST, RUN_STATE)
+                                      and not f.name.startswith(".") and f.name != "config.yaml"]),
     }
     atomic_write_json(out / MANIFEST, manifest)
     log.info("wrote %d samples (%d generated tokens) to %s", len(rows), gen_tokens, out)
@@ -352,4 +373,7 @@ def load_distilled(path: str | os.PathLike) -> tuple[Any, dict]:
         if (p / RUN_STATE).is_file():
             raise HeadwayError(f"dataset {p} is incomplete (no manifest.json): rerun the same `headway distill` to finish it")
         raise HeadwayError(f"{p} is not a headway dataset (no manifest.json): make one with `headway distill`")
-    return load_from_disk(str(p)), json.loads((p / MANIFEST).read_text())
+    manifest = json.loads((p / MANIFEST).read_text())
+    verify_checksums(p, manifest.get("files"), "dataset", "the file is damaged; delete manifest.json and rerun the same "
+                     "`headway distill` to rebuild the dataset from its chunks")
+    return load_from_disk(str(p)), manifest

@@ -121,7 +121,7 @@ class VLLMEngine:
 
     def __init__(
         self, model_dir: str, stop_ids: list[int], dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
-        num_threads: int,
+        num_threads: int, trust_remote_code: bool = False,
     ):
         if not vllm_available():
             raise HeadwayError(
@@ -148,7 +148,7 @@ class VLLMEngine:
         self.stop_ids = list(stop_ids)
         self.llm = LLM(
             model=str(model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-            skip_tokenizer_init=False,
+            skip_tokenizer_init=False, trust_remote_code=trust_remote_code,
         )
 
     def generate(

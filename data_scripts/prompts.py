@@ -93,14 +93,23 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
 
         opener = gzip.open if suffix.endswith(".gz") else open
         out = []
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    out.append((f"{path} line {lineno}", json.loads(line)))
-                except json.JSONDecodeError as e:
-                    raise HeadwayError(f"{path} line {lineno} is not valid JSON ({e.msg}): fix or remove that line") from None
+        try:
+            with opener(path, "rb") as f:
+                for lineno, raw in enumerate(f, start=1):
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as e:
+                        raise HeadwayError(f"{path} line {lineno} is not valid UTF-8 (byte {e.start}: {e.reason}): "
+                                           "re-save the file as UTF-8") from None
+                    if not line.strip():
+                        continue
+                    try:
+                        out.append((f"{path} line {lineno}", json.loads(line)))
+                    except (json.JSONDecodeError, RecursionError) as e:
+                        msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                        raise HeadwayError(f"{path} line {lineno} is not valid JSON ({msg}): fix or remove that line") from None
+        except (OSError, EOFError) as e:  # gzip: not a gzip file, or cut short
+            raise HeadwayError(f"cannot read {path} ({type(e).__name__}: {e}): is it whole and of its suffix's type?") from None
         return out
     if suffix == ".json":
         try:
@@ -108,6 +117,10 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
                 data = json.load(f)
         except json.JSONDecodeError as e:
             raise HeadwayError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except UnicodeDecodeError as e:
+            raise HeadwayError(f"{path} is not valid UTF-8 (byte {e.start}: {e.reason}): re-save the file as UTF-8") from None
+        except RecursionError:
+            raise HeadwayError(f"{path} is not valid JSON (nested too deeply)") from None
         if isinstance(data, dict):
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
@@ -209,6 +222,14 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
                 f"{where}: no prompt text under the configured fields "
                 f"(instruction={instr_field}, turns={turns_field}, conversations={conv_field}); fix the record or the mapping"
             )
+        if system is not None and not isinstance(system, str):
+            raise HeadwayError(f"{where}: the system prompt must be a string, got {type(system).__name__}")
+        for text in turns + ([system] if system else []):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HeadwayError(f"{where}: the text holds an unpaired surrogate escape (e.g. \\ud800), which is not "
+                                   "valid Unicode: fix the record") from None
         if cfg.max_turns > 0:
             turns = turns[: cfg.max_turns]
         meta = {k: record[k] for k in ("category", "question_id", "task_id") if k in record}

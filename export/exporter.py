@@ -23,10 +23,11 @@ from safetensors.torch import load_file, save_file
 from headway.errors import HeadwayError
 from headway.export.layouts import converter, eagle3_feature_layers
 from headway.export.schema import check, to_dtype
-from headway.heads.checkpoint import load_head, read_head_config
+from headway.faults import fault_point
+from headway.heads.checkpoint import load_head, read_head_config, write_head_config
 from headway.heads.registry import KINDS, build_head
 from headway.heads.target import fingerprint_mismatch
-from headway.io import atomic_dir, safetensors_of
+from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
 from headway.runtime import parse_dtype
 
 log = logging.getLogger("headway")
@@ -63,7 +64,9 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
     check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config["headway"]["files"] = file_checksums(tmp, ["model.safetensors"])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        fault_point("export:written")
         for f in tmp.iterdir():
             f.chmod(0o644)  # engines often run as another user
         _read_back(tmp, heads, dtype)
@@ -93,6 +96,8 @@ def _export_native(head_dir: Path, out: Path, heads: Any, dtype: str) -> Path:
                 (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
         tensors = to_dtype({k: v.detach().cpu() for k, v in heads.state_dict().items()}, parse_dtype(dtype))
         save_file(safetensors_of(tensors), str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
+        write_head_config(tmp, {k: v for k, v in read_head_config(tmp).items() if k != "files"})
+        fault_point("export:written")
         _read_back(tmp, heads, dtype)
     return out
 
@@ -120,6 +125,7 @@ def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
     meta = config.get("headway")
     if not isinstance(meta, dict) or "format" not in meta or "kind" not in meta:
         raise HeadwayError(f"{d / 'config.json'} has no 'headway' section: it was not written by `headway export`")
+    verify_checksums(d, meta.get("files"), "export", "the file is damaged; export the head again")
     try:
         tensors = load_file(str(d / "model.safetensors"))
     except Exception as e:

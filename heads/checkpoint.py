@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import headway
 from headway.errors import HeadwayError
-from headway.io import atomic_dir, safetensors_of
+from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
 from headway.heads.registry import KINDS, LAYERED, build_head
 from headway.heads.target import fingerprint_mismatch
 
@@ -35,10 +35,16 @@ def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Opti
     }
     with atomic_dir(out) as tmp:
         save_file(safetensors_of(heads.state_dict()), str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if write_extra is not None:
             write_extra(tmp)
+        write_head_config(tmp, config)
     return out
+
+
+def write_head_config(directory: Path, config: dict) -> None:
+    """config.json, with the sha256 of every weight file beside it (written last, so it seals the directory)."""
+    files = file_checksums(directory, [f.name for f in directory.glob("*.safetensors")])
+    (directory / "config.json").write_text(json.dumps({**config, "files": files}, indent=2) + "\n")
 
 
 def read_head_config(path: str | os.PathLike) -> dict:
@@ -66,6 +72,7 @@ def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, devic
                 f"but the loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
             )
     cfg_cls, _ = KINDS[kind]
+    verify_checksums(p, config.get("files"), "head", "the file is damaged; copy or export the head again")
     try:
         state = load_file(str(p / "model.safetensors"))
     except Exception as e:

@@ -43,6 +43,8 @@ class TargetConfig:
     cache_dir: Optional[str] = None
     # Attention kernel passed to transformers: sdpa, eager.
     attn_implementation: str = "sdpa"
+    # Run Python code shipped inside the model directory (auto_map). Off: a model directory is data, not code.
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         check_choice("target", "dtype", self.dtype, list(DTYPES))
@@ -135,10 +137,21 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
     return target_sources.cached_hub_dir(name)
 
 
-def load_tokenizer(path: Path | str) -> Any:
+def _remote_code_refused(path: Path | str, e: Exception) -> HeadwayError:
+    return HeadwayError(f"{path} ships its own Python code (auto_map), which Headway does not run unless you set "
+                        f"target.trust_remote_code=true; do so only for a model you trust ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200]})")
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise _remote_code_refused(path, e) from None
+        raise
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -154,8 +167,14 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     threads = configure_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
     path = resolve_target_dir(cfg)
-    tokenizer = load_tokenizer(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    trust = cfg.trust_remote_code
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise _remote_code_refused(path, e) from None
+        raise
+    tokenizer = load_tokenizer(path, trust)
     try:
         gen_config = GenerationConfig.from_pretrained(path, local_files_only=True)
     except OSError:
@@ -165,9 +184,17 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         log.info("loading target %s from %s (%s, %s, %d threads)", cfg.name_or_path, path, cfg.dtype, device, threads)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=parse_dtype(cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation
+                path, dtype=parse_dtype(cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation,
+                trust_remote_code=trust, use_safetensors=True,
             )
         except (OSError, ValueError) as e:
+            if "trust_remote_code" in str(e):
+                raise _remote_code_refused(path, e) from None
+            if Path(path).is_dir() and not any(Path(path).glob("*.safetensors")):
+                raise HeadwayError(
+                    f"{path} has no .safetensors weights: Headway does not load pickled weights (.bin/.pt), which can run "
+                    "code when read; convert them once with safetensors (e.g. `model.save_pretrained(dir)` in a trusted "
+                    "environment)") from None
             raise HeadwayError(f"cannot load target model from {path}: {e}") from None
         model.to(device)
         model.eval()

@@ -62,6 +62,12 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise HeadwayError(f"override '{bad[0]}' is not of the form key=value (e.g. distill.max_new_tokens=128)")
+    for o in overrides:
+        try:
+            OmegaConf.from_dotlist([o])
+        except Exception as e:  # yaml and omegaconf grammar errors come in many types
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise HeadwayError(f"cannot parse override '{o}' ({first}): quote the value or fix its syntax") from None
     if overrides:
         layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
     cfg = base

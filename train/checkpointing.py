@@ -7,6 +7,7 @@ read back with torch.load(weights_only=True): tensors and plain containers only,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
-from headway.io import atomic_dir, safetensors_of
+from headway.faults import fault_point
+from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
+
+log = logging.getLogger("headway")
 
 
 def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict, scheduler: Any, consumed: int,
@@ -39,7 +43,9 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict,
                  "optimizer_format": optimizer_format, "world_size": len(rng_states or [None])}
         for name, src in (shards or {}).items():
             os.replace(src, tmp / name)
-        (tmp / "trainer.json").write_text(json.dumps(state))
+        state["files"] = file_checksums(tmp, [f.name for f in tmp.iterdir() if f.is_file()])
+        fault_point(f"checkpoint-writing:{step}")
+        (tmp / "trainer.json").write_text(json.dumps(state))  # last: a checkpoint with trainer.json is complete
     return out
 
 
@@ -52,8 +58,26 @@ def _tupled(state: Any) -> Any:
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:
-    found = sorted(p for p in root.glob("step-*") if (p / "trainer.json").is_file())
-    return found[-1] if found else None
+    """The newest complete checkpoint whose files match their checksums; a damaged newer one is named and skipped."""
+    for path in sorted((p for p in root.glob("step-*") if (p / "trainer.json").is_file()), reverse=True):
+        try:
+            _verify(path)
+        except HeadwayError as e:
+            log.warning("skipping a damaged checkpoint: %s", e)
+            continue
+        return path
+    return None
+
+
+def _verify(path: Path) -> dict:
+    """trainer.json of a checkpoint whose files are whole; otherwise the error names the file."""
+    fix = "resume from an earlier checkpoint (train.resume_from=auto skips damaged ones), or delete this one"
+    try:
+        trainer = json.loads((path / "trainer.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HeadwayError(f"checkpoint {path}: trainer.json is unreadable ({e}): {fix}") from None
+    verify_checksums(path, trainer.get("files"), "checkpoint", fix)
+    return trainer
 
 
 @dataclass
@@ -73,6 +97,7 @@ def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoi
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise HeadwayError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}): resume from another one")
+    trainer = _verify(path)
     adapters = None
     if with_adapters:
         if not (path / "adapters.safetensors").is_file():
@@ -80,7 +105,6 @@ def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoi
         adapters = load_file(str(path / "adapters.safetensors"))
     state = torch.load(files[1], weights_only=True)
     scheduler.load_state_dict(state["scheduler"])
-    trainer = json.loads(files[2].read_text())
     random.setstate(_tupled(trainer["python_rng"]))
     rng = state["torch_rng"]
     return Checkpoint(int(trainer["step"]), int(trainer["consumed"]), load_file(str(files[0])), state["optimizer"],

@@ -289,19 +289,28 @@ def train(cfg: RunConfig) -> Path:
         adapt = tc.lora.enabled and step >= tc.lora.heads_warmup_steps
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
+        bad_batch = None
         for _ in range(tc.grad_accum):
             batch = par.shard(batch_at(train_set, consumed, micro, tc.seed))
             consumed += micro
             tokens += sum(sum(s.loss_mask) for s in batch)
             loss, metrics = _step_loss(cfg, target, objective, batch, t2d, device, adapt, cache)
+            micro_loss = float(loss.detach())
+            if not math.isfinite(micro_loss) and bad_batch is None:
+                bad_batch = f"sequences {', '.join(s.key for s in batch[:4])}{' ...' if len(batch) > 4 else ''}"
             stepper.backward(loss)
-            loss_sum += float(loss.detach()) / tc.grad_accum
+            loss_sum += micro_loss / tc.grad_accum
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / tc.grad_accum
         averaged = par.mean({"loss": loss_sum, **metrics_sum})
         loss_sum = averaged.pop("loss")
         if not math.isfinite(loss_sum):
-            raise HeadwayError(f"loss became {loss_sum} at step {step}: lower train.lr or check the data")
+            kept = latest_checkpoint(ckpt_root) if par.is_main else None
+            raise HeadwayError(
+                f"loss became {loss_sum} at step {step + 1} (batch: {bad_batch or 'on another rank'}); nothing of this "
+                f"step was applied and the last good checkpoint is {kept or 'none (no checkpoint written yet)'}: lower "
+                "train.lr or train.grad_clip, or check those sequences, then rerun with "
+                "train.resume_from=auto")
         grad_norm = stepper.step()
         step += 1
         bar.update(1)
