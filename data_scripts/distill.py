@@ -28,7 +28,7 @@ from headway.data_scripts.prompts import Conversation, load_conversations, sourc
 from headway.errors import HeadwayError
 from headway.heads.target import Target, load_target
 from headway.faults import fault_point
-from headway.io import atomic_write_json, file_checksums, read_json, verify_checksums
+from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
 from headway.runtime import DistInfo, barrier, dist_info
 
 if TYPE_CHECKING:
@@ -331,7 +331,8 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfi
     ds = Dataset.from_dict(columns, features=features)
     tmp = out / ".merge-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    ds.save_to_disk(str(tmp))
+    with disk_full_named(tmp):
+        ds.save_to_disk(str(tmp))
     for old in list(out.glob("data-*.arrow")) + [out / "state.json", out / "dataset_info.json"]:
         if old.exists():
             old.unlink()

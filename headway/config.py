@@ -44,6 +44,10 @@ def _unknown_key_error(schema: type, exc: OmegaConfBaseException, source: str) -
     return HeadwayError(msg)
 
 
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def load_config(schema: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
     """Build a `schema` instance from its defaults, then the YAML file, then `key=value` overrides."""
     base = OmegaConf.structured(schema)
@@ -66,10 +70,12 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
         try:
             OmegaConf.from_dotlist([o])
         except Exception as e:  # yaml and omegaconf grammar errors come in many types
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise HeadwayError(f"cannot parse override '{o}' ({first}): quote the value or fix its syntax") from None
+            raise HeadwayError(f"cannot parse override '{o}' ({_first_line(e)}): quote the value or fix its syntax") from None
     if overrides:
-        layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+        try:
+            layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
+        except Exception as e:  # e.g. `train=1 train.lr=2`: a key set both as a value and as a section
+            raise HeadwayError(f"the overrides {' '.join(overrides)} contradict each other ({_first_line(e)})") from None
     cfg = base
     for source, layer in layers:
         try:
@@ -78,6 +84,9 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
             raise _unknown_key_error(schema, e, source) from None
         except ValidationError as e:
             raise HeadwayError(f"bad value for config key '{e.full_key}' in {source}: {e.msg}") from None
+        except (OmegaConfBaseException, TypeError, ValueError) as e:  # a list given a mapping, and the like
+            key = getattr(e, "full_key", "") or ""
+            raise HeadwayError(f"bad value{f' for config key {key!r}' if key else ''} in {source}: {_first_line(e)}") from None
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as e:

@@ -45,7 +45,7 @@ def remove_stale_temps(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _disk_full_named(path: Path) -> Iterator[None]:
+def disk_full_named(path: Path) -> Iterator[None]:
     """Turn a full disk into one message naming the file; the old file (if any) is untouched."""
     try:
         yield
@@ -59,7 +59,7 @@ def _disk_full_named(path: Path) -> Iterator[None]:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temp file beside `path`, fsync it, then rename it over `path`."""
     path = Path(path)
-    with _disk_full_named(path):
+    with disk_full_named(path):
         _atomic_write_bytes(path, data)
 
 
@@ -102,7 +102,7 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
     remove_stale_temps(out)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=_temp_prefix(out)))
     try:
-        with _disk_full_named(out):
+        with disk_full_named(out):
             yield tmp
             for f in tmp.rglob("*"):
                 if f.is_file():
@@ -132,7 +132,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     tmp = Path(name)
     try:
-        with _disk_full_named(path):
+        with disk_full_named(path):
             yield tmp
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +104,11 @@ def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoi
         if not (path / "adapters.safetensors").is_file():
             raise HeadwayError(f"checkpoint {path} has no adapters.safetensors but train.lora.enabled is true")
         adapters = load_file(str(path / "adapters.safetensors"))
-    state = torch.load(files[1], weights_only=True)
+    try:
+        state = torch.load(files[1], weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise HeadwayError(f"checkpoint {path}: state.pt holds more than tensors and plain containers, which Headway "
+                           f"does not unpickle (it could run code): {str(e).splitlines()[0][:160]}") from None
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(_tupled(trainer["python_rng"]))
     rng = state["torch_rng"]

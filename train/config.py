@@ -66,8 +66,9 @@ class TrainConfig:
     eval_max_samples: int = 64
     # Checkpoint every N steps (and at the end); 0 = only at the end.
     save_every: int = 500
-    # A checkpoint directory to continue from, or "auto" for the newest in output_dir/checkpoints.
-    resume_from: Optional[str] = None
+    # A checkpoint directory to continue from; "auto" = the newest whole one in output_dir/checkpoints (so
+    # rerunning a killed command continues it); null = start over (existing checkpoints are overwritten).
+    resume_from: Optional[str] = "auto"
     seed: int = 0
     log_every: int = 10
     # Medusa-2 (LoRA on the target); off by default.

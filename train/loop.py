@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from headway.config import save_config
+from headway.config import CONFIG_FILENAME, save_config
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import save_head
 from headway.heads.draft_layer import draft_layer_config, text_config
@@ -90,8 +90,11 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     kind_cfg = kind_config(cfg, num_layers)
     d2t = None
     if kind == "eagle3" or getattr(kind_cfg, "lm_head", None) == "reduced":
+        if kind_cfg.draft_vocab_size > vocab:
+            raise HeadwayError(f"head.{kind}.draft_vocab_size={kind_cfg.draft_vocab_size} is larger than the target's "
+                               f"vocabulary ({vocab} tokens): set it to at most {vocab}")
         freq = token_frequencies(train_samples, vocab)
-        size = min(kind_cfg.draft_vocab_size, vocab)
+        size = kind_cfg.draft_vocab_size
         d2t = torch.sort(torch.topk(freq, size).indices).values
         covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
         log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
@@ -144,6 +147,25 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
             shutil.rmtree(root / f".step-{step:08d}.shards", ignore_errors=True)
     par.barrier()
     fault_point(f"checkpoint:{step}")
+
+
+# What a checkpoint's weights and data position depend on: a resumed run must agree on all of them.
+RUN_IDENTITY = ("head", "target.name_or_path", "train.datasets", "train.max_length", "train.seed", "train.lora",
+                "train.micro_batch_size", "train.grad_accum")
+
+
+def _check_same_run(saved: Path, cfg: RunConfig) -> None:
+    """Refuse to continue a run written with another head, data or batch (train.resume_from=auto)."""
+    if not saved.is_file():
+        return
+    from omegaconf import OmegaConf
+
+    old, new = OmegaConf.load(saved), OmegaConf.structured(cfg)
+    changed = [k for k in RUN_IDENTITY if OmegaConf.select(old, k) != OmegaConf.select(new, k)]
+    if changed:
+        raise HeadwayError(
+            f"{saved.parent} holds checkpoints of a run with other settings ({', '.join(changed)} changed): rerun with "
+            "the original values, use another train.output_dir, or set train.resume_from=null to start over there")
 
 
 def _resume(path: Path, objective: Any, heads: Any, optimizer: Any, scheduler: Any, target: Any, tc: Any,
@@ -270,6 +292,8 @@ def train(cfg: RunConfig) -> Path:
     ckpt_root = out / "checkpoints"
     if tc.resume_from:
         path = par.broadcast_object(latest_checkpoint(ckpt_root) if tc.resume_from == "auto" else Path(tc.resume_from))
+        if path is not None and tc.resume_from == "auto":
+            _check_same_run(out / CONFIG_FILENAME, cfg)
         if path is None:
             log.info("resume_from=auto: no checkpoint in %s yet, starting fresh", ckpt_root)
         else:
