@@ -90,11 +90,13 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     kind_cfg = kind_config(cfg, num_layers)
     d2t = None
     if kind == "eagle3" or getattr(kind_cfg, "lm_head", None) == "reduced":
-        if kind_cfg.draft_vocab_size > vocab:
-            raise HeadwayError(f"head.{kind}.draft_vocab_size={kind_cfg.draft_vocab_size} is larger than the target's "
-                               f"vocabulary ({vocab} tokens): set it to at most {vocab}")
-        freq = token_frequencies(train_samples, vocab)
         size = kind_cfg.draft_vocab_size
+        if size > vocab:
+            if size != type(kind_cfg)().draft_vocab_size:  # the default fits most targets; a value set by hand must fit
+                raise HeadwayError(f"head.{kind}.draft_vocab_size={size} is larger than the target's vocabulary "
+                                   f"({vocab} tokens): set it to at most {vocab}")
+            size = vocab
+        freq = token_frequencies(train_samples, vocab)
         d2t = torch.sort(torch.topk(freq, size).indices).values
         covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
         log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
@@ -149,9 +151,9 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
     fault_point(f"checkpoint:{step}")
 
 
-# What a checkpoint's weights and data position depend on: a resumed run must agree on all of them.
-RUN_IDENTITY = ("head", "target.name_or_path", "train.datasets", "train.max_length", "train.seed", "train.lora",
-                "train.micro_batch_size", "train.grad_accum")
+# What a checkpoint's weights and data order depend on: a resumed run must agree on all of them (the batch may
+# be split differently: the data position is counted in sequences).
+RUN_IDENTITY = ("head", "target.name_or_path", "train.datasets", "train.max_length", "train.seed", "train.lora")
 
 
 def _check_same_run(saved: Path, cfg: RunConfig) -> None:
