@@ -80,12 +80,13 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens
         return speculative_generate(self.target.model, self.drafter, prompt_ids, n, self.fmt.stop_ids,
-                                    self.cfg.inference.sampling)
+                                    self.cfg.inference.sampling, engine=self.cfg.inference.engine)
 
     def generate_plain(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         """The same target decoded plainly, with the same sampling settings: the reference."""
         n = max_new_tokens or self.cfg.inference.max_new_tokens
-        return plain_generate(self.target.model, prompt_ids, n, self.fmt.stop_ids, self.cfg.inference.sampling)
+        return plain_generate(self.target.model, prompt_ids, n, self.fmt.stop_ids, self.cfg.inference.sampling,
+                              self.cfg.inference.engine)
 
     def chat(self, message: str, max_new_tokens: Optional[int] = None) -> ChatResult:
         ids = self.fmt.first_turn(message)

@@ -30,6 +30,10 @@ class InferenceConfig:
     top_k: int = 8
     total_tokens: int = 15
     max_new_tokens: int = 256
+    # The target's forward: auto (static for llama, qwen2 and mistral targets with full attention, else hf),
+    # static (a preallocated KV cache and Headway's own attention around the model's modules), hf (the
+    # model's own forward and transformers cache). Plain and speculative decoding use the same one.
+    engine: str = "auto"
     # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in place
     # of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also turns it off.
     use_tuned: bool = True
@@ -39,6 +43,9 @@ class InferenceConfig:
     system_prompt: Optional[str] = None
     # Temperature 0 (greedy, the default) or sampling; plain and speculative decoding use the same.
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("inference", "engine", self.engine, ["auto", "static", "hf"])
 
 
 @dataclass

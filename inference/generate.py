@@ -18,9 +18,10 @@ from typing import Any, Protocol
 import torch
 
 from headway.errors import HeadwayError
-from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit
+from headway.inference.cache import sliding_window_limit
+from headway.inference.engine import make_runner
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
-from headway.inference.tree import Tree, tree_attention_bias
+from headway.inference.tree import Tree
 
 GREEDY = SamplingConfig()
 
@@ -104,76 +105,63 @@ def _finish(tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple
 
 @torch.inference_mode()
 def plain_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
-                   sampling: SamplingConfig = GREEDY) -> GenerationResult:
+                   sampling: SamplingConfig = GREEDY, engine: str = "auto") -> GenerationResult:
     """Plain decoding with the same engine (one target forward per token): greedy, or sampled."""
     _check_length(model, len(prompt), max_new_tokens, 1)
-    device = next(model.parameters()).device
     sampler = Sampler(sampling)
     start = time.perf_counter()
-    cache = new_cache(model)
-    kw = cache_kwarg(model)
-    logits = model(torch.tensor([prompt], device=device), use_cache=True, **{kw: cache}).logits[0, -1]
-    out = [sampler.next_token(logits)]
+    runner = make_runner(model, len(prompt) + max_new_tokens, engine)
+    logits, _ = runner.forward(torch.tensor(prompt))
+    out = [sampler.next_token(logits[-1])]
     forwards = 0
     stops = set(stop_ids)
     while len(out) < max_new_tokens and out[-1] not in stops:
-        logits = model(torch.tensor([[out[-1]]], device=device), use_cache=True, **{kw: cache}).logits[0, -1]
+        logits, _ = runner.forward(torch.tensor([out[-1]]))
         forwards += 1
-        out.append(sampler.next_token(logits))
+        out.append(sampler.next_token(logits[-1]))
     return GenerationResult(out, forwards, time.perf_counter() - start, [])
 
 
-def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int]) -> GenerationResult:
+def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
+                    engine: str = "auto") -> GenerationResult:
     """Plain greedy decoding: the reference every speculative greedy output must equal."""
-    return plain_generate(model, prompt, max_new_tokens, stop_ids)
+    return plain_generate(model, prompt, max_new_tokens, stop_ids, engine=engine)
 
 
 @torch.inference_mode()
 def speculative_generate(
     model: Any, drafter: Drafter, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
-    sampling: SamplingConfig = GREEDY, rule: Any = None,
+    sampling: SamplingConfig = GREEDY, rule: Any = None, engine: str = "auto",
 ) -> GenerationResult:
     """Speculative decoding over the drafter's trees: greedy gives exactly plain_generate's tokens, sampling
     exactly its distribution (with acceptance=exact). `rule` overrides the acceptance rule (tests)."""
     _check_length(model, len(prompt), max_new_tokens, drafter.max_nodes)
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     stops = set(stop_ids)
     layers = drafter.feature_layers
     sampler = Sampler(sampling)
     rule = rule or acceptance_rule(sampling)
     start = time.perf_counter()
-    cache = new_cache(model)
-    kw = cache_kwarg(model)
-    o = model(torch.tensor([prompt], device=device), use_cache=True, output_hidden_states=True, **{kw: cache})
-    root = sampler.next_token(o.logits[0, -1])
-    drafter.begin(prompt, root, features_at(o.hidden_states, layers, slice(None)))
+    runner = make_runner(model, len(prompt) + max_new_tokens + drafter.max_nodes, engine)
+    logits, hidden = runner.forward(torch.tensor(prompt), hidden=True)
+    root = sampler.next_token(logits[-1])
+    drafter.begin(prompt, root, features_at(hidden, layers, slice(None)))
     out, done = _finish([root], stops, max_new_tokens)
     forwards, accepted_counts = 0, []
     t_draft = t_verify = 0.0
     while not done:
         t0 = time.perf_counter()
         nodes, tree = drafter.draft(root)
-        nodes = nodes.to(device)
-        prefix = cache_length(cache)
         t1 = time.perf_counter()
-        o = model(
-            nodes.view(1, -1),
-            position_ids=(prefix + tree.depth.to(device)).view(1, -1),
-            attention_mask=tree_attention_bias(tree, prefix, dtype, device),
-            use_cache=True,
-            output_hidden_states=True,
-            **{kw: cache},
-        )
+        logits, hidden = runner.forward(nodes, tree, hidden=True)
         forwards += 1
         t2 = time.perf_counter()
         node_ids = nodes.tolist()
-        path, bonus = rule(tree, node_ids, o.logits[0], sampler)
-        keep_tree_nodes(cache, tree.size, path)
+        path, bonus = rule(tree, node_ids, logits, sampler)
+        runner.keep(tree.size, path)
         new = [node_ids[i] for i in path[1:]] + [bonus]
         accepted_counts.append(len(path) - 1)
         t3 = time.perf_counter()
-        drafter.accept(new, features_at(o.hidden_states, layers, path))
+        drafter.accept(new, features_at(hidden, layers, path))
         t_draft += (t1 - t0) + (time.perf_counter() - t3)
         t_verify += t2 - t1
         new, done = _finish(new, stops, max_new_tokens - len(out))

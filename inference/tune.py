@@ -36,9 +36,9 @@ from tqdm import tqdm
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.cache import cache_kwarg, keep_tree_nodes, new_cache, truncate_cache
+from headway.inference.engine import engine_name, make_runner
 from headway.inference.generate import alternate, features_at, pooled
-from headway.inference.tree import build_tree, tree_attention_bias
+from headway.inference.tree import build_tree
 from headway.io import atomic_write_json, read_json
 
 log = logging.getLogger("headway")
@@ -77,14 +77,16 @@ class TuneConfig:
             raise HeadwayError("tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2")
 
 
-def machine_key(model: Any) -> dict:
-    """What a tuned setting is only valid for: the device, the processor, the thread count and the dtype."""
+def machine_key(model: Any, engine: str = "auto") -> dict:
+    """What a tuned setting is only valid for: the device, the processor, the thread count, the dtype and the
+    decoding engine."""
     p = next(model.parameters())
     if p.device.type == "cuda":
         name = torch.cuda.get_device_name(p.device)
     else:
         name = _cpu_name()
-    return {"device": p.device.type, "processor": name, "threads": torch.get_num_threads(), "dtype": str(p.dtype)}
+    return {"device": p.device.type, "processor": name, "threads": torch.get_num_threads(), "dtype": str(p.dtype),
+            "engine": engine_name(model, engine)}
 
 
 def _cpu_name() -> str:
@@ -101,40 +103,35 @@ def _cpu_name() -> str:
 
 
 @torch.inference_mode()
-def verify_cost(model: Any, sizes: list[int], prefix_len: int, repeats: int) -> dict[int, float]:
+def verify_cost(model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto") -> dict[int, float]:
     """Median seconds of one verification step over n tree tokens after a cache of prefix_len tokens, for
-    each n in sizes: the tree mask, the target forward (with hidden states), the greedy acceptance walk
-    and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step."""
+    each n in sizes: the target forward (with hidden states) on the decoding engine, the greedy acceptance
+    walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step."""
     from headway.inference.sampling import Sampler, acceptance_rule, SamplingConfig
 
     device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    cache = new_cache(model)
-    kw = cache_kwarg(model)
-    model(torch.randint(vocab, (1, prefix_len), generator=gen).to(device), use_cache=True, **{kw: cache})
+    runner = make_runner(model, prefix_len + max(sizes) + 1, engine)
+    runner.forward(torch.randint(vocab, (prefix_len,), generator=gen))
     greedy, rule = Sampler(SamplingConfig()), acceptance_rule(SamplingConfig())
     out: dict[int, float] = {}
     for n in sorted(set(sizes)):
-        chain = [[0] * d for d in range(1, n)]  # the cost depends on n, not on the shape
-        ids = torch.randint(vocab, (1, n), generator=gen).to(device)
+        tree = build_tree([[0] * d for d in range(1, n)])  # the cost depends on n, not on the shape
+        ids = torch.randint(vocab, (n,), generator=gen)
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             _sync(device)
             t0 = time.perf_counter()
             if n == 1:
-                model(ids, use_cache=True, **{kw: cache}).logits[0, -1].argmax().item()
+                runner.forward(ids)[0][-1].argmax().item()
             else:
-                tree = build_tree(chain)
-                o = model(ids, position_ids=(prefix_len + tree.depth.to(device)).view(1, -1),
-                          attention_mask=tree_attention_bias(tree, prefix_len, dtype, device),
-                          use_cache=True, output_hidden_states=True, **{kw: cache})
-                path, _ = rule(tree, ids[0].tolist(), o.logits[0], greedy)
-                keep_tree_nodes(cache, n, path)
+                logits, _ = runner.forward(ids, tree, hidden=True)
+                path, _ = rule(tree, ids.tolist(), logits, greedy)
+                runner.keep(n, path)
             _sync(device)
             times.append(time.perf_counter() - t0)
-            truncate_cache(cache, prefix_len)
+            runner.truncate(prefix_len)
         out[n] = statistics.median(times[1:])
     return out
 
@@ -368,7 +365,7 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
     if not cfg.inference.use_tuned:
         return cfg
     entries = read_tuned(head_dir)
-    key = machine_key(model)
+    key = machine_key(model, cfg.inference.engine)
     match = next((e for e in entries if e.get("machine") == key), None)
     if match is None:
         if entries:
@@ -394,11 +391,11 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     prefix = int(statistics.median(len(p) for p in prompts) + tc.max_new_tokens // 2)
     sizes = tc.verify_sizes or [n + 1 for n in (tc.medusa_nodes if decoder.heads.kind == "medusa" else tc.total_tokens)]
     log.info("measuring the target's verification time over 1..%d tokens after a %d-token cache", max(sizes), prefix)
-    costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats)
+    costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine)
     candidates = search(decoder, replays, costs, tc)
     best = candidates[0]
     entry = {
-        "machine": machine_key(model), "date": time.strftime("%Y-%m-%d"), "chosen": best,
+        "machine": machine_key(model, cfg.inference.engine), "date": time.strftime("%Y-%m-%d"), "chosen": best,
         "configured": {k: getattr(cfg.inference, k) for k in TREE_KEYS},
         "plain_tok_s_estimate": 1 / costs[1],
         "verify_ms": {str(n): 1e3 * s for n, s in sorted(costs.items())}, "cache_prefix": prefix,

@@ -1,0 +1,162 @@
+"""Target runners: the decoding loops' one interface to the target's forward pass and KV cache.
+
+`HFRunner` calls the model's own forward with a transformers cache: any architecture transformers runs.
+`StaticRunner` keeps the keys and values in one preallocated tensor and runs its own attention around the
+model's own modules (embedding, norms, projections, MLP, rotary embedding), so it follows the model's
+family without a forked modeling file. It has no per-step reallocation, compacts an accepted tree path
+in place, and skips transformers' mask and cache machinery. Llama-style families with full attention
+(llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`.
+Both give the same logits (tests compare them in float64).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from headway.errors import HeadwayError
+from headway.heads.draft_layer import text_config
+from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
+from headway.inference.tree import Tree, tree_attention_bias
+
+STATIC_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+class Runner(Protocol):
+    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:
+        """Logits [n, V] of `ids` (a chain continuing the cache, or the nodes of `tree` rooted after it) and,
+        with `hidden`, the hidden states indexed as transformers' output_hidden_states (batch row 0 first)."""
+
+    def keep(self, tree_size: int, keep: list[int]) -> None:
+        """Of the last `tree_size` cache entries keep those at indices `keep` (the accepted path)."""
+
+    def truncate(self, length: int) -> None:
+        """Forget every cache entry past the first `length`."""
+
+
+class HFRunner:
+    """The model's own forward and a transformers DynamicCache."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.cache = new_cache(model)
+        self.kw = cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    @property
+    def length(self) -> int:
+        return cache_length(self.cache)
+
+    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:
+        extra: dict[str, Any] = {}
+        if tree is not None:
+            prefix = self.length
+            extra = {"position_ids": (prefix + tree.depth.to(self.device)).view(1, -1),
+                     "attention_mask": tree_attention_bias(tree, prefix, self.dtype, self.device)}
+        o = self.model(ids.view(1, -1).to(self.device), use_cache=True, output_hidden_states=hidden,
+                       **{self.kw: self.cache}, **extra)
+        return o.logits[0], o.hidden_states
+
+    def keep(self, tree_size: int, keep: list[int]) -> None:
+        keep_tree_nodes(self.cache, tree_size, keep)
+
+    def truncate(self, length: int) -> None:
+        truncate_cache(self.cache, length)
+
+
+def static_supported(model: Any) -> bool:
+    cfg = text_config(model.config)
+    base = getattr(model, "model", None)
+    return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and sliding_window_limit(model) is None
+            and base is not None and hasattr(base, "layers") and hasattr(base, "rotary_emb"))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class StaticRunner:
+    """A preallocated KV cache [layers, kv_heads, max_len, head_dim] and Headway's own attention."""
+
+    def __init__(self, model: Any, max_len: int):
+        cfg = text_config(model.config)
+        self.model, self.base = model, model.model
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.q_heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.max_len = max_len
+        self.length = 0
+
+    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:
+        ids = ids.view(-1).to(self.device)
+        n, start = ids.shape[0], self.length
+        if start + n > self.max_len:
+            raise RuntimeError(f"internal: static cache of {self.max_len} positions overflows ({start} + {n})")
+        if tree is None:
+            positions = torch.arange(start, start + n, device=self.device)
+            mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
+        else:
+            positions = start + tree.depth.to(self.device)
+            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+            mask[:, start:] = tree.ancestors.to(self.device)
+        x = self.base.embed_tokens(ids).view(1, n, -1)
+        cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, D]: broadcast over heads
+        states = [x] if hidden else None
+        end = start + n
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.q_proj(h).view(1, n, self.q_heads, self.head_dim).transpose(1, 2)
+            k = a.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = a.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
+            self.k[i, :, start:end] = _rotate(k, cos, sin)[0]
+            self.v[i, :, start:end] = v[0]
+            o = F.scaled_dot_product_attention(_rotate(q, cos, sin), self.k[i, None, :, :end], self.v[i, None, :, :end],
+                                               attn_mask=mask, scale=a.scaling, enable_gqa=True)
+            x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, self.q_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if hidden and i < len(self.layers) - 1:
+                states.append(x)
+        x = self.base.norm(x)
+        if hidden:
+            states.append(x)  # transformers' last hidden state is the normed one
+        self.length = end
+        return self.model.lm_head(x)[0], tuple(states) if hidden else None
+
+    def keep(self, tree_size: int, keep: list[int]) -> None:
+        first = self.length - tree_size
+        src = torch.tensor(keep, device=self.device) + first
+        self.k[:, :, first : first + len(keep)] = self.k.index_select(2, src)
+        self.v[:, :, first : first + len(keep)] = self.v.index_select(2, src)
+        self.length = first + len(keep)
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def engine_name(model: Any, engine: str = "auto") -> str:
+    """The engine `engine` means for this model: auto is static where supported, else hf."""
+    if engine == "static" and not static_supported(model):
+        family = getattr(text_config(model.config), "model_type", "?")
+        raise HeadwayError(f"inference.engine=static supports {', '.join(STATIC_FAMILIES)} with full attention, not "
+                           f"this '{family}' target: use inference.engine=auto or hf")
+    if engine == "auto":
+        return "static" if static_supported(model) else "hf"
+    return engine
+
+
+def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
+    """A fresh runner (empty cache) for sequences of up to `max_len` tokens."""
+    return StaticRunner(model, max_len) if engine_name(model, engine) == "static" else HFRunner(model)
