@@ -135,7 +135,7 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
     rngs = par.gather_objects(torch.get_rng_state())
     shards = {}
     if fmt == "deepspeed":  # every rank writes its shard beside the checkpoint; rank 0 moves them in
-        staging = root / f".step-{step:08d}.shards"
+        staging = root / f".shards-step-{step:08d}"
         if par.is_main:
             shutil.rmtree(staging, ignore_errors=True)
         par.barrier()
@@ -146,7 +146,7 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
         save_checkpoint(root, step, model_state, optim_state, scheduler, consumed, adapter_state(target.model, tc.lora.enabled),
                         rngs, fmt, shards)
         if shards:
-            shutil.rmtree(root / f".step-{step:08d}.shards", ignore_errors=True)
+            shutil.rmtree(root / f".shards-step-{step:08d}", ignore_errors=True)
     par.barrier()
     fault_point(f"checkpoint:{step}")
 
