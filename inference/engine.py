@@ -11,6 +11,7 @@ Both give the same logits (tests compare them in float64).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional, Protocol
 
 import torch
@@ -25,8 +26,8 @@ STATIC_FAMILIES = ("llama", "qwen2", "mistral")
 
 
 class Runner(Protocol):
-    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:
-        """Logits [n, V] of `ids` (a chain continuing the cache, or the nodes of `tree` rooted after it) and,
+    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[Any, Any]:
+        """Logits [n, V] (a tensor, or LazyLogits: rows by index) of `ids` (a chain continuing the cache, or the nodes of `tree` rooted after it) and,
         with `hidden`, the hidden states indexed as transformers' output_hidden_states (batch row 0 first)."""
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
@@ -79,6 +80,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+class LazyLogits:
+    """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
+    accepted nodes, plain decoding and the prefill only the last position. One row is a [1, H] x [H, V]
+    product with the weight pre-transposed, which is much faster on CPUs than a many-row linear."""
+
+    def __init__(self, hidden: torch.Tensor, weight_t: torch.Tensor):
+        self.hidden, self.weight_t = hidden, weight_t
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = int(i) % len(self)
+        if i not in self.rows:
+            self.rows[i] = (self.hidden[i : i + 1] @ self.weight_t)[0]
+        return self.rows[i]
+
+
+# Per model: its lm_head weight transposed, and the KV buffers (reused by every sequence, grown when too small).
+_LM_T: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
+_KV: "weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
 class StaticRunner:
     """A preallocated KV cache [layers, kv_heads, max_len, head_dim] and Headway's own attention."""
 
@@ -92,9 +117,17 @@ class StaticRunner:
         self.kv_heads = int(cfg.num_key_value_heads)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        lm = model.lm_head.weight
+        if model not in _LM_T or _LM_T[model].dtype != lm.dtype or _LM_T[model].device != lm.device:
+            _LM_T[model] = lm.detach().t().contiguous()
+        self.lm_t = _LM_T[model]
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        kv = _KV.get(model)
+        if kv is None or kv[0].shape[2] < max_len or kv[0].dtype != self.dtype or kv[0].device != self.device:
+            kv = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                  torch.empty(shape, dtype=self.dtype, device=self.device))
+            _KV[model] = kv
+        self.k, self.v = kv
         self.max_len = max_len
         self.length = 0
 
@@ -133,7 +166,7 @@ class StaticRunner:
         if hidden:
             states.append(x)  # transformers' last hidden state is the normed one
         self.length = end
-        return self.model.lm_head(x)[0], tuple(states) if hidden else None
+        return LazyLogits(x[0], self.lm_t), tuple(states) if hidden else None
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
         first = self.length - tree_size

@@ -92,12 +92,12 @@ class Sampler:
 
 def accept_greedy(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
     """The longest path whose every token is the target's argmax; the next token is the argmax after it."""
-    choice = logits.argmax(-1).tolist()
     path, cur = [0], 0
-    while True:
-        nxt = next((c for c in tree.children[cur] if node_ids[c] == choice[cur]), None)
+    while True:  # reads only the rows on the walked path (the static engine computes logits as they are read)
+        choice = int(logits[cur].argmax())
+        nxt = next((c for c in tree.children[cur] if node_ids[c] == choice), None)
         if nxt is None:
-            return path, choice[cur]
+            return path, choice
         path.append(nxt)
         cur = nxt
 
