@@ -30,7 +30,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _temp_prefix(path: Path) -> str:
-    return f".{path.name}."
+    """Temp names beside `path`: distinctive, so the stale-temp sweep never touches a user's own files."""
+    return f".{path.name}.headway-tmp-"
 
 
 def remove_stale_temps(path: Path) -> None:

@@ -294,6 +294,15 @@ def test_disk_full_is_named_and_the_old_file_is_intact(tmp_path: Path, monkeypat
     assert not (tmp_path / "head").exists() and leftovers(tmp_path) == []
 
 
+def test_the_temp_sweep_removes_only_headway_temps(tmp_path: Path):
+    mine = tmp_path / ".state.json.bak"
+    mine.write_text("the user's own file")
+    stale = tmp_path / ".state.json.headway-tmp-abc.tmp"
+    stale.write_text("left by a killed writer")
+    atomic_write_json(tmp_path / "state.json", {"new": True})
+    assert mine.read_text() == "the user's own file" and not stale.exists()
+
+
 def _tiny_head():
     from headway.heads.medusa import MedusaConfig
     from headway.heads.registry import build_head
