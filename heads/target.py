@@ -143,15 +143,20 @@ def _remote_code_refused(path: Path | str, e: Exception) -> HeadwayError:
                         f"{str(e).splitlines()[0][:200]})")
 
 
-def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
+def _from_pretrained(cls: Any, path: Path | str, trust_remote_code: bool) -> Any:
+    """cls.from_pretrained from local files; a model that needs its own code gets one clear refusal."""
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        return cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as e:
         if "trust_remote_code" in str(e):
             raise _remote_code_refused(path, e) from None
         raise
+
+
+def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = _from_pretrained(AutoTokenizer, path, trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -168,12 +173,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     device = resolve_device(cfg.device)
     path = resolve_target_dir(cfg)
     trust = cfg.trust_remote_code
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise _remote_code_refused(path, e) from None
-        raise
+    config = _from_pretrained(AutoConfig, path, trust)
     tokenizer = load_tokenizer(path, trust)
     try:
         gen_config = GenerationConfig.from_pretrained(path, local_files_only=True)
