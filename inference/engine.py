@@ -82,11 +82,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class LazyLogits:
     """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
-    accepted nodes, plain decoding and the prefill only the last position. One row is a [1, H] x [H, V]
-    product with the weight pre-transposed, which is much faster on CPUs than a many-row linear."""
+    accepted nodes, plain decoding and the prefill only the last position. In float32 on CPUs a row is a
+    [1, H] x [H, V] product against the pre-transposed weight, much faster there than a linear; elsewhere
+    (bf16 on CPUs, GPUs) it is a plain one-row linear."""
 
-    def __init__(self, hidden: torch.Tensor, weight_t: torch.Tensor):
-        self.hidden, self.weight_t = hidden, weight_t
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, weight_t: Optional[torch.Tensor]):
+        self.hidden, self.weight, self.weight_t = hidden, weight, weight_t
         self.rows: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -95,11 +96,12 @@ class LazyLogits:
     def __getitem__(self, i: int) -> torch.Tensor:
         i = int(i) % len(self)
         if i not in self.rows:
-            self.rows[i] = (self.hidden[i : i + 1] @ self.weight_t)[0]
+            h = self.hidden[i : i + 1]
+            self.rows[i] = (h @ self.weight_t if self.weight_t is not None else F.linear(h, self.weight))[0]
         return self.rows[i]
 
 
-# Per model: its lm_head weight transposed, and the KV buffers (reused by every sequence, grown when too small).
+# Per model: its lm_head weight transposed (float32 on CPU), and the KV buffers (reused by every sequence, grown when too small).
 _LM_T: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
 _KV: "weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
 
@@ -117,10 +119,12 @@ class StaticRunner:
         self.kv_heads = int(cfg.num_key_value_heads)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        lm = model.lm_head.weight
-        if model not in _LM_T or _LM_T[model].dtype != lm.dtype or _LM_T[model].device != lm.device:
-            _LM_T[model] = lm.detach().t().contiguous()
-        self.lm_t = _LM_T[model]
+        self.lm = model.lm_head.weight.detach()
+        self.lm_t = None
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64):
+            if model not in _LM_T or _LM_T[model].dtype != self.dtype:
+                _LM_T[model] = self.lm.t().contiguous()
+            self.lm_t = _LM_T[model]
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
         kv = _KV.get(model)
         if kv is None or kv[0].shape[2] < max_len or kv[0].dtype != self.dtype or kv[0].device != self.device:
@@ -166,7 +170,7 @@ class StaticRunner:
         if hidden:
             states.append(x)  # transformers' last hidden state is the normed one
         self.length = end
-        return LazyLogits(x[0], self.lm_t), tuple(states) if hidden else None
+        return LazyLogits(x[0], self.lm, self.lm_t), tuple(states) if hidden else None
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
         first = self.length - tree_size
