@@ -1,8 +1,8 @@
 """The decoding loops: plain decoding (the reference), and speculative decoding over a tree.
 
 Speculative step: the drafter builds a tree rooted at the token the target just produced (a static
-Medusa tree or an EAGLE-2 dynamic one); one target forward verifies every node (4-D tree mask,
-explicit positions, the model's own KV cache); an acceptance rule walks the tree from the root
+Medusa tree or an EAGLE-2 dynamic one); one target forward on the engine's runner (engine.py) verifies
+every node (tree mask, explicit positions, its KV cache); an acceptance rule walks the tree from the root
 (greedy: the longest path of the target's own argmax choices; sampling: tree rejection sampling, see
 sampling.py) and gives the target's next token after the accepted path (the bonus); the cache keeps
 only the accepted path, and the drafter is told what was accepted with the target's features there.
