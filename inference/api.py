@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -16,7 +17,8 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
-from headway.inference.tune import apply_tuned
+from headway.inference.draft_hybrid import HybridDrafter
+from headway.inference.tune import apply_tuned, interpolate, tuned_entry, verify_cost_curve
 
 
 def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
@@ -40,6 +42,15 @@ def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: A
     return EagleDrafter(heads, num_layers, ic.depth, ic.top_k, ic.total_tokens)
 
 
+def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[dict] = None) -> HybridDrafter:
+    """inference.drafter=ngram or hybrid: n-gram branches (and the neural drafter's) in one tree sized per step."""
+    hc = cfg.inference.hybrid
+    if hc.node_cost >= 0:
+        return HybridDrafter(neural, hc, lambda n: 1.0 + hc.node_cost * (n - 1), timed=False)
+    curve = verify_cost_curve(model, cfg.inference.engine, hc.max_nodes + 1, saved_costs)
+    return HybridDrafter(neural, hc, lambda n: interpolate(curve, n))
+
+
 @dataclass
 class ChatResult:
     text: str
@@ -55,10 +66,15 @@ class SpeculativeDecoder:
     """A frozen target plus a draft head; `generate` decodes exactly as the target would (greedy, or its sampling
     distribution), only faster."""
 
-    def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None):
+    def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None,
+                 saved_costs: Optional[dict] = None):
+        """saved_costs: verify_ms from the head's tuned.json for this machine (hybrid and n-gram trees size
+        themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
-        self.head_config = head_config or {}
-        self.drafter = make_drafter(heads, cfg, self.head_config, target.config)
+        self.head_config, self.saved_costs = head_config or {}, saved_costs
+        kind = cfg.inference.drafter
+        neural = make_drafter(heads, cfg, self.head_config, target.config) if kind != "ngram" else None
+        self.drafter = neural if kind == "neural" else make_hybrid(neural, cfg, target.model, saved_costs)
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod
@@ -75,7 +91,14 @@ class SpeculativeDecoder:
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
-        return cls(target, heads, apply_tuned(cfg, head_dir, target.model), head_config)
+        tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)
+        return cls(target, heads, apply_tuned(cfg, head_dir, target.model), head_config,
+                   tuned.get("verify_ms") if tuned else None)
+
+    def with_drafter(self, kind: str) -> "SpeculativeDecoder":
+        """The same target and head decoding with another drafter (neural, ngram or hybrid)."""
+        cfg = dataclasses.replace(self.cfg, inference=dataclasses.replace(self.cfg.inference, drafter=kind))
+        return SpeculativeDecoder(self.target, self.heads, cfg, self.head_config, self.saved_costs)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens

@@ -31,7 +31,8 @@ from headway.io import atomic_write_json, atomic_write_text
 
 PLAIN, SPEC = "plain", "speculative"
 LABELS = {PLAIN: "Headway plain", "hf_generate": "HF generate", "hf_prompt_lookup": "HF prompt lookup",
-          SPEC: "Headway speculative"}
+          SPEC: "Headway speculative", "headway_neural": "Headway neural tree", "headway_ngram": "Headway n-gram tree",
+          "headway_hybrid": "Headway hybrid tree"}
 
 
 def _rate(hits: list[bool]) -> float:
@@ -43,6 +44,7 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
     spec_tokens = sum(s["tokens"] for s in spec)
     forwards = sum(s["target_forwards"] for s in spec)
     accepted = [a for s in spec for a in s["accepted"]]
+    by_source = {k: sum(s.get("sources", {}).get(k, 0) for s in spec) for k in ("neural", "ngram", "both")}
     tok_s = {m: sum(r[m]["tokens"] for r in rows) / max(1e-9, sum(r[m]["seconds"] for r in rows)) for m in methods}
     return {
         "prompts": len(rows),
@@ -53,6 +55,8 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
         "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
         # share of outputs equal to Headway's plain greedy decoding (None when sampling)
         "matches_plain": {m: _rate([r[m]["match"] for r in rows]) if greedy else None for m in methods if m != PLAIN},
+        # accepted draft tokens by the branch kind that proposed them (hybrid and n-gram drafters), as shares
+        "accepted_from": {k: v / max(1, sum(by_source.values())) for k, v in by_source.items()} if any(by_source.values()) else None,
         # where the speculative time goes, in milliseconds per generated token
         "ms_per_token": {
             "drafting": 1e3 * sum(s["draft_seconds"] for s in spec) / max(1, spec_tokens),
@@ -83,6 +87,10 @@ def _runners(decoder: SpeculativeDecoder, bc: BenchConfig, max_new_tokens: int) 
         PLAIN: lambda ids: decoder.generate_plain(ids, max_new_tokens),
         SPEC: lambda ids: decoder.generate(ids, max_new_tokens),
     }
+    for kind in bc.drafters:
+        if kind != decoder.cfg.inference.drafter:
+            other = decoder.with_drafter(kind)
+            runners[f"headway_{kind}"] = lambda ids, other=other: other.generate(ids, max_new_tokens)
     if "hf_generate" in bc.baselines:
         runners["hf_generate"] = lambda ids: hf_generate(model, ids, max_new_tokens, stops, sampling)
     if "hf_prompt_lookup" in bc.baselines:
@@ -96,7 +104,7 @@ def _record(res: GenerationResult, plain: GenerationResult | None, greedy: bool)
            "match": (res.tokens == plain.tokens) if greedy and plain is not None else None}
     if res.target_forwards:
         rec.update(target_forwards=res.target_forwards, accepted=res.accepted, tau=res.tau,
-                   draft_seconds=res.draft_seconds, verify_seconds=res.verify_seconds)
+                   draft_seconds=res.draft_seconds, verify_seconds=res.verify_seconds, sources=res.sources)
     return rec
 
 
@@ -106,7 +114,7 @@ def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens
         convs = per_category(convs, bc.per_category)
     greedy = decoder.cfg.inference.sampling.greedy
     runners = _runners(decoder, bc, max_new_tokens)
-    methods = [PLAIN, *[b for b in BASELINES if b in runners], SPEC]
+    methods = [PLAIN, *[m for m in runners if m not in (PLAIN, SPEC)], SPEC]
     warm = decoder.fmt.first_turn("Hello")
     for run in runners.values():
         run(warm)
@@ -156,13 +164,17 @@ def markdown_table(result: dict) -> str:
                  *[f"{s['speedup_over'][m]:.2f}x" for m in others], _match(s["match_rate"])]
         lines.append("| " + " | ".join(cells) + " |")
     o = result["overall"]
-    acc = ", ".join(f"{a:.2f}" for a in o["acceptance_by_depth"])
+    acc = ", ".join(f"{a:.2f}" for a in o["acceptance_by_depth"][:8])
     ms = o["ms_per_token"]
     st = result["settings"]
     lines.append(f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
                  f"other (prefill, bookkeeping) {ms['other']:.1f} ms.")
-    lines.append(f"Acceptance at draft depth 1..{len(o['acceptance_by_depth'])}: {acc}. "
+    lines.append(f"Acceptance at draft depth 1..{min(8, len(o['acceptance_by_depth']))}: {acc}. "
                  f"Threads {st['threads']}, {st['dtype']}, {st['max_new_tokens']} new tokens.")
+    if o.get("accepted_from"):
+        lines.append("Accepted draft tokens by branch: " + "; ".join(
+            f"{name} " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["accepted_from"].items())
+            for name, s in [*result["by_category"].items(), ("overall", o)] if s.get("accepted_from")) + ".")
     peers = [m for m in others if m != PLAIN]
     if peers and o["matches_plain"][peers[0]] is not None:
         lines.append("Outputs equal to Headway plain greedy: "

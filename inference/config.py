@@ -7,9 +7,11 @@ from typing import Optional
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
+from headway.inference.draft_hybrid import HybridConfig
 from headway.inference.sampling import SamplingConfig
 
 BASELINES = ("hf_generate", "hf_prompt_lookup")  # the peers `headway bench` can run
+DRAFTERS = ("neural", "ngram", "hybrid")
 
 
 # A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
@@ -34,6 +36,11 @@ class InferenceConfig:
     # static (a preallocated KV cache and Headway's own attention around the model's modules), hf (the
     # model's own forward and transformers cache). Plain and speculative decoding use the same one.
     engine: str = "auto"
+    # What proposes the draft tree: neural (the head's tree, sized by the settings above), ngram (prompt lookup
+    # over the prompt and the text so far, no head needed), hybrid (both in one tree under one node budget, the
+    # split and the size chosen each step from confidence; see inference.hybrid).
+    drafter: str = "neural"
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
     # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in place
     # of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also turns it off.
     use_tuned: bool = True
@@ -46,12 +53,16 @@ class InferenceConfig:
 
     def __post_init__(self) -> None:
         check_choice("inference", "engine", self.engine, ["auto", "static", "hf"])
+        check_choice("inference", "drafter", self.drafter, list(DRAFTERS))
 
 
 @dataclass
 class BenchConfig:
     # Peers run beside Headway's plain and speculative decoding: hf_generate, hf_prompt_lookup; [] = none.
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    # Headway speculative decoding with other drafters too (neural, ngram, hybrid; same engine and budget settings),
+    # besides inference.drafter: e.g. [neural, ngram] to compare a hybrid tree with each of its halves.
+    drafters: list[str] = field(default_factory=list)
     # Hugging Face prompt lookup: draft tokens per step (prompt_lookup_num_tokens) and the longest n-gram matched.
     prompt_lookup_tokens: int = 10
     prompt_lookup_max_ngram: int = 2
@@ -65,5 +76,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for b in self.baselines:
             check_choice("bench", "baselines", b, list(BASELINES))
+        for d in self.drafters:
+            check_choice("bench", "drafters", d, list(DRAFTERS))
         if self.turns < 0 or self.per_category < 0 or self.prompt_lookup_tokens < 1 or self.prompt_lookup_max_ngram < 1:
             raise HeadwayError("bench.turns and bench.per_category must be >= 0, bench.prompt_lookup_* >= 1")

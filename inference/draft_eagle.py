@@ -11,6 +11,7 @@ cache entries of the expansions are dropped again, so the cache always matches t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -72,6 +73,14 @@ class EagleDrafter:
 
     def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
         return self._select(root, *self.candidates())
+
+    def proposals(self, root: int) -> tuple[list[int], list[float], list[int]]:
+        """Every expanded candidate for a hybrid tree: target token id, draft probability given its parent, and
+        parent candidate (-1: the root; parents come first)."""
+        tokens, scores, parents, _ = self.candidates()
+        ids = self.heads.to_target_ids(torch.tensor(tokens, device=self.param.device)).tolist()
+        probs = [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents)]
+        return ids, probs, parents
 
     @torch.no_grad()
     def candidates(self, depth: int | None = None, top_k: int | None = None) -> tuple[list[int], list[float], list[int], list[int]]:

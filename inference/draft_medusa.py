@@ -42,6 +42,17 @@ class MedusaDrafter:
         self.hidden = features[-1]
 
     @torch.no_grad()
+    def proposals(self, root: int) -> tuple[list[int], list[float], list[int]]:
+        """The static tree's nodes for a hybrid tree: target token id, its head's probability (Medusa heads guess
+        each depth independently), and parent node (-1: the root; parents come first)."""
+        depth = len(self.ks)
+        logits = self.heads(self.hidden.view(1, -1).to(next(self.heads.parameters()).dtype))[:depth, 0]
+        top = torch.topk(torch.softmax(logits.float(), -1), self.kmax, dim=-1)
+        ids = self.heads.to_target_ids(top.indices)[self.node_depth, self.node_rank].tolist()
+        probs = top.values[self.node_depth, self.node_rank].tolist()
+        return ids, probs, [p - 1 for p in self.tree.parent[1:]]
+
+    @torch.no_grad()
     def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
         """Token ids of every tree node (root first), from the last hidden state that the target produced."""
         depth = len(self.ks)

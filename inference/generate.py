@@ -43,7 +43,10 @@ class Drafter(Protocol):
 
 
 def features_at(hidden_states: tuple, layers: list[int], positions: Any) -> torch.Tensor:
-    """Concatenated target features [n, F] of batch row 0 at `positions`."""
+    """Concatenated target features [n, F] of batch row 0 at `positions` (an empty tensor for a drafter that reads
+    none: the target then skips collecting them)."""
+    if not layers:
+        return torch.empty(0, 0)
     return torch.cat([hidden_states[i][0, positions] for i in layers], dim=-1)
 
 
@@ -55,6 +58,8 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)  # draft tokens accepted at each verification
     draft_seconds: float = 0.0  # in the drafter (drafting the tree, reading the accepted tokens)
     verify_seconds: float = 0.0  # in target forwards after the prefill (the tree verifications)
+    # accepted draft tokens by the kind of branch that proposed them (hybrid drafters: neural, ngram, both)
+    sources: dict[str, int] = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
@@ -142,23 +147,25 @@ def speculative_generate(
     rule = rule or acceptance_rule(sampling)
     start = time.perf_counter()
     runner = make_runner(model, len(prompt) + max_new_tokens + drafter.max_nodes, engine)
-    logits, hidden = runner.forward(torch.tensor(prompt), hidden=True)
+    logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
     root = sampler.next_token(logits[-1])
     drafter.begin(prompt, root, features_at(hidden, layers, slice(None)))
     out, done = _finish([root], stops, max_new_tokens)
-    forwards, accepted_counts = 0, []
+    forwards, accepted_counts, sources = 0, [], {}
     t_draft = t_verify = 0.0
     while not done:
         t0 = time.perf_counter()
         nodes, tree = drafter.draft(root)
         t1 = time.perf_counter()
-        logits, hidden = runner.forward(nodes, tree, hidden=True)
+        logits, hidden = runner.forward(nodes, tree, hidden=bool(layers))
         forwards += 1
         t2 = time.perf_counter()
         node_ids = nodes.tolist()
         path, bonus = rule(tree, node_ids, logits, sampler)
         runner.keep(tree.size, path)
         new = [node_ids[i] for i in path[1:]] + [bonus]
+        for i in path[1:] if hasattr(drafter, "node_sources") else ():
+            sources[drafter.node_sources[i]] = sources.get(drafter.node_sources[i], 0) + 1
         accepted_counts.append(len(path) - 1)
         t3 = time.perf_counter()
         drafter.accept(new, features_at(hidden, layers, path))
@@ -167,4 +174,4 @@ def speculative_generate(
         new, done = _finish(new, stops, max_new_tokens - len(out))
         out += new
         root = bonus
-    return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify)
+    return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify, sources)

@@ -99,3 +99,25 @@ def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int
             for k, acc in enumerate(rank_accuracy[depth]):
                 heapq.heappush(frontier, (neg * acc, path + (k,)))
     return chosen
+
+
+def tree_from_parents(parents: list[int]) -> tuple[Tree, list[int]]:
+    """The tree over candidates given by their parent candidate (-1: the root), and which candidate each
+    tree node after the root is. Siblings keep the candidates' order (best first if the caller sorted them);
+    every parent must be a candidate too."""
+    paths: dict[int, tuple[int, ...]] = {}
+    taken: dict[int, int] = {}  # parent -> children placed so far
+
+    def path(c: int) -> tuple[int, ...]:
+        if c not in paths:
+            p = parents[c]
+            prefix = () if p < 0 else path(p)
+            paths[c] = prefix + (taken.get(p, 0),)
+            taken[p] = taken.get(p, 0) + 1
+        return paths[c]
+
+    for c in range(len(parents)):
+        path(c)
+    tree = build_tree(list(paths.values()))
+    by_path = {p: c for c, p in paths.items()}
+    return tree, [by_path[p] for p in tree.paths[1:]]

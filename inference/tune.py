@@ -27,6 +27,7 @@ import logging
 import platform
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -220,6 +221,34 @@ def eagle_accepted_along(drafter: Any, r: Replay, depths: list[int], top_ks: lis
         drafter.accept([r.answer[p + 1]], r.features[n_prompt + p: n_prompt + p + 1])
 
 
+def simulate(drafter: Any, replays: list[Replay], verify_seconds: Any) -> dict:
+    """Speculative decoding replayed along the target's greedy answers, without the target: each step the drafter
+    drafts its tree, greedy verification would accept the longest path spelling the answer's next tokens, and the
+    step costs verify_seconds(tree size) plus the drafter's own measured time. Exact for greedy decoding, so any
+    drafter (dynamic and hybrid trees too) is scored on what it would really do."""
+    steps = accepted = 0
+    seconds = 0.0
+    for r in replays:
+        n_prompt = len(r.prompt)
+        drafter.begin(r.prompt, r.answer[0], r.features[:n_prompt])
+        p = 0
+        while p < len(r.answer) - 1:
+            t0 = time.perf_counter()
+            nodes, tree = drafter.draft(r.answer[p])
+            ids, node, k = nodes.tolist(), 0, 0
+            while p + 1 + k < len(r.answer):
+                node = next((c for c in tree.children[node] if ids[c] == r.answer[p + 1 + k]), None)
+                if node is None:
+                    break
+                k += 1
+            k = min(k, len(r.answer) - 2 - p)  # the answer's last token is a bonus, never a draft
+            drafter.accept(r.answer[p + 1:p + k + 2], r.features[n_prompt + p:n_prompt + p + k + 1])
+            seconds += time.perf_counter() - t0 + verify_seconds(tree.size)
+            steps, accepted, p = steps + 1, accepted + k, p + k + 1
+    tokens = steps + accepted
+    return {"steps": steps, "tau": tokens / max(1, steps), "tok_s": tokens / max(1e-9, seconds)}
+
+
 def _matching_chain(target_ids: list[int], parents: list[int], depths: list[int], want: list[int]) -> list[int]:
     """The candidates whose whole path spells the target's next tokens: one per depth, until one is missing."""
     chain: list[int] = []
@@ -359,18 +388,40 @@ def save_tuned(head_dir: str | Path, entry: dict) -> Path:
     return path
 
 
+def tuned_entry(head_dir: str | Path, model: Any, engine: str) -> Optional[dict]:
+    """The head's tuned.json entry for this machine, thread count, dtype and engine, if any."""
+    key = machine_key(model, engine)
+    return next((e for e in read_tuned(head_dir) if e.get("machine") == key), None)
+
+
+_measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def verify_cost_curve(model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None) -> dict[int, float]:
+    """Seconds to verify n tokens on this machine: the curve `headway tune` saved (verify_ms of a tuned.json
+    entry) when it reaches max_tokens, else measured now (a few seconds, once per model and engine)."""
+    if saved and max(int(n) for n in saved) >= max_tokens:
+        return {int(n): ms / 1e3 for n, ms in saved.items()}
+    cache = _measured_costs.setdefault(model, {})
+    key = (engine_name(model, engine), torch.get_num_threads(), max_tokens)
+    if key not in cache:
+        sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64) if n < max_tokens} | {max_tokens})
+        log.info("measuring the target's verification time over 1..%d tokens (once; `headway tune` saves it)", max_tokens)
+        cache[key] = verify_cost(model, sizes, prefix_len=256, repeats=3, engine=engine)
+    return cache[key]
+
+
 def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
     """cfg with its tree settings replaced by the head's tuned ones for this machine, if there are any (a copy;
     the caller's config is left as it was)."""
     if not cfg.inference.use_tuned:
         return cfg
     entries = read_tuned(head_dir)
-    key = machine_key(model, cfg.inference.engine)
-    match = next((e for e in entries if e.get("machine") == key), None)
+    match = tuned_entry(head_dir, model, cfg.inference.engine)
     if match is None:
         if entries:
             log.info("%s/%s has no tuned tree for this machine (%s); using the configured tree (run `headway tune`)",
-                     head_dir, TUNED_FILENAME, key)
+                     head_dir, TUNED_FILENAME, machine_key(model, cfg.inference.engine))
         return cfg
     chosen = match["chosen"]["inference"]
     log.info("using the tree `headway tune` chose for this machine: %s (inference.use_tuned=false for the configured one)",

@@ -22,6 +22,7 @@ from headway.heads.eagle3 import Eagle3Config, Eagle3Head
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.heads.registry import build_head
 from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import plain_generate, speculative_generate
 from headway.inference.sampling import Sampler, SamplingConfig, accept_exact, target_distribution
@@ -166,9 +167,15 @@ def test_plain_sampling_has_the_target_distribution(model):
     ("medusa", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
     ("eagle", SamplingConfig(temperature=1.0)),
     ("eagle3", SamplingConfig(temperature=1.0)),
+    ("hybrid", SamplingConfig(temperature=1.0)),
+    ("ngram", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
 ])
 def test_speculative_sampling_is_lossless(model, kind: str, cfg: SamplingConfig):
-    drafter = medusa_drafter(model) if kind == "medusa" else eagle_drafter(model, kind)
+    if kind in ("hybrid", "ngram"):  # n-gram branches (and EAGLE-3's) in one tree, sized per step (node_cost 0: large)
+        neural = eagle_drafter(model, "eagle3") if kind == "hybrid" else None
+        drafter = HybridDrafter(neural, HybridConfig(node_cost=0.0, max_tokens=3), lambda n: 1.0, timed=False)
+    else:
+        drafter = medusa_drafter(model) if kind == "medusa" else eagle_drafter(model, kind)
     p, mean_accepted = spec_p_value(model, drafter, cfg)
     assert p > ALPHA, (kind, cfg, p)
     assert mean_accepted > 0.3, "the drafts must often be accepted for the test to mean anything"

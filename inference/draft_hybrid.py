@@ -1,0 +1,273 @@
+"""Hybrid drafting: prompt-lookup branches and a neural drafter's branches in one tree, sized per step.
+
+Each step pools two kinds of candidates under the root: the neural drafter's (an EAGLE expansion or a Medusa
+tree, each node with its draft probability given its parent) and n-gram continuations copied from the prompt
+and the text so far (ngram.py). Candidates that propose the same token after the same path merge into one
+node. A node's value is its estimated chance of being accepted: the product, along its path, of each edge's
+acceptance estimate. Those estimates are online Beta averages, updated after every verification from what the
+target really accepted: neural edges binned by draft probability, n-gram edges by match length, position in
+the copy and whether the last step accepted a copy. The N best nodes form the tree (a child never outranks
+its parent), and N is chosen every step to maximise expected tokens per second, (1 + sum of values) /
+(verify time of N + 1 tokens + drafting time): N = 0, a plain step, when nothing is likely enough to pay
+for the larger verification. Verification, cache compaction and acceptance are the shared code, so greedy
+output is exactly plain decoding's and sampling keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from headway.errors import HeadwayError
+from headway.inference.ngram import NgramIndex
+from headway.inference.tree import Tree, build_tree, tree_from_parents
+
+NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
+SOURCES = (NEURAL, NGRAM, BOTH)
+PROBE_EVERY = 16  # run the neural drafter at least this often, so its estimate follows the text
+
+
+@dataclass
+class HybridConfig:
+    # Prompt lookup: the longest and the shortest suffix n-gram matched in the prompt and the text so far.
+    max_ngram: int = 4
+    min_ngram: int = 1
+    # Tokens one matched continuation proposes, and how many distinct continuations (most recent match first).
+    max_tokens: int = 12
+    branches: int = 3
+    # The most draft nodes one verification may hold; each step verifies as many as pay for themselves (maybe none).
+    max_nodes: int = 32
+    # Verify time of n tokens relative to one: < 0 = measured on this machine (the curve `headway tune` saved, else
+    # measured once when the decoder loads); >= 0 = the model 1 + node_cost * (n - 1) (e.g. 0 on a large GPU).
+    node_cost: float = -1.0
+    # Starting acceptance estimates (optimistic, so every kind of branch is tried) and their weight in pseudo-counts;
+    # each verification then adds what the target accepted.
+    ngram_prior: float = 0.7
+    prior_weight: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise HeadwayError(f"inference.hybrid needs 1 <= min_ngram <= max_ngram (got {self.min_ngram}, {self.max_ngram})")
+        if self.max_tokens < 1 or self.branches < 1 or self.max_nodes < 1:
+            raise HeadwayError("inference.hybrid.max_tokens, branches and max_nodes must be >= 1")
+        if not 0 < self.ngram_prior <= 1 or self.prior_weight <= 0:
+            raise HeadwayError("inference.hybrid.ngram_prior must be in (0, 1] and prior_weight > 0")
+
+
+class Rate:
+    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations."""
+
+    def __init__(self, prior: float, weight: float):
+        self.hits, self.seen = prior * weight, weight
+
+    @property
+    def value(self) -> float:
+        return self.hits / self.seen
+
+    def add(self, hit: bool) -> None:
+        self.hits += hit
+        self.seen += 1
+
+
+class Calibration:
+    """Acceptance estimates per edge kind, learnt from verifications."""
+
+    BINS = 20  # neural edges: bins of draft probability
+
+    def __init__(self, hc: HybridConfig):
+        self.hc = hc
+        self.rates: dict[tuple, Rate] = {}
+
+    def _rate(self, key: tuple) -> Rate:
+        if key not in self.rates:
+            prior = (key[1] + 0.5) / self.BINS if key[0] == NEURAL else self.hc.ngram_prior
+            self.rates[key] = Rate(prior, self.hc.prior_weight)
+        return self.rates[key]
+
+    @classmethod
+    def neural_key(cls, prob: float) -> tuple:
+        return (NEURAL, min(cls.BINS - 1, int(prob * cls.BINS)))
+
+    @staticmethod
+    def ngram_key(match: int, position: int, copying: bool) -> tuple:
+        return (NGRAM, min(match, 4), min(position, 3), copying)  # a copy that holds for 2 tokens tends to go on
+
+    def estimate(self, keys: list[tuple]) -> float:
+        return max(self._rate(k).value for k in keys)
+
+    def observe(self, keys: list[tuple], hit: bool) -> None:
+        for k in keys:
+            self._rate(k).add(hit)
+
+
+@dataclass
+class Candidate:
+    token: int
+    parent: int  # candidate index, -1 = the root
+    depth: int
+    keys: list  # calibration keys of the sources that proposed it
+    sources: set
+
+
+class HybridDrafter:
+    """Neural and n-gram branches in one tree (drafter=hybrid), or n-gram branches alone (drafter=ngram)."""
+
+    def __init__(self, neural: Optional[Any], hc: HybridConfig, verify_cost: Callable[[int], float], timed: bool = True):
+        """verify_cost(n): the cost of verifying n tokens, in seconds when `timed` (the drafter's own time per step
+        is then added to it), else in any unit (drafting counted as free)."""
+        self.neural, self.hc, self.verify_cost, self.timed = neural, hc, verify_cost, timed
+        self.feature_layers = neural.feature_layers if neural is not None else []
+        self.max_nodes = hc.max_nodes + 1
+        self.index = NgramIndex(hc.min_ngram, hc.max_ngram)
+        self.calibration = Calibration(hc)
+        self.copying = False  # the last verification accepted at least one n-gram token
+        self.draft_seconds = 0.0  # moving average of the drafter's own time per step
+        self._step_seconds = 0.0
+        self._pending: list[tuple[list[int], torch.Tensor]] = []  # verified steps the neural drafter has not read
+        self._neural_best: Optional[float] = None  # estimated acceptance of its best first guess, when last run
+        self._skipped = 0  # steps since the neural drafter last ran
+        self.root: Optional[int] = None
+        self.node_sources: list[str] = []  # per node of the last tree (root: ""), for the loop's accounting
+        self._last: list[Candidate] = []  # per node of the last tree after the root
+        self._children: list[list[int]] = []
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.hc.max_tokens, self.neural.max_depth if self.neural is not None else 0)
+
+    def settings(self) -> dict:
+        return {"kind": "hybrid" if self.neural is not None else "ngram",
+                "neural": self.neural.settings() if self.neural is not None else None,
+                "hybrid": {k: getattr(self.hc, k) for k in HybridConfig.__dataclass_fields__}}
+
+    def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
+        self.index.reset(prompt)
+        self.root, self.copying, self._pending = root, False, []
+        if self.neural is not None:
+            self.neural.begin(prompt, root, features)
+
+    def accept(self, tokens: list[int], features: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self._learn(tokens[:-1])
+        self.index.extend([self.root, *tokens[:-1]])
+        self.root = tokens[-1]
+        if self.neural is not None:  # the neural drafter reads them when it next drafts (one forward for many steps)
+            self._pending.append((tokens, features))
+        self._time(time.perf_counter() - t0, add=True)
+
+    def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
+        t0 = time.perf_counter()
+        self.root = root
+        cands = self._ngram_candidates(root)
+        if self.neural is not None and (self._choose(cands) or self._neural_may_pay()):
+            cands = self._with_neural(root, cands)
+        chosen = self._choose(cands)
+        parents = [chosen.index(cands[c].parent) if cands[c].parent >= 0 else -1 for c in chosen]
+        if chosen:
+            tree, order = tree_from_parents(parents)
+        else:
+            tree, order = build_tree([]), []
+        self._last = [cands[chosen[i]] for i in order]
+        self._children = [list(ch) for ch in tree.children]
+        self.node_sources = [""] + [_source(c.sources) for c in self._last]
+        device = next(self.neural.heads.parameters()).device if self.neural is not None else "cpu"
+        nodes = torch.tensor([root] + [c.token for c in self._last], device=device)
+        self._time(time.perf_counter() - t0)
+        return nodes, tree
+
+    def _neural_may_pay(self) -> bool:
+        """Whether the neural drafter is worth running on a step the n-gram branches alone would not verify: its
+        best first guess lately would pay for a two-token verification (always tried once in a while)."""
+        self._skipped += 1
+        if self._neural_best is None or self._skipped >= PROBE_EVERY:
+            return True
+        return (1.0 + self._neural_best) / self.verify_cost(2) > 1.0 / self.verify_cost(1)
+
+    def _ngram_candidates(self, root: int) -> list[Candidate]:
+        """The n-gram continuations as a trie (continuations sharing a prefix share its nodes)."""
+        cands: list[Candidate] = []
+        where: dict = {}
+        for cont in self.index.lookup([root], self.hc.max_tokens, self.hc.branches):
+            parent = -1
+            for j, token in enumerate(cont.tokens, start=1):
+                parent = _add(cands, where, parent, token, Calibration.ngram_key(cont.match, j, self.copying), NGRAM)
+        return cands
+
+    def _with_neural(self, root: int, cands: list[Candidate]) -> list[Candidate]:
+        """The neural drafter's candidates merged into the trie (a token proposed twice after the same path is
+        one node), after it has read the steps it has not seen yet."""
+        if self._pending:
+            self.neural.accept([t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending]))
+            self._pending = []
+        ids, probs, parents = self.neural.proposals(root)
+        cands = list(cands)
+        where = {(c.parent, c.token): i for i, c in enumerate(cands)}
+        placed: list[int] = []
+        for token, prob, p in zip(ids, probs, parents):
+            placed.append(_add(cands, where, placed[p] if p >= 0 else -1, token, Calibration.neural_key(prob), NEURAL))
+        first = [self.calibration.estimate([Calibration.neural_key(q)]) for q, p in zip(probs, parents) if p < 0]
+        self._neural_best, self._skipped = max(first, default=0.0), 0
+        return cands
+
+    def _choose(self, cands: list[Candidate]) -> list[int]:
+        """The candidates to verify, best first: the top N by value for the N with the best expected rate."""
+        value = [0.0] * len(cands)
+        for c, cand in enumerate(cands):  # parents come before their children
+            value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(cand.keys)
+        order = sorted(range(len(cands)), key=lambda c: (-value[c], cands[c].depth, c))[: self.hc.max_nodes]
+        drafting = self.draft_seconds if self.timed else 0.0
+        best_n, best_rate, expected = 0, 1.0 / (self.verify_cost(1) + drafting), 1.0
+        for n, c in enumerate(order, start=1):
+            expected += value[c]
+            rate = expected / (self.verify_cost(n + 1) + drafting)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return order[:best_n]
+
+    def _learn(self, accepted: list[int]) -> None:
+        """Each tried edge (a child of the root or of an accepted node) was accepted or not: update its estimate."""
+        if not self._children:
+            return
+        node, hits = 0, []
+        for depth in range(len(accepted) + 1):
+            want = accepted[depth] if depth < len(accepted) else None
+            nxt = None
+            for child in self._children[node]:
+                cand = self._last[child - 1]
+                hit = cand.token == want
+                self.calibration.observe(cand.keys, hit)
+                if hit:
+                    nxt = child
+                    hits.append(cand)
+            if nxt is None:
+                break
+            node = nxt
+        self.copying = any(NGRAM in c.sources for c in hits)
+
+    def _time(self, seconds: float, add: bool = False) -> None:
+        """Drafting time per step (draft plus accept), as a moving average."""
+        if add:
+            self._step_seconds += seconds
+            self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * self._step_seconds if self.draft_seconds else self._step_seconds
+        else:
+            self._step_seconds = seconds
+
+
+def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tuple, source: str) -> int:
+    """The candidate for `token` after `parent` (made if new), with this source's calibration key added; `where`
+    maps (parent, token) to its candidate."""
+    c = where.get((parent, token))
+    if c is None:
+        c = where[parent, token] = len(cands)
+        cands.append(Candidate(token, parent, 1 if parent < 0 else cands[parent].depth + 1, [], set()))
+    if key not in cands[c].keys:
+        cands[c].keys.append(key)
+    cands[c].sources.add(source)
+    return c
+
+
+def _source(sources: set) -> str:
+    return BOTH if len(sources) > 1 else next(iter(sources))

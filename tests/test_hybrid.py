@@ -1,0 +1,135 @@
+"""Hybrid trees: n-gram (prompt-lookup) branches beside neural ones, sized per step; greedy output stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headway.errors import HeadwayError
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
+from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.generate import greedy_generate, speculative_generate
+from headway.inference.ngram import Continuation, NgramIndex
+from headway.inference.tree import build_tree, tree_from_parents
+from headway.inference.tune import Replay, simulate
+from test_eagle import ARCHS, chat_ids, load64, random_head
+
+
+def linear_cost(per_node: float):
+    return lambda n: 1.0 + per_node * (n - 1)
+
+
+def ngram_only(per_node: float = 0.0, **kw) -> HybridDrafter:
+    return HybridDrafter(None, HybridConfig(node_cost=per_node, **kw), linear_cost(per_node), timed=False)
+
+
+def test_ngram_lookup_takes_the_longest_match_most_recent_first():
+    index = NgramIndex(1, 2)
+    index.reset([1, 2, 3, 4, 1, 2, 5, 1])
+    # the suffix (1, 2) (with the extra token 2) was followed by 5 (most recent) and by 3; the 1-gram (2,) adds nothing new
+    assert index.lookup([2], 3, 3) == [Continuation([5, 1, 2], 2), Continuation([3, 4, 1], 2)]
+    assert index.lookup([2], 3, 1) == [Continuation([5, 1, 2], 2)]
+    # only the 1-gram (1,) matches the suffix 1 -> 9
+    assert index.lookup([9], 2, 3) == []
+    grown = NgramIndex(1, 2)
+    for t in [1, 2, 3, 4, 1, 2, 5, 1]:
+        grown.extend([t])
+    assert grown.follows == index.follows  # one token at a time builds the same index
+
+
+def test_tree_from_parents_keeps_sibling_order():
+    tree, order = tree_from_parents([-1, -1, 0, 2, 1])
+    assert tree.paths == [(), (0,), (1,), (0, 0), (1, 0), (0, 0, 0)]
+    assert order == [0, 1, 2, 4, 3]  # candidate behind each node after the root
+    assert tree.parent == [-1, 0, 0, 1, 2, 3]
+
+
+def test_hybrid_settings_are_checked():
+    with pytest.raises(HeadwayError, match="min_ngram <= max_ngram"):
+        HybridConfig(min_ngram=3, max_ngram=2)
+    with pytest.raises(HeadwayError, match="ngram_prior"):
+        HybridConfig(ngram_prior=0.0)
+
+
+def test_budget_follows_confidence():
+    """A copy the target keeps refusing stops being verified; one it keeps accepting grows to the whole copy."""
+    prompt = [5, 6, 7, 8, 9] * 3
+    refused = ngram_only(per_node=0.3)
+    refused.begin(prompt, 5, torch.empty(0, 0))
+    nodes, tree = refused.draft(5)
+    assert tree.size > 1 and nodes.tolist()[1:3] == [6, 7]  # optimistic at first: the copy is tried
+    for _ in range(12):
+        nodes, tree = refused.draft(5)
+        refused.accept([42], torch.empty(0, 0))  # the target wrote something else after 5, every time
+    assert tree.size == 1  # now a plain step: the copy no longer pays for the larger verification
+
+    taken = ngram_only(per_node=0.3, max_tokens=12)
+    cycle = [5, 6, 7, 8, 9]  # the target keeps writing the cycle: every copied token is right
+    taken.begin(cycle * 3, 5, torch.empty(0, 0))
+    pos, sizes = 15, []
+    for _ in range(8):
+        nodes, tree = taken.draft(cycle[pos % 5])
+        ids, node, accepted = nodes.tolist(), 0, []
+        while (node := next((c for c in tree.children[node] if ids[c] == cycle[(pos + 1 + len(accepted)) % 5]), None)):
+            accepted.append(ids[node])
+        taken.accept(accepted + [cycle[(pos + 1 + len(accepted)) % 5]], torch.empty(0, 0))
+        pos += len(accepted) + 1
+        sizes.append(tree.size)
+    assert sizes == sorted(sizes) and sizes[-1] >= sizes[0] + 3, sizes  # grows as the copy keeps being accepted
+    steep = ngram_only(per_node=50.0)
+    steep.begin(prompt, 5, torch.empty(0, 0))
+    assert steep.draft(5)[1].size == 1  # nothing is worth a verification that costs 50x more per token
+
+
+def repetitive_ids(t) -> list[list[int]]:
+    return [chat_ids(t, "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat."),
+            chat_ids(t, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n")]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_and_ngram_trees_are_exact(tiny_dirs, arch: str):
+    t = load64(tiny_dirs[arch])
+    L = t.config.num_hidden_layers
+    medusa = MedusaHeads(MedusaConfig(num_heads=3, lm_head="own"), t.config.hidden_size, t.config.vocab_size).double()
+    medusa.init_from_target(t.model)
+    medusa.attach_target(t.model)
+    for block in medusa.blocks:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+    neurals = {"ngram": lambda: None,
+               "eagle3": lambda: EagleDrafter(random_head(t, "eagle3"), L, 3, 3, 8),
+               "medusa": lambda: MedusaDrafter(medusa, build_tree([[0], [1], [0, 0], [0, 0, 0]]), L)}
+    for name, make in neurals.items():
+        for per_node in (0.0, 0.2):
+            drafter = HybridDrafter(make(), HybridConfig(node_cost=per_node, max_tokens=6, max_nodes=12),
+                                    linear_cost(per_node), timed=False)
+            sources: dict[str, int] = {}
+            for ids in repetitive_ids(t):
+                ref = greedy_generate(t.model, ids, 40, [t.tokenizer.eos_token_id])
+                spec = speculative_generate(t.model, drafter, ids, 40, [t.tokenizer.eos_token_id])
+                assert spec.tokens == ref.tokens, (arch, name, per_node)
+                for k, v in spec.sources.items():
+                    sources[k] = sources.get(k, 0) + v
+            assert sum(sources.values()) > 0, (arch, name)  # drafts were accepted, so the trees were used
+            assert set(sources) <= ({"ngram"} if name == "ngram" else {"ngram", "neural", "both"})
+
+
+def test_simulation_equals_real_decoding(tiny_dirs):
+    """simulate() (tune's replay) predicts exactly the steps and tau of real greedy decoding, hybrid trees too."""
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, "eagle3")
+    L = t.config.num_hidden_layers
+    from headway.inference.generate import features_at
+
+    for make in (lambda: ngram_only(0.1), lambda: HybridDrafter(EagleDrafter(heads, L, 2, 3, 6), HybridConfig(node_cost=0.1),
+                                                                   linear_cost(0.1), timed=False)):
+        for ids in repetitive_ids(t):
+            real = speculative_generate(t.model, make(), ids, 30, [])
+            seq = torch.tensor([ids + real.tokens[:-1]])
+            hidden = t.model(seq, output_hidden_states=True).hidden_states
+            drafter = make()
+            replay = Replay(ids, real.tokens, features_at(hidden, drafter.feature_layers, slice(None)))
+            sim = simulate(drafter, [replay], lambda n: 1.0)
+            assert sim["steps"] == real.target_forwards
+            assert sim["tau"] == pytest.approx(real.tau)
