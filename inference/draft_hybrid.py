@@ -34,10 +34,10 @@ PROBE_EVERY = 16  # run the neural drafter at least this often, so its estimate 
 class HybridConfig:
     # Prompt lookup: the longest and the shortest suffix n-gram matched in the prompt and the text so far.
     max_ngram: int = 4
-    min_ngram: int = 1
+    min_ngram: int = 2
     # Tokens one matched continuation proposes, and how many distinct continuations (most recent match first).
     max_tokens: int = 12
-    branches: int = 3
+    branches: int = 2
     # The most draft nodes one verification may hold; each step verifies as many as pay for themselves (maybe none).
     max_nodes: int = 32
     # Verify time of n tokens relative to one: < 0 = measured on this machine (the curve `headway tune` saved, else
@@ -124,10 +124,11 @@ class HybridDrafter:
         self.index = NgramIndex(hc.min_ngram, hc.max_ngram)
         self.calibration = Calibration(hc)
         self.copying = False  # the last verification accepted at least one n-gram token
-        self.draft_seconds = 0.0  # moving average of the drafter's own time per step
+        self.draft_seconds = 0.0  # moving average of the n-gram side's time per step (draft plus accept)
+        self.neural_seconds = 0.0  # moving average of the neural drafter's time when it runs
+        self.neural_gain: Optional[float] = None  # moving average of expected tokens/s with it over without it
         self._step_seconds = 0.0
         self._pending: list[tuple[list[int], torch.Tensor]] = []  # verified steps the neural drafter has not read
-        self._neural_best: Optional[float] = None  # estimated acceptance of its best first guess, when last run
         self._skipped = 0  # steps since the neural drafter last ran
         self.root: Optional[int] = None
         self.node_sources: list[str] = []  # per node of the last tree (root: ""), for the loop's accounting
@@ -162,9 +163,16 @@ class HybridDrafter:
         t0 = time.perf_counter()
         self.root = root
         cands = self._ngram_candidates(root)
-        if self.neural is not None and (self._choose(cands) or self._neural_may_pay()):
+        if self.neural is not None and self._neural_pays():
+            without = self._choose(cands)[1]
+            t1 = time.perf_counter()
             cands = self._with_neural(root, cands)
-        chosen = self._choose(cands)
+            self.neural_seconds = _average(self.neural_seconds, time.perf_counter() - t1)
+            chosen, rate = self._choose(cands, self.neural_seconds)
+            self.neural_gain = _average(self.neural_gain, rate / without)
+            t0 += time.perf_counter() - t1  # the n-gram side's time is kept apart
+        else:
+            chosen, _ = self._choose(cands)
         parents = [chosen.index(cands[c].parent) if cands[c].parent >= 0 else -1 for c in chosen]
         if chosen:
             tree, order = tree_from_parents(parents)
@@ -178,13 +186,14 @@ class HybridDrafter:
         self._time(time.perf_counter() - t0)
         return nodes, tree
 
-    def _neural_may_pay(self) -> bool:
-        """Whether the neural drafter is worth running on a step the n-gram branches alone would not verify: its
-        best first guess lately would pay for a two-token verification (always tried once in a while)."""
+    def _neural_pays(self) -> bool:
+        """Whether to run the neural drafter this step: yes while its candidates have raised the expected tokens/s
+        of the steps it ran on, net of its own time (and once in a while anyway, so the estimate follows the text)."""
         self._skipped += 1
-        if self._neural_best is None or self._skipped >= PROBE_EVERY:
+        if self.neural_gain is None or self.neural_gain >= 1.0 or self._skipped >= PROBE_EVERY:
+            self._skipped = 0
             return True
-        return (1.0 + self._neural_best) / self.verify_cost(2) > 1.0 / self.verify_cost(1)
+        return False
 
     def _ngram_candidates(self, root: int) -> list[Candidate]:
         """The n-gram continuations as a trie (continuations sharing a prefix share its nodes)."""
@@ -208,24 +217,23 @@ class HybridDrafter:
         placed: list[int] = []
         for token, prob, p in zip(ids, probs, parents):
             placed.append(_add(cands, where, placed[p] if p >= 0 else -1, token, Calibration.neural_key(prob), NEURAL))
-        first = [self.calibration.estimate([Calibration.neural_key(q)]) for q, p in zip(probs, parents) if p < 0]
-        self._neural_best, self._skipped = max(first, default=0.0), 0
         return cands
 
-    def _choose(self, cands: list[Candidate]) -> list[int]:
-        """The candidates to verify, best first: the top N by value for the N with the best expected rate."""
+    def _choose(self, cands: list[Candidate], extra_seconds: float = 0.0) -> tuple[list[int], float]:
+        """The candidates to verify, best first (the top N by value for the N with the best expected tokens/s), and
+        that rate; extra_seconds is drafting time beyond the n-gram side's."""
         value = [0.0] * len(cands)
         for c, cand in enumerate(cands):  # parents come before their children
             value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(cand.keys)
         order = sorted(range(len(cands)), key=lambda c: (-value[c], cands[c].depth, c))[: self.hc.max_nodes]
-        drafting = self.draft_seconds if self.timed else 0.0
+        drafting = self.draft_seconds + extra_seconds if self.timed else 0.0
         best_n, best_rate, expected = 0, 1.0 / (self.verify_cost(1) + drafting), 1.0
         for n, c in enumerate(order, start=1):
             expected += value[c]
             rate = expected / (self.verify_cost(n + 1) + drafting)
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        return order[:best_n]
+        return order[:best_n], best_rate
 
     def _learn(self, accepted: list[int]) -> None:
         """Each tried edge (a child of the root or of an accepted node) was accepted or not: update its estimate."""
@@ -248,12 +256,16 @@ class HybridDrafter:
         self.copying = any(NGRAM in c.sources for c in hits)
 
     def _time(self, seconds: float, add: bool = False) -> None:
-        """Drafting time per step (draft plus accept), as a moving average."""
+        """The n-gram side's time per step (draft plus accept), as a moving average."""
         if add:
-            self._step_seconds += seconds
-            self.draft_seconds = 0.9 * self.draft_seconds + 0.1 * self._step_seconds if self.draft_seconds else self._step_seconds
+            self.draft_seconds = _average(self.draft_seconds or None, self._step_seconds + seconds)
         else:
             self._step_seconds = seconds
+
+
+def _average(mean: Optional[float], x: float) -> float:
+    """An exponential moving average (weight 0.1 on the new value); None starts it."""
+    return x if not mean else 0.9 * mean + 0.1 * x
 
 
 def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tuple, source: str) -> int:
