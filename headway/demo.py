@@ -131,6 +131,15 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
     return head_dir
 
 
+def _describe(settings: dict) -> str:
+    """The drafter in a few words: its kind and its tree settings (not every budget knob)."""
+    return ", ".join(f"{k} {v}" for k, v in settings.items() if k != "hybrid")
+
+
+def _by_branch(sources: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(sources.items()))
+
+
 def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     """Plain and speculative decoding of every prompt, alternating which goes first; prints as it goes."""
     from headway.inference.api import SpeculativeDecoder
@@ -139,7 +148,7 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     run = _run_config(cfg)
     decoder = SpeculativeDecoder.load(head_dir, run)
     print(f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
-          f"({decoder.drafter.settings()}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)")
+          f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)")
     warm = decoder.fmt.first_turn("Hello")
     decoder.generate(warm, 4)
     decoder.generate_plain(warm, 4)
@@ -154,10 +163,11 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
         answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
         tqdm.write(f"\n-- {text[:100]}\n{answer[:cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
                    f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | plain {plain.tokens_per_second:.1f} "
-                   f"tok/s | speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}")
+                   f"tok/s | speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
+                   + (f"\n   accepted drafts by branch: {_by_branch(spec.sources)}" if spec.sources else ""))
         rows.append({"prompt": text, "tokens": len(spec.tokens), "tau": spec.tau, "spec_seconds": spec.seconds,
                      "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "target_forwards": spec.target_forwards,
-                     "equals_plain": same})
+                     "equals_plain": same, "accepted_by_branch": spec.sources})
         specs.append(spec)
         plains.append(plain)
     spec_all, plain_all = pooled(specs), pooled(plains)

@@ -36,10 +36,10 @@ class InferenceConfig:
     # static (a preallocated KV cache and Headway's own attention around the model's modules), hf (the
     # model's own forward and transformers cache). Plain and speculative decoding use the same one.
     engine: str = "auto"
-    # What proposes the draft tree: neural (the head's tree, sized by the settings above), ngram (prompt lookup
-    # over the prompt and the text so far, no head needed), hybrid (both in one tree under one node budget, the
-    # split and the size chosen each step from confidence; see inference.hybrid).
-    drafter: str = "neural"
+    # What proposes the draft tree: hybrid (the head's branches and prompt-lookup branches in one tree, its size
+    # and split chosen each step from calibrated confidence and this machine's verify cost; see inference.hybrid),
+    # neural (the head's tree alone, sized by the settings above), ngram (prompt lookup alone, no head needed).
+    drafter: str = "hybrid"
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in place
     # of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also turns it off.

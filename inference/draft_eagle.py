@@ -43,7 +43,7 @@ class EagleDrafter:
         return self.depth
 
     def settings(self) -> dict:
-        return {"kind": self.heads.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
+        return {"drafter": "neural", "kind": self.heads.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
 
     def _new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -140,8 +140,9 @@ class HybridDrafter:
         return max(self.hc.max_tokens, self.neural.max_depth if self.neural is not None else 0)
 
     def settings(self) -> dict:
-        return {"kind": "hybrid" if self.neural is not None else "ngram",
-                "neural": self.neural.settings() if self.neural is not None else None,
+        """The neural drafter's settings (its tree's), the drafter kind, and the n-gram and budget settings."""
+        return {**(self.neural.settings() if self.neural is not None else {}),
+                "drafter": "hybrid" if self.neural is not None else "ngram",
                 "hybrid": {k: getattr(self.hc, k) for k in HybridConfig.__dataclass_fields__}}
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:

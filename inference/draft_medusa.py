@@ -33,7 +33,7 @@ class MedusaDrafter:
         return self.tree.max_depth
 
     def settings(self) -> dict:
-        return {"kind": "medusa", "tree": [list(p) for p in self.tree.paths[1:]]}
+        return {"drafter": "neural", "kind": "medusa", "tree": [list(p) for p in self.tree.paths[1:]]}
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         self.hidden = features[-1]

@@ -35,8 +35,10 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
+from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
+from headway.inference.config import DRAFTERS
 from headway.inference.engine import engine_name, make_runner
 from headway.inference.generate import alternate, features_at, pooled
 from headway.inference.tree import build_tree
@@ -45,7 +47,7 @@ from headway.io import atomic_write_json, read_json
 log = logging.getLogger("headway")
 
 TUNED_FILENAME = "tuned.json"
-TREE_KEYS = ("tree", "tree_nodes", "depth", "top_k", "total_tokens")  # the inference keys a tuned setting replaces
+TREE_KEYS = ("tree", "tree_nodes", "depth", "top_k", "total_tokens", "drafter")  # the inference keys a tuned setting replaces
 
 
 @dataclass
@@ -66,6 +68,9 @@ class TuneConfig:
     # Medusa search space: tree sizes (draft nodes), and how many ranked guesses per head are considered.
     medusa_nodes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
     medusa_top_k: int = 8
+    # The drafters compared (neural: the best tree above; ngram; hybrid: that tree's neural branches with n-gram ones),
+    # each replayed along the calibration answers with its own per-step choices.
+    drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
     # Decode the calibration prompts with the configured and the tuned tree beside plain decoding at the end.
     validate: bool = True
 
@@ -74,6 +79,10 @@ class TuneConfig:
             values = getattr(self, name)
             if (not values and name != "verify_sizes") or (values and min(values) < 1):
                 raise HeadwayError(f"tune.{name} must be a non-empty list of numbers >= 1 (got {values})")
+        for d in self.drafters:
+            check_choice("tune", "drafters", d, list(DRAFTERS))
+        if not self.drafters:
+            raise HeadwayError("tune.drafters must name at least one of " + ", ".join(DRAFTERS))
         if self.num_prompts < 1 or self.max_new_tokens < 2 or self.repeats < 1 or self.medusa_top_k < 1:
             raise HeadwayError("tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2")
 
@@ -363,6 +372,22 @@ def search(decoder: Any, replays: list[Replay], costs: dict[int, float], tc: Tun
     return sorted(out, key=lambda c: -c["tok_s"])
 
 
+def compare_drafters(decoder: Any, replays: list[Replay], costs: dict[int, float], neural_settings: dict,
+                     kinds: list[str]) -> list[dict]:
+    """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with the
+    chosen settings, n-gram branches alone, and both in one hybrid tree."""
+    from headway.inference.api import make_drafter
+    from headway.inference.draft_hybrid import HybridDrafter
+
+    cfg = dataclasses.replace(decoder.cfg, inference=dataclasses.replace(decoder.cfg.inference, **neural_settings))
+    out = []
+    for kind in kinds:
+        neural = make_drafter(decoder.heads, cfg, decoder.head_config, decoder.target.config) if kind != "ngram" else None
+        drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, lambda n: interpolate(costs, n))
+        out.append({"drafter": kind, **simulate(drafter, replays, lambda n: interpolate(costs, n))})
+    return sorted(out, key=lambda d: -d["tok_s"])
+
+
 def _candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draft_s: float) -> dict:
     step = verify_s + draft_s
     return {"inference": settings, "draft_nodes": nodes, "expected_tau": 1 + accepted,
@@ -435,7 +460,9 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
 
     tc = cfg.tune
     configured = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, use_tuned=False))
-    decoder = SpeculativeDecoder.load(head_dir, configured)
+    as_configured = SpeculativeDecoder.load(head_dir, configured)
+    # the search below scores the head's own trees
+    decoder = as_configured if configured.inference.drafter == "neural" else as_configured.with_drafter("neural")
     model = decoder.target.model
     prompts = calibration_prompts(decoder, tc)
     replays = replay_answers(decoder, prompts, tc.max_new_tokens)
@@ -444,7 +471,10 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     log.info("measuring the target's verification time over 1..%d tokens after a %d-token cache", max(sizes), prefix)
     costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine)
     candidates = search(decoder, replays, costs, tc)
-    best = candidates[0]
+    drafters = compare_drafters(decoder, replays, costs, candidates[0]["inference"], tc.drafters)
+    best = {**candidates[0], "inference": {**candidates[0]["inference"], "drafter": drafters[0]["drafter"]},
+            "replayed": drafters[0]}
+    log.info("replayed drafters (tokens/s): %s", ", ".join(f"{d['drafter']} {d['tok_s']:.1f}" for d in drafters))
     entry = {
         "machine": machine_key(model, cfg.inference.engine), "date": time.strftime("%Y-%m-%d"), "chosen": best,
         "configured": {k: getattr(cfg.inference, k) for k in TREE_KEYS},
@@ -452,10 +482,11 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
         "verify_ms": {str(n): 1e3 * s for n, s in sorted(costs.items())}, "cache_prefix": prefix,
         "calibration": {"prompts": tc.prompts or "shipped calibration_prompts.jsonl", "num_prompts": len(prompts),
                         "answer_tokens": sum(len(r.answer) for r in replays), "max_new_tokens": tc.max_new_tokens},
-        "top_candidates": candidates[:15],
+        "top_candidates": candidates[:15], "drafters": drafters,
     }
     if tc.validate:
-        entry["validation"] = validate(decoder, configured, best["inference"], prompts, tc.max_new_tokens)
+        as_configured.saved_costs = entry["verify_ms"]
+        entry["validation"] = validate(as_configured, configured, best["inference"], prompts, tc.max_new_tokens)
     path = save_tuned(head_dir, entry)
     log.info("saved %s", path)
     return entry
@@ -466,7 +497,7 @@ def validate(decoder: Any, cfg: Any, tuned: dict, prompts: list[list[int]], max_
     from headway.inference.api import SpeculativeDecoder
 
     tuned_cfg = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **tuned))
-    tuned_decoder = SpeculativeDecoder(decoder.target, decoder.heads, tuned_cfg, decoder.head_config)
+    tuned_decoder = SpeculativeDecoder(decoder.target, decoder.heads, tuned_cfg, decoder.head_config, decoder.saved_costs)
     runs = {"plain": lambda ids: decoder.generate_plain(ids, max_new_tokens),
             "configured": lambda ids: decoder.generate(ids, max_new_tokens),
             "tuned": lambda ids: tuned_decoder.generate(ids, max_new_tokens)}
