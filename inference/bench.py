@@ -25,7 +25,7 @@ from tqdm import tqdm
 from headway.data_scripts.prompts import PromptConfig, load_conversations
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.baselines import hf_generate
-from headway.inference.config import BASELINES, BenchConfig
+from headway.inference.config import BenchConfig
 from headway.inference.generate import GenerationResult, alternate
 from headway.io import atomic_write_json, atomic_write_text
 
