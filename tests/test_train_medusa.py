@@ -169,7 +169,8 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     res = subprocess.run([sys.executable, "-m", "headway", "bench", "--head", str(head_dir), "--prompts", str(prompts),
                           "--out", str(tmp_path / "b.json"), f"target.name_or_path={tiny_dirs['llama']}",
                           "target.num_threads=1", "target.dtype=float64", "inference.max_new_tokens=12",
-                          "inference.tree=[[0],[1],[0,0]]"], capture_output=True, text=True, timeout=300)
+                          "inference.tree=[[0],[1],[0,0]]", "bench.drafters=[neural,ngram]"],
+                         capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads((tmp_path / "b.json").read_text())
     o = result["overall"]
@@ -177,12 +178,20 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     assert o["prompts"] == 6 and set(result["by_category"]) == {"math", "writing"}
     assert [r["turn"] for r in result["per_prompt"]] == [1, 2] * 3
     assert result["per_prompt"][1]["prompt_tokens"] > result["per_prompt"][0]["prompt_tokens"] + result["per_prompt"][0]["plain"]["tokens"]
-    assert result["methods"] == ["plain", "hf_generate", "hf_prompt_lookup", "speculative"]
+    others = ["headway_neural", "headway_ngram", "hf_generate", "hf_prompt_lookup"]
+    assert result["methods"] == ["plain", *others, "speculative"]  # speculative: the default hybrid drafter
+    assert result["settings"]["drafter"]["drafter"] == "hybrid" and result["settings"]["drafter"]["tree"] == [[0], [1], [0, 0]]
     # float64: every method writes exactly plain greedy's tokens
-    assert o["match_rate"] == 1.0 and o["matches_plain"] == {"hf_generate": 1.0, "hf_prompt_lookup": 1.0, "speculative": 1.0}
-    assert set(o["speedup_over"]) == {"plain", "hf_generate", "hf_prompt_lookup"}
+    assert o["match_rate"] == 1.0 and o["matches_plain"] == {m: 1.0 for m in [*others, "speculative"]}
+    assert set(o["speedup_over"]) == {"plain", *others}
+    # which branch kind the accepted drafts came from, per category and overall (shares)
+    for s in [o, *result["by_category"].values()]:
+        assert s["accepted_from"] is None or sum(s["accepted_from"].values()) == pytest.approx(1.0)
+    counts = [r["speculative"]["sources"] for r in result["per_prompt"]]
+    if any(counts):
+        assert "Accepted draft tokens by branch" in (tmp_path / "b.md").read_text()
     assert o["speedup_over"]["hf_generate"] == pytest.approx(o["tok_s"]["speculative"] / o["tok_s"]["hf_generate"])
-    assert len(o["acceptance_by_depth"]) == 2 and result["settings"]["threads"] == 1
+    assert len(o["acceptance_by_depth"]) == 12 and result["settings"]["threads"] == 1  # the n-gram branches' depth
     md = (tmp_path / "b.md").read_text()
     assert "| **overall** | 6 |" in md and "speedup vs HF prompt lookup" in md
     ms = o["ms_per_token"]
