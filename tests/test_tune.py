@@ -57,7 +57,7 @@ def _root_positions(accepted: list[int]) -> list[int]:
 def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_heads):
     """At every position where real decoding verified a tree, the replay predicts exactly how many drafts it accepted,
     for several (depth, top_k, total_tokens) scored by one expansion per top_k."""
-    d = _decoder(tiny_dirs, trained_heads["eagle3"], "inference.use_tuned=false")
+    d = _decoder(tiny_dirs, trained_heads["eagle3"], "inference.use_tuned=false", "inference.drafter=neural")
     prompts = [d.fmt.first_turn(p) for p in PROMPTS]
     replays = replay_answers(d, prompts, 24)
     num_layers = d.target.config.num_hidden_layers
