@@ -14,10 +14,10 @@ from headway.heads.target import Target, load_target
 from headway.run_config import RunConfig
 from headway.heads.draft_layer import text_config
 from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
-from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.tune import apply_tuned, interpolate, tuned_entry, verify_cost_curve
 
 

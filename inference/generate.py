@@ -164,8 +164,9 @@ def speculative_generate(
         path, bonus = rule(tree, node_ids, logits, sampler)
         runner.keep(tree.size, path)
         new = [node_ids[i] for i in path[1:]] + [bonus]
-        for i in path[1:] if hasattr(drafter, "node_sources") else ():
-            sources[drafter.node_sources[i]] = sources.get(drafter.node_sources[i], 0) + 1
+        kinds = getattr(drafter, "node_sources", None)  # hybrid drafters: the branch kind of each node
+        for i in path[1:] if kinds else ():
+            sources[kinds[i]] = sources.get(kinds[i], 0) + 1
         accepted_counts.append(len(path) - 1)
         t3 = time.perf_counter()
         drafter.accept(new, features_at(hidden, layers, path))
