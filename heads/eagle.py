@@ -71,7 +71,10 @@ class EagleBase(nn.Module):
 
     def run_decoder(self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
                     cache: Any = None) -> torch.Tensor:
-        """One pass of the decoder layer over x [B, T, h]; returns the layer's output before any final norm."""
+        """One pass of the decoder layer over x [B, T, h]; returns the layer's output before any final norm. A
+        cache with its own `run` (the drafter's static cache) runs the layer itself."""
+        if hasattr(cache, "run"):
+            return cache.run(self.decoder, x, position_ids, attention_mask)
         kw = {self._cache_kw: cache} if cache is not None else {}
         out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                            use_cache=cache is not None, **kw)

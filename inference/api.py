@@ -39,7 +39,7 @@ def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: A
     if heads.kind == "medusa":
         return MedusaDrafter(heads, build_tree(choose_tree(cfg, head_config)), num_layers)
     ic = cfg.inference
-    return EagleDrafter(heads, num_layers, ic.depth, ic.top_k, ic.total_tokens)
+    return EagleDrafter(heads, num_layers, ic.depth, ic.top_k, ic.total_tokens, static=ic.engine != "hf")
 
 
 def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[dict] = None) -> HybridDrafter:

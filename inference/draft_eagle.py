@@ -19,16 +19,20 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
 from headway.inference.cache import truncate_cache
+from headway.inference.engine import StaticLayerCache
 from headway.inference.tree import Tree, build_tree
 
 
 class EagleDrafter:
-    def __init__(self, heads: Any, num_target_layers: int, depth: int, top_k: int, total_tokens: int):
+    def __init__(self, heads: Any, num_target_layers: int, depth: int, top_k: int, total_tokens: int, static: bool = True):
+        """static: keep the drafter layer's keys and values in a preallocated buffer (where its family allows)
+        rather than a transformers DynamicCache."""
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise HeadwayError(f"EAGLE tree settings need depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})")
         if top_k > heads.draft_vocab_size:
             raise HeadwayError(f"inference.top_k={top_k} exceeds the head's draft vocabulary ({heads.draft_vocab_size})")
         self.heads = heads
+        self.static = static
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_nodes = total_tokens + 1
         self.feature_layers = heads.feature_layers(heads.cfg, num_target_layers)
@@ -46,9 +50,13 @@ class EagleDrafter:
         return {"drafter": "neural", "kind": self.heads.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
 
     def _new_cache(self) -> Any:
+        """A static cache where the drafter's layer is of a family the static engine runs, else transformers'."""
+        decoder = self.heads.decoder
+        if self.static and StaticLayerCache.supported(decoder):
+            return StaticLayerCache(decoder)
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.heads.decoder.config)
+        return DynamicCache(config=decoder.config)
 
     @torch.no_grad()
     def _commit(self, tokens: list[int], features: torch.Tensor) -> None:
@@ -123,7 +131,10 @@ class EagleDrafter:
             best = cum.topk(min(k, len(cum))).indices.tolist()
             layer = [first + b for b in best]
             layer_hidden = heads.next_hidden(out[0, [b // k for b in best]]).unsqueeze(0)
-        truncate_cache(self.cache, self.committed)
+        if isinstance(self.cache, StaticLayerCache):
+            self.cache.truncate(self.committed)
+        else:
+            truncate_cache(self.cache, self.committed)
         return tokens, scores, parents, depths
 
     def _select(self, root: int, tokens: list[int], scores: list[float], parents: list[int],

@@ -5,8 +5,9 @@
 model's own modules (embedding, norms, projections, MLP, rotary embedding), so it follows the model's
 family without a forked modeling file. It has no per-step reallocation, compacts an accepted tree path
 in place, and skips transformers' mask and cache machinery. Llama-style families with full attention
-(llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`.
-Both give the same logits (tests compare them in float64).
+(llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`. Both give the same
+logits (tests compare them in float64). `StaticLayerCache` runs the EAGLE drafter's one layer the same way
+(`layer_step` is the layer body both share).
 """
 
 from __future__ import annotations
@@ -80,6 +81,72 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """One Llama-style decoder layer over x [1, n, h]: its keys and values go into slots start..start+n-1 of
+    k_cache/v_cache [kv_heads, max_len, head_dim] (in place), and its queries attend to slots [0, start+n)
+    under `mask` (bool or additive, [n, start+n] or broadcastable; None: every slot). The layer's own modules
+    do the projections, norms and MLP; only the cache and the attention are Headway's."""
+    a = layer.self_attn
+    n, end = x.shape[1], start + x.shape[1]
+    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[0]
+    h = layer.input_layernorm(x)
+    q = a.q_proj(h).view(1, n, -1, head_dim).transpose(1, 2)
+    k = a.k_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+    v = a.v_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+    k_cache[:, start:end] = _rotate(k, cos, sin)[0]
+    v_cache[:, start:end] = v[0]
+    o = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_cache[None, :, :end], v_cache[None, :, :end],
+                                       attn_mask=mask, scale=a.scaling, enable_gqa=True)
+    x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+class StaticLayerCache:
+    """The EAGLE drafter's KV cache: one decoder layer's keys and values in a preallocated buffer that doubles
+    when full. Passed as the `cache` of an EAGLE head's forward, it runs the layer itself (`run`), so drafting
+    skips transformers' cache and mask machinery; `truncate` drops the expansion entries after a draft."""
+
+    def __init__(self, decoder: Any, capacity: int = 512):
+        layer = decoder.layers[0]
+        self.kv_heads = int(text_config(decoder.config).num_key_value_heads)
+        self.head_dim = int(layer.self_attn.head_dim)
+        p = next(decoder.parameters())
+        self.k = torch.empty(self.kv_heads, capacity, self.head_dim, dtype=p.dtype, device=p.device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    @staticmethod
+    def supported(decoder: Any) -> bool:
+        cfg = text_config(decoder.config)
+        return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and getattr(cfg, "sliding_window", None) is None
+                and len(getattr(decoder, "layers", ())) == 1 and hasattr(decoder, "rotary_emb"))
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def run(self, decoder: Any, x: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The layer over x [1, n, h] at the next n slots; `mask` [1, 1, n, length + n] as the drafter builds it."""
+        if x.shape[0] != 1:
+            raise HeadwayError("internal: the drafter's static cache decodes one sequence at a time")
+        start, n = self.length, x.shape[1]
+        if start + n > self.k.shape[1]:
+            grow = max(2 * self.k.shape[1], start + n)
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty(self.kv_heads, grow, self.head_dim)
+                new[:, :start] = old[:, :start]
+                setattr(self, name, new)
+        cos, sin = decoder.rotary_emb(x, position_ids)
+        out = layer_step(decoder.layers[0], x, cos[:, None], sin[:, None], self.k, self.v, start,
+                         None if mask is None else mask[0, 0])
+        self.length = start + n
+        return out
+
+
 class LazyLogits:
     """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
     accepted nodes, plain decoding and the prefill only the last position. In float32 on CPUs a row is a
@@ -115,7 +182,6 @@ class StaticRunner:
         self.layers = list(self.base.layers)
         attn = self.layers[0].self_attn
         self.head_dim = int(attn.head_dim)
-        self.q_heads = int(cfg.num_attention_heads)
         self.kv_heads = int(cfg.num_key_value_heads)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -153,17 +219,7 @@ class StaticRunner:
         states = [x] if hidden else None
         end = start + n
         for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(1, n, self.q_heads, self.head_dim).transpose(1, 2)
-            k = a.k_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = a.v_proj(h).view(1, n, self.kv_heads, self.head_dim).transpose(1, 2)
-            self.k[i, :, start:end] = _rotate(k, cos, sin)[0]
-            self.v[i, :, start:end] = v[0]
-            o = F.scaled_dot_product_attention(_rotate(q, cos, sin), self.k[i, None, :, :end], self.v[i, None, :, :end],
-                                               attn_mask=mask, scale=a.scaling, enable_gqa=True)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, self.q_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer_step(layer, x, cos, sin, self.k[i], self.v[i], start, mask)
             if hidden and i < len(self.layers) - 1:
                 states.append(x)
         x = self.base.norm(x)

@@ -87,6 +87,35 @@ def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
     torch.testing.assert_close(drafter.last_out, fresh[0, -1], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, arch: str, kind: str):
+    """The drafter layer's preallocated cache (llama-style families; others keep transformers' cache) proposes the
+    same candidates with the same scores at every step as transformers' DynamicCache, through growth past its
+    first buffer and the truncation after every expansion."""
+    from headway.inference.engine import StaticLayerCache
+
+    t = load64(tiny_dirs[arch])
+    heads = random_head(t, kind)
+    runs = {}
+    for static in (True, False):
+        drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8, static=static)
+        if static and arch != "gemma3":  # a small first buffer: the prompt and the expansions must grow it
+            drafter._new_cache = lambda: StaticLayerCache(heads.decoder, capacity=8)
+        seen: list = []
+        draft = drafter.draft
+        drafter.draft = lambda root: (seen.append(drafter.candidates()), draft(root))[1]
+        ids = chat_ids(t, "Tell me a story about a fox and a crow.")
+        out = speculative_generate(t.model, drafter, ids, 48, [])
+        runs[static] = (out.tokens, seen)
+        assert isinstance(EagleDrafter._new_cache(drafter), StaticLayerCache) == (static and arch != "gemma3")
+    assert runs[True][0] == runs[False][0]
+    assert len(runs[True][1]) == len(runs[False][1])
+    for (tok_s, sc_s, par_s, _), (tok_d, sc_d, par_d, _) in zip(runs[True][1], runs[False][1]):
+        assert (tok_s, par_s) == (tok_d, par_d)
+        torch.testing.assert_close(torch.tensor(sc_s), torch.tensor(sc_d), rtol=1e-9, atol=1e-9)
+
+
 def test_training_time_test_sees_what_inference_sees(tiny_dirs):
     """Step j of the unrolled drafter at position t equals drafting a chain j steps past t at inference,
     and depends on nothing later: tokens up to t+1+j and features up to t."""
