@@ -20,6 +20,7 @@ import torch
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
+from headway.heads.packed_linear import LINEAR_WEIGHTS, linear_weights, pack_linear_weights
 from headway.runtime import DTYPES, configure_threads, parse_dtype, resolve_device
 
 log = logging.getLogger("headway")
@@ -45,9 +46,15 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     # Run Python code shipped inside the model directory (auto_map). Off: a model directory is data, not code.
     trust_remote_code: bool = False
+    # CPU inference format of the decoder layers' linear weights: native (as `dtype`), or float16 (packed fp16
+    # weights, float32 compute: half the memory traffic, and verifying up to ~6 tokens costs about one step on
+    # CPUs; float32 CPU targets only; outputs equal this format's plain decoding, which can differ from
+    # float32's where two tokens nearly tie). See heads/packed_linear.py.
+    linear_weights: str = "native"
 
     def __post_init__(self) -> None:
         check_choice("target", "dtype", self.dtype, list(DTYPES))
+        check_choice("target", "linear_weights", self.linear_weights, list(LINEAR_WEIGHTS))
         check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])
 
 
@@ -199,6 +206,8 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         model.to(device)
         model.eval()
         model.requires_grad_(False)
+        if cfg.linear_weights == "float16":
+            log.info("target: %d decoder linear layers use packed float16 weights", pack_linear_weights(model))
         config = model.config
     return Target(
         model=model, tokenizer=tokenizer, path=Path(path), fingerprint=compute_fingerprint(config, tokenizer),
@@ -210,4 +219,7 @@ def export_target(target: Target, out_dir: str | os.PathLike, dtype: str = "bflo
     """Write the loaded target as a plain HF directory (safetensors + tokenizer) that any engine reads."""
     from headway.heads.target_sources import save_plain_hf
 
+    if linear_weights(target.model) != "native":
+        raise HeadwayError("target.linear_weights=float16 is an inference format of a loaded target: export with "
+                           "target.linear_weights=native")
     return save_plain_hf(target.model, target.tokenizer, Path(out_dir), parse_dtype(dtype))

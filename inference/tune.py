@@ -38,6 +38,7 @@ from tqdm import tqdm
 from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
+from headway.heads.packed_linear import linear_weights
 from headway.inference.config import DRAFTERS
 from headway.inference.engine import engine_name, make_runner
 from headway.inference.generate import alternate, features_at, pooled
@@ -88,15 +89,18 @@ class TuneConfig:
 
 
 def machine_key(model: Any, engine: str = "auto") -> dict:
-    """What a tuned setting is only valid for: the device, the processor, the thread count, the dtype and the
-    decoding engine."""
+    """What a tuned setting is only valid for: the device, the processor, the thread count, the dtype (and the
+    linear weights' format, when packed) and the decoding engine."""
     p = next(model.parameters())
     if p.device.type == "cuda":
         name = torch.cuda.get_device_name(p.device)
     else:
         name = _cpu_name()
-    return {"device": p.device.type, "processor": name, "threads": torch.get_num_threads(), "dtype": str(p.dtype),
-            "engine": engine_name(model, engine)}
+    key = {"device": p.device.type, "processor": name, "threads": torch.get_num_threads(), "dtype": str(p.dtype),
+           "engine": engine_name(model, engine)}
+    if linear_weights(model) != "native":
+        key["linear_weights"] = linear_weights(model)
+    return key
 
 
 def _cpu_name() -> str:

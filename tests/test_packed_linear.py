@@ -1,0 +1,68 @@
+"""target.linear_weights=float16: packed fp16 decoder weights with float32 compute. The layers compute what
+float32 does on fp16-rounded weights, speculative decoding equals this format's plain decoding on both engines,
+and the settings it cannot serve are refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headway.errors import HeadwayError
+from headway.heads.packed_linear import Float16Linear, linear_weights
+from headway.heads.target import TargetConfig, export_target, load_target
+from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.generate import greedy_generate, speculative_generate
+from test_eagle import chat_ids, random_head
+from test_hybrid import ngram_only
+
+
+def load16(path, **kw):
+    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float32",
+                                    linear_weights="float16", **kw))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_float16_linear_is_float32_math_on_rounded_weights(bias: bool):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48, bias=bias)
+    packed = Float16Linear(lin)
+    for shape in [(1, 64), (5, 64), (1, 7, 64)]:
+        x = torch.randn(*shape)
+        ref = F.linear(x, lin.weight.half().float(), lin.bias)  # the bias stays float32
+        out = packed(x)
+        assert out.shape == (*shape[:-1], 48)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert (out - F.linear(x, lin.weight, lin.bias)).abs().max() > 0  # the weights really are rounded
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_dirs, arch: str):
+    t = load16(tiny_dirs[arch])
+    assert linear_weights(t.model) == "float16"
+    assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
+    heads = random_head(t, "eagle3").float()
+    stop = [t.tokenizer.eos_token_id]
+    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
+        ids = chat_ids(t, text)
+        for engine in ("hf", "static"):
+            ref = greedy_generate(t.model, ids, 32, stop, engine=engine)
+            for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
+                assert speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens, engine
+
+
+def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
+    with pytest.raises(HeadwayError, match="CPU format for float32 targets"):
+        load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64",
+                                 linear_weights="float16"))
+    with pytest.raises(HeadwayError, match="target.linear_weights=.int8. is not allowed"):
+        TargetConfig(linear_weights="int8")
+    t = load16(tiny_dirs["llama"])
+    with pytest.raises(HeadwayError, match="export with target.linear_weights=native"):
+        export_target(t, tmp_path / "out", dtype="float32")
+    from headway.train.config import LoraConfig
+    from headway.train.loop import add_lora
+
+    with pytest.raises(HeadwayError, match="train with target.linear_weights=native"):
+        add_lora(t.model, LoraConfig(enabled=True))
