@@ -1,11 +1,12 @@
-"""A CPU inference format for the frozen target: its decoder layers' linear weights packed as float16.
+"""A CPU inference format for the frozen target: its linear weights packed as float16.
 
 Decoding a small model on a CPU reads every weight once per step, so a step costs what the memory traffic
-costs. With `target.linear_weights=float16` every linear layer inside the decoder layers keeps its weight
-packed as float16 (fbgemm, the kernel behind torch's dynamic fp16 quantization) and computes in float32:
-half the traffic of float32, and its cost hardly grows from 1 to ~6 rows, which is what makes verifying a
-draft tree cheap. The embedding, norms, attention and lm_head stay as loaded. Outputs are exactly this
-format's own plain decoding; they can differ from float32's where two tokens nearly tie, as bf16's do.
+costs. With `target.linear_weights=float16` every linear layer of the decoder layers, and the lm_head, keeps
+its weight packed as float16 (fbgemm, the kernel behind torch's dynamic fp16 quantization) and computes in
+float32: half the traffic of float32, and a cost that hardly grows from 1 to ~6 rows, which is what makes
+verifying a draft tree cheap. The lm_head's float32 weight stays too (the embedding and the EAGLE heads share
+it); the embedding, norms and attention run as loaded. Outputs are exactly this format's own plain decoding;
+they can differ from float32's where two tokens nearly tie, as bf16's do.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ LINEAR_WEIGHTS = ("native", "float16")
 class Float16Linear(nn.Module):
     """nn.Linear's forward over a packed float16 copy of its weight (and bias), float32 in and out."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
+        """keep_weight: keep the float32 weight as `.weight` too (the lm_head, whose weight the embedding and the
+        EAGLE heads share)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+        if keep_weight:
+            self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
@@ -43,8 +48,8 @@ def linear_weights(model: Any) -> str:
 
 
 def pack_linear_weights(model: Any) -> int:
-    """Replace every nn.Linear inside the model's decoder layers by a Float16Linear; returns how many. CPU and
-    float32 only (on GPUs, load the target in bfloat16 or float16 instead)."""
+    """Replace every nn.Linear inside the model's decoder layers, and its lm_head, by a Float16Linear; returns how
+    many. CPU and float32 only (on GPUs, load the target in bfloat16 or float16 instead)."""
     p = next(model.parameters())
     if p.device.type != "cpu" or p.dtype != torch.float32:
         raise HeadwayError(f"target.linear_weights=float16 is a CPU format for float32 targets (this one is {p.dtype} "
@@ -70,5 +75,9 @@ def pack_linear_weights(model: Any) -> int:
         return n
 
     count = swap(layers)
+    lm_head = model.get_output_embeddings()
+    if isinstance(lm_head, nn.Linear):
+        model.set_output_embeddings(Float16Linear(lm_head, keep_weight=True))
+        count += 1
     model.headway_linear_weights = "float16"
     return count

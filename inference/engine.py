@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
+from headway.heads.packed_linear import linear_weights
 from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -149,12 +150,11 @@ class StaticLayerCache:
 
 class LazyLogits:
     """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
-    accepted nodes, plain decoding and the prefill only the last position. In float32 on CPUs a row is a
-    [1, H] x [H, V] product against the pre-transposed weight, much faster there than a linear; elsewhere
-    (bf16 on CPUs, GPUs) it is a plain one-row linear."""
+    accepted nodes, plain decoding and the prefill only the last position. `row` maps a hidden row [1, H] to its
+    logits [1, V] (see `StaticRunner._lm_row`)."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, weight_t: Optional[torch.Tensor]):
-        self.hidden, self.weight, self.weight_t = hidden, weight, weight_t
+    def __init__(self, hidden: torch.Tensor, row: Any):
+        self.hidden, self.row = hidden, row
         self.rows: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -163,8 +163,7 @@ class LazyLogits:
     def __getitem__(self, i: int) -> torch.Tensor:
         i = int(i) % len(self)
         if i not in self.rows:
-            h = self.hidden[i : i + 1]
-            self.rows[i] = (h @ self.weight_t if self.weight_t is not None else F.linear(h, self.weight))[0]
+            self.rows[i] = self.row(self.hidden[i : i + 1])[0]
         return self.rows[i]
 
 
@@ -185,12 +184,7 @@ class StaticRunner:
         self.kv_heads = int(cfg.num_key_value_heads)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.lm = model.lm_head.weight.detach()
-        self.lm_t = None
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64):
-            if model not in _LM_T or _LM_T[model].dtype != self.dtype:
-                _LM_T[model] = self.lm.t().contiguous()
-            self.lm_t = _LM_T[model]
+        self._lm_row = self._lm_row_fn(model)
         shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
         kv = _KV.get(model)
         if kv is None or kv[0].shape[2] < max_len or kv[0].dtype != self.dtype or kv[0].device != self.device:
@@ -226,7 +220,21 @@ class StaticRunner:
         if hidden:
             states.append(x)  # transformers' last hidden state is the normed one
         self.length = end
-        return LazyLogits(x[0], self.lm, self.lm_t), tuple(states) if hidden else None
+        return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
+
+    def _lm_row_fn(self, model: Any) -> Any:
+        """One row of logits: the model's own lm_head where its weights are packed (float16), else a [1, H] x [H, V]
+        product against the pre-transposed weight in float32/64 on CPUs (much faster there than a linear), else a
+        plain one-row linear (bf16 on CPUs, GPUs)."""
+        if linear_weights(model) != "native":
+            return model.lm_head
+        lm = model.lm_head.weight.detach()
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64):
+            if model not in _LM_T or _LM_T[model].dtype != self.dtype:
+                _LM_T[model] = lm.t().contiguous()
+            lm_t = _LM_T[model]
+            return lambda h: h @ lm_t
+        return lambda h: F.linear(h, lm)
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
         first = self.length - tree_size

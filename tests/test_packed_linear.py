@@ -42,6 +42,7 @@ def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_di
     t = load16(tiny_dirs[arch])
     assert linear_weights(t.model) == "float16"
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
+    assert isinstance(t.model.lm_head, Float16Linear) and t.model.lm_head.weight.shape == (t.config.vocab_size, t.config.hidden_size)
     heads = random_head(t, "eagle3").float()
     stop = [t.tokenizer.eos_token_id]
     for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
