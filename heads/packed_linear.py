@@ -42,6 +42,25 @@ class Float16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=packed float16"
 
 
+def _swap_linears(module: nn.Module, keep_weight: bool) -> int:
+    """Every nn.Linear under `module` becomes a Float16Linear; returns how many."""
+    n = 0
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, Float16Linear(child, keep_weight))
+            n += 1
+        else:
+            n += _swap_linears(child, keep_weight)
+    return n
+
+
+def pack_head_linear_weights(heads: nn.Module) -> int:
+    """A draft head decoding beside a float16-packed target computes its linears the same way (its float32
+    weights stay as `.weight`; drafts only steer speed, never the output). Inference only: never train or
+    save a packed head."""
+    return _swap_linears(heads, keep_weight=True)
+
+
 def linear_weights(model: Any) -> str:
     """The format of the model's decoder linear weights: native, or float16 (packed by `pack_linear_weights`)."""
     return getattr(model, "headway_linear_weights", "native")
@@ -64,17 +83,7 @@ def pack_linear_weights(model: Any) -> int:
         raise HeadwayError(f"this torch build has no float16 linear kernels for this CPU ({str(e).splitlines()[0][:120]}): "
                            "use target.linear_weights=native") from None
 
-    def swap(module: nn.Module) -> int:
-        n = 0
-        for name, child in module.named_children():
-            if isinstance(child, nn.Linear):
-                setattr(module, name, Float16Linear(child))
-                n += 1
-            else:
-                n += swap(child)
-        return n
-
-    count = swap(layers)
+    count = _swap_linears(layers, keep_weight=False)
     lm_head = model.get_output_embeddings()
     if isinstance(lm_head, nn.Linear):
         model.set_output_embeddings(Float16Linear(lm_head, keep_weight=True))

@@ -10,6 +10,7 @@ from typing import Any, Optional
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import load_head, read_head_config
+from headway.heads.packed_linear import linear_weights, pack_head_linear_weights
 from headway.heads.target import Target, load_target
 from headway.run_config import RunConfig
 from headway.heads.draft_layer import text_config
@@ -91,6 +92,8 @@ class SpeculativeDecoder:
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
+        if linear_weights(target.model) == "float16":
+            pack_head_linear_weights(heads)
         tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)
         return cls(target, heads, apply_tuned(cfg, head_dir, target.model), head_config,
                    tuned.get("verify_ms") if tuned else None)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.errors import HeadwayError
-from headway.heads.packed_linear import Float16Linear, linear_weights
+from headway.heads.packed_linear import Float16Linear, linear_weights, pack_head_linear_weights
 from headway.heads.target import TargetConfig, export_target, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
@@ -44,6 +44,7 @@ def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_di
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
     assert isinstance(t.model.lm_head, Float16Linear) and t.model.lm_head.weight.shape == (t.config.vocab_size, t.config.hidden_size)
     heads = random_head(t, "eagle3").float()
+    assert pack_head_linear_weights(heads) > 0  # as SpeculativeDecoder.load does beside a packed target
     stop = [t.tokenizer.eos_token_id]
     for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
         ids = chat_ids(t, text)
