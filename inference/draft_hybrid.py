@@ -167,8 +167,8 @@ class HybridDrafter:
         if self.neural is not None and self._neural_pays():
             without = self._choose(cands)[1]
             t1 = time.perf_counter()
-            cands, per_step = self._with_neural(root, cands)
-            self.neural_seconds = _average(self.neural_seconds, per_step)
+            cands = self._with_neural(root, cands)
+            self.neural_seconds = _average(self.neural_seconds, time.perf_counter() - t1)
             chosen, rate = self._choose(cands, self.neural_seconds)
             self.neural_gain = _average(self.neural_gain, rate / without)
             t0 += time.perf_counter() - t1  # the n-gram side's time is kept apart
@@ -206,24 +206,19 @@ class HybridDrafter:
                 parent = _add(cands, where, parent, token, Calibration.ngram_key(cont.match, j, self.copying), NGRAM)
         return cands
 
-    def _with_neural(self, root: int, cands: list[Candidate]) -> tuple[list[Candidate], float]:
+    def _with_neural(self, root: int, cands: list[Candidate]) -> list[Candidate]:
         """The neural drafter's candidates merged into the trie (a token proposed twice after the same path is
-        one node), after it has read the steps it has not seen yet; and its time per step: reading one step's
-        tokens (the catch-up after skipped steps, divided by their number) plus proposing. That is what running
-        it on every step costs, so skipped steps do not make it look dearer than it is."""
-        t0 = time.perf_counter()
-        steps = len(self._pending)
+        one node), after it has read the steps it has not seen yet."""
         if self._pending:
             self.neural.accept([t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending]))
             self._pending = []
-        t1 = time.perf_counter()
         ids, probs, parents = self.neural.proposals(root)
         cands = list(cands)
         where = {(c.parent, c.token): i for i, c in enumerate(cands)}
         placed: list[int] = []
         for token, prob, p in zip(ids, probs, parents):
             placed.append(_add(cands, where, placed[p] if p >= 0 else -1, token, Calibration.neural_key(prob), NEURAL))
-        return cands, (t1 - t0) / max(1, steps) + time.perf_counter() - t1
+        return cands
 
     def _choose(self, cands: list[Candidate], extra_seconds: float = 0.0) -> tuple[list[int], float]:
         """The candidates to verify, best first (the top N by value for the N with the best expected tokens/s), and
