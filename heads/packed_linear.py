@@ -62,7 +62,7 @@ def pack_head_linear_weights(heads: nn.Module) -> int:
 
 
 def linear_weights(model: Any) -> str:
-    """The format of the model's decoder linear weights: native, or float16 (packed by `pack_linear_weights`)."""
+    """The format of the model's linear weights: native, or float16 (packed by `pack_linear_weights`)."""
     return getattr(model, "headway_linear_weights", "native")
 
 

@@ -46,10 +46,10 @@ class TargetConfig:
     attn_implementation: str = "sdpa"
     # Run Python code shipped inside the model directory (auto_map). Off: a model directory is data, not code.
     trust_remote_code: bool = False
-    # CPU inference format of the decoder layers' linear weights: native (as `dtype`), or float16 (packed fp16
-    # weights, float32 compute: half the memory traffic, and verifying up to ~6 tokens costs about one step on
-    # CPUs; float32 CPU targets only; outputs equal this format's plain decoding, which can differ from
-    # float32's where two tokens nearly tie). See heads/packed_linear.py.
+    # CPU inference format of the linear weights (decoder layers, lm_head): native (as `dtype`), or float16
+    # (packed fp16 weights, float32 compute: half the memory traffic, and verifying up to ~6 tokens costs about
+    # one step on CPUs; float32 CPU targets only; outputs equal this format's plain decoding, which can differ
+    # from float32's where two tokens nearly tie). See heads/packed_linear.py.
     linear_weights: str = "native"
 
     def __post_init__(self) -> None:
@@ -207,7 +207,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         model.eval()
         model.requires_grad_(False)
         if cfg.linear_weights == "float16":
-            log.info("target: %d decoder linear layers use packed float16 weights", pack_linear_weights(model))
+            log.info("target: %d linear layers use packed float16 weights", pack_linear_weights(model))
         config = model.config
     return Target(
         model=model, tokenizer=tokenizer, path=Path(path), fingerprint=compute_fingerprint(config, tokenizer),
