@@ -123,9 +123,6 @@ class StaticLayerCache:
         return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and getattr(cfg, "sliding_window", None) is None
                 and len(getattr(decoder, "layers", ())) == 1 and hasattr(decoder, "rotary_emb"))
 
-    def get_seq_length(self) -> int:
-        return self.length
-
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
@@ -151,7 +148,7 @@ class StaticLayerCache:
 class LazyLogits:
     """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
     accepted nodes, plain decoding and the prefill only the last position. `row` maps a hidden row [1, H] to its
-    logits [1, V] (see `StaticRunner._lm_row`)."""
+    logits [1, V] (see `StaticRunner._lm_row_fn`)."""
 
     def __init__(self, hidden: torch.Tensor, row: Any):
         self.hidden, self.row = hidden, row
