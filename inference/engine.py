@@ -1,13 +1,14 @@
 """Target runners: the decoding loops' one interface to the target's forward pass and KV cache.
 
 `HFRunner` calls the model's own forward with a transformers cache: any architecture transformers runs.
-`StaticRunner` keeps the keys and values in one preallocated tensor and runs its own attention around the
+`StaticRunner` keeps the keys and values in preallocated tensors and runs its own attention around the
 model's own modules (embedding, norms, projections, MLP, rotary embedding), so it follows the model's
 family without a forked modeling file. It has no per-step reallocation, compacts an accepted tree path
 in place, and skips transformers' mask and cache machinery. Llama-style families with full attention
 (llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`. Both give the same
 logits (tests compare them in float64). `StaticLayerCache` runs the EAGLE drafter's one layer the same way
-(`layer_step` is the layer body both share).
+(`layer_step` is the layer body both share). The compiled engine is the static one with its decoder stack under
+torch.compile (`compiled_stack`).
 """
 
 from __future__ import annotations
@@ -83,24 +84,42 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """One Llama-style decoder layer over x [1, n, h]: its keys and values go into slots start..start+n-1 of
-    k_cache/v_cache [kv_heads, max_len, head_dim] (in place), and its queries attend to slots [0, start+n)
-    under `mask` (bool or additive, [n, start+n] or broadcastable; None: every slot). The layer's own modules
-    do the projections, norms and MLP; only the cache and the attention are Headway's."""
+               v_cache: torch.Tensor, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """One Llama-style decoder layer over x [1, n, h]: its keys and values go into cache slots `slots` [n] of
+    k_cache/v_cache [kv_heads, max_len, head_dim] (in place), and its queries attend to slots [0, end) under
+    `mask` (bool or additive, [n, end] or broadcastable; None: every slot). The layer's own modules do the
+    projections, norms and MLP; only the cache and the attention are Headway's. (index_copy_ at a slot tensor,
+    not a slice assignment at a Python offset: torch.compile then updates the cache in place.)"""
     a = layer.self_attn
-    n, end = x.shape[1], start + x.shape[1]
+    n = x.shape[1]
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[0]
     h = layer.input_layernorm(x)
     q = a.q_proj(h).view(1, n, -1, head_dim).transpose(1, 2)
     k = a.k_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
     v = a.v_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
-    k_cache[:, start:end] = _rotate(k, cos, sin)[0]
-    v_cache[:, start:end] = v[0]
+    k_cache.index_copy_(1, slots, _rotate(k, cos, sin)[0])
+    v_cache.index_copy_(1, slots, v[0])
     o = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_cache[None, :, :end], v_cache[None, :, :end],
                                        attn_mask=mask, scale=a.scaling, enable_gqa=True)
     x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def decoder_stack(layers: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list,
+                  vs: list, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
+                  hidden: bool) -> tuple[torch.Tensor, list]:
+    """Every decoder layer (`layer_step`, layer i on caches ks[i]/vs[i]) and the final norm: the normed output and,
+    with `hidden`, the hidden states as transformers' output_hidden_states gives them (the last one normed).
+    The unit `inference.engine=compiled` hands to torch.compile."""
+    states = [x] if hidden else []
+    for layer, k, v in zip(layers, ks, vs):
+        x = layer_step(layer, x, cos, sin, k, v, slots, end, mask)
+        if hidden:
+            states.append(x)
+    x = norm(x)
+    if hidden:
+        states[-1] = x
+    return x, states
 
 
 class StaticLayerCache:
@@ -139,7 +158,8 @@ class StaticLayerCache:
                 new[:, :start] = old[:, :start]
                 setattr(self, name, new)
         cos, sin = decoder.rotary_emb(x, position_ids)
-        out = layer_step(decoder.layers[0], x, cos[:, None], sin[:, None], self.k, self.v, start,
+        slots = torch.arange(start, start + n, device=x.device)
+        out = layer_step(decoder.layers[0], x, cos[:, None], sin[:, None], self.k, self.v, slots, start + n,
                          None if mask is None else mask[0, 0])
         self.length = start + n
         return out
@@ -164,15 +184,27 @@ class LazyLogits:
         return self.rows[i]
 
 
-# Per model: its lm_head weight transposed (float32 on CPU), and the KV buffers (reused by every sequence, grown when too small).
+# Per model: its lm_head weight transposed (float32 on CPU), the KV buffers (one pair per layer, reused by every
+# sequence, grown when too small), and its compiled decoder stack.
 _LM_T: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
-_KV: "weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor]]" = weakref.WeakKeyDictionary()
+_KV: "weakref.WeakKeyDictionary[Any, tuple[list[torch.Tensor], list[torch.Tensor]]]" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def compiled_stack(model: Any) -> Any:
+    """`decoder_stack` under torch.compile, once per model. Shapes are dynamic (one graph serves every tree size and
+    cache length; transformers-style 0/1 specialisation adds one for single tokens), so no tree-size buckets or
+    padding are needed; the first calls compile (about a minute per graph for the default target on one CPU core)."""
+    if model not in _COMPILED:
+        _COMPILED[model] = torch.compile(decoder_stack, dynamic=True)
+    return _COMPILED[model]
 
 
 class StaticRunner:
-    """A preallocated KV cache [layers, kv_heads, max_len, head_dim] and Headway's own attention."""
+    """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
+    `compiled`, the decoder stack runs under torch.compile."""
 
-    def __init__(self, model: Any, max_len: int):
+    def __init__(self, model: Any, max_len: int, compiled: bool = False):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
         self.layers = list(self.base.layers)
@@ -182,11 +214,11 @@ class StaticRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._lm_row = self._lm_row_fn(model)
-        shape = (len(self.layers), self.kv_heads, max_len, self.head_dim)
+        self._stack = compiled_stack(model) if compiled else decoder_stack
         kv = _KV.get(model)
-        if kv is None or kv[0].shape[2] < max_len or kv[0].dtype != self.dtype or kv[0].device != self.device:
-            kv = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                  torch.empty(shape, dtype=self.dtype, device=self.device))
+        if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
+            shape = (self.kv_heads, max_len, self.head_dim)
+            kv = tuple([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers] for _ in "kv")
             _KV[model] = kv
         self.k, self.v = kv
         self.max_len = max_len
@@ -197,8 +229,9 @@ class StaticRunner:
         n, start = ids.shape[0], self.length
         if start + n > self.max_len:
             raise RuntimeError(f"internal: static cache of {self.max_len} positions overflows ({start} + {n})")
+        slots = torch.arange(start, start + n, device=self.device)
         if tree is None:
-            positions = torch.arange(start, start + n, device=self.device)
+            positions = slots
             mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
         else:
             positions = start + tree.depth.to(self.device)
@@ -206,17 +239,9 @@ class StaticRunner:
             mask[:, start:] = tree.ancestors.to(self.device)
         x = self.base.embed_tokens(ids).view(1, n, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, D]: broadcast over heads
-        states = [x] if hidden else None
-        end = start + n
-        for i, layer in enumerate(self.layers):
-            x = layer_step(layer, x, cos, sin, self.k[i], self.v[i], start, mask)
-            if hidden and i < len(self.layers) - 1:
-                states.append(x)
-        x = self.base.norm(x)
-        if hidden:
-            states.append(x)  # transformers' last hidden state is the normed one
-        self.length = end
+        x, states = self._stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
+                                start + n, mask, hidden)
+        self.length = start + n
         return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
 
     def _lm_row_fn(self, model: Any) -> Any:
@@ -236,19 +261,22 @@ class StaticRunner:
     def keep(self, tree_size: int, keep: list[int]) -> None:
         first = self.length - tree_size
         src = torch.tensor(keep, device=self.device) + first
-        self.k[:, :, first : first + len(keep)] = self.k.index_select(2, src)
-        self.v[:, :, first : first + len(keep)] = self.v.index_select(2, src)
+        for cache in (*self.k, *self.v):
+            cache[:, first : first + len(keep)] = cache.index_select(1, src)
         self.length = first + len(keep)
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
 
+ENGINES = ("auto", "static", "compiled", "hf")
+
+
 def engine_name(model: Any, engine: str = "auto") -> str:
     """The engine `engine` means for this model: auto is static where supported, else hf."""
-    if engine == "static" and not static_supported(model):
+    if engine in ("static", "compiled") and not static_supported(model):
         family = getattr(text_config(model.config), "model_type", "?")
-        raise HeadwayError(f"inference.engine=static supports {', '.join(STATIC_FAMILIES)} with full attention, not "
+        raise HeadwayError(f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
                            f"this '{family}' target: use inference.engine=auto or hf")
     if engine == "auto":
         return "static" if static_supported(model) else "hf"
@@ -257,4 +285,5 @@ def engine_name(model: Any, engine: str = "auto") -> str:
 
 def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
     """A fresh runner (empty cache) for sequences of up to `max_len` tokens."""
-    return StaticRunner(model, max_len) if engine_name(model, engine) == "static" else HFRunner(model)
+    name = engine_name(model, engine)
+    return HFRunner(model) if name == "hf" else StaticRunner(model, max_len, compiled=name == "compiled")
