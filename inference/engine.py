@@ -192,9 +192,10 @@ _COMPILED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
 def compiled_stack(model: Any) -> Any:
-    """`decoder_stack` under torch.compile, once per model. Shapes are dynamic (one graph serves every tree size and
-    cache length; transformers-style 0/1 specialisation adds one for single tokens), so no tree-size buckets or
-    padding are needed; the first calls compile (about a minute per graph for the default target on one CPU core)."""
+    """`decoder_stack` under torch.compile, once per model. Shapes are dynamic: one graph serves every tree size,
+    prompt length and cache length, and torch's 0/1 specialisation adds one for single tokens; two graphs in all, so
+    no tree-size buckets or padding are needed. The first two calls compile (minutes for the default target on one
+    CPU core); torch keeps the result in its on-disk cache, so later runs start in seconds."""
     if model not in _COMPILED:
         _COMPILED[model] = torch.compile(decoder_stack, dynamic=True)
     return _COMPILED[model]
@@ -214,6 +215,7 @@ class StaticRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._lm_row = self._lm_row_fn(model)
+        self.compiled = compiled
         self._stack = compiled_stack(model) if compiled else decoder_stack
         kv = _KV.get(model)
         if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
@@ -230,17 +232,24 @@ class StaticRunner:
         if start + n > self.max_len:
             raise RuntimeError(f"internal: static cache of {self.max_len} positions overflows ({start} + {n})")
         slots = torch.arange(start, start + n, device=self.device)
+        mask = None  # one token (a chain step, or a tree that is only its root) sees every slot
         if tree is None:
             positions = slots
-            mask = None if n == 1 else torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
+            if n > 1:
+                mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
         else:
             positions = start + tree.depth.to(self.device)
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
-            mask[:, start:] = tree.ancestors.to(self.device)
+            if n > 1:
+                mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
+                mask[:, start:] = tree.ancestors.to(self.device)
         x = self.base.embed_tokens(ids).view(1, n, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
-        x, states = self._stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
-                                start + n, mask, hidden)
+        # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
+        # eagerly, and the graphs always give the hidden states (free inside them) rather than compiling twice.
+        compiled = self.compiled and (n == 1 or tree is not None)
+        stack = self._stack if compiled else decoder_stack
+        x, states = stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
+                          start + n, mask, hidden or compiled)
         self.length = start + n
         return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
 

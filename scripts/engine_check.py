@@ -1,5 +1,5 @@
-"""Engines side by side on one machine: plain and speculative decoding with the transformers forward (hf) and
-the static engine, the same prompts, in rotating order. Speculative output must equal plain greedy output on
+"""Engines side by side on one machine: plain and speculative decoding with the transformers forward (hf), the
+static engine and the compiled one (torch.compile; the warm-up compiles), the same prompts, in rotating order. Speculative output must equal plain greedy output on
 the same engine (exit 1 otherwise); whether the two engines agree is reported (in bf16 near-ties may differ). Prints tok/s, tau and ms per verification and draft step, and writes them as JSON.
 
     python scripts/engine_check.py [--head DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--threads 1]
@@ -45,7 +45,7 @@ def main() -> int:
     decoder = SpeculativeDecoder.load(args.head or reference_head(), cfg)
     model, stops, n = decoder.target.model, decoder.fmt.stop_ids, args.max_new_tokens
     texts = [c.turns[0] for c in load_conversations(PromptConfig(path=args.prompts))] if args.prompts else PROMPTS
-    engines = ["hf"] + (["static"] if engine_name(model) == "static" else [])
+    engines = ["hf"] + (["static", "compiled"] if engine_name(model) == "static" else [])
     runners = {}
     for e in engines:
         runners[f"plain/{e}"] = lambda ids, e=e: plain_generate(model, ids, n, stops, engine=e)
