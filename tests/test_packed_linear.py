@@ -1,5 +1,6 @@
 """target.linear_weights=float16: packed fp16 decoder weights with float32 compute. The layers compute what
-float32 does on fp16-rounded weights, speculative decoding equals this format's plain decoding on both engines,
+float32 does on fp16-rounded weights, speculative decoding equals this format's plain decoding on every engine
+(hf, static, compiled),
 and the settings it cannot serve are refused with a message."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_di
     stop = [t.tokenizer.eos_token_id]
     for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
         ids = chat_ids(t, text)
-        for engine in ("hf", "static"):
+        for engine in ("hf", "static", "compiled"):
             ref = greedy_generate(t.model, ids, 32, stop, engine=engine)
             for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
                 assert speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens, engine
