@@ -1,7 +1,6 @@
 """target.linear_weights=float16: packed fp16 decoder weights with float32 compute. The layers compute what
 float32 does on fp16-rounded weights, speculative decoding equals this format's plain decoding on every engine
-(hf, static, compiled),
-and the settings it cannot serve are refused with a message."""
+(hf, static, compiled), and the settings it cannot serve are refused with a message."""
 
 from __future__ import annotations
 
