@@ -84,7 +84,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
+               v_cache: torch.Tensor, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
+               attend: Optional["RowAttention"] = None) -> torch.Tensor:
     """One Llama-style decoder layer over x [1, n, h]: its keys and values go into cache slots `slots` [n] of
     k_cache/v_cache [kv_heads, max_len, head_dim] (in place), and its queries attend to slots [0, end) under
     `mask` (bool or additive, [n, end] or broadcastable; None: every slot). The layer's own modules do the
@@ -99,27 +100,56 @@ def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     v = a.v_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
     k_cache.index_copy_(1, slots, _rotate(k, cos, sin)[0])
     v_cache.index_copy_(1, slots, v[0])
-    o = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_cache[None, :, :end], v_cache[None, :, :end],
-                                       attn_mask=mask, scale=a.scaling, enable_gqa=True)
+    if attend is None:
+        o = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_cache[None, :, :end], v_cache[None, :, :end],
+                                           attn_mask=mask, scale=a.scaling, enable_gqa=True)
+    else:
+        o = attend(_rotate(q, cos, sin), k_cache, v_cache, a.scaling)
     x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def decoder_stack(layers: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list,
                   vs: list, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
-                  hidden: bool) -> tuple[torch.Tensor, list]:
+                  hidden: bool, attend: Optional["RowAttention"] = None) -> tuple[torch.Tensor, list]:
     """Every decoder layer (`layer_step`, layer i on caches ks[i]/vs[i]) and the final norm: the normed output and,
     with `hidden`, the hidden states as transformers' output_hidden_states gives them (the last one normed).
     The unit `inference.engine=compiled` hands to torch.compile."""
     states = [x] if hidden else []
     for layer, k, v in zip(layers, ks, vs):
-        x = layer_step(layer, x, cos, sin, k, v, slots, end, mask)
+        x = layer_step(layer, x, cos, sin, k, v, slots, end, mask, attend)
         if hidden:
             states.append(x)
     x = norm(x)
     if hidden:
         states[-1] = x
     return x, states
+
+
+class RowAttention:
+    """Attention that gives each query row exactly what a one-token decoding step of that token would: row i attends
+    to `visible[i]` (its cache slots, in order: the prefix, then its ancestors and itself by depth), gathered into a
+    sequence of its own, with no mask. Rows of one length share one call. In bf16 the fused attention kernel's result
+    for a row depends on the query count, the mask and the key length; after bf16 rounding that flips near-ties, so
+    speculative and plain decoding part ways. Gathering makes the row's computation identical to plain decoding's."""
+
+    def __init__(self, visible: list[list[int]], device: torch.device):
+        by_len: dict[int, list[int]] = {}
+        for i, v in enumerate(visible):
+            by_len.setdefault(len(v), []).append(i)
+        self.groups = [(torch.tensor(rows, device=device), torch.tensor([j for i in rows for j in visible[i]], device=device),
+                        len(rows), length) for length, rows in by_len.items()]
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+        o = torch.empty_like(q)  # [1, heads, n, head_dim]
+        for rows, idx, b, length in self.groups:
+            k = k_cache.index_select(1, idx).view(kv_heads, b, length, head_dim).transpose(0, 1)
+            v = v_cache.index_select(1, idx).view(kv_heads, b, length, head_dim).transpose(0, 1)
+            qr = q[0].index_select(1, rows).transpose(0, 1).unsqueeze(2)  # [b, heads, 1, head_dim]
+            out = F.scaled_dot_product_attention(qr, k, v, scale=scale, enable_gqa=True)
+            o[0].index_copy_(1, rows, out.squeeze(2).transpose(0, 1))
+        return o
 
 
 class StaticLayerCache:
@@ -219,6 +249,8 @@ class StaticRunner:
         self._lm_row = self._lm_row_fn(model)
         self.compiled = compiled
         self._stack = compiled_stack(model) if compiled else decoder_stack
+        # bf16/fp16 on CPUs (eager): decoding steps compute every row as a one-token step would (`_row_exact`)
+        self.row_exact = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and not compiled
         kv = _KV.get(model)
         if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
             shape = (self.kv_heads, max_len, self.head_dim)
@@ -244,6 +276,8 @@ class StaticRunner:
             if n > 1:
                 mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
                 mask[:, start:] = tree.ancestors.to(self.device)
+        if self.row_exact and (n == 1 or tree is not None):
+            return self._row_exact(ids, tree, hidden)
         x = self.base.embed_tokens(ids).view(1, n, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
         # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
@@ -253,6 +287,34 @@ class StaticRunner:
         x, states = stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
                           start + n, mask, hidden or compiled)
         self.length = start + n
+        return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
+
+    def _row_exact(self, ids: torch.Tensor, tree: Optional[Tree], hidden: bool) -> tuple[Any, Any]:
+        """A decoding step (one token, or a tree) whose every row is bit-identical to a one-token step of that row's
+        token after its accepted ancestors, so that greedy speculative decoding equals plain decoding in bf16 too.
+        Two things differ with the row count in bf16 on CPUs: a linear over one row (it takes another kernel than 2
+        or more rows, which agree with each other), and fused attention (see RowAttention). So a single token runs as
+        two identical rows, and attention runs per row over exactly the slots it sees. The prompt runs normally:
+        plain and speculative decoding share it."""
+        n, start = ids.shape[0], self.length
+        if tree is None:
+            depth, visible = [0], [list(range(start + 1))]
+        else:
+            depth = tree.depth.tolist()
+            anc = tree.ancestors.tolist()
+            visible = [list(range(start)) + sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start])
+                       for i in range(n)]
+        rows = 2 if n == 1 else n  # one row pads to two: the same token, written to the same slot
+        pick = torch.zeros(rows, dtype=torch.long, device=self.device) if n == 1 else torch.arange(n, device=self.device)
+        slots = start + pick
+        positions = start + torch.tensor(depth, device=self.device)[pick]
+        x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
+        cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
+        attend = RowAttention([visible[i] for i in pick.tolist()], self.device)
+        x, states = decoder_stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
+                                  start + n, None, hidden, attend)
+        self.length = start + n
+        x, states = x[:, :n], [h[:, :n] for h in states]
         return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
 
     def _lm_row_fn(self, model: Any) -> Any:

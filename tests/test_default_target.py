@@ -130,3 +130,24 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     ref = greedy_generate(t.model, ids, 16, fmt.stop_ids)
     spec = speculative_generate(t.model, drafter, ids, 16, fmt.stop_ids)
     assert spec.tokens == ref.tokens
+
+
+def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache):
+    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees): speculative output equals plain
+    greedy output in the same dtype. Without the row-exact decoding steps most answers part at a near-tie."""
+    from headway.demo import reference_head
+    from headway.inference.api import SpeculativeDecoder
+    from headway.inference.generate import plain_generate, speculative_generate
+
+    cfg = load_config(RunConfig, None, [f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2",
+                                        "target.dtype=bfloat16", "inference.drafter=neural", "inference.depth=3",
+                                        "inference.top_k=4", "inference.total_tokens=6"])
+    decoder = SpeculativeDecoder.load(reference_head(), cfg)
+    model, stops = decoder.target.model, decoder.fmt.stop_ids
+    for question in ["Explain how a hash map works, with a Python example.", "Write a short story about a lighthouse keeper.",
+                     "What is 17 times 23? Show your steps."]:
+        ids = decoder.fmt.first_turn(question)
+        ref = plain_generate(model, ids, 64, stops, engine="static")
+        spec = speculative_generate(model, decoder.drafter, ids, 64, stops, engine="static")
+        assert spec.tokens == ref.tokens, question
+        assert spec.target_forwards < ref.target_forwards

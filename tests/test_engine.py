@@ -80,6 +80,27 @@ def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str):
+    """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
+    ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention)."""
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16"))
+    prompt = torch.arange(10, 50)
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
+    nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])
+    spec = StaticRunner(t.model, 64)
+    spec.forward(prompt)
+    rows, _ = spec.forward(nodes, tree, hidden=True)
+    for leaf in (4, 5, 6):
+        path = [i for i in range(tree.size) if tree.ancestors[leaf, i]]
+        plain = StaticRunner(t.model, 64)
+        plain.forward(prompt)
+        for i in path:
+            logits, _ = plain.forward(nodes[i : i + 1])
+            assert torch.equal(logits[0], rows[i]), (leaf, i)
+
+
 def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):
     t = load64(tiny_dirs["gemma3"])
     assert not static_supported(t.model)
