@@ -21,7 +21,7 @@ from headway.heads.target import fingerprint_mismatch
 class Sample:
     input_ids: list[int]
     loss_mask: list[int]
-    key: str = ""  # "<dataset dir>#<sample id>": stable across runs (held-out split, feature cache)
+    key: str = ""  # "<dataset dir>#<sample id>": stable across runs (the feature cache's key)
 
 
 def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[list[tuple[str, Sample]], dict]:
@@ -44,10 +44,11 @@ def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[
 
 
 def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """Held-out by a hash of the sample's key: the same samples whatever the order or other data."""
+    """Held-out by a hash of the sample's tokens: the same samples whatever the order, the other data or where the
+    dataset lies (a key with the directory's path would move the split with it), and duplicates fall together."""
     train, held = [], []
-    for key, s in samples:
-        bucket = int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    for _, s in samples:
+        bucket = int(hashlib.sha256(repr(s.input_ids).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
         (held if bucket < fraction else train).append(s)
     if not train:
         raise HeadwayError("every sample was held out for evaluation: lower train.eval_fraction or add data")

@@ -267,6 +267,9 @@ def train(cfg: RunConfig) -> Path:
     samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
     train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
+    if tc.eval_every and 0 < min(len(held), tc.eval_max_samples) < par.world_size:
+        log.warning("only %d held-out sequence(s) for %d processes: no evaluation this run; raise train.eval_fraction "
+                    "or add data", len(held), par.world_size)
     heads = build_heads(cfg, target, train_set).to(device)
     cache = None
     if tc.features_dir:
