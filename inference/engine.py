@@ -228,7 +228,7 @@ def compiled_stack(model: Any) -> Any:
     CPU core); torch keeps the result in its on-disk cache, so later runs start in seconds."""
     if model not in _COMPILED:
         # freezing: the target's weights are constants of the graph, so inductor prepacks them for the CPU's GEMM
-        # kernels (oneDNN/MKL); on this project's CPU that makes verifying 4-8 tokens cost about one token's step.
+        # kernels (oneDNN/MKL); measured gains are in docs/benchmarks.md ("Ninth session").
         _COMPILED[model] = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
     return _COMPILED[model]
 
@@ -265,6 +265,8 @@ class StaticRunner:
         n, start = ids.shape[0], self.length
         if start + n > self.max_len:
             raise RuntimeError(f"internal: static cache of {self.max_len} positions overflows ({start} + {n})")
+        if self.row_exact and (n == 1 or tree is not None):
+            return self._row_exact(ids, tree, hidden)
         slots = torch.arange(start, start + n, device=self.device)
         mask = None  # one token (a chain step, or a tree that is only its root) sees every slot
         if tree is None:
@@ -276,8 +278,6 @@ class StaticRunner:
             if n > 1:
                 mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device)
                 mask[:, start:] = tree.ancestors.to(self.device)
-        if self.row_exact and (n == 1 or tree is not None):
-            return self._row_exact(ids, tree, hidden)
         x = self.base.embed_tokens(ids).view(1, n, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
         # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
