@@ -1,12 +1,17 @@
-"""A CPU inference format for the frozen target: its linear weights packed as float16.
+"""CPU inference formats for the frozen target's linear weights (decoder layers and lm_head).
 
 Decoding a small model on a CPU reads every weight once per step, so a step costs what the memory traffic
-costs. With `target.linear_weights=float16` every linear layer of the decoder layers, and the lm_head, keeps
-its weight packed as float16 (fbgemm, the kernel behind torch's dynamic fp16 quantization) and computes in
-float32: half the traffic of float32, and a cost that hardly grows from 1 to ~6 rows, which is what makes
-verifying a draft tree cheap. The lm_head's float32 weight stays too (the embedding and the EAGLE heads share
-it); the embedding, norms and attention run as loaded. Outputs are exactly this format's own plain decoding;
-they can differ from float32's where two tokens nearly tie, as bf16's do.
+and the kernels cost. Two formats replace every nn.Linear by a module over a prepacked weight:
+
+- `float16` (float32 targets): the weight packed as float16 (fbgemm, the kernel behind torch's dynamic fp16
+  quantization), float32 compute: half the traffic of float32, a cost that hardly grows from 1 to ~6 rows
+  (what makes verifying a draft tree cheap), and a row's result that does not depend on the row count. Outputs
+  are exactly this format's own plain decoding; they can differ from float32's where two tokens nearly tie.
+- `onednn` (bfloat16 targets): the same bf16 weights and math, prepacked for oneDNN's bf16 kernels, which
+  torch's own bf16 linear does not use for a few rows (1.2x a bf16 step on an AVX512-BF16 CPU).
+
+The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
+attention run as loaded.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from torch import nn
 
 from headway.errors import HeadwayError
 
-LINEAR_WEIGHTS = ("native", "float16")
+LINEAR_WEIGHTS = ("native", "float16", "onednn")
 
 
 class Float16Linear(nn.Module):
@@ -42,51 +47,83 @@ class Float16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=packed float16"
 
 
-def _swap_linears(module: nn.Module, keep_weight: bool) -> int:
-    """Every nn.Linear under `module` becomes a Float16Linear; returns how many."""
+class OneDNNLinear(nn.Module):
+    """nn.Linear's forward, bf16 in and out, over a copy of its bf16 weight prepacked for oneDNN's kernels."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
+        """keep_weight: keep the weight as `.weight` too (see Float16Linear)."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        # the batch-size hint only picks the packed layout; 1..16 rows measured the same with any hint
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        if keep_weight:
+            self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed for oneDNN"
+
+
+PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear}
+
+
+def _swap_linears(module: nn.Module, fmt: str, keep_weight: bool) -> int:
+    """Every nn.Linear under `module` becomes the packed module of format `fmt`; returns how many."""
     n = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, Float16Linear(child, keep_weight))
+            setattr(module, name, PACKED[fmt](child, keep_weight))
             n += 1
         else:
-            n += _swap_linears(child, keep_weight)
+            n += _swap_linears(child, fmt, keep_weight)
     return n
 
 
-def pack_head_linear_weights(heads: nn.Module) -> int:
-    """A draft head decoding beside a float16-packed target computes its linears the same way (its float32
-    weights stay as `.weight`; drafts only steer speed, never the output). Inference only: never train or
-    save a packed head."""
-    return _swap_linears(heads, keep_weight=True)
+def pack_head_linear_weights(heads: nn.Module, fmt: str = "float16") -> int:
+    """A draft head decoding beside a packed target computes its linears the same way (its weights stay as
+    `.weight`; drafts only steer speed, never the output). Inference only: never train or save a packed head."""
+    return _swap_linears(heads, fmt, keep_weight=True)
 
 
 def linear_weights(model: Any) -> str:
-    """The format of the model's linear weights: native, or float16 (packed by `pack_linear_weights`)."""
+    """The format of the model's linear weights: native, float16 or onednn (packed by `pack_linear_weights`)."""
     return getattr(model, "headway_linear_weights", "native")
 
 
-def pack_linear_weights(model: Any) -> int:
-    """Replace every nn.Linear inside the model's decoder layers, and its lm_head, by a Float16Linear; returns how
-    many. CPU and float32 only (on GPUs, load the target in bfloat16 or float16 instead)."""
+def _check_format(model: Any, fmt: str) -> None:
+    """One message for a target the format cannot serve."""
     p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype != torch.float32:
-        raise HeadwayError(f"target.linear_weights=float16 is a CPU format for float32 targets (this one is {p.dtype} "
-                           f"on {p.device.type}): set target.dtype=float32 and target.device=cpu, or linear_weights=native")
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise HeadwayError(f"target.linear_weights=float16 needs a decoder with `model.layers` ({type(model).__name__} "
+    want = {"float16": torch.float32, "onednn": torch.bfloat16}[fmt]
+    name = str(want).removeprefix("torch.")
+    if p.device.type != "cpu" or p.dtype != want:
+        raise HeadwayError(f"target.linear_weights={fmt} is a CPU format for {name} targets (this one is {p.dtype} "
+                           f"on {p.device.type}): set target.dtype={name} and target.device=cpu, or linear_weights=native")
+    if getattr(getattr(model, "model", None), "layers", None) is None:
+        raise HeadwayError(f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
                            "has none): use target.linear_weights=native")
     try:
-        torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
+        if fmt == "float16":
+            torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
+        elif not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            raise RuntimeError("oneDNN has no bf16 kernels for this CPU")
     except (RuntimeError, AttributeError, NotImplementedError) as e:
-        raise HeadwayError(f"this torch build has no float16 linear kernels for this CPU ({str(e).splitlines()[0][:120]}): "
+        raise HeadwayError(f"this torch build has no {fmt} linear kernels for this CPU ({str(e).splitlines()[0][:120]}): "
                            "use target.linear_weights=native") from None
 
-    count = _swap_linears(layers, keep_weight=False)
+
+def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
+    """Replace every nn.Linear inside the model's decoder layers, and its lm_head, by the packed module of format
+    `fmt` (float16: float32 CPU targets; onednn: bfloat16 CPU targets); returns how many. On GPUs, load the target
+    in bfloat16 or float16 instead."""
+    _check_format(model, fmt)
+    count = _swap_linears(model.model.layers, fmt, keep_weight=False)
     lm_head = model.get_output_embeddings()
     if isinstance(lm_head, nn.Linear):
-        model.set_output_embeddings(Float16Linear(lm_head, keep_weight=True))
+        model.set_output_embeddings(PACKED[fmt](lm_head, keep_weight=True))
         count += 1
-    model.headway_linear_weights = "float16"
+    model.headway_linear_weights = fmt
     return count

@@ -92,8 +92,8 @@ class SpeculativeDecoder:
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
         heads.attach_target(target.model)
-        if linear_weights(target.model) == "float16":
-            pack_head_linear_weights(heads)
+        if linear_weights(target.model) != "native":
+            pack_head_linear_weights(heads, linear_weights(target.model))
         tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)
         return cls(target, heads, apply_tuned(cfg, head_dir, target.model), head_config,
                    tuned.get("verify_ms") if tuned else None)

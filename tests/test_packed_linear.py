@@ -1,6 +1,6 @@
-"""target.linear_weights=float16: packed fp16 decoder weights with float32 compute. The layers compute what
-float32 does on fp16-rounded weights, speculative decoding equals this format's plain decoding on every engine
-(hf, static, compiled), and the settings it cannot serve are refused with a message."""
+"""target.linear_weights=float16 (packed fp16 decoder weights, float32 compute) and onednn (bf16 weights prepacked
+for oneDNN). The layers compute what the format says, speculative decoding equals the format's plain decoding (every
+engine for float16; the row-exact static engine for bf16), and the settings a format cannot serve are refused."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from headway.errors import HeadwayError
-from headway.heads.packed_linear import Float16Linear, linear_weights, pack_head_linear_weights
+from headway.heads.packed_linear import Float16Linear, OneDNNLinear, linear_weights, pack_head_linear_weights
 from headway.heads.target import TargetConfig, export_target, load_target
 from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.engine import make_runner
 from headway.inference.generate import greedy_generate, speculative_generate
 from test_eagle import chat_ids, random_head
 from test_hybrid import ngram_only
@@ -68,3 +69,43 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
 
     with pytest.raises(HeadwayError, match="train with target.linear_weights=native"):
         add_lora(t.model, LoraConfig(enabled=True))
+
+
+def test_onednn_linear_is_bf16_math_on_the_same_weights():
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40, bias=True).bfloat16()
+    packed = OneDNNLinear(lin)
+    for shape in [(1, 96), (5, 96), (1, 7, 96)]:
+        x = torch.randn(*shape).bfloat16()
+        out = packed(x)
+        assert out.shape == (*shape[:-1], 40) and out.dtype == torch.bfloat16
+        ref = F.linear(x.float(), lin.weight.float(), lin.bias.float())  # exact products, float32 sums
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_speculative_decoding_equals_plain_decoding_with_onednn_weights(tiny_dirs, arch: str):
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16",
+                                 linear_weights="onednn"))
+    assert linear_weights(t.model) == "onednn"
+    assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
+    assert isinstance(t.model.lm_head, OneDNNLinear) and t.model.lm_head.weight.dtype == torch.bfloat16
+    heads = random_head(t, "eagle3").bfloat16()
+    assert pack_head_linear_weights(heads, "onednn") > 0
+    stop = [t.tokenizer.eos_token_id]
+    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
+        ids = chat_ids(t, text)
+        ref = greedy_generate(t.model, ids, 32, stop, engine="static")
+        for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
+            assert speculative_generate(t.model, drafter, ids, 32, stop, engine="static").tokens == ref.tokens
+
+
+def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs):
+    with pytest.raises(HeadwayError, match="target.linear_weights=onednn is a CPU format for bfloat16 targets .* set "
+                                           "target.dtype=bfloat16"):
+        load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float32",
+                                 linear_weights="onednn"))
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="bfloat16",
+                                 linear_weights="onednn"))
+    with pytest.raises(HeadwayError, match="cannot compile target.linear_weights=onednn: use inference.engine=static"):
+        make_runner(t.model, 32, "compiled")

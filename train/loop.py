@@ -51,8 +51,8 @@ def add_lora(model: Any, lora: Any) -> Any:
     from headway.heads.packed_linear import linear_weights
 
     if linear_weights(model) != "native":
-        raise HeadwayError("Medusa-2's LoRA adapts the target's linear layers, which target.linear_weights=float16 packs "
-                           "for inference: train with target.linear_weights=native")
+        raise HeadwayError(f"Medusa-2's LoRA adapts the target's linear layers, which target.linear_weights="
+                           f"{linear_weights(model)} packs for inference: train with target.linear_weights=native")
     try:
         return get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                     target_modules=list(lora.target_modules), bias="none"))
