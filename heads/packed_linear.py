@@ -18,12 +18,30 @@ from __future__ import annotations
 
 from typing import Any
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
 from headway.errors import HeadwayError
 
 LINEAR_WEIGHTS = ("native", "float16", "onednn")
+
+# torch.compile cannot trace a packed fbgemm weight (a TorchScript object): every Float16Linear would break the graph
+# in two. Under compile the layer calls an opaque custom op instead, which finds its packed weight by a number.
+_PACKED_FP16: dict[int, object] = {}
+_KEYS = itertools.count()
+
+
+@torch.library.custom_op("headway::linear_fp16", mutates_args=())
+def _linear_fp16(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED_FP16[key])
+
+
+@_linear_fp16.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
 
 
 class Float16Linear(nn.Module):
@@ -36,11 +54,18 @@ class Float16Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
+        self.key = next(_KEYS)
+        _PACKED_FP16[self.key] = self.packed
+        weakref.finalize(self, _PACKED_FP16.pop, self.key, None)
         if keep_weight:
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features), self.packed)
+        x2 = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.headway.linear_fp16(x2, self.key, self.out_features)
+        else:  # eager: the op itself (a custom op's dispatch costs ~10 us a call, 211 calls a step)
+            y = torch.ops.quantized.linear_dynamic_fp16(x2, self.packed)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

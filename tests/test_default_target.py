@@ -132,15 +132,18 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     assert spec.tokens == ref.tokens
 
 
-def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache):
-    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees): speculative output equals plain
-    greedy output in the same dtype. Without the row-exact decoding steps most answers part at a near-tie."""
+@pytest.mark.parametrize("linear_weights", ["native", "onednn"])
+def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache, linear_weights: str):
+    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees), with torch's linears and with
+    oneDNN-packed ones: speculative output equals plain greedy output in the same dtype and format. Without the
+    row-exact decoding steps most answers part at a near-tie."""
     from headway.demo import reference_head
     from headway.inference.api import SpeculativeDecoder
     from headway.inference.generate import plain_generate, speculative_generate
 
     cfg = load_config(RunConfig, None, [f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2",
-                                        "target.dtype=bfloat16", "inference.drafter=neural", "inference.depth=3",
+                                        "target.dtype=bfloat16", f"target.linear_weights={linear_weights}",
+                                        "inference.drafter=neural", "inference.depth=3",
                                         "inference.top_k=4", "inference.total_tokens=6"])
     decoder = SpeculativeDecoder.load(reference_head(), cfg)
     model, stops = decoder.target.model, decoder.fmt.stop_ids

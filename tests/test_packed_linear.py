@@ -109,3 +109,18 @@ def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs):
                                  linear_weights="onednn"))
     with pytest.raises(HeadwayError, match="cannot compile target.linear_weights=onednn: use inference.engine=static"):
         make_runner(t.model, 32, "compiled")
+
+
+def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
+    """Under inference.engine=compiled a packed float16 linear is one opaque op of the graph, not a break: the whole
+    decoder stack stays 2 graphs (one token, a tree), as with native weights."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    t = load16(tiny_dirs["llama"])
+    ids = chat_ids(t, "Write a short poem about the sea.")
+    ref = greedy_generate(t.model, ids, 16, [t.tokenizer.eos_token_id], engine="static")
+    drafter = ngram_only(0.05, min_ngram=1)
+    assert greedy_generate(t.model, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens == ref.tokens
+    assert speculative_generate(t.model, drafter, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens == ref.tokens
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
