@@ -9,7 +9,7 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.engine import HFRunner, StaticRunner, make_runner, static_supported
+from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
 from test_eagle import chat_ids, random_head
@@ -99,6 +99,25 @@ def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: st
         for i in path:
             logits, _ = plain.forward(nodes[i : i + 1])
             assert torch.equal(logits[0], rows[i]), (leaf, i)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.inference_mode()
+def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(dtype):
+    """RowAttention at the default target's sizes (9 query heads over 3 key/value heads of 64, ~150 visible slots):
+    a row computed in a group of rows of the same length, or among rows of other lengths, equals that row computed
+    alone, bit for bit. (Batched matmuls fail this: their result depends on the batch count.)"""
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(3, 200, 64, generator=g).to(dtype)
+    v_cache = torch.randn(3, 200, 64, generator=g).to(dtype)
+    q = torch.randn(1, 9, 6, 64, generator=g).to(dtype)
+    prefix = list(range(150))
+    visible = [prefix + [150], prefix + [151], prefix + [152], prefix + [150, 153], prefix + [151, 154],
+               prefix + [150, 153, 155]]
+    together = RowAttention(visible, q.device)(q, k_cache, v_cache, 0.125)
+    for i, slots in enumerate(visible):
+        alone = RowAttention([slots], q.device)(q[:, :, i : i + 1], k_cache, v_cache, 0.125)
+        assert torch.equal(together[:, :, i : i + 1], alone), i
 
 
 def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):
