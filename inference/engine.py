@@ -334,9 +334,11 @@ class StaticRunner:
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
         first = self.length - tree_size
-        src = torch.tensor(keep, device=self.device) + first
-        for cache in (*self.k, *self.v):
-            cache[:, first : first + len(keep)] = cache.index_select(1, src)
+        # a path that is the tree's first nodes in order (the root alone, the head of a chain) is already in place
+        if keep != list(range(len(keep))):
+            src = torch.tensor(keep, device=self.device) + first
+            for cache in (*self.k, *self.v):
+                cache[:, first : first + len(keep)] = cache.index_select(1, src)
         self.length = first + len(keep)
 
     def truncate(self, length: int) -> None:

@@ -31,7 +31,9 @@ def test_static_runner_matches_the_model_forward(tiny_dirs, arch: str, compiled:
     atol = 1e-6 if compiled else 1e-10
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     steps = [(torch.arange(10, 40), None, None), (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
-             (torch.tensor([11]), None, None), (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5])]
+             (torch.tensor([11]), None, None), (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
+             (torch.tensor([12, 13, 14, 15, 16, 17]), tree, [0, 1]),  # a path already in place: nothing moves
+             (torch.tensor([18, 19, 20, 21, 22, 23]), tree, [0]), (torch.tensor([24]), None, None)]
     for ids, t_, keep in steps:
         (la, ha), (lb, hb) = hf.forward(ids, t_, hidden=True), static.forward(ids, t_, hidden=True)
         assert len(ha) == len(hb) == t.config.num_hidden_layers + 1
