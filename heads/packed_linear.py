@@ -129,14 +129,22 @@ def _check_format(model: Any, fmt: str) -> None:
     if getattr(getattr(model, "model", None), "layers", None) is None:
         raise HeadwayError(f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
                            "has none): use target.linear_weights=native")
+    reason = _kernels_missing(fmt)
+    if reason:
+        raise HeadwayError(f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
+                           "use target.linear_weights=native")
+
+
+def _kernels_missing(fmt: str) -> str | None:
+    """Why this torch build or CPU cannot run the format's kernels; None when it can."""
+    if fmt == "onednn":
+        ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return None if ok else "oneDNN has no bf16 kernels for this CPU"
     try:
-        if fmt == "float16":
-            torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
-        elif not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            raise RuntimeError("oneDNN has no bf16 kernels for this CPU")
-    except (RuntimeError, AttributeError, NotImplementedError) as e:
-        raise HeadwayError(f"this torch build has no {fmt} linear kernels for this CPU ({str(e).splitlines()[0][:120]}): "
-                           "use target.linear_weights=native") from None
+        torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
+    except (RuntimeError, AttributeError, NotImplementedError) as e:  # a build without fbgemm
+        return str(e).splitlines()[0][:120]
+    return None
 
 
 def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
