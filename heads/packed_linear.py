@@ -11,14 +11,16 @@ and the kernels cost. Two formats replace every nn.Linear by a module over a pre
   torch's own bf16 linear does not use for a few rows (1.3x a bf16 step on an AVX512-BF16 CPU).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
-attention run as loaded.
+attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
+MLP's gate and up projections as another (`FusedLinear`): a step then makes 4 calls a layer instead of 7, over larger
+weights (measured in docs/benchmarks.md, "Eleventh session").
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -71,6 +73,13 @@ class Float16Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=packed float16"
 
 
+# OneDNNLinear runs fewer rows as this many (copies of the first row, results dropped): oneDNN's prepacked bf16
+# kernels take another path for one row, and run 2 rows slower than 4 (a step's linears: 16.2 ms for 1 row, 24.9 for
+# 2, 15.2 for 1 padded to 4; AVX512-BF16, docs/benchmarks.md "Eleventh session"). A row's result is then the same
+# bits for any row count.
+ONEDNN_PAD_ROWS = 4
+
+
 class OneDNNLinear(nn.Module):
     """nn.Linear's forward, bf16 in and out, over a copy of its bf16 weight prepacked for oneDNN's kernels."""
 
@@ -85,14 +94,86 @@ class OneDNNLinear(nn.Module):
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if rows == 1:  # see ONEDNN_PAD_ROWS
+            x2 = x2.expand(ONEDNN_PAD_ROWS, -1)
+        elif rows < ONEDNN_PAD_ROWS:
+            x2 = torch.cat([x2, x2[:1].expand(ONEDNN_PAD_ROWS - rows, -1)])
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y[:rows].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed for oneDNN"
 
 
 PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear}
+
+
+class FusedLinear(nn.Module):
+    """Several linears over the same input as one packed weight (their rows stacked): returns their outputs, views of
+    one result. Headway's static engine calls it (`fused_projections`); the model's own forward calls the
+    `FusedPart`s that replace the original linears, each of which computes the whole product and keeps its part."""
+
+    def __init__(self, linears: list[nn.Linear], fmt: str):
+        super().__init__()
+        biases = [lin.bias for lin in linears]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            biases = [torch.zeros(lin.out_features, dtype=lin.weight.dtype) if lin.bias is None else lin.bias
+                      for lin in linears]
+        stacked = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
+                            bias=biases[0] is not None, dtype=linears[0].weight.dtype)
+        with torch.no_grad():
+            stacked.weight.copy_(torch.cat([lin.weight.detach() for lin in linears]))
+            if stacked.bias is not None:
+                stacked.bias.copy_(torch.cat([b.detach() for b in biases]))
+        self.linear = PACKED[fmt](stacked)
+        self.sizes = [lin.out_features for lin in linears]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+
+class FusedPart(nn.Module):
+    """One of a FusedLinear's linears, for the model's own forward (the HF engine): the whole product, then its part."""
+
+    def __init__(self, fused: FusedLinear, index: int):
+        super().__init__()
+        self.fused = [fused]  # a list: not a second registration of the fused module's state
+        self.index = index
+        self.in_features, self.out_features = fused.linear.in_features, fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused[0](x)[self.index]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of a fused weight"
+
+
+_FUSED_GROUPS = (("self_attn", "headway_qkv", ("q_proj", "k_proj", "v_proj")),
+                 ("mlp", "headway_gate_up", ("gate_proj", "up_proj")))
+
+
+def _fuse_layer(layer: nn.Module, fmt: str) -> int:
+    """Pack a Llama-style layer's q/k/v projections as one weight and its gate/up projections as another, where the
+    layer has them as nn.Linear; returns how many linears were packed."""
+    n = 0
+    for owner_name, fused_name, names in _FUSED_GROUPS:
+        owner = getattr(layer, owner_name, None)
+        linears = [getattr(owner, name, None) for name in names]
+        if not all(isinstance(lin, nn.Linear) for lin in linears):
+            continue
+        fused = FusedLinear(linears, fmt)
+        setattr(owner, fused_name, fused)
+        for i, name in enumerate(names):
+            setattr(owner, name, FusedPart(fused, i))
+        n += len(names)
+    return n
+
+
+def fused_projections(module: nn.Module, name: str) -> Optional[FusedLinear]:
+    """The FusedLinear `pack_linear_weights` made for `module` (an attention or MLP), or None."""
+    return getattr(module, name, None)
 
 
 def _swap_linears(module: nn.Module, fmt: str, keep_weight: bool) -> int:
@@ -111,6 +192,13 @@ def pack_head_linear_weights(heads: nn.Module, fmt: str = "float16") -> int:
     """A draft head decoding beside a packed target computes its linears the same way (its weights stay as
     `.weight`; drafts only steer speed, never the output). Inference only: never train or save a packed head."""
     return _swap_linears(heads, fmt, keep_weight=True)
+
+
+def fewest_rows(model: Any) -> int:
+    """The fewest rows a row-exact (bf16/fp16 CPU) decoding step of this model runs. torch's bf16 linear over one row
+    takes another kernel than over two or more (which agree with each other, row by row), so a one-token step pads
+    to 2 rows to get the bits a tree's row gets; OneDNNLinear pads its input itself (ONEDNN_PAD_ROWS)."""
+    return 1 if linear_weights(model) == "onednn" else 2
 
 
 def linear_weights(model: Any) -> str:
@@ -152,7 +240,8 @@ def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
     `fmt` (float16: float32 CPU targets; onednn: bfloat16 CPU targets); returns how many. On GPUs, load the target
     in bfloat16 or float16 instead."""
     _check_format(model, fmt)
-    count = _swap_linears(model.model.layers, fmt, keep_weight=False)
+    count = sum(_fuse_layer(layer, fmt) for layer in model.model.layers)
+    count += _swap_linears(model.model.layers, fmt, keep_weight=False)
     lm_head = model.get_output_embeddings()
     if isinstance(lm_head, nn.Linear):
         model.set_output_embeddings(PACKED[fmt](lm_head, keep_weight=True))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import linear_weights
+from headway.heads.packed_linear import fewest_rows, fused_projections, linear_weights
 from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -95,9 +95,11 @@ def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     n = x.shape[1]
     head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[0]
     h = layer.input_layernorm(x)
-    q = a.q_proj(h).view(1, n, -1, head_dim).transpose(1, 2)
-    k = a.k_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
-    v = a.v_proj(h).view(1, n, kv_heads, head_dim).transpose(1, 2)
+    qkv = fused_projections(a, "headway_qkv")
+    q, k, v = (a.q_proj(h), a.k_proj(h), a.v_proj(h)) if qkv is None else qkv(h)
+    q = q.view(1, n, -1, head_dim).transpose(1, 2)
+    k = k.view(1, n, kv_heads, head_dim).transpose(1, 2)
+    v = v.view(1, n, kv_heads, head_dim).transpose(1, 2)
     k_cache.index_copy_(1, slots, _rotate(k, cos, sin)[0])
     v_cache.index_copy_(1, slots, v[0])
     if attend is None:
@@ -106,7 +108,13 @@ def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     else:
         o = attend(_rotate(q, cos, sin), k_cache, v_cache, a.scaling)
     x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    h = layer.post_attention_layernorm(x)
+    mlp = layer.mlp
+    gate_up = fused_projections(mlp, "headway_gate_up")
+    if gate_up is None:
+        return x + mlp(h)
+    gate, up = gate_up(h)
+    return x + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def decoder_stack(layers: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list,
@@ -137,19 +145,27 @@ class RowAttention:
         by_len: dict[int, list[int]] = {}
         for i, v in enumerate(visible):
             by_len.setdefault(len(v), []).append(i)
-        self.groups = [(torch.tensor(rows, device=device), torch.tensor([j for i in rows for j in visible[i]], device=device),
-                        len(rows), length) for length, rows in by_len.items()]
+        # every group's slots gathered in one call, group after group; its rows in that order
+        order = [i for rows in by_len.values() for i in rows]
+        self.order = torch.tensor(order, device=device)
+        self.slots = torch.tensor([j for i in order for j in visible[i]], device=device)
+        self.groups = [(len(rows), length) for length, rows in by_len.items()]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-        o = torch.empty_like(q)  # [1, heads, n, head_dim]
         # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us)
-        for rows, idx, b, length in self.groups:
-            k = k_cache.index_select(1, idx).view(kv_heads, b, length, head_dim).transpose(0, 1).float()
-            v = v_cache.index_select(1, idx).view(kv_heads, b, length, head_dim).transpose(0, 1).float()
-            qr = q[0].index_select(1, rows).transpose(0, 1).unsqueeze(2).float()  # [b, heads, 1, head_dim]
-            out = F.scaled_dot_product_attention(qr, k, v, scale=scale, enable_gqa=True)
-            o[0].index_copy_(1, rows, out.squeeze(2).transpose(0, 1).to(q.dtype))
+        k_all = k_cache.index_select(1, self.slots).float()  # [kv_heads, slots, head_dim]
+        v_all = v_cache.index_select(1, self.slots).float()
+        q_all = q[0].index_select(1, self.order).transpose(0, 1).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
+        outs, slot, row = [], 0, 0
+        for b, length in self.groups:
+            k = k_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+            v = v_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+            outs.append(F.scaled_dot_product_attention(q_all[row : row + b], k, v, scale=scale, enable_gqa=True))
+            slot, row = slot + b * length, row + b
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2).transpose(0, 1).to(q.dtype)
+        o = torch.empty_like(q)  # [1, heads, n, head_dim]
+        o[0].index_copy_(1, self.order, out)
         return o
 
 
@@ -252,6 +268,7 @@ class StaticRunner:
         self._stack = compiled_stack(model) if compiled else decoder_stack
         # bf16/fp16 on CPUs (eager): decoding steps compute every row as a one-token step would (`_row_exact`)
         self.row_exact = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and not compiled
+        self.fewest_rows = fewest_rows(model)
         kv = _KV.get(model)
         if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
             shape = (self.kv_heads, max_len, self.head_dim)
@@ -295,7 +312,7 @@ class StaticRunner:
         token after its accepted ancestors, so that greedy speculative decoding equals plain decoding in bf16 too.
         Two things differ with the row count in bf16 on CPUs: a linear over one row (it takes another kernel than 2
         or more rows, which agree with each other), and fused attention (see RowAttention). So a single token runs as
-        two identical rows, and attention runs per row over exactly the slots it sees. The prompt runs normally:
+        two or more identical rows (`fewest_rows`), and attention runs per row over exactly the slots it sees. The prompt runs normally:
         plain and speculative decoding share it."""
         n, start = ids.shape[0], self.length
         if tree is None:
@@ -305,8 +322,10 @@ class StaticRunner:
             anc = tree.ancestors.tolist()
             visible = [list(range(start)) + sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start])
                        for i in range(n)]
-        rows = 2 if n == 1 else n  # one row pads to two: the same token, written to the same slot
-        pick = torch.zeros(rows, dtype=torch.long, device=self.device) if n == 1 else torch.arange(n, device=self.device)
+        # a step of fewer rows than the format's `fewest_rows` pads with copies of its first: the same token, written
+        # to the same slot
+        rows = max(n, self.fewest_rows)
+        pick = torch.cat([torch.arange(n), torch.zeros(rows - n, dtype=torch.long)]).to(self.device)
         slots = start + pick
         positions = start + torch.tensor(depth, device=self.device)[pick]
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)

@@ -82,12 +82,17 @@ def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("arch,fmt", [("llama", "native"), ("qwen2", "native")] + ([("llama", "onednn")] if ONEDNN_BF16 else []))
 @torch.inference_mode()
-def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str):
+def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str):
     """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
-    ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention)."""
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16"))
+    ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention, and the padding of
+    few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16",
+                                 linear_weights=fmt))
     prompt = torch.arange(10, 50)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
     nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])

@@ -89,6 +89,55 @@ def test_onednn_linear_is_bf16_math_on_the_same_weights():
 
 
 @needs_onednn_bf16
+@torch.inference_mode()
+def test_onednn_linear_gives_a_row_the_same_bits_for_any_row_count():
+    """oneDNN takes another kernel for one row than for more; OneDNNLinear pads few rows (ONEDNN_PAD_ROWS), so a row's
+    result never depends on how many rows came with it: what row-exact bf16 decoding relies on (the default target's
+    projection sizes and lm_head width)."""
+    torch.manual_seed(0)
+    for out_features, in_features in [(960, 576), (576, 1536), (4096, 576)]:
+        packed = OneDNNLinear(nn.Linear(in_features, out_features, bias=False).bfloat16())
+        x = torch.randn(9, in_features).bfloat16()
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(9)])
+        for rows in (2, 3, 4, 5, 9):
+            assert torch.equal(torch.cat([packed(x[i : i + rows]) for i in range(0, 9 - rows + 1, rows)]),
+                               alone[: (9 // rows) * rows]), (out_features, rows)
+
+
+def fused_formats():
+    return ["float16"] + (["onednn"] if ONEDNN_BF16 else [])
+
+
+@pytest.mark.parametrize("fmt", fused_formats())
+@torch.inference_mode()
+def test_fused_projections_compute_the_separate_linears(tiny_dirs, fmt: str):
+    """Packed formats stack each layer's q/k/v projections into one weight and gate/up into another: the model's own
+    forward (through the parts that replace the linears) and Headway's static engine (one call) give what the
+    separate linears would on the format's rounded weights, and the same logits as each other."""
+    dtype = {"float16": "float32", "onednn": "bfloat16"}[fmt]
+    native = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype))
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype,
+                                 linear_weights=fmt))
+    x = torch.randn(3, t.config.hidden_size).to(getattr(torch, dtype))
+    for layer, ref in zip(t.model.model.layers, native.model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        assert attn.headway_qkv is not None and mlp.headway_gate_up is not None
+        for part, lin in [(attn.q_proj, ref.self_attn.q_proj), (attn.k_proj, ref.self_attn.k_proj),
+                          (attn.v_proj, ref.self_attn.v_proj), (mlp.gate_proj, ref.mlp.gate_proj), (mlp.up_proj, ref.mlp.up_proj)]:
+            w = lin.weight.half().float() if fmt == "float16" else lin.weight.float()
+            torch.testing.assert_close(part(x).float(), F.linear(x.float(), w), rtol=1e-2, atol=1e-2)
+        q, k, v = attn.headway_qkv(x)
+        assert torch.equal(q, attn.q_proj(x)) and torch.equal(k, attn.k_proj(x)) and torch.equal(v, attn.v_proj(x))
+    ids = torch.arange(10, 30)
+    hf, static = make_runner(t.model, 64, "hf"), make_runner(t.model, 64, "static")
+    tol = {"float16": 1e-4, "onednn": 5e-2}[fmt]
+    for step in (ids, torch.tensor([5])):
+        a, _ = hf.forward(step)
+        b, _ = static.forward(step)
+        torch.testing.assert_close(a[-1].float(), b[-1].float(), rtol=tol, atol=tol)
+
+
+@needs_onednn_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_speculative_decoding_equals_plain_decoding_with_onednn_weights(tiny_dirs, arch: str):
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16",
