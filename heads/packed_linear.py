@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,7 +171,7 @@ def _fuse_layer(layer: nn.Module, fmt: str) -> int:
     return n
 
 
-def fused_projections(module: nn.Module, name: str) -> Optional[FusedLinear]:
+def fused_projections(module: nn.Module, name: str) -> FusedLinear | None:
     """The FusedLinear `pack_linear_weights` made for `module` (an attention or MLP), or None."""
     return getattr(module, name, None)
 
