@@ -15,11 +15,12 @@ from headway.heads.target import Target, load_target
 from headway.run_config import RunConfig
 from headway.heads.draft_layer import text_config
 from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.engine import depth_matters
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
-from headway.inference.tune import apply_tuned, interpolate, tuned_entry, verify_cost_curve
+from headway.inference.tune import apply_tuned, interpolate, tree_cost, tuned_entry, verify_cost_curve
 
 
 def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
@@ -47,9 +48,13 @@ def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[d
     """inference.drafter=ngram or hybrid: n-gram branches (and the neural drafter's) in one tree sized per step."""
     hc = cfg.inference.hybrid
     if hc.node_cost >= 0:
-        return HybridDrafter(neural, hc, lambda n: 1.0 + hc.node_cost * (n - 1), timed=False)
-    curve = verify_cost_curve(model, cfg.inference.engine, hc.max_nodes + 1, saved_costs)
-    return HybridDrafter(neural, hc, lambda n: interpolate(curve, n))
+        return HybridDrafter(neural, hc, lambda n, depth: 1.0 + hc.node_cost * (n - 1), timed=False)
+    engine, most = cfg.inference.engine, hc.max_nodes + 1
+    chain = verify_cost_curve(model, engine, most, saved_costs)
+    if not depth_matters(model, engine):
+        return HybridDrafter(neural, hc, lambda n, depth: interpolate(chain, n))
+    flat = verify_cost_curve(model, engine, most, shape="flat")
+    return HybridDrafter(neural, hc, lambda n, depth: tree_cost(chain, flat, n, depth))
 
 
 @dataclass

@@ -8,8 +8,8 @@ acceptance estimate. Those estimates are online Beta averages, updated after eve
 target really accepted: neural edges binned by draft probability, n-gram edges by match length, position in
 the copy and whether the last step accepted a copy. The N best nodes form the tree (a child never outranks
 its parent), and N is chosen every step to maximise expected tokens per second, (1 + sum of values) /
-(verify time of N + 1 tokens + drafting time): N = 0, a plain step, when nothing is likely enough to pay
-for the larger verification. Verification, cache compaction and acceptance are the shared code, so greedy
+(verify time of N + 1 tokens in a tree that deep + drafting time): N = 0, a plain step, when nothing is likely
+enough to pay for the larger verification. Verification, cache compaction and acceptance are the shared code, so greedy
 output is exactly plain decoding's and sampling keeps the target's distribution.
 """
 
@@ -115,9 +115,11 @@ class Candidate:
 class HybridDrafter:
     """Neural and n-gram branches in one tree (drafter=hybrid), or n-gram branches alone (drafter=ngram)."""
 
-    def __init__(self, neural: Optional[Any], hc: HybridConfig, verify_cost: Callable[[int], float], timed: bool = True):
-        """verify_cost(n): the cost of verifying n tokens, in seconds when `timed` (the drafter's own time per step
-        is then added to it), else in any unit (drafting counted as free)."""
+    def __init__(self, neural: Optional[Any], hc: HybridConfig, verify_cost: Callable[[int, int], float],
+                 timed: bool = True):
+        """verify_cost(n, depth): the cost of verifying n tokens whose tree is `depth` levels deep below the root, in
+        seconds when `timed` (the drafter's own time per step is then added to it), else in any unit (drafting
+        counted as free)."""
         self.neural, self.hc, self.verify_cost, self.timed = neural, hc, verify_cost, timed
         self.feature_layers = neural.feature_layers if neural is not None else []
         self.max_nodes = hc.max_nodes + 1
@@ -228,10 +230,11 @@ class HybridDrafter:
             value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(cand.keys)
         order = sorted(range(len(cands)), key=lambda c: (-value[c], cands[c].depth, c))[: self.hc.max_nodes]
         drafting = self.draft_seconds + extra_seconds if self.timed else 0.0
-        best_n, best_rate, expected = 0, 1.0 / (self.verify_cost(1) + drafting), 1.0
+        best_n, best_rate, expected, depth = 0, 1.0 / (self.verify_cost(1, 0) + drafting), 1.0, 0
         for n, c in enumerate(order, start=1):
             expected += value[c]
-            rate = expected / (self.verify_cost(n + 1) + drafting)
+            depth = max(depth, cands[c].depth)
+            rate = expected / (self.verify_cost(n + 1, depth) + drafting)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return order[:best_n], best_rate

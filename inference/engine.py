@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import fewest_rows, fused_projections, linear_weights
+from headway.heads.packed_linear import ONEDNN_PAD_ROWS, fewest_rows, fused_projections, linear_weights
 from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -214,11 +214,12 @@ class StaticLayerCache:
 
 class LazyLogits:
     """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
-    accepted nodes, plain decoding and the prefill only the last position. `row` maps a hidden row [1, H] to its
-    logits [1, V] (see `StaticRunner._lm_row_fn`)."""
+    accepted nodes, plain decoding and the prefill only the last position. `row` maps hidden rows [k, H] to their
+    logits [k, V] (see `StaticRunner._lm_row_fn`); `together(i)`, where given, names the rows to compute with row i
+    in one call (row i first): where a few rows cost what one does, the nodes a walk may read next come free."""
 
-    def __init__(self, hidden: torch.Tensor, row: Any):
-        self.hidden, self.row = hidden, row
+    def __init__(self, hidden: torch.Tensor, row: Any, together: Optional[Any] = None):
+        self.hidden, self.row, self.together = hidden, row, together
         self.rows: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -227,8 +228,27 @@ class LazyLogits:
     def __getitem__(self, i: int) -> torch.Tensor:
         i = int(i) % len(self)
         if i not in self.rows:
-            self.rows[i] = self.row(self.hidden[i : i + 1])[0]
+            if self.together is None:
+                self.rows[i] = self.row(self.hidden[i : i + 1])[0]
+            else:
+                want = [j for j in self.together(i) if j not in self.rows]
+                for j, logits in zip(want, self.row(self.hidden[want])):
+                    self.rows[j] = logits
         return self.rows[i]
+
+
+def subtree_first(tree: Tree, count: int) -> Any:
+    """together(i) for LazyLogits: node i and the first nodes below it, breadth first in rank order (its best
+    children, or the next nodes of a chain), `count` in all."""
+
+    def together(i: int) -> list[int]:
+        out, j = [i], 0
+        while j < len(out) and len(out) < count:
+            out.extend(tree.children[out[j]][: count - len(out)])
+            j += 1
+        return out
+
+    return together
 
 
 # Per model: its lm_head weight transposed (float32 on CPU), the KV buffers (one pair per layer, reused by every
@@ -267,8 +287,9 @@ class StaticRunner:
         self.compiled = compiled
         self._stack = compiled_stack(model) if compiled else decoder_stack
         # bf16/fp16 on CPUs (eager): decoding steps compute every row as a one-token step would (`_row_exact`)
-        self.row_exact = self.dtype in (torch.bfloat16, torch.float16) and self.device.type == "cpu" and not compiled
+        self.row_exact = _row_exact_dtype(self.dtype, self.device) and not compiled
         self.fewest_rows = fewest_rows(model)
+        self.lm_rows_free = ONEDNN_PAD_ROWS if linear_weights(model) == "onednn" else 1
         kv = _KV.get(model)
         if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
             shape = (self.kv_heads, max_len, self.head_dim)
@@ -305,7 +326,14 @@ class StaticRunner:
         x, states = stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
                           start + n, mask, hidden or compiled)
         self.length = start + n
-        return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
+        return self._logits(x[0], tree), tuple(states) if hidden else None
+
+    def _logits(self, hidden: torch.Tensor, tree: Optional[Tree]) -> LazyLogits:
+        """The step's logits, by row; where the lm_head computes a few rows for the price of one (oneDNN, padded to
+        ONEDNN_PAD_ROWS), a tree's row comes with the nodes below it that the walk may read next."""
+        if tree is None or tree.size == 1 or self.lm_rows_free < 2:
+            return LazyLogits(hidden, self._lm_row)
+        return LazyLogits(hidden, self._lm_row, subtree_first(tree, self.lm_rows_free))
 
     def _row_exact(self, ids: torch.Tensor, tree: Optional[Tree], hidden: bool) -> tuple[Any, Any]:
         """A decoding step (one token, or a tree) whose every row is bit-identical to a one-token step of that row's
@@ -335,7 +363,7 @@ class StaticRunner:
                                   start + n, None, hidden, attend)
         self.length = start + n
         x, states = x[:, :n], [h[:, :n] for h in states]
-        return LazyLogits(x[0], self._lm_row), tuple(states) if hidden else None
+        return self._logits(x[0], tree), tuple(states) if hidden else None
 
     def _lm_row_fn(self, model: Any) -> Any:
         """One row of logits: the model's own lm_head where its weights are packed (float16), else a [1, H] x [H, V]
@@ -379,6 +407,17 @@ def engine_name(model: Any, engine: str = "auto") -> str:
     if engine == "auto":
         return "static" if static_supported(model) else "hf"
     return engine
+
+
+def _row_exact_dtype(dtype: torch.dtype, device: torch.device) -> bool:
+    return dtype in (torch.bfloat16, torch.float16) and device.type == "cpu"
+
+
+def depth_matters(model: Any, engine: str = "auto") -> bool:
+    """Whether a verification's cost depends on its tree's depth, not only its size: the row-exact static engine
+    (bf16/fp16 on CPUs) runs one attention call per depth level (RowAttention)."""
+    p = next(model.parameters())
+    return engine_name(model, engine) == "static" and _row_exact_dtype(p.dtype, p.device)
 
 
 def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:

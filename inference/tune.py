@@ -117,10 +117,13 @@ def _cpu_name() -> str:
 
 
 @torch.inference_mode()
-def verify_cost(model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto") -> dict[int, float]:
+def verify_cost(model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto",
+                shape: str = "chain") -> dict[int, float]:
     """Median seconds of one verification step over n tree tokens after a cache of prefix_len tokens, for
     each n in sizes: the target forward (with hidden states) on the decoding engine, the greedy acceptance
-    walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step."""
+    walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step. The tree is
+    a chain (`shape` chain: the deepest) or the root's children (flat): only a row-exact engine's cost depends on
+    which (`depth_matters`)."""
     from headway.inference.sampling import Sampler, acceptance_rule, SamplingConfig
 
     device = next(model.parameters()).device
@@ -131,7 +134,7 @@ def verify_cost(model: Any, sizes: list[int], prefix_len: int, repeats: int, eng
     greedy, rule = Sampler(SamplingConfig()), acceptance_rule(SamplingConfig())
     out: dict[int, float] = {}
     for n in sorted(set(sizes)):
-        tree = build_tree([[0] * d for d in range(1, n)])  # the cost depends on n, not on the shape
+        tree = build_tree([[0] * d for d in range(1, n)] if shape == "chain" else [[i] for i in range(n - 1)])
         ids = torch.randint(vocab, (n,), generator=gen)
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
@@ -387,7 +390,7 @@ def compare_drafters(decoder: Any, replays: list[Replay], costs: dict[int, float
     out = []
     for kind in kinds:
         neural = make_drafter(decoder.heads, cfg, decoder.head_config, decoder.target.config) if kind != "ngram" else None
-        drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, lambda n: interpolate(costs, n))
+        drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, lambda n, depth: interpolate(costs, n))
         out.append({"drafter": kind, **simulate(drafter, replays, lambda n: interpolate(costs, n))})
     return sorted(out, key=lambda d: -d["tok_s"])
 
@@ -423,20 +426,32 @@ def tuned_entry(head_dir: str | Path, model: Any, engine: str) -> Optional[dict]
     return next((e for e in read_tuned(head_dir) if e.get("machine") == key), None)
 
 
+def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: int) -> float:
+    """The verify cost of n tokens in a tree `depth` levels deep, linear in depth between the flat tree (depth 1) and
+    the chain (depth n - 1): on a row-exact engine each level is one more attention call per layer."""
+    c = interpolate(chain, n)
+    if n <= 2:
+        return c
+    f = interpolate(flat, n)
+    return f + (c - f) * (min(max(depth, 1), n - 1) - 1) / (n - 2)
+
+
 _measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def verify_cost_curve(model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None) -> dict[int, float]:
-    """Seconds to verify n tokens on this machine: the curve `headway tune` saved (verify_ms of a tuned.json
-    entry) when it reaches max_tokens, else measured now (a few seconds, once per model and engine)."""
-    if saved and max(int(n) for n in saved) >= max_tokens:
+def verify_cost_curve(model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None,
+                      shape: str = "chain") -> dict[int, float]:
+    """Seconds to verify n tokens (a chain, or a flat tree) on this machine: the chain's curve `headway tune` saved
+    (verify_ms of a tuned.json entry) when it reaches max_tokens, else measured now (a few seconds, once per model
+    and engine)."""
+    if shape == "chain" and saved and max(int(n) for n in saved) >= max_tokens:
         return {int(n): ms / 1e3 for n, ms in saved.items()}
     cache = _measured_costs.setdefault(model, {})
-    key = (engine_name(model, engine), torch.get_num_threads(), max_tokens)
+    key = (engine_name(model, engine), torch.get_num_threads(), max_tokens, shape)
     if key not in cache:
         sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64) if n < max_tokens} | {max_tokens})
-        log.info("measuring the target's verification time over 1..%d tokens (once; `headway tune` saves it)", max_tokens)
-        cache[key] = verify_cost(model, sizes, prefix_len=256, repeats=3, engine=engine)
+        log.info("measuring the target's verification time over 1..%d tokens in a %s tree (once)", max_tokens, shape)
+        cache[key] = verify_cost(model, sizes, prefix_len=256, repeats=3, engine=engine, shape=shape)
     return cache[key]
 
 

@@ -8,17 +8,17 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
+from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.ngram import Continuation, NgramIndex
 from headway.inference.tree import build_tree, tree_from_parents
-from headway.inference.tune import Replay, simulate
+from headway.inference.tune import Replay, simulate, tree_cost
 from test_eagle import ARCHS, chat_ids, load64, random_head
 
 
 def linear_cost(per_node: float):
-    return lambda n: 1.0 + per_node * (n - 1)
+    return lambda n, depth: 1.0 + per_node * (n - 1)
 
 
 def ngram_only(per_node: float = 0.0, **kw) -> HybridDrafter:
@@ -51,6 +51,30 @@ def test_hybrid_settings_are_checked():
         HybridConfig(min_ngram=3, max_ngram=2)
     with pytest.raises(HeadwayError, match="ngram_prior"):
         HybridConfig(ngram_prior=0.0)
+
+
+def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
+    chain = {1: 10.0, 2: 12.0, 5: 20.0, 9: 40.0}
+    flat = {1: 10.0, 2: 12.0, 5: 14.0, 9: 16.0}
+    assert tree_cost(chain, flat, 1, 0) == 10.0 and tree_cost(chain, flat, 2, 1) == 12.0
+    assert tree_cost(chain, flat, 5, 1) == 14.0 and tree_cost(chain, flat, 5, 4) == 20.0
+    assert tree_cost(chain, flat, 5, 2) == pytest.approx(16.0)  # one level of three above the flat tree
+    assert tree_cost(chain, flat, 7, 6) == pytest.approx(30.0) and tree_cost(chain, flat, 7, 1) == pytest.approx(15.0)
+
+
+def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
+    """Three siblings and a chain below the first, every edge 0.8 likely: where each level costs as much as the
+    row-exact engine's extra attention call, the siblings alone pay; where depth is free, the whole tree does."""
+    cands = [Candidate(10, -1, 1, [("k",)], {"ngram"}), Candidate(11, 0, 2, [("k",)], {"ngram"}),
+             Candidate(12, 1, 3, [("k",)], {"ngram"}), Candidate(13, -1, 1, [("k",)], {"neural"}),
+             Candidate(14, -1, 1, [("k",)], {"neural"})]
+    chosen = {}
+    for name, cost in {"depth-priced": lambda n, depth: 1.0 + 0.05 * n + 0.5 * max(depth - 1, 0),
+                       "depth-free": lambda n, depth: 1.0 + 0.05 * n}.items():
+        drafter = HybridDrafter(None, HybridConfig(), cost, timed=False)
+        drafter.calibration.estimate = lambda keys: 0.8
+        chosen[name] = drafter._choose(cands)[0]
+    assert chosen == {"depth-priced": [0, 3, 4], "depth-free": [0, 3, 4, 1, 2]}
 
 
 def test_budget_follows_confidence():
@@ -133,3 +157,24 @@ def test_simulation_equals_real_decoding(tiny_dirs):
             sim = simulate(drafter, [replay], lambda n: 1.0)
             assert sim["steps"] == real.target_forwards
             assert sim["tau"] == pytest.approx(real.tau)
+
+
+def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs):
+    """bf16 on the static engine verifies row by row (one attention call per depth level): there the drafter measures
+    a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's."""
+    from headway.heads.target import TargetConfig, load_target
+    from headway.inference.api import make_hybrid
+    from headway.inference.engine import depth_matters
+    from headway.run_config import RunConfig
+
+    path = str(tiny_dirs["llama"])
+    bf16 = load_target(TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="bfloat16"))
+    f32 = load_target(TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="float32"))
+    assert depth_matters(bf16.model, "static") and depth_matters(bf16.model, "auto")
+    assert not depth_matters(bf16.model, "hf") and not depth_matters(f32.model, "static")
+    cfg = RunConfig()
+    cfg.inference.hybrid.max_nodes = 5
+    drafter = make_hybrid(None, cfg, bf16.model)
+    assert drafter.verify_cost(6, 5) > drafter.verify_cost(6, 1) > 0  # a chain of 6 against the root and 5 children
+    drafter = make_hybrid(None, cfg, f32.model)
+    assert drafter.verify_cost(6, 5) == drafter.verify_cost(6, 1)

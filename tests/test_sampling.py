@@ -174,7 +174,7 @@ def test_speculative_sampling_is_lossless(model, kind: str, cfg: SamplingConfig)
     if kind in ("hybrid", "ngram"):  # n-gram branches (and EAGLE-3's) in one tree, sized per step (node_cost 0: large)
         neural = eagle_drafter(model, "eagle3") if kind == "hybrid" else None
         hc = HybridConfig(node_cost=0.0, max_tokens=3, min_ngram=1)  # 5-token vocabulary: 1-grams match often
-        drafter = HybridDrafter(neural, hc, lambda n: 1.0, timed=False)
+        drafter = HybridDrafter(neural, hc, lambda n, depth: 1.0, timed=False)
     else:
         drafter = medusa_drafter(model) if kind == "medusa" else eagle_drafter(model, kind)
     p, mean_accepted = spec_p_value(model, drafter, cfg)
