@@ -20,7 +20,7 @@ from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
-from headway.inference.tune import apply_tuned, interpolate, tree_cost, tuned_entry, verify_cost_curve
+from headway.inference.tune import apply_tuned, tuned_entry, verify_cost_curve, verify_costs
 
 
 def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
@@ -50,11 +50,8 @@ def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[d
     if hc.node_cost >= 0:
         return HybridDrafter(neural, hc, lambda n, depth: 1.0 + hc.node_cost * (n - 1), timed=False)
     engine, most = cfg.inference.engine, hc.max_nodes + 1
-    chain = verify_cost_curve(model, engine, most, saved_costs)
-    if not depth_matters(model, engine):
-        return HybridDrafter(neural, hc, lambda n, depth: interpolate(chain, n))
-    flat = verify_cost_curve(model, engine, most, shape="flat")
-    return HybridDrafter(neural, hc, lambda n, depth: tree_cost(chain, flat, n, depth))
+    flat = verify_cost_curve(model, engine, most, shape="flat") if depth_matters(model, engine) else None
+    return HybridDrafter(neural, hc, verify_costs(verify_cost_curve(model, engine, most, saved_costs), flat))
 
 
 @dataclass

