@@ -30,9 +30,19 @@ from headway.errors import HeadwayError
 LINEAR_WEIGHTS = ("native", "float16", "onednn")
 
 # torch.compile cannot trace a packed fbgemm weight (a TorchScript object): every Float16Linear would break the graph
-# in two. Under compile the layer calls an opaque custom op instead, which finds its packed weight by a number.
+# in two, and inductor cannot lower oneDNN's prepacked op. Under compile each layer calls an opaque custom op instead,
+# which finds its packed weight by a number.
 _PACKED_FP16: dict[int, object] = {}
+_PACKED_ONEDNN: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 _KEYS = itertools.count()
+
+
+def _register(registry: dict, value: Any, owner: Any) -> int:
+    """A key for `value` in `registry`, dropped when `owner` is collected."""
+    key = next(_KEYS)
+    registry[key] = value
+    weakref.finalize(owner, registry.pop, key, None)
+    return key
 
 
 @torch.library.custom_op("headway::linear_fp16", mutates_args=())
@@ -55,9 +65,7 @@ class Float16Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
-        self.key = next(_KEYS)
-        _PACKED_FP16[self.key] = self.packed
-        weakref.finalize(self, _PACKED_FP16.pop, self.key, None)
+        self.key = _register(_PACKED_FP16, self.packed, self)
         if keep_weight:
             self.weight = linear.weight
 
@@ -80,6 +88,26 @@ class Float16Linear(nn.Module):
 ONEDNN_PAD_ROWS = 4
 
 
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] times a prepacked bf16 weight, fewer rows than ONEDNN_PAD_ROWS padded with copies of the first."""
+    rows = x.shape[0]
+    if rows == 1:
+        x = x.expand(ONEDNN_PAD_ROWS, -1)
+    elif rows < ONEDNN_PAD_ROWS:
+        x = torch.cat([x, x[:1].expand(ONEDNN_PAD_ROWS - rows, -1)])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+
+
+@torch.library.custom_op("headway::linear_onednn", mutates_args=())
+def _linear_onednn_op(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return _onednn_linear(x, *_PACKED_ONEDNN[key])
+
+
+@_linear_onednn_op.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
 class OneDNNLinear(nn.Module):
     """nn.Linear's forward, bf16 in and out, over a copy of its bf16 weight prepacked for oneDNN's kernels."""
 
@@ -90,18 +118,17 @@ class OneDNNLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         # the batch-size hint only picks the packed layout; 1..16 rows measured the same with any hint
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.key = _register(_PACKED_ONEDNN, (self.packed, self.bias), self)
         if keep_weight:
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        if rows == 1:  # see ONEDNN_PAD_ROWS
-            x2 = x2.expand(ONEDNN_PAD_ROWS, -1)
-        elif rows < ONEDNN_PAD_ROWS:
-            x2 = torch.cat([x2, x2[:1].expand(ONEDNN_PAD_ROWS - rows, -1)])
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
-        return y[:rows].view(*x.shape[:-1], self.out_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.headway.linear_onednn(x2, self.key, self.out_features)
+        else:
+            y = _onednn_linear(x2, self.packed, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed for oneDNN"

@@ -134,6 +134,46 @@ def decoder_stack(layers: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, s
     return x, states
 
 
+def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, order: torch.Tensor,
+                   slots: torch.Tensor, groups: list[tuple[int, int]], scale: float) -> torch.Tensor:
+    """RowAttention's computation: rows `order` of q [1, heads, n, head_dim], group after group ([rows, length]
+    each), attend to the cache slots `slots` gathered for them in that order."""
+    kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us)
+    k_all = k_cache.index_select(1, slots).float()  # [kv_heads, slots, head_dim]
+    v_all = v_cache.index_select(1, slots).float()
+    q_all = q[0].index_select(1, order).transpose(0, 1).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
+    outs, slot, row = [], 0, 0
+    for b, length in groups:
+        k = k_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+        v = v_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(q_all[row : row + b], k, v, scale=scale, enable_gqa=True))
+        slot, row = slot + b * length, row + b
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2).transpose(0, 1).to(q.dtype)
+    o = torch.empty_like(q)  # [1, heads, n, head_dim]
+    o[0].index_copy_(1, order, out)
+    return o
+
+
+# Under torch.compile RowAttention is one opaque op that reads the step's plan (its rows, slots and groups) from here,
+# set by the runner around the compiled call: as graph inputs or structure, the plan's sizes would compile a graph
+# for each tree shape.
+_ACTIVE: list[Optional["RowAttention"]] = [None]
+
+
+@torch.library.custom_op("headway::row_attention", mutates_args=())
+def _row_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    plan = _ACTIVE[0]
+    if plan is None:
+        raise RuntimeError("internal: a compiled row-exact step ran without its RowAttention plan")
+    return _row_attention(q, k_cache, v_cache, plan.order, plan.slots, plan.groups, scale)
+
+
+@_row_attention_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 class RowAttention:
     """Attention that gives each query row exactly what a one-token decoding step of that token would: row i attends
     to `visible[i]` (its cache slots, in order: the prefix, then its ancestors and itself by depth), gathered into a
@@ -152,21 +192,9 @@ class RowAttention:
         self.groups = [(len(rows), length) for length, rows in by_len.items()]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-        # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us)
-        k_all = k_cache.index_select(1, self.slots).float()  # [kv_heads, slots, head_dim]
-        v_all = v_cache.index_select(1, self.slots).float()
-        q_all = q[0].index_select(1, self.order).transpose(0, 1).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
-        outs, slot, row = [], 0, 0
-        for b, length in self.groups:
-            k = k_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
-            v = v_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
-            outs.append(F.scaled_dot_product_attention(q_all[row : row + b], k, v, scale=scale, enable_gqa=True))
-            slot, row = slot + b * length, row + b
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2).transpose(0, 1).to(q.dtype)
-        o = torch.empty_like(q)  # [1, heads, n, head_dim]
-        o[0].index_copy_(1, self.order, out)
-        return o
+        if torch.compiler.is_compiling():  # the plan is _ACTIVE's at run time (StaticRunner._row_exact)
+            return torch.ops.headway.row_attention(q, k_cache, v_cache, scale)
+        return _row_attention(q, k_cache, v_cache, self.order, self.slots, self.groups, scale)
 
 
 class StaticLayerCache:
@@ -266,7 +294,15 @@ def compiled_stack(model: Any) -> Any:
     if model not in _COMPILED:
         # freezing: the target's weights are constants of the graph, so inductor prepacks them for the CPU's GEMM
         # kernels (oneDNN/MKL); measured gains are in docs/benchmarks.md ("Ninth session").
-        _COMPILED[model] = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
+        compiled = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
+
+        def run(*args: Any) -> Any:
+            # no duck sizing: sizes equal by chance when a graph compiles (a tree's 3 rows and the target's 3 key/value
+            # heads) would be tied by a guard, and the next step would compile another graph
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                return compiled(*args)
+
+        _COMPILED[model] = run
     return _COMPILED[model]
 
 
@@ -286,9 +322,10 @@ class StaticRunner:
         self._lm_row = self._lm_row_fn(model)
         self.compiled = compiled
         self._stack = compiled_stack(model) if compiled else decoder_stack
-        # bf16/fp16 on CPUs (eager): decoding steps compute every row as a one-token step would (`_row_exact`)
-        self.row_exact = _row_exact_dtype(self.dtype, self.device) and not compiled
-        self.fewest_rows = fewest_rows(model)
+        # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`); compiled, a
+        # single token pads to 2 rows too, so that every step runs the one graph of dynamic row count
+        self.row_exact = _row_exact_dtype(self.dtype, self.device)
+        self.fewest_rows = max(fewest_rows(model), 2 if compiled else 1)
         self.lm_rows_free = ONEDNN_PAD_ROWS if linear_weights(model) == "onednn" else 1
         kv = _KV.get(model)
         if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
@@ -359,8 +396,12 @@ class StaticRunner:
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
         attend = RowAttention([visible[i] for i in pick.tolist()], self.device)
-        x, states = decoder_stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
-                                  start + n, None, hidden, attend)
+        _ACTIVE[0] = attend
+        try:
+            x, states = self._stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
+                                    start + n, None, hidden or self.compiled, attend)
+        finally:
+            _ACTIVE[0] = None
         self.length = start + n
         x, states = x[:, :n], [h[:, :n] for h in states]
         return self._logits(x[0], tree), tuple(states) if hidden else None
@@ -401,9 +442,6 @@ def engine_name(model: Any, engine: str = "auto") -> str:
         family = getattr(text_config(model.config), "model_type", "?")
         raise HeadwayError(f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
                            f"this '{family}' target: use inference.engine=auto or hf")
-    if engine == "compiled" and linear_weights(model) == "onednn":
-        raise HeadwayError("inference.engine=compiled packs the target's weights itself (freezing) and cannot compile "
-                           "target.linear_weights=onednn: use inference.engine=static, or linear_weights=native")
     if engine == "auto":
         return "static" if static_supported(model) else "hf"
     return engine
@@ -414,10 +452,10 @@ def _row_exact_dtype(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def depth_matters(model: Any, engine: str = "auto") -> bool:
-    """Whether a verification's cost depends on its tree's depth, not only its size: the row-exact static engine
-    (bf16/fp16 on CPUs) runs one attention call per depth level (RowAttention)."""
+    """Whether a verification's cost depends on its tree's depth, not only its size: the row-exact engines
+    (static and compiled, bf16/fp16 on CPUs) run one attention call per depth level (RowAttention)."""
     p = next(model.parameters())
-    return engine_name(model, engine) == "static" and _row_exact_dtype(p.dtype, p.device)
+    return engine_name(model, engine) in ("static", "compiled") and _row_exact_dtype(p.dtype, p.device)
 
 
 def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:

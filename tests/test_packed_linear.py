@@ -160,11 +160,6 @@ def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
                                            "target.dtype=bfloat16"):
         load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float32",
                                  linear_weights="onednn"))
-    if ONEDNN_BF16:
-        t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="bfloat16",
-                                     linear_weights="onednn"))
-        with pytest.raises(HeadwayError, match="cannot compile target.linear_weights=onednn: use inference.engine=static"):
-            make_runner(t.model, 32, "compiled")
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a CPU or build without oneDNN bf16
     with pytest.raises(HeadwayError, match="no onednn linear kernels for this CPU .* use target.linear_weights=native"):
         load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="bfloat16",
@@ -184,3 +179,25 @@ def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
     assert speculative_generate(t.model, drafter, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens == ref.tokens
     assert not torch._dynamo.utils.counters["graph_break"]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("fmt", ["native"] + (["onednn"] if ONEDNN_BF16 else []))
+def test_bf16_compiles_row_exact_without_graph_breaks(tiny_dirs, fmt: str):
+    """bf16 on the compiled engine is row-exact too: speculative decoding equals the compiled engine's plain decoding
+    (EAGLE-3 and n-gram trees of every shape), and one graph of dynamic row count serves every step (a single token
+    pads to 2 rows; RowAttention and oneDNN's linears are opaque ops), with no graph break."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="bfloat16",
+                                 linear_weights=fmt))
+    heads = random_head(t, "eagle3").bfloat16()
+    if fmt != "native":
+        pack_head_linear_weights(heads, fmt)
+    stop = [t.tokenizer.eos_token_id]
+    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
+        ids = chat_ids(t, text)
+        ref = greedy_generate(t.model, ids, 32, stop, engine="compiled")
+        for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
+            assert speculative_generate(t.model, drafter, ids, 32, stop, engine="compiled").tokens == ref.tokens
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
