@@ -244,13 +244,13 @@ def _check_format(model: Any, fmt: str) -> None:
     if getattr(getattr(model, "model", None), "layers", None) is None:
         raise HeadwayError(f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
                            "has none): use target.linear_weights=native")
-    reason = _kernels_missing(fmt)
+    reason = kernels_missing(fmt)
     if reason:
         raise HeadwayError(f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
                            "use target.linear_weights=native")
 
 
-def _kernels_missing(fmt: str) -> str | None:
+def kernels_missing(fmt: str) -> str | None:
     """Why this torch build or CPU cannot run the format's kernels; None when it can."""
     if fmt == "onednn":
         ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()

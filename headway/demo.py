@@ -57,6 +57,11 @@ class DemoConfig:
     """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
+    # Decode in bf16 with the weights prepacked for oneDNN (target.dtype=bfloat16, target.linear_weights=onednn) where
+    # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: the
+    # fastest exact format Headway has on such CPUs (docs/benchmarks.md). --train still distils and trains in
+    # target.dtype. false: decode as target.* says.
+    fast_cpu_format: bool = True
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
     head_dir: Optional[str] = None
     # User messages decoded with plain and speculative decoding; a mix of kinds.
@@ -103,6 +108,20 @@ def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
     return RunConfig(target=cfg.target, inference=cfg.inference, **sections)
 
 
+def decoding_target(cfg: DemoConfig) -> TargetConfig:
+    """The target settings the demo decodes with: bf16 with oneDNN-packed weights where `fast_cpu_format` applies."""
+    from headway.heads.packed_linear import kernels_missing
+    from headway.runtime import resolve_device
+
+    t = cfg.target
+    if (not cfg.fast_cpu_format or t.dtype != "float32" or t.linear_weights != "native"
+            or resolve_device(t.device).type != "cpu" or kernels_missing("onednn")):
+        return t
+    print("== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
+          "(fast_cpu_format=false: float32)")
+    return dataclasses.replace(t, dtype="bfloat16", linear_weights="onednn")
+
+
 def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
     """Self-distil, train an EAGLE-3 head and export it for vLLM; returns the head directory. Reruns resume."""
     from headway.export.exporter import export_head
@@ -145,7 +164,7 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     from headway.inference.api import SpeculativeDecoder
     from headway.inference.generate import alternate, pooled
 
-    run = _run_config(cfg)
+    run = _run_config(dataclasses.replace(cfg, target=decoding_target(cfg)))
     decoder = SpeculativeDecoder.load(head_dir, run)
     print(f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
           f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)")
@@ -177,4 +196,5 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     print(f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain {plain_all['tok_s']:.1f} tok/s | "
           f"speedup {overall['speedup']:.2f}x | every output equals plain greedy: {overall['all_equal_plain']}")
     return {"head": str(head_dir), "drafter": decoder.drafter.settings(), "threads": decoder.target.num_threads,
-            "device": str(decoder.target.device), "overall": overall, "prompts": rows}
+            "device": str(decoder.target.device), "dtype": run.target.dtype, "linear_weights": run.target.linear_weights,
+            "overall": overall, "prompts": rows}

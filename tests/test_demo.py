@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from headway.heads.packed_linear import kernels_missing
+
 
 def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: Path):
     out = tmp_path / "demo"
@@ -54,3 +56,18 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     result = run_demo(cfg)
     assert result["overall"]["all_equal_plain"] is True
     assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
+    fast = kernels_missing("onednn") is None  # decoded in bf16 with oneDNN-packed weights where the CPU has them
+    assert (result["dtype"], result["linear_weights"]) == (("bfloat16", "onednn") if fast else ("float32", "native"))
+
+
+def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
+    from headway.demo import DemoConfig, decoding_target
+    from headway.heads.target import TargetConfig
+
+    fast = kernels_missing("onednn") is None
+    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu")))
+    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "native"))
+    for cfg in (DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
+                DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),
+                DemoConfig(target=TargetConfig(device="cpu", linear_weights="float16"))):
+        assert decoding_target(cfg) == cfg.target  # asked for something else: decoded as asked
