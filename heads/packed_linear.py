@@ -8,7 +8,7 @@ and the kernels cost. Two formats replace every nn.Linear by a module over a pre
   (what makes verifying a draft tree cheap), and a row's result that does not depend on the row count. Outputs
   are exactly this format's own plain decoding; they can differ from float32's where two tokens nearly tie.
 - `onednn` (bfloat16 targets): the same bf16 weights and math, prepacked for oneDNN's bf16 kernels, which
-  torch's own bf16 linear does not use for a few rows (1.3x a bf16 step on an AVX512-BF16 CPU).
+  torch's own bf16 linear does not use for a few rows (a bf16 step 1.6x as fast on an AVX512-BF16 CPU).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the

@@ -50,7 +50,7 @@ class TargetConfig:
     # (packed fp16 weights, float32 compute: half the memory traffic, and verifying up to ~6 tokens costs about
     # one step on CPUs; float32 CPU targets only; outputs equal this format's plain decoding, which can differ
     # from float32's where two tokens nearly tie), or onednn (bfloat16 CPU targets: the same bf16 weights
-    # prepacked for oneDNN's kernels, 1.3x a bf16 step here). See heads/packed_linear.py.
+    # prepacked for oneDNN's kernels, 1.6x as fast a bf16 step here). See heads/packed_linear.py.
     linear_weights: str = "native"
 
     def __post_init__(self) -> None:
