@@ -47,6 +47,10 @@ class HybridConfig:
     # each verification then adds what the target accepted.
     ngram_prior: float = 0.7
     prior_weight: float = 2.0
+    # How much an acceptance estimate remembers: each observation of an edge kind scales the weight of the earlier
+    # ones (and of the prior) by this, so the estimates follow the text being written (1.0: plain averages over
+    # everything decoded so far, however long ago).
+    memory: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -55,21 +59,24 @@ class HybridConfig:
             raise HeadwayError("inference.hybrid.max_tokens, branches and max_nodes must be >= 1")
         if not 0 < self.ngram_prior <= 1 or self.prior_weight <= 0:
             raise HeadwayError("inference.hybrid.ngram_prior must be in (0, 1] and prior_weight > 0")
+        if not 0 < self.memory <= 1:
+            raise HeadwayError(f"inference.hybrid.memory must be in (0, 1] (got {self.memory})")
 
 
 class Rate:
-    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations."""
+    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations; with memory
+    < 1 each new observation scales the weight of everything before it by `memory`."""
 
-    def __init__(self, prior: float, weight: float):
-        self.hits, self.seen = prior * weight, weight
+    def __init__(self, prior: float, weight: float, memory: float = 1.0):
+        self.hits, self.seen, self.memory = prior * weight, weight, memory
 
     @property
     def value(self) -> float:
         return self.hits / self.seen
 
     def add(self, hit: bool) -> None:
-        self.hits += hit
-        self.seen += 1
+        self.hits = self.hits * self.memory + hit
+        self.seen = self.seen * self.memory + 1
 
 
 class Calibration:
@@ -84,7 +91,7 @@ class Calibration:
     def _rate(self, key: tuple) -> Rate:
         if key not in self.rates:
             prior = (key[1] + 0.5) / self.BINS if key[0] == NEURAL else self.hc.ngram_prior
-            self.rates[key] = Rate(prior, self.hc.prior_weight)
+            self.rates[key] = Rate(prior, self.hc.prior_weight, self.hc.memory)
         return self.rates[key]
 
     @classmethod

@@ -8,7 +8,7 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter
+from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter, Rate
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.ngram import Continuation, NgramIndex
@@ -51,6 +51,18 @@ def test_hybrid_settings_are_checked():
         HybridConfig(min_ngram=3, max_ngram=2)
     with pytest.raises(HeadwayError, match="ngram_prior"):
         HybridConfig(ngram_prior=0.0)
+    with pytest.raises(HeadwayError, match="memory must be in"):
+        HybridConfig(memory=0.0)
+
+
+def test_acceptance_estimates_forget_at_the_configured_rate():
+    kept, recent = Rate(0.5, 2.0), Rate(0.5, 2.0, memory=0.5)
+    for hit in (True, True, False):
+        kept.add(hit)
+        recent.add(hit)
+    assert kept.value == pytest.approx((1 + 2) / 5)  # prior 1 of 2, then 2 of 3
+    # weights 0.125 (prior), 0.25, 0.5, 1 (the miss): (0.125 * 1 + 0.25 + 0.5) / (0.125 * 2 + 0.25 + 0.5 + 1)
+    assert recent.value == pytest.approx(0.875 / 2.0)
 
 
 def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
