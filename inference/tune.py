@@ -434,7 +434,7 @@ def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: in
     c = interpolate(chain, n)
     if n <= 2:
         return c
-    f = interpolate(flat, n)
+    f = min(interpolate(flat, n), c)  # a flat tree never costs more than a chain; a noisy measure can say so
     return f + (c - f) * (min(max(depth, 1), n - 1) - 1) / (n - 2)
 
 

@@ -73,6 +73,7 @@ def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
     assert tree_cost(chain, flat, 5, 2) == pytest.approx(16.0)  # one level of three above the flat tree
     assert tree_cost(chain, flat, 7, 6) == pytest.approx(30.0) and tree_cost(chain, flat, 7, 1) == pytest.approx(15.0)
     assert verify_costs(chain, flat)(5, 2) == tree_cost(chain, flat, 5, 2) and verify_costs(chain)(5, 1) == 20.0
+    assert tree_cost(chain, {**flat, 5: 25.0}, 5, 1) == 20.0  # a flat tree measured above the chain: the chain's
 
 
 def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
