@@ -19,6 +19,16 @@ from test_eagle import chat_ids, random_head
 from test_hybrid import ngram_only
 
 
+def assert_speculative_equals_plain(t, heads, engine: str) -> None:
+    """EAGLE-3 and n-gram trees decode two prompts exactly as the engine's plain greedy decoding does."""
+    stop = [t.tokenizer.eos_token_id]
+    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
+        ids = chat_ids(t, text)
+        ref = greedy_generate(t.model, ids, 32, stop, engine=engine)
+        for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
+            assert speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens, engine
+
+
 def load16(path, **kw):
     return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float32",
                                     linear_weights="float16", **kw))
@@ -46,13 +56,8 @@ def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_di
     assert isinstance(t.model.lm_head, Float16Linear) and t.model.lm_head.weight.shape == (t.config.vocab_size, t.config.hidden_size)
     heads = random_head(t, "eagle3").float()
     assert pack_head_linear_weights(heads) > 0  # as SpeculativeDecoder.load does beside a packed target
-    stop = [t.tokenizer.eos_token_id]
-    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
-        ids = chat_ids(t, text)
-        for engine in ("hf", "static", "compiled") if static_supported(t.model) else ("hf",):  # gemma3: fused parts
-            ref = greedy_generate(t.model, ids, 32, stop, engine=engine)
-            for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
-                assert speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens, engine
+    for engine in ("hf", "static", "compiled") if static_supported(t.model) else ("hf",):  # gemma3: fused parts
+        assert_speculative_equals_plain(t, heads, engine)
 
 
 def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
@@ -147,12 +152,7 @@ def test_speculative_decoding_equals_plain_decoding_with_onednn_weights(tiny_dir
     assert isinstance(t.model.lm_head, OneDNNLinear) and t.model.lm_head.weight.dtype == torch.bfloat16
     heads = random_head(t, "eagle3").bfloat16()
     assert pack_head_linear_weights(heads, "onednn") > 0
-    stop = [t.tokenizer.eos_token_id]
-    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
-        ids = chat_ids(t, text)
-        ref = greedy_generate(t.model, ids, 32, stop, engine="static")
-        for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
-            assert speculative_generate(t.model, drafter, ids, 32, stop, engine="static").tokens == ref.tokens
+    assert_speculative_equals_plain(t, heads, "static")
 
 
 def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
@@ -193,11 +193,6 @@ def test_bf16_compiles_row_exact_without_graph_breaks(tiny_dirs, fmt: str):
     heads = random_head(t, "eagle3").bfloat16()
     if fmt != "native":
         pack_head_linear_weights(heads, fmt)
-    stop = [t.tokenizer.eos_token_id]
-    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
-        ids = chat_ids(t, text)
-        ref = greedy_generate(t.model, ids, 32, stop, engine="compiled")
-        for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
-            assert speculative_generate(t.model, drafter, ids, 32, stop, engine="compiled").tokens == ref.tokens
+    assert_speculative_equals_plain(t, heads, "compiled")
     assert not torch._dynamo.utils.counters["graph_break"]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
