@@ -377,8 +377,8 @@ class StaticRunner:
         token after its accepted ancestors, so that greedy speculative decoding equals plain decoding in bf16 too.
         Two things differ with the row count in bf16 on CPUs: a linear over one row (it takes another kernel than 2
         or more rows, which agree with each other), and fused attention (see RowAttention). So a single token runs as
-        two or more identical rows (`fewest_rows`), and attention runs per row over exactly the slots it sees. The prompt runs normally:
-        plain and speculative decoding share it."""
+        two or more identical rows (`fewest_rows`), and attention runs per row over exactly the slots it sees. The
+        prompt runs normally: plain and speculative decoding share it."""
         n, start = ids.shape[0], self.length
         if tree is None:
             depth, visible = [0], [list(range(start + 1))]
