@@ -50,7 +50,9 @@ class FusedInputNorm(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.embedding is None:
             raise HeadwayError("internal: the EAGLE-3 layer ran without its token embedding")
-        return torch.cat([self.emb_norm(self.embedding), self.hidden_norm(hidden)], dim=-1)
+        # the static engine runs the layer over rows [n, H], transformers over [1, n, H]
+        embedding = self.embedding.reshape(*hidden.shape[:-1], -1)
+        return torch.cat([self.emb_norm(embedding), self.hidden_norm(hidden)], dim=-1)
 
 
 class Eagle3Head(EagleBase):

@@ -3,10 +3,14 @@
 Decoding a small model on a CPU reads every weight once per step, so a step costs what the memory traffic
 and the kernels cost. Two formats replace every nn.Linear by a module over a prepacked weight:
 
-- `float16` (float32 targets): the weight packed as float16 (fbgemm, the kernel behind torch's dynamic fp16
-  quantization), float32 compute: half the traffic of float32, a cost that hardly grows from 1 to ~6 rows
-  (what makes verifying a draft tree cheap), and a row's result that does not depend on the row count. Outputs
-  are exactly this format's own plain decoding; they can differ from float32's where two tokens nearly tie.
+- `float16`: the weight packed as float16 (fbgemm, the kernel behind torch's dynamic fp16 quantization), float32
+  accumulation, a row's result that does not depend on the row count. For float32 targets the weights are rounded
+  to float16 (half the traffic; outputs are exactly this format's own plain decoding, which can differ from
+  float32's where two tokens nearly tie). For bfloat16 targets it is exact: a bf16 weight is a float16 value (a
+  power-of-two scale brings tiny ones into range; a matrix no scale fits is refused), bf16 inputs convert exactly
+  to float32, and the output rounds to bf16: bf16 math, through fbgemm's fast one-row kernel (a one-token step of
+  the default target 20 ms against oneDNN's 27; docs/benchmarks.md, "Twelfth session"). Verifying 8 or more rows
+  costs more than with oneDNN.
 - `onednn` (bfloat16 targets): the same bf16 weights and math, prepacked for oneDNN's bf16 kernels, which
   torch's own bf16 linear does not use for a few rows (a bf16 step 1.6x as fast on an AVX512-BF16 CPU).
 
@@ -19,6 +23,7 @@ weights (measured in docs/benchmarks.md, "Eleventh session").
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from typing import Any
 
@@ -45,9 +50,18 @@ def _register(registry: dict, value: Any, owner: Any) -> int:
     return key
 
 
+def _fp16_linear(x: torch.Tensor, packed: object, scale: float) -> torch.Tensor:
+    """x [rows, in] times a weight packed as float16 (fbgemm), in float32; a bf16 x is converted in and out (exactly
+    in: bf16 values are float32 values). `scale`: the power of two the packed weight was multiplied by."""
+    if x.dtype == torch.float32:
+        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+    y = torch.ops.quantized.linear_dynamic_fp16.default(x.float(), packed)
+    return (y if scale == 1.0 else y.mul_(scale)).to(x.dtype)
+
+
 @torch.library.custom_op("headway::linear_fp16", mutates_args=())
 def _linear_fp16(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic_fp16(x, _PACKED_FP16[key])
+    return _fp16_linear(x, *_PACKED_FP16[key])
 
 
 @_linear_fp16.register_fake
@@ -55,17 +69,39 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
-class Float16Linear(nn.Module):
-    """nn.Linear's forward over a packed float16 copy of its weight (and bias), float32 in and out."""
+def _float16_exact(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """A bf16 weight (and bias) as float32 values that float16 holds exactly, times a power of two where that brings
+    small weights into float16's normal range; and the inverse scale. float16 has 3 more mantissa bits than bf16 but
+    5 fewer exponent bits: a bf16 value is a float16 value when its exponent fits. Raises where no scale fits all."""
+    w = weight.detach().float()
+    b = None if bias is None else bias.detach().float()
+    top = float(w.abs().max()) if w.numel() else 0.0
+    for k in (0, max(0, min(24, int(math.floor(math.log2(65504.0 / top)))) if top > 0 else 0)):
+        ws, bs = w * 2.0**k, None if b is None else b * 2.0**k
+        if all(t is None or bool((t.half().float() == t).all()) for t in (ws, bs)):
+            return ws, bs, 2.0**-k
+    lost = int((ws.half().float() != ws).sum())
+    raise HeadwayError(f"target.linear_weights=float16: {lost} of {w.numel()} bf16 weights of a {tuple(w.shape)} "
+                       "linear do not fit float16 at any one scale, so the format would change this bf16 target's "
+                       "outputs: use target.linear_weights=onednn")
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
-        """keep_weight: keep the float32 weight as `.weight` too (the lm_head, whose weight the embedding and the
-        EAGLE heads share)."""
+
+class Float16Linear(nn.Module):
+    """nn.Linear's forward over a copy of its weight packed as float16 for fbgemm, float32 accumulation. For a
+    float32 target the weight is rounded to float16; for a bf16 target it is exact (bf16 inputs converted exactly to
+    float32, outputs rounded to bf16: a bf16 linear whose one-row steps are fbgemm's fast path)."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
+        """keep_weight: keep the weight as `.weight` too (the lm_head, whose weight the embedding and the EAGLE
+        heads share). exact: refuse a bf16 weight that float16 cannot hold (a target's; a draft head's may round)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = torch.ops.quantized.linear_prepack_fp16(linear.weight.detach().float(), bias)
-        self.key = _register(_PACKED_FP16, self.packed, self)
+        weight, bias, self.scale = linear.weight.detach().float(), linear.bias, 1.0
+        bias = None if bias is None else bias.detach().float()
+        if linear.weight.dtype == torch.bfloat16 and exact:
+            weight, bias, self.scale = _float16_exact(linear.weight, linear.bias)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
+        self.key = _register(_PACKED_FP16, (self.packed, self.scale), self)
         if keep_weight:
             self.weight = linear.weight
 
@@ -74,7 +110,7 @@ class Float16Linear(nn.Module):
         if torch.compiler.is_compiling():
             y = torch.ops.headway.linear_fp16(x2, self.key, self.out_features)
         else:  # eager: the op itself (a custom op's dispatch adds ~5 us a call, 211 calls a step)
-            y = torch.ops.quantized.linear_dynamic_fp16(x2, self.packed)
+            y = _fp16_linear(x2, self.packed, self.scale)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -95,7 +131,7 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
         x = x.expand(ONEDNN_PAD_ROWS, -1)
     elif rows < ONEDNN_PAD_ROWS:
         x = torch.cat([x, x[:1].expand(ONEDNN_PAD_ROWS - rows, -1)])
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")[:rows]
 
 
 @torch.library.custom_op("headway::linear_onednn", mutates_args=())
@@ -111,8 +147,8 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 class OneDNNLinear(nn.Module):
     """nn.Linear's forward, bf16 in and out, over a copy of its bf16 weight prepacked for oneDNN's kernels."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool = False):
-        """keep_weight: keep the weight as `.weight` too (see Float16Linear)."""
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
+        """keep_weight: keep the weight as `.weight` too (see Float16Linear). exact: always (the bf16 weight as is)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -135,6 +171,21 @@ class OneDNNLinear(nn.Module):
 
 
 PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear}
+
+
+def row_linear(module: nn.Module) -> Any:
+    """The linear `module` (nn.Linear or a packed format's) as a plain function of rows [n, in]: its kernel called
+    directly, without nn.Module dispatch and the reshapes a module does for any input (~14 us a call on one CPU core,
+    ~120 calls a decoding step of the default target). Under torch.compile, the module itself (which it traces)."""
+    if isinstance(module, OneDNNLinear):
+        packed, bias = module.packed, module.bias
+        return lambda x: module(x) if torch.compiler.is_compiling() else _onednn_linear(x, packed, bias)
+    if isinstance(module, Float16Linear):
+        packed, scale = module.packed, module.scale
+        return lambda x: module(x) if torch.compiler.is_compiling() else _fp16_linear(x, packed, scale)
+    if isinstance(module, nn.Linear):
+        return lambda x: torch.nn.functional.linear(x, module.weight, module.bias)
+    return module
 
 
 class FusedLinear(nn.Module):
@@ -203,29 +254,30 @@ def fused_projections(module: nn.Module, name: str) -> FusedLinear | None:
     return getattr(module, name, None)
 
 
-def _swap_linears(module: nn.Module, fmt: str, keep_weight: bool) -> int:
+def _swap_linears(module: nn.Module, fmt: str, keep_weight: bool, exact: bool = True) -> int:
     """Every nn.Linear under `module` becomes the packed module of format `fmt`; returns how many."""
     n = 0
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, PACKED[fmt](child, keep_weight))
+            setattr(module, name, PACKED[fmt](child, keep_weight, exact))
             n += 1
         else:
-            n += _swap_linears(child, fmt, keep_weight)
+            n += _swap_linears(child, fmt, keep_weight, exact)
     return n
 
 
 def pack_head_linear_weights(heads: nn.Module, fmt: str = "float16") -> int:
     """A draft head decoding beside a packed target computes its linears the same way (its weights stay as
     `.weight`; drafts only steer speed, never the output). Inference only: never train or save a packed head."""
-    return _swap_linears(heads, fmt, keep_weight=True)
+    return _swap_linears(heads, fmt, keep_weight=True, exact=False)
 
 
 def fewest_rows(model: Any) -> int:
     """The fewest rows a row-exact (bf16/fp16 CPU) decoding step of this model runs. torch's bf16 linear over one row
     takes another kernel than over two or more (which agree with each other, row by row), so a one-token step pads
-    to 2 rows to get the bits a tree's row gets; OneDNNLinear pads its input itself (ONEDNN_PAD_ROWS)."""
-    return 1 if linear_weights(model) == "onednn" else 2
+    to 2 rows to get the bits a tree's row gets; OneDNNLinear pads its input itself (ONEDNN_PAD_ROWS), and fbgemm's
+    float16 kernel gives a row the same bits for any row count."""
+    return 2 if linear_weights(model) == "native" else 1
 
 
 def linear_weights(model: Any) -> str:
@@ -236,11 +288,12 @@ def linear_weights(model: Any) -> str:
 def _check_format(model: Any, fmt: str) -> None:
     """One message for a target the format cannot serve."""
     p = next(model.parameters())
-    want = {"float16": torch.float32, "onednn": torch.bfloat16}[fmt]
-    name = str(want).removeprefix("torch.")
-    if p.device.type != "cpu" or p.dtype != want:
-        raise HeadwayError(f"target.linear_weights={fmt} is a CPU format for {name} targets (this one is {p.dtype} "
-                           f"on {p.device.type}): set target.dtype={name} and target.device=cpu, or linear_weights=native")
+    want = {"float16": (torch.float32, torch.bfloat16), "onednn": (torch.bfloat16,)}[fmt]
+    names = " or ".join(str(d).removeprefix("torch.") for d in want)
+    if p.device.type != "cpu" or p.dtype not in want:
+        raise HeadwayError(f"target.linear_weights={fmt} is a CPU format for {names} targets (this one is {p.dtype} "
+                           f"on {p.device.type}): set target.dtype={str(want[0]).removeprefix('torch.')} and "
+                           "target.device=cpu, or linear_weights=native")
     if getattr(getattr(model, "model", None), "layers", None) is None:
         raise HeadwayError(f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
                            "has none): use target.linear_weights=native")
@@ -264,7 +317,7 @@ def kernels_missing(fmt: str) -> str | None:
 
 def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
     """Replace every nn.Linear inside the model's decoder layers, and its lm_head, by the packed module of format
-    `fmt` (float16: float32 CPU targets; onednn: bfloat16 CPU targets); returns how many. On GPUs, load the target
+    `fmt` (float16: float32 or bfloat16 CPU targets; onednn: bfloat16 CPU targets); returns how many. On GPUs, load the target
     in bfloat16 or float16 instead."""
     _check_format(model, fmt)
     count = sum(_fuse_layer(layer, fmt) for layer in model.model.layers)

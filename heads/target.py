@@ -47,10 +47,11 @@ class TargetConfig:
     # Run Python code shipped inside the model directory (auto_map). Off: a model directory is data, not code.
     trust_remote_code: bool = False
     # CPU inference format of the linear weights (decoder layers, lm_head): native (as `dtype`), or float16
-    # (packed fp16 weights, float32 compute: half the memory traffic, and verifying up to ~6 tokens costs about
-    # one step on CPUs; float32 CPU targets only; outputs equal this format's plain decoding, which can differ
-    # from float32's where two tokens nearly tie), or onednn (bfloat16 CPU targets: the same bf16 weights
-    # prepacked for oneDNN's kernels, 1.6x as fast a bf16 step here). See heads/packed_linear.py.
+    # (weights packed as fp16 for fbgemm, float32 accumulation. float32 targets: half the memory traffic, outputs
+    # equal this format's plain decoding, which can differ from float32's where two tokens nearly tie. bfloat16
+    # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 CPU targets: the same
+    # bf16 weights prepacked for oneDNN's kernels; cheaper than float16 for trees of 8+ nodes).
+    # See heads/packed_linear.py.
     linear_weights: str = "native"
 
     def __post_init__(self) -> None:

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import ONEDNN_PAD_ROWS, fewest_rows, fused_projections, linear_weights
+from headway.heads.packed_linear import (ONEDNN_PAD_ROWS, fewest_rows, fused_projections, linear_weights,
+                                         row_linear)
 from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -78,81 +79,130 @@ def static_supported(model: Any) -> bool:
             and base is not None and hasattr(base, "layers") and hasattr(base, "rotary_emb"))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary cos/sin [1, n, head_dim] as `layer_step` takes them: [n, 1, head_dim] (over every head),
+    sin with its first half negated, so that rotating x is x * cos + (x's halves swapped) * sin: the same products
+    as transformers' rotate_half, each rounded the same, with two ops fewer."""
+    half = sin.shape[-1] // 2
+    return cos[0, :, None], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
 
 
-def layer_step(layer: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+def _rms_norm_fn(norm: Any, lean: bool) -> Any:
+    """The layer's RMSNorm as a plain function (lean), in transformers' own arithmetic for the static families (a
+    `weight` and a `variance_epsilon`), without the module's dispatch; else the module."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if not lean or weight is None or eps is None:
+        return norm
+
+    def rms_norm(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    return rms_norm
+
+
+class LayerPlan:
+    """One Llama-style decoder layer as `layer_step` runs it: its norms, projections and MLP as callables over rows
+    [n, hidden], and its attention's sizes. Lean (eager decoding), the callables skip nn.Module dispatch and call the
+    weights' kernels directly (`row_linear`); else (under torch.compile, which traces them) they are the modules."""
+
+    def __init__(self, layer: Any, lean: bool):
+        a, mlp = layer.self_attn, layer.mlp
+        cfg = a.config
+        self.head_dim = int(a.head_dim)
+        self.heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        self.scaling = float(a.scaling)
+        self.norm1 = _rms_norm_fn(layer.input_layernorm, lean)
+        self.norm2 = _rms_norm_fn(layer.post_attention_layernorm, lean)
+        fn = row_linear if lean else (lambda m: m)
+        qkv = fused_projections(a, "headway_qkv")
+        if qkv is not None:
+            self.qkv = fn(qkv.linear)
+        else:
+            q, k, v = fn(a.q_proj), fn(a.k_proj), fn(a.v_proj)
+            self.qkv = lambda h: torch.cat((q(h), k(h), v(h)), dim=-1)
+        self.o = fn(a.o_proj)
+        gate_up = fused_projections(mlp, "headway_gate_up")
+        self.mlp, self.gate_up = mlp, None if gate_up is None else fn(gate_up.linear)
+        self.down, self.act = fn(mlp.down_proj), mlp.act_fn
+        self.inter = 0 if gate_up is None else gate_up.sizes[0]
+
+
+def layer_step(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
                attend: Optional["RowAttention"] = None) -> torch.Tensor:
-    """One Llama-style decoder layer over x [1, n, h]: its keys and values go into cache slots `slots` [n] of
-    k_cache/v_cache [kv_heads, max_len, head_dim] (in place), and its queries attend to slots [0, end) under
-    `mask` (bool or additive, [n, end] or broadcastable; None: every slot). The layer's own modules do the
-    projections, norms and MLP; only the cache and the attention are Headway's. (index_copy_ at a slot tensor,
-    not a slice assignment at a Python offset: torch.compile then updates the cache in place.)"""
-    a = layer.self_attn
-    n = x.shape[1]
-    head_dim, kv_heads = k_cache.shape[-1], k_cache.shape[0]
-    h = layer.input_layernorm(x)
-    qkv = fused_projections(a, "headway_qkv")
-    q, k, v = (a.q_proj(h), a.k_proj(h), a.v_proj(h)) if qkv is None else qkv(h)
-    q = q.view(1, n, -1, head_dim).transpose(1, 2)
-    k = k.view(1, n, kv_heads, head_dim).transpose(1, 2)
-    v = v.view(1, n, kv_heads, head_dim).transpose(1, 2)
-    k_cache.index_copy_(1, slots, _rotate(k, cos, sin)[0])
-    v_cache.index_copy_(1, slots, v[0])
+    """One Llama-style decoder layer over rows x [n, hidden]: its keys and values go into cache slots `slots` [n] of
+    k_cache/v_cache [kv_heads, max_len, head_dim] (in place, in the cache's dtype), and its queries attend to slots
+    [0, end) under `mask` (bool or additive, [n, end] or broadcastable; None: every slot), or by `attend`.
+    cos/sin: `rope_tables`. The layer's own weights do the projections, norms and MLP; only the cache and the
+    attention are Headway's. (index_copy_ at a slot tensor, not a slice assignment at a Python offset:
+    torch.compile then updates the cache in place.)"""
+    n, hd, heads, kv = x.shape[0], plan.head_dim, plan.heads, plan.kv_heads
+    qkv = plan.qkv(plan.norm1(x))
+    # the queries' and keys' heads rotate together: [n, heads + kv_heads, head_dim]
+    qk = qkv[:, : (heads + kv) * hd].view(n, heads + kv, hd)
+    qk = qk * cos + qk.view(n, heads + kv, 2, hd // 2).flip(2).view(n, heads + kv, hd) * sin
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = qkv[:, (heads + kv) * hd :].view(n, kv, hd)
+    k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
     if attend is None:
-        o = F.scaled_dot_product_attention(_rotate(q, cos, sin), k_cache[None, :, :end], v_cache[None, :, :end],
-                                           attn_mask=mask, scale=a.scaling, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(k_cache.dtype), k_cache[None, :, :end],
+                                           v_cache[None, :, :end], attn_mask=mask, scale=plan.scaling, enable_gqa=True)
+        o = o[0].transpose(0, 1).reshape(n, -1).to(x.dtype)
     else:
-        o = attend(_rotate(q, cos, sin), k_cache, v_cache, a.scaling)
-    x = x + a.o_proj(o.transpose(1, 2).reshape(1, n, -1))
-    h = layer.post_attention_layernorm(x)
-    mlp = layer.mlp
-    gate_up = fused_projections(mlp, "headway_gate_up")
-    if gate_up is None:
-        return x + mlp(h)
-    gate, up = gate_up(h)
-    return x + mlp.down_proj(mlp.act_fn(gate) * up)
+        o = attend(q, k_cache, v_cache, plan.scaling)
+    x = x + plan.o(o)
+    h = plan.norm2(x)
+    if plan.gate_up is None:
+        return x + plan.mlp(h)
+    gate_up = plan.gate_up(h)
+    return x + plan.down(plan.act(gate_up[:, : plan.inter]) * gate_up[:, plan.inter :])
 
 
-def decoder_stack(layers: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list,
+def decoder_stack(plans: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list,
                   vs: list, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
                   hidden: bool, attend: Optional["RowAttention"] = None) -> tuple[torch.Tensor, list]:
-    """Every decoder layer (`layer_step`, layer i on caches ks[i]/vs[i]) and the final norm: the normed output and,
-    with `hidden`, the hidden states as transformers' output_hidden_states gives them (the last one normed).
-    The unit `inference.engine=compiled` hands to torch.compile."""
+    """Every decoder layer (`layer_step`, plans[i] on caches ks[i]/vs[i]) over x [1, n, hidden] and the final norm:
+    the normed output [1, n, hidden] and, with `hidden`, the hidden states as transformers' output_hidden_states
+    gives them (the last one normed). cos/sin: the model's rotary embedding [1, n, head_dim]. The unit
+    `inference.engine=compiled` hands to torch.compile."""
+    cos, sin = rope_tables(cos, sin)
+    x = x[0]
     states = [x] if hidden else []
-    for layer, k, v in zip(layers, ks, vs):
-        x = layer_step(layer, x, cos, sin, k, v, slots, end, mask, attend)
+    for plan, k, v in zip(plans, ks, vs):
+        x = layer_step(plan, x, cos, sin, k, v, slots, end, mask, attend)
         if hidden:
             states.append(x)
     x = norm(x)
     if hidden:
         states[-1] = x
-    return x, states
+    return x[None], [h[None] for h in states]
 
 
-def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, order: torch.Tensor,
-                   slots: torch.Tensor, groups: list[tuple[int, int]], scale: float) -> torch.Tensor:
-    """RowAttention's computation: rows `order` of q [1, heads, n, head_dim], group after group ([rows, length]
-    each), attend to the cache slots `slots` gathered for them in that order."""
+def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "RowAttention",
+                   scale: float) -> torch.Tensor:
+    """RowAttention's computation: rows `plan.order` of q [n, heads, head_dim], group after group ([rows, length]
+    each), attend to the cache slots `plan.slots` gathered for them in that order; out [n, heads * head_dim]."""
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us)
-    k_all = k_cache.index_select(1, slots).float()  # [kv_heads, slots, head_dim]
-    v_all = v_cache.index_select(1, slots).float()
-    q_all = q[0].index_select(1, order).transpose(0, 1).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
+    # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us); the
+    # row-exact runners keep their cache in float32, so that no step converts it
+    if plan.prefix:  # one row that sees the first slots in order (plain decoding): the cache itself, no gather
+        k_all, v_all = k_cache[:, : plan.slots.shape[0]].float(), v_cache[:, : plan.slots.shape[0]].float()
+    else:
+        k_all, v_all = k_cache.index_select(1, plan.slots).float(), v_cache.index_select(1, plan.slots).float()
+    q_all = (q if plan.in_order else q.index_select(0, plan.order)).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
     outs, slot, row = [], 0, 0
-    for b, length in groups:
+    for b, length in plan.groups:
         k = k_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
         v = v_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
         outs.append(F.scaled_dot_product_attention(q_all[row : row + b], k, v, scale=scale, enable_gqa=True))
         slot, row = slot + b * length, row + b
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs)).squeeze(2).transpose(0, 1).to(q.dtype)
-    o = torch.empty_like(q)  # [1, heads, n, head_dim]
-    o[0].index_copy_(1, order, out)
-    return o
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(q.shape[0], -1)
+    if not plan.in_order:
+        out = torch.empty_like(out).index_copy_(0, plan.order, out)
+    return out.to(q.dtype)
 
 
 # Under torch.compile RowAttention is one opaque op that reads the step's plan (its rows, slots and groups) from here,
@@ -166,12 +216,12 @@ def _row_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     plan = _ACTIVE[0]
     if plan is None:
         raise RuntimeError("internal: a compiled row-exact step ran without its RowAttention plan")
-    return _row_attention(q, k_cache, v_cache, plan.order, plan.slots, plan.groups, scale)
+    return _row_attention(q, k_cache, v_cache, plan, scale)
 
 
 @_row_attention_op.register_fake
 def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 class RowAttention:
@@ -190,11 +240,14 @@ class RowAttention:
         self.order = torch.tensor(order, device=device)
         self.slots = torch.tensor([j for i in order for j in visible[i]], device=device)
         self.groups = [(len(rows), length) for length, rows in by_len.items()]
+        self.in_order = order == list(range(len(order)))
+        self.prefix = len(visible) == 1 and visible[0] == list(range(len(visible[0])))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [n, heads, head_dim] (rotated) -> [n, heads * head_dim], in q's dtype."""
         if torch.compiler.is_compiling():  # the plan is _ACTIVE's at run time (StaticRunner._row_exact)
             return torch.ops.headway.row_attention(q, k_cache, v_cache, scale)
-        return _row_attention(q, k_cache, v_cache, self.order, self.slots, self.groups, scale)
+        return _row_attention(q, k_cache, v_cache, self, scale)
 
 
 class StaticLayerCache:
@@ -210,6 +263,7 @@ class StaticLayerCache:
         self.k = torch.empty(self.kv_heads, capacity, self.head_dim, dtype=p.dtype, device=p.device)
         self.v = torch.empty_like(self.k)
         self.length = 0
+        self.plan = LayerPlan(layer, lean=True)
 
     @staticmethod
     def supported(decoder: Any) -> bool:
@@ -234,10 +288,10 @@ class StaticLayerCache:
                 setattr(self, name, new)
         cos, sin = decoder.rotary_emb(x, position_ids)
         slots = torch.arange(start, start + n, device=x.device)
-        out = layer_step(decoder.layers[0], x, cos[:, None], sin[:, None], self.k, self.v, slots, start + n,
-                         None if mask is None else mask[0, 0])
+        cos, sin = rope_tables(cos, sin)
+        out = layer_step(self.plan, x[0], cos, sin, self.k, self.v, slots, start + n, None if mask is None else mask[0, 0])
         self.length = start + n
-        return out
+        return out[None]
 
 
 class LazyLogits:
@@ -284,6 +338,15 @@ def subtree_first(tree: Tree, count: int) -> Any:
 _LM_T: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
 _KV: "weakref.WeakKeyDictionary[Any, tuple[list[torch.Tensor], list[torch.Tensor]]]" = weakref.WeakKeyDictionary()
 _COMPILED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[Any, dict[bool, list[LayerPlan]]]" = weakref.WeakKeyDictionary()
+
+
+def layer_plans(model: Any, lean: bool) -> list[LayerPlan]:
+    """The model's decoder layers as LayerPlans, once per model and kind."""
+    plans = _PLANS.setdefault(model, {})
+    if lean not in plans:
+        plans[lean] = [LayerPlan(layer, lean) for layer in model.model.layers]
+    return plans[lean]
 
 
 def compiled_stack(model: Any) -> Any:
@@ -327,10 +390,14 @@ class StaticRunner:
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
         self.fewest_rows = max(fewest_rows(model), 2 if compiled else 1)
         self.lm_rows_free = ONEDNN_PAD_ROWS if linear_weights(model) == "onednn" else 1
+        self.plans = layer_plans(model, lean=True)
+        self.compiled_plans = layer_plans(model, lean=False) if compiled else None
+        # row-exact: keys and values kept in float32 (exactly the bf16/fp16 values), the dtype attention runs in
+        cache_dtype = torch.float32 if self.row_exact else self.dtype
         kv = _KV.get(model)
-        if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != self.dtype or kv[0][0].device != self.device:
+        if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != cache_dtype or kv[0][0].device != self.device:
             shape = (self.kv_heads, max_len, self.head_dim)
-            kv = tuple([torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers] for _ in "kv")
+            kv = tuple([torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.layers] for _ in "kv")
             _KV[model] = kv
         self.k, self.v = kv
         self.max_len = max_len
@@ -359,9 +426,8 @@ class StaticRunner:
         # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
         # eagerly, and the graphs always give the hidden states (free inside them) rather than compiling twice.
         compiled = self.compiled and (n == 1 or tree is not None)
-        stack = self._stack if compiled else decoder_stack
-        x, states = stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
-                          start + n, mask, hidden or compiled)
+        stack, plans = (self._stack, self.compiled_plans) if compiled else (decoder_stack, self.plans)
+        x, states = stack(plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, hidden or compiled)
         self.length = start + n
         return self._logits(x[0], tree), tuple(states) if hidden else None
 
@@ -398,8 +464,9 @@ class StaticRunner:
         attend = RowAttention([visible[i] for i in pick.tolist()], self.device)
         _ACTIVE[0] = attend
         try:
-            x, states = self._stack(self.layers, self.base.norm, x, cos[:, None], sin[:, None], self.k, self.v, slots,
-                                    start + n, None, hidden or self.compiled, attend)
+            plans = self.compiled_plans if self.compiled else self.plans
+            x, states = self._stack(plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, None,
+                                    hidden or self.compiled, attend)
         finally:
             _ACTIVE[0] = None
         self.length = start + n

@@ -85,7 +85,8 @@ def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@pytest.mark.parametrize("arch,fmt", [("llama", "native"), ("qwen2", "native")] + ([("llama", "onednn")] if ONEDNN_BF16 else []))
+@pytest.mark.parametrize("arch,fmt", [("llama", "native"), ("qwen2", "native"), ("llama", "float16")]
+                         + ([("llama", "onednn")] if ONEDNN_BF16 else []))
 @torch.inference_mode()
 def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str):
     """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
@@ -120,14 +121,20 @@ def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(dtype):
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 200, 64, generator=g).to(dtype)
     v_cache = torch.randn(3, 200, 64, generator=g).to(dtype)
-    q = torch.randn(1, 9, 6, 64, generator=g).to(dtype)
+    q = torch.randn(6, 9, 64, generator=g).to(dtype)  # [rows, heads, head_dim]
     prefix = list(range(150))
     visible = [prefix + [150], prefix + [151], prefix + [152], prefix + [150, 153], prefix + [151, 154],
                prefix + [150, 153, 155]]
     together = RowAttention(visible, q.device)(q, k_cache, v_cache, 0.125)
     for i, slots in enumerate(visible):
-        alone = RowAttention([slots], q.device)(q[:, :, i : i + 1], k_cache, v_cache, 0.125)
-        assert torch.equal(together[:, :, i : i + 1], alone), i
+        alone = RowAttention([slots], q.device)(q[i : i + 1], k_cache, v_cache, 0.125)
+        assert torch.equal(together[i : i + 1], alone), i
+    # plain decoding's row, which sees the first slots in order, reads them from the cache without gathering them
+    plain = RowAttention([prefix], q.device)
+    assert plain.prefix and not RowAttention([prefix[1:]], q.device).prefix
+    read = plain(q[:1], k_cache, v_cache, 0.125)
+    plain.prefix = False
+    assert torch.equal(read, plain(q[:1], k_cache, v_cache, 0.125))
 
 
 def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):

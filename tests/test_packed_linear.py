@@ -61,7 +61,7 @@ def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_di
 
 
 def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
-    with pytest.raises(HeadwayError, match="CPU format for float32 targets"):
+    with pytest.raises(HeadwayError, match="CPU format for float32 or bfloat16 targets"):
         load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64",
                                  linear_weights="float16"))
     with pytest.raises(HeadwayError, match="target.linear_weights=.int8. is not allowed"):
@@ -74,6 +74,37 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
 
     with pytest.raises(HeadwayError, match="train with target.linear_weights=native"):
         add_lora(t.model, LoraConfig(enabled=True))
+
+
+@torch.inference_mode()
+def test_float16_linear_is_exact_bf16_math_for_bf16_weights():
+    """A bf16 target's weights are float16 values (same mantissa, smaller exponent range): the float16 format runs
+    its linears as bf16 math (exact products, float32 sums, bf16 out), scaling a matrix of tiny weights by a power
+    of two into float16's range, and refusing one that no single scale fits. A row's bits never depend on the row
+    count (fbgemm), so one-token steps need no padding."""
+    torch.manual_seed(0)
+    for scale in (1.0, 1e-6):  # 1e-6: below float16's normal range, held exactly only once scaled
+        lin = nn.Linear(96, 40, bias=True).bfloat16()
+        with torch.no_grad():
+            lin.weight.mul_(scale)
+            lin.bias.mul_(scale)
+        packed = Float16Linear(lin)
+        assert packed.scale == 1.0 if scale == 1.0 else packed.scale < 1.0
+        x = torch.randn(9, 96).bfloat16()
+        out = packed(x)
+        assert out.dtype == torch.bfloat16
+        ref = F.linear(x.double(), lin.weight.double(), lin.bias.double())
+        assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()  # within bf16's rounding of the sum
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(9)])
+        for rows in (2, 3, 4, 9):
+            assert torch.equal(torch.cat([packed(x[i : i + rows]) for i in range(0, 9 - rows + 1, rows)]),
+                               alone[: (9 // rows) * rows]), rows
+    wide = nn.Linear(8, 4, bias=False).bfloat16()
+    with torch.no_grad():
+        wide.weight.copy_(torch.tensor([1e4, 1e-9] * 16).view(4, 8))
+    with pytest.raises(HeadwayError, match="do not fit float16 at any one scale.*use target.linear_weights=onednn"):
+        Float16Linear(wide)
+    Float16Linear(wide, exact=False)  # a draft head's weights may round: drafts only steer speed
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -142,16 +173,16 @@ def test_fused_projections_compute_the_separate_linears(tiny_dirs, fmt: str):
         torch.testing.assert_close(a[-1].float(), b[-1].float(), rtol=tol, atol=tol)
 
 
-@needs_onednn_bf16
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_speculative_decoding_equals_plain_decoding_with_onednn_weights(tiny_dirs, arch: str):
+@pytest.mark.parametrize("arch,fmt", [("llama", "float16"), ("qwen2", "float16")]
+                         + ([("llama", "onednn"), ("qwen2", "onednn")] if ONEDNN_BF16 else []))
+def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_dirs, arch: str, fmt: str):
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16",
-                                 linear_weights="onednn"))
-    assert linear_weights(t.model) == "onednn"
+                                 linear_weights=fmt))
+    assert linear_weights(t.model) == fmt
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
-    assert isinstance(t.model.lm_head, OneDNNLinear) and t.model.lm_head.weight.dtype == torch.bfloat16
+    assert isinstance(t.model.lm_head, (OneDNNLinear, Float16Linear)) and t.model.lm_head.weight.dtype == torch.bfloat16
     heads = random_head(t, "eagle3").bfloat16()
-    assert pack_head_linear_weights(heads, "onednn") > 0
+    assert pack_head_linear_weights(heads, fmt) > 0
     assert_speculative_equals_plain(t, heads, "static")
 
 
@@ -181,7 +212,7 @@ def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
-@pytest.mark.parametrize("fmt", ["native"] + (["onednn"] if ONEDNN_BF16 else []))
+@pytest.mark.parametrize("fmt", ["native", "float16"] + (["onednn"] if ONEDNN_BF16 else []))
 def test_bf16_compiles_row_exact_without_graph_breaks(tiny_dirs, fmt: str):
     """bf16 on the compiled engine is row-exact too: speculative decoding equals the compiled engine's plain decoding
     (EAGLE-3 and n-gram trees of every shape), and one graph of dynamic row count serves every step (a single token
