@@ -280,6 +280,13 @@ def fewest_rows(model: Any) -> int:
     return 2 if linear_weights(model) == "native" else 1
 
 
+def rows_for_one(model: Any) -> int:
+    """How many rows the model's packed lm_head computes for about the price of one: oneDNN pads to
+    ONEDNN_PAD_ROWS anyway; fbgemm's float16 kernel ran 1-3 rows of the default target's lm_head in the same time
+    (3.7-4.0 ms, 4 rows 4.4; docs/benchmarks.md, "Twelfth session"); a native weight, one."""
+    return {"onednn": ONEDNN_PAD_ROWS, "float16": 3}.get(linear_weights(model), 1)
+
+
 def linear_weights(model: Any) -> str:
     """The format of the model's linear weights: native, float16 or onednn (packed by `pack_linear_weights`)."""
     return getattr(model, "headway_linear_weights", "native")

@@ -21,8 +21,7 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import (ONEDNN_PAD_ROWS, fewest_rows, fused_projections, linear_weights,
-                                         row_linear)
+from headway.heads.packed_linear import fewest_rows, fused_projections, linear_weights, row_linear, rows_for_one
 from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -189,7 +188,7 @@ def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us); the
     # row-exact runners keep their cache in float32, so that no step converts it
     if plan.prefix:  # one row that sees the first slots in order (plain decoding): the cache itself, no gather
-        k_all, v_all = k_cache[:, : plan.slots.shape[0]].float(), v_cache[:, : plan.slots.shape[0]].float()
+        k_all, v_all = k_cache[:, : plan.length].float(), v_cache[:, : plan.length].float()
     else:
         k_all, v_all = k_cache.index_select(1, plan.slots).float(), v_cache.index_select(1, plan.slots).float()
     q_all = (q if plan.in_order else q.index_select(0, plan.order)).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
@@ -226,22 +225,28 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: floa
 
 class RowAttention:
     """Attention that gives each query row exactly what a one-token decoding step of that token would: row i attends
-    to `visible[i]` (its cache slots, in order: the prefix, then its ancestors and itself by depth), gathered into a
+    to the cache's first `start` slots and then `tails[i]` (its ancestors and itself, by depth), gathered into a
     sequence of its own, with no mask. Rows of one length share one call. In bf16 the fused attention kernel's result
     for a row depends on the query count, the mask and the key length; after bf16 rounding that flips near-ties, so
-    speculative and plain decoding part ways. Gathering makes the row's computation identical to plain decoding's."""
+    speculative and plain decoding part ways. Gathering makes the row's computation identical to plain decoding's.
+    Plain decoding's one row (tails [[start]]) reads the cache's first slots in place."""
 
-    def __init__(self, visible: list[list[int]], device: torch.device):
+    def __init__(self, start: int, tails: list[list[int]], device: torch.device):
         by_len: dict[int, list[int]] = {}
-        for i, v in enumerate(visible):
-            by_len.setdefault(len(v), []).append(i)
+        for i, tail in enumerate(tails):
+            by_len.setdefault(len(tail), []).append(i)
         # every group's slots gathered in one call, group after group; its rows in that order
         order = [i for rows in by_len.values() for i in rows]
         self.order = torch.tensor(order, device=device)
-        self.slots = torch.tensor([j for i in order for j in visible[i]], device=device)
-        self.groups = [(len(rows), length) for length, rows in by_len.items()]
+        self.groups = [(len(rows), start + length) for length, rows in by_len.items()]
         self.in_order = order == list(range(len(order)))
-        self.prefix = len(visible) == 1 and visible[0] == list(range(len(visible[0])))
+        self.prefix = tails == [[start]]
+        self.length = start + 1
+        if not self.prefix:  # tensor ops, not Python lists: the plan's cost must not grow with the sequence
+            prefix = torch.arange(start, device=device)
+            self.slots = torch.cat([torch.cat((prefix.expand(len(rows), start),
+                                               torch.tensor([tails[i] for i in rows], device=device)), dim=1).view(-1)
+                                    for rows in by_len.values()])
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """q [n, heads, head_dim] (rotated) -> [n, heads * head_dim], in q's dtype."""
@@ -389,7 +394,7 @@ class StaticRunner:
         # single token pads to 2 rows too, so that every step runs the one graph of dynamic row count
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
         self.fewest_rows = max(fewest_rows(model), 2 if compiled else 1)
-        self.lm_rows_free = ONEDNN_PAD_ROWS if linear_weights(model) == "onednn" else 1
+        self.lm_rows_free = rows_for_one(model)
         self.plans = layer_plans(model, lean=True)
         self.compiled_plans = layer_plans(model, lean=False) if compiled else None
         # row-exact: keys and values kept in float32 (exactly the bf16/fp16 values), the dtype attention runs in
@@ -432,8 +437,8 @@ class StaticRunner:
         return self._logits(x[0], tree), tuple(states) if hidden else None
 
     def _logits(self, hidden: torch.Tensor, tree: Optional[Tree]) -> LazyLogits:
-        """The step's logits, by row; where the lm_head computes a few rows for the price of one (oneDNN, padded to
-        ONEDNN_PAD_ROWS), a tree's row comes with the nodes below it that the walk may read next."""
+        """The step's logits, by row; where the lm_head computes a few rows for the price of one (`rows_for_one`), a
+        tree's row comes with the nodes below it that the walk may read next."""
         if tree is None or tree.size == 1 or self.lm_rows_free < 2:
             return LazyLogits(hidden, self._lm_row)
         return LazyLogits(hidden, self._lm_row, subtree_first(tree, self.lm_rows_free))
@@ -447,12 +452,11 @@ class StaticRunner:
         prompt runs normally: plain and speculative decoding share it."""
         n, start = ids.shape[0], self.length
         if tree is None:
-            depth, visible = [0], [list(range(start + 1))]
+            depth, tails = [0], [[start]]
         else:
             depth = tree.depth.tolist()
             anc = tree.ancestors.tolist()
-            visible = [list(range(start)) + sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start])
-                       for i in range(n)]
+            tails = [sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start]) for i in range(n)]
         # a step of fewer rows than the format's `fewest_rows` pads with copies of its first: the same token, written
         # to the same slot
         rows = max(n, self.fewest_rows)
@@ -461,7 +465,7 @@ class StaticRunner:
         positions = start + torch.tensor(depth, device=self.device)[pick]
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
-        attend = RowAttention([visible[i] for i in pick.tolist()], self.device)
+        attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device)
         _ACTIVE[0] = attend
         try:
             plans = self.compiled_plans if self.compiled else self.plans
