@@ -182,22 +182,24 @@ def decoder_stack(plans: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, si
 
 def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "RowAttention",
                    scale: float) -> torch.Tensor:
-    """RowAttention's computation: rows `plan.order` of q [n, heads, head_dim], group after group ([rows, length]
-    each), attend to the cache slots `plan.slots` gathered for them in that order; out [n, heads * head_dim]."""
+    """RowAttention's computation: rows `plan.order` of q [n, heads, head_dim], group after group, attend to their
+    slots (read in place, or gathered into `plan.slots` in that order); out [n, heads * head_dim]."""
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us); the
     # row-exact runners keep their cache in float32, so that no step converts it
-    if plan.prefix:  # one row that sees the first slots in order (plain decoding): the cache itself, no gather
-        k_all, v_all = k_cache[:, : plan.length].float(), v_cache[:, : plan.length].float()
-    else:
+    if plan.slots is not None:
         k_all, v_all = k_cache.index_select(1, plan.slots).float(), v_cache.index_select(1, plan.slots).float()
     q_all = (q if plan.in_order else q.index_select(0, plan.order)).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
     outs, slot, row = [], 0, 0
-    for b, length in plan.groups:
-        k = k_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
-        v = v_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+    for b, length, in_place in plan.groups:
+        if in_place:
+            k, v = k_cache[None, :, :length].float(), v_cache[None, :, :length].float()
+        else:
+            k = k_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+            v = v_all[:, slot : slot + b * length].view(kv_heads, b, length, head_dim).transpose(0, 1)
+            slot += b * length
         outs.append(F.scaled_dot_product_attention(q_all[row : row + b], k, v, scale=scale, enable_gqa=True))
-        slot, row = slot + b * length, row + b
+        row += b
     out = (outs[0] if len(outs) == 1 else torch.cat(outs)).view(q.shape[0], -1)
     if not plan.in_order:
         out = torch.empty_like(out).index_copy_(0, plan.order, out)
@@ -225,24 +227,28 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: floa
 
 class RowAttention:
     """Attention that gives each query row exactly what a one-token decoding step of that token would: row i attends
-    to the cache's first `start` slots and then `tails[i]` (its ancestors and itself, by depth), gathered into a
-    sequence of its own, with no mask. Rows of one length share one call. In bf16 the fused attention kernel's result
-    for a row depends on the query count, the mask and the key length; after bf16 rounding that flips near-ties, so
-    speculative and plain decoding part ways. Gathering makes the row's computation identical to plain decoding's.
-    Plain decoding's one row (tails [[start]]) reads the cache's first slots in place."""
+    to the cache's first `start` slots and then `tails[i]` (its ancestors and itself, by depth), as a sequence of its
+    own, with no mask. In bf16 the fused attention kernel's result for a row depends on the query count, the mask and
+    the key length; after bf16 rounding that flips near-ties, so speculative and plain decoding part ways. A row whose
+    slots are the cache's first ones in order (plain decoding's row, every row of a chain) reads the cache in place;
+    the others are gathered, rows of one length in one call. Either way the row's computation is plain decoding's."""
 
     def __init__(self, start: int, tails: list[list[int]], device: torch.device):
+        in_place: list[int] = []
         by_len: dict[int, list[int]] = {}
         for i, tail in enumerate(tails):
-            by_len.setdefault(len(tail), []).append(i)
-        # every group's slots gathered in one call, group after group; its rows in that order
-        order = [i for rows in by_len.values() for i in rows]
+            if tail == list(range(start, start + len(tail))):
+                in_place.append(i)
+            else:
+                by_len.setdefault(len(tail), []).append(i)
+        # groups in order: each in-place row alone, then each length's gathered rows, their slots gathered in one call
+        order = in_place + [i for rows in by_len.values() for i in rows]
         self.order = torch.tensor(order, device=device)
-        self.groups = [(len(rows), start + length) for length, rows in by_len.items()]
         self.in_order = order == list(range(len(order)))
-        self.prefix = tails == [[start]]
-        self.length = start + 1
-        if not self.prefix:  # tensor ops, not Python lists: the plan's cost must not grow with the sequence
+        self.groups = ([(1, start + len(tails[i]), True) for i in in_place]
+                       + [(len(rows), start + length, False) for length, rows in by_len.items()])
+        self.slots = None
+        if by_len:  # tensor ops, not Python lists: the plan's cost must not grow with the sequence
             prefix = torch.arange(start, device=device)
             self.slots = torch.cat([torch.cat((prefix.expand(len(rows), start),
                                                torch.tensor([tails[i] for i in rows], device=device)), dim=1).view(-1)

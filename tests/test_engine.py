@@ -128,12 +128,14 @@ def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(dtype):
     for i, tail in enumerate(tails):
         alone = RowAttention(150, [tail], q.device)(q[i : i + 1], k_cache, v_cache, 0.125)
         assert torch.equal(together[i : i + 1], alone), i
-    # plain decoding's row, which sees the first slots in order, reads them from the cache without gathering them
-    plain = RowAttention(150, [[150]], q.device)
-    assert plain.prefix and not RowAttention(150, [[151]], q.device).prefix
-    read = plain(q[:1], k_cache, v_cache, 0.125)
-    plain.prefix, plain.slots = False, torch.arange(151)
-    assert torch.equal(read, plain(q[:1], k_cache, v_cache, 0.125))
+    # rows that see the cache's first slots in order (plain decoding's, a chain's) read them in place: the same bits
+    # as the same keys gathered from elsewhere
+    chain = RowAttention(150, [[150], [150, 151], [150, 151, 152]], q.device)
+    assert chain.slots is None and RowAttention(150, [[150, 152]], q.device).slots is not None
+    moved_k, moved_v = k_cache.clone(), v_cache.clone()
+    moved_k[:, 160:163], moved_v[:, 160:163] = k_cache[:, 150:153], v_cache[:, 150:153]
+    gathered = RowAttention(150, [[160], [160, 161], [160, 161, 162]], q.device)
+    assert torch.equal(chain(q[:3], k_cache, v_cache, 0.125), gathered(q[:3], moved_k, moved_v, 0.125))
 
 
 def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):
