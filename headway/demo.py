@@ -58,9 +58,9 @@ class DemoConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     # Decode in bf16 with the weights prepacked for oneDNN (target.dtype=bfloat16, target.linear_weights=onednn) where
-    # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: the
-    # fastest exact format Headway has on such CPUs (docs/benchmarks.md). --train still distils and trains in
-    # target.dtype. false: decode as target.* says.
+    # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: exact,
+    # and the format whose trees are cheapest, so the head's branches pay most (docs/benchmarks.md). --train still
+    # distils and trains in target.dtype. false: decode as target.* says.
     fast_cpu_format: bool = True
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
     head_dir: Optional[str] = None
