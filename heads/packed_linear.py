@@ -71,8 +71,8 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 def _float16_exact(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """A bf16 weight (and bias) as float32 values that float16 holds exactly, times a power of two where that brings
-    small weights into float16's normal range; and the inverse scale. float16 has 3 more mantissa bits than bf16 but
-    5 fewer exponent bits: a bf16 value is a float16 value when its exponent fits. Raises where no scale fits all."""
+    small weights into float16's normal range; and the inverse scale. float16 has 3 more mantissa bits than bf16 and
+    3 fewer exponent bits: a bf16 value is a float16 value when its exponent fits. Raises where no scale fits all."""
     w = weight.detach().float()
     b = None if bias is None else bias.detach().float()
     top = float(w.abs().max()) if w.numel() else 0.0
