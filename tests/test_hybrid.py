@@ -173,14 +173,22 @@ def test_simulation_equals_real_decoding(tiny_dirs):
             assert sim["tau"] == pytest.approx(real.tau)
 
 
-def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs):
+def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkeypatch):
     """bf16 on the static engine verifies row by row (one attention call per depth level): there the drafter measures
-    a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's."""
+    a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's. The curves are stand-ins
+    (a tiny model's timings are noise), so only the choice of curves is under test."""
     from headway.heads.target import TargetConfig, load_target
-    from headway.inference.api import make_hybrid
+    from headway.inference import api
     from headway.inference.engine import depth_matters
     from headway.run_config import RunConfig
 
+    asked = []
+
+    def curve(model, engine, most, saved=None, shape="chain"):
+        asked.append(shape)
+        return {n: (1.0 + 0.1 * n if shape == "chain" else 1.0 + 0.05 * n) for n in range(1, most + 1)}
+
+    monkeypatch.setattr(api, "verify_cost_curve", curve)
     path = str(tiny_dirs["llama"])
     bf16 = load_target(TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="bfloat16"))
     f32 = load_target(TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="float32"))
@@ -188,7 +196,9 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs):
     assert not depth_matters(bf16.model, "hf") and not depth_matters(f32.model, "static")
     cfg = RunConfig()
     cfg.inference.hybrid.max_nodes = 5
-    drafter = make_hybrid(None, cfg, bf16.model)
-    assert drafter.verify_cost(6, 5) != drafter.verify_cost(6, 1)  # a chain of 6, the root and 5 children: two curves
-    drafter = make_hybrid(None, cfg, f32.model)
-    assert drafter.verify_cost(6, 5) == drafter.verify_cost(6, 1)
+    drafter = api.make_hybrid(None, cfg, bf16.model)
+    assert sorted(asked) == ["chain", "flat"]
+    assert drafter.verify_cost(6, 5) == pytest.approx(1.6) and drafter.verify_cost(6, 1) == pytest.approx(1.3)
+    asked.clear()
+    drafter = api.make_hybrid(None, cfg, f32.model)
+    assert asked == ["chain"] and drafter.verify_cost(6, 5) == drafter.verify_cost(6, 1) == pytest.approx(1.6)
