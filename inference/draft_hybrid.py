@@ -9,8 +9,11 @@ target really accepted: neural edges binned by draft probability, n-gram edges b
 the copy and whether the last step accepted a copy. The N best nodes form the tree (a child never outranks
 its parent), and N is chosen every step to maximise expected tokens per second, (1 + sum of values) /
 (verify time of N + 1 tokens in a tree that deep + drafting time): N = 0, a plain step, when nothing is likely
-enough to pay for the larger verification. Verification, cache compaction and acceptance are the shared code, so greedy
-output is exactly plain decoding's and sampling keeps the target's distribution.
+enough to pay for the larger verification. The neural drafter itself runs only where it has paid: after each step it
+ran on, the tokens/s the target really gave is set against what the n-gram tree alone would have given on the same
+step (the tree chosen without the neural candidates, walked along the tokens the target wrote), separately for
+steps that continue an accepted copy and steps that do not. Verification, cache compaction and acceptance are the
+shared code, so greedy output is exactly plain decoding's and sampling keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from headway.inference.tree import Tree, build_tree, tree_from_parents
 
 NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
 SOURCES = (NEURAL, NGRAM, BOTH)
-PROBE_EVERY = 16  # run the neural drafter at least this often, so its estimate follows the text
 
 
 @dataclass
@@ -51,6 +53,16 @@ class HybridConfig:
     # ones (and of the prior) by this, so the estimates follow the text being written (1.0: plain averages over
     # everything decoded so far, however long ago).
     memory: float = 1.0
+    # Whether the neural drafter runs (hybrid): its gain is the tokens/s the target gave on the steps it ran on over
+    # what the n-gram tree alone would have given on them. It stops running where the gain is below gain_floor
+    # (judged after gain_steps steps, each scaling the weight of the earlier ones by gain_memory) and then runs on
+    # probes only, so the gain follows the text: probe_every steps apart at first, twice as far apart after each
+    # probe that leaves the gain below the floor, up to probe_max.
+    gain_floor: float = 0.95
+    gain_steps: int = 8
+    gain_memory: float = 0.97
+    probe_every: int = 4
+    probe_max: int = 32
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -59,8 +71,12 @@ class HybridConfig:
             raise HeadwayError("inference.hybrid.max_tokens, branches and max_nodes must be >= 1")
         if not 0 < self.ngram_prior <= 1 or self.prior_weight <= 0:
             raise HeadwayError("inference.hybrid.ngram_prior must be in (0, 1] and prior_weight > 0")
-        if not 0 < self.memory <= 1:
-            raise HeadwayError(f"inference.hybrid.memory must be in (0, 1] (got {self.memory})")
+        if not 0 < self.memory <= 1 or not 0 < self.gain_memory <= 1:
+            raise HeadwayError(f"inference.hybrid.memory and gain_memory must be in (0, 1] (got {self.memory}, "
+                               f"{self.gain_memory})")
+        if self.gain_floor < 0 or self.gain_steps < 1 or not 1 <= self.probe_every <= self.probe_max:
+            raise HeadwayError("inference.hybrid: gain_floor must be >= 0, gain_steps >= 1 and "
+                               "1 <= probe_every <= probe_max")
 
 
 class Rate:
@@ -135,10 +151,13 @@ class HybridDrafter:
         self.copying = False  # the last verification accepted at least one n-gram token
         self.draft_seconds = 0.0  # moving average of the n-gram side's time per step (draft plus accept)
         self.neural_seconds = 0.0  # moving average of the neural drafter's time when it runs
-        self.neural_gain: Optional[float] = None  # moving average of expected tokens/s with it over without it
+        # per context (continuing an accepted copy or not): the realized gain of running the neural drafter
+        self.gains = {False: Gain(hc.gain_steps, hc.gain_memory), True: Gain(hc.gain_steps, hc.gain_memory)}
         self._step_seconds = 0.0
         self._pending: list[tuple[list[int], torch.Tensor]] = []  # verified steps the neural drafter has not read
-        self._skipped = 0  # steps since the neural drafter last ran
+        self._skipped = {False: 0, True: 0}  # steps since the neural drafter last ran, per context
+        self._interval = {False: hc.probe_every, True: hc.probe_every}  # steps between probes, per context
+        self._probe: Optional[Probe] = None  # the last step's, when the neural drafter ran on it
         self.root: Optional[int] = None
         self.node_sources: list[str] = []  # per node of the last tree (root: ""), for the loop's accounting
         self._last: list[Candidate] = []  # per node of the last tree after the root
@@ -156,12 +175,15 @@ class HybridDrafter:
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         self.index.reset(prompt)
-        self.root, self.copying, self._pending = root, False, []
+        self.root, self.copying, self._pending, self._probe = root, False, [], None
         if self.neural is not None:
             self.neural.begin(prompt, root, features)
 
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        if self._probe is not None:
+            self._score_probe(self._probe, tokens)
+            self._probe = None
         self._learn(tokens[:-1])
         self.index.extend([self.root, *tokens[:-1]])
         self.root = tokens[-1]
@@ -173,14 +195,18 @@ class HybridDrafter:
         t0 = time.perf_counter()
         self.root = root
         cands = self._ngram_candidates(root)
-        if self.neural is not None and self._neural_pays():
-            without = self._choose(cands)[1]
+        context = self.copying
+        if self.neural is not None and self._neural_pays(context):
+            without = self._choose(cands)[0]
             t1 = time.perf_counter()
-            cands = self._with_neural(root, cands)
-            self.neural_seconds = _average(self.neural_seconds, time.perf_counter() - t1)
-            chosen, rate = self._choose(cands, self.neural_seconds)
-            self.neural_gain = _average(self.neural_gain, rate / without)
-            t0 += time.perf_counter() - t1  # the n-gram side's time is kept apart
+            cands = self._with_neural(root, cands)  # the n-gram candidates keep their indices
+            spent = time.perf_counter() - t1
+            self.neural_seconds = _average(self.neural_seconds, spent)
+            chosen, _ = self._choose(cands, self.neural_seconds)
+            self._probe = Probe(context, {(cands[c].parent, cands[c].token): c for c in without},
+                                self._tree_cost(cands, without),
+                                self._tree_cost(cands, chosen) + (self.neural_seconds if self.timed else 0.0))
+            t0 += spent  # the n-gram side's time is kept apart
         else:
             chosen, _ = self._choose(cands)
         parents = [chosen.index(cands[c].parent) if cands[c].parent >= 0 else -1 for c in chosen]
@@ -196,14 +222,38 @@ class HybridDrafter:
         self._time(time.perf_counter() - t0)
         return nodes, tree
 
-    def _neural_pays(self) -> bool:
-        """Whether to run the neural drafter this step: yes while its candidates have raised the expected tokens/s
-        of the steps it ran on, net of its own time (and once in a while anyway, so the estimate follows the text)."""
-        self._skipped += 1
-        if self.neural_gain is None or self.neural_gain >= 1.0 or self._skipped >= PROBE_EVERY:
-            self._skipped = 0
+    def _neural_pays(self, context: bool) -> bool:
+        """Whether to run the neural drafter this step: yes while, in this context, it has raised the tokens/s the
+        target really gave on the steps it ran on, net of its own time (and once in a while anyway, so the estimate
+        follows the text)."""
+        self._skipped[context] += 1
+        gain = self.gains[context].value
+        if gain is None or gain >= self.hc.gain_floor:
+            self._skipped[context], self._interval[context] = 0, self.hc.probe_every
+            return True
+        if self._skipped[context] >= self._interval[context]:
+            self._skipped[context] = 0
+            self._interval[context] = min(2 * self._interval[context], self.hc.probe_max)
             return True
         return False
+
+    def _tree_cost(self, cands: list[Candidate], chosen: list[int]) -> float:
+        """The modelled time of a step verifying these candidates (the n-gram side's drafting included)."""
+        depth = max((cands[c].depth for c in chosen), default=0)
+        return self.verify_cost(len(chosen) + 1, depth) + (self.draft_seconds if self.timed else 0.0)
+
+    def _score_probe(self, probe: "Probe", tokens: list[int]) -> None:
+        """Set the step the neural drafter ran on against the n-gram tree alone on the same step: that tree would
+        have accepted its longest path along the tokens the target wrote (at least; they end at the bonus)."""
+        node, alone = -1, 0
+        for token in tokens:
+            node = probe.ngram_tree.get((node, token), -2)
+            if node == -2:
+                break
+            alone += 1
+        self.gains[probe.context].add(len(tokens), probe.seconds, alone + 1, probe.ngram_seconds)
+        if len(tokens) / probe.seconds >= self.hc.gain_floor * (alone + 1) / probe.ngram_seconds:
+            self._interval[probe.context] = self.hc.probe_every  # it paid this time: look again soon
 
     def _ngram_candidates(self, root: int) -> list[Candidate]:
         """The n-gram continuations as a trie (continuations sharing a prefix share its nodes)."""
@@ -272,6 +322,35 @@ class HybridDrafter:
             self.draft_seconds = _average(self.draft_seconds or None, self._step_seconds + seconds)
         else:
             self._step_seconds = seconds
+
+
+@dataclass
+class Probe:
+    """A step the neural drafter ran on: what to score it against once the target has verified it."""
+
+    context: bool  # whether the step continued an accepted copy
+    ngram_tree: dict  # (parent candidate or -1, token) -> candidate, for the tree chosen without the neural side
+    ngram_seconds: float  # that tree's modelled step time
+    seconds: float  # the chosen tree's modelled step time plus the neural drafter's
+
+
+class Gain:
+    """Tokens/s with the neural drafter over tokens/s of the n-gram tree alone, on the steps it ran on: ratios of
+    sums in which each step scales the earlier ones by `memory`; None until `steps` steps are in."""
+
+    def __init__(self, steps: int, memory: float) -> None:
+        self.sums, self.steps, self.need, self.memory = [0.0, 0.0, 0.0, 0.0], 0, steps, memory
+
+    @property
+    def value(self) -> Optional[float]:
+        if self.steps < self.need:
+            return None
+        tokens, seconds, alone_tokens, alone_seconds = self.sums
+        return (tokens / seconds) / (alone_tokens / alone_seconds)
+
+    def add(self, tokens: float, seconds: float, alone_tokens: float, alone_seconds: float) -> None:
+        self.sums = [self.memory * s + x for s, x in zip(self.sums, (tokens, seconds, alone_tokens, alone_seconds))]
+        self.steps += 1
 
 
 def _average(mean: Optional[float], x: float) -> float:

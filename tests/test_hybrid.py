@@ -53,6 +53,10 @@ def test_hybrid_settings_are_checked():
         HybridConfig(ngram_prior=0.0)
     with pytest.raises(HeadwayError, match="memory must be in"):
         HybridConfig(memory=0.0)
+    with pytest.raises(HeadwayError, match="gain_memory must be in"):
+        HybridConfig(gain_memory=1.5)
+    with pytest.raises(HeadwayError, match="probe_every <= probe_max"):
+        HybridConfig(probe_every=0)
 
 
 def test_acceptance_estimates_forget_at_the_configured_rate():
@@ -119,6 +123,54 @@ def test_budget_follows_confidence():
     steep = ngram_only(per_node=50.0)
     steep.begin(prompt, 5, torch.empty(0, 0))
     assert steep.draft(5)[1].size == 1  # nothing is worth a verification that costs 50x more per token
+
+
+class FixedNeural:
+    """A stand-in neural drafter that always proposes `token` (draft probability 0.9) and takes 2 ms to do so."""
+
+    feature_layers: list = []
+    max_depth = 1
+
+    def __init__(self, token: int):
+        self.token, self.heads, self.runs = token, torch.nn.Linear(1, 1), 0
+
+    def begin(self, prompt, root, features) -> None:
+        pass
+
+    def accept(self, tokens, features) -> None:
+        pass
+
+    def proposals(self, root: int):
+        import time
+
+        time.sleep(0.002)
+        self.runs += 1
+        return [self.token], [0.9], [-1]
+
+
+def test_the_neural_drafter_runs_only_while_it_pays():
+    """Scored on what the target really wrote: a neural drafter whose token is always right runs every step; one that
+    is always wrong stops costing its time after a few steps, but for probes ever further apart; one that turns
+    right is noticed at a probe and runs every step again."""
+    hc = HybridConfig()
+    for script, steps in (("right", 48), ("wrong", 48), ("turns", 130)):
+        neural = FixedNeural(7)
+        drafter = HybridDrafter(neural, hc, lambda n, depth: 0.01 + 0.003 * (n - 1))
+        drafter.calibration.estimate = lambda keys: 0.9  # the tree always takes the neural node: the gate decides
+        drafter.begin(list(range(100, 140)), 1, torch.empty(0, 0))  # nothing repeats: no n-gram candidates
+        ran = []
+        for i in range(steps):
+            before = neural.runs
+            nodes, tree = drafter.draft(200 + i)
+            ran.append(neural.runs - before)
+            right = script == "right" or (script == "turns" and i >= 30)
+            drafter.accept(([7] if right else []) + [1000 + i], torch.empty(0, 0))
+        if script == "right":
+            assert sum(ran) == steps and drafter.gains[False].value > 1.2
+        elif script == "wrong":
+            assert sum(ran) <= hc.gain_steps + 4 and drafter.gains[False].value < hc.gain_floor
+        else:
+            assert sum(ran[hc.gain_steps:30]) <= 4 and all(ran[-40:]), ran
 
 
 def repetitive_ids(t) -> list[list[int]]:
