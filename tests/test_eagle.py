@@ -129,7 +129,7 @@ def test_training_time_test_sees_what_inference_sees(tiny_dirs):
     attn = torch.ones(1, T, dtype=torch.long)
     feats = torch.randn(1, T, 3 * t.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
-        outs = ttt_unroll(heads, ids, attn, heads.project(feats), steps)
+        outs = ttt_unroll(heads, ids, attn, heads.project(feats), steps).outputs
         for pos in (0, 4, 7):  # inference: commit 0..pos with real features, then extend a chain of true tokens
             cache = DynamicCache(config=heads.decoder.config)
             n = pos + 1
@@ -145,8 +145,8 @@ def test_training_time_test_sees_what_inference_sees(tiny_dirs):
         later_ids, later_feats = ids.clone(), feats.clone()
         later_ids[0, 9] = (later_ids[0, 9] + 1) % t.config.vocab_size
         later_feats[0, 9] += 1.0
-        moved_ids = ttt_unroll(heads, later_ids, attn, heads.project(feats), steps)
-        moved_feats = ttt_unroll(heads, ids, attn, heads.project(later_feats), steps)
+        moved_ids = ttt_unroll(heads, later_ids, attn, heads.project(feats), steps).outputs
+        moved_feats = ttt_unroll(heads, ids, attn, heads.project(later_feats), steps).outputs
     for j in range(steps):
         torch.testing.assert_close(moved_ids[j][0, : 9 - 1 - j], outs[j][0, : 9 - 1 - j])  # tokens <= t+1+j < 9
         assert not torch.allclose(moved_ids[j][0, 8 - j], outs[j][0, 8 - j])  # reads token 9 at t = 8 - j

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from headway.heads.draft_layer import drafter_mask
 from headway.train.losses import masked_mean, medusa_labels, medusa_loss, medusa_soft_targets
+from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
 
 class Features:
@@ -66,21 +67,6 @@ def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Te
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool: position t sees real positions s <= t."""
-    T = attention_mask.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
-
-
-def shifted(x: torch.Tensor, by: int, fill: int | float = 0) -> torch.Tensor:
-    """x[:, t + by] at position t, `fill` past the end (dim 1)."""
-    if by == 0:
-        return x
-    pad = torch.full_like(x[:, :by], fill)
-    return torch.cat([x[:, by:], pad], dim=1)
-
-
 def medusa_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
     """Head i at t learns the token at t+2+i (ce) or the target's distribution there (kl), weighted decay^i."""
     num_layers = max(feats.hidden)
@@ -111,29 +97,6 @@ def eagle_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Opt
     return loss, {"loss/feature": float(vloss.detach()), "loss/token": float(ploss.detach()), "top1/step0": float(top1)}
 
 
-def ttt_unroll(heads: Any, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """The drafter unrolled `steps` times on its own outputs (training-time test); returns each step's output.
-
-    Step j at position t stands for drafting j tokens past t: it reads token t+1+j at position t+j,
-    and sees the real prefix (step 0's keys up to t) plus its own earlier steps at t, the same
-    attention the drafter has at inference when it extends a chain from t.
-    """
-    from transformers import DynamicCache
-
-    B, T = ids.shape
-    base = causal_allowed(attn)
-    eye = torch.eye(T, dtype=torch.bool, device=ids.device).expand(B, T, T)
-    cache = DynamicCache(config=heads.decoder.config)
-    outs = []
-    for j in range(steps):
-        allowed = torch.cat([base] + [eye] * j, dim=-1)
-        pos = (torch.arange(T, device=ids.device) + j).unsqueeze(0)
-        out = heads(shifted(ids, 1 + j), hidden, pos, drafter_mask(allowed, heads.fc.weight.dtype), cache)
-        outs.append(out)
-        hidden = heads.next_hidden(out)
-    return outs
-
-
 def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
     """EAGLE-3: step j of the unrolled drafter at t learns the target's distribution at t+1+j restricted
     to the draft vocabulary, weighted ttt_decay^j; positions whose target argmax is outside the draft
@@ -142,15 +105,18 @@ def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Op
     ids = batch["input_ids"]
     target_p = torch.softmax(feats.draft_logits(heads.d2t.to(ids.device)).detach().float(), -1)
     in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
-    outs = ttt_unroll(heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps)
+    valid = [shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False) for j in range(ec.ttt_steps)]
+    needed = torch.stack(valid[1:]).any(0) if ec.ttt_steps > 1 else None
+    unrolled = ttt_unroll(heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps,
+                          needed)
     total = target_p.new_zeros(())
     metrics: dict[str, float] = {}
-    for j, out in enumerate(outs):
-        valid = shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
-        if not bool(valid.any()):
+    for j, out in enumerate(unrolled.outputs):
+        where = unrolled.valid(j, valid[j])
+        if not bool(where.any()):
             continue
-        logits = heads.logits(out[valid]).float()  # the draft lm_head only where a loss is taken: most of a step's cost
-        p = shifted(target_p, 1 + j)[valid]
+        logits = heads.logits(out[where]).float()  # the draft lm_head only where a loss is taken: most of a step's cost
+        p = unrolled.at(j, shifted(target_p, 1 + j))[where]
         loss_j = -(p * F.log_softmax(logits, -1)).sum(-1).mean()
         total = total + (ec.ttt_decay**j) * loss_j
         metrics[f"loss/step{j}"] = float(loss_j.detach())

@@ -1,0 +1,162 @@
+"""Training-time test: the EAGLE-3 drafter unrolled on its own outputs, computing only what a loss reads.
+
+Step j at position t stands for drafting j tokens past t: it reads token t+1+j at position t+j and
+attends to the real prefix (step 0's keys at positions <= t) plus its own earlier steps at t, the
+attention the drafter has at inference when it extends a chain from t. Step 0 runs at every position
+(its keys feed every later query). A step j >= 1 output at t feeds only losses at t (its own and the
+later steps'), so steps j >= 1 run only at the positions where some step from 1 on takes a loss,
+about the answer tokens of a batch, and their attention is structured rather than masked densely:
+each query scores step 0's keys causally and its own position's keys of the earlier steps one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+
+from headway.errors import HeadwayError
+from headway.heads.draft_layer import drafter_mask
+
+# The attention implementation steps j >= 1 run under (registered once with transformers, below).
+ATTENTION = "headway_ttt"
+
+
+def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T, T] bool: position t sees real positions s <= t."""
+    T = attention_mask.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
+    return causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
+
+
+def ttt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor, scaling: Optional[float] = None, dropout: float = 0.0,
+                  softcap: Optional[float] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention of a step j >= 1 of the unroll, as a transformers attention function.
+
+    Args:
+        query: [B, Hq, N, D], the N kept positions of this step.
+        key, value: [B, Hkv, T + j N, D]: step 0's T positions, then N per earlier step j' >= 1 (the
+            cache's concatenation).
+        attention_mask: [B, 1, N, T] additive mask of step 0's keys each query may see.
+    Returns:
+        ([B, N, Hq, D], None), as transformers' own attention functions return.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise HeadwayError("training-time test does not support attention sinks in the draft layer")
+    B, Hq, N, D = query.shape
+    Hkv, T = key.shape[1], attention_mask.shape[-1]
+    j = (key.shape[2] - T) // N
+    g = Hq // Hkv
+    scale = D**-0.5 if scaling is None else scaling
+    q = query.reshape(B, Hkv, g, N, D)
+    k0, v0 = key[:, :, :T], value[:, :, :T]
+    kd = key[:, :, T:].reshape(B, Hkv, j, N, D)
+    vd = value[:, :, T:].reshape(B, Hkv, j, N, D)
+    prefix = torch.einsum("bhgnd,bhsd->bhgns", q, k0) * scale
+    own = torch.einsum("bhgnd,bhjnd->bhgnj", q, kd) * scale
+    if softcap is not None:
+        prefix, own = (torch.tanh(s / softcap) * softcap for s in (prefix, own))
+    prefix = prefix + attention_mask.unsqueeze(2)
+    scores = torch.cat([prefix, own], dim=-1)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    if dropout and module.training:
+        weights = torch.nn.functional.dropout(weights, p=dropout)
+    out = torch.einsum("bhgns,bhsd->bhgnd", weights[..., :T], v0)
+    out = out + torch.einsum("bhgnj,bhjnd->bhgnd", weights[..., T:], vd)
+    return out.reshape(B, Hq, N, D).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, ttt_attention)
+
+
+class _Structured:
+    """Runs the drafter's layer under `ttt_attention` for the duration of a `with` block."""
+
+    def __init__(self, decoder: Any):
+        self.config = decoder.config
+        self.saved: Optional[str] = None
+
+    def __enter__(self) -> None:
+        self.saved = self.config._attn_implementation
+        self.config._attn_implementation = ATTENTION
+
+    def __exit__(self, *exc: Any) -> None:
+        self.config._attn_implementation = self.saved
+
+
+@dataclass
+class Unrolled:
+    """The unroll's outputs. outputs[0]: [B, T, h] at every position; outputs[j >= 1]: [B, N, h] at the
+    kept positions `index` [B, N] (rows padded with position 0, `kept` [B, N] False there)."""
+
+    outputs: list[torch.Tensor]
+    index: torch.Tensor
+    kept: torch.Tensor
+
+    def at(self, j: int, values: torch.Tensor) -> torch.Tensor:
+        """`values` [B, T, ...] in step j's layout: as is for step 0, gathered at the kept positions after."""
+        if j == 0:
+            return values
+        idx = self.index.reshape(*self.index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:])
+        return values.gather(1, idx)
+
+    def valid(self, j: int, mask: torch.Tensor) -> torch.Tensor:
+        """A bool [B, T] loss mask in step j's layout (False at padding)."""
+        return mask if j == 0 else self.at(j, mask) & self.kept
+
+
+def kept_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's True positions of `needed` [B, T], padded to the longest row: (index [B, N], kept [B, N])."""
+    counts = needed.sum(1)
+    N = max(1, int(counts.max())) if needed.numel() else 1
+    T = needed.shape[1]
+    # a stable sort puts each row's needed positions first, in order
+    order = torch.sort((~needed).to(torch.int8), dim=1, stable=True).indices[:, :N]
+    kept = torch.arange(N, device=needed.device).unsqueeze(0) < counts.unsqueeze(1)
+    return torch.where(kept, order, torch.zeros_like(order)).clamp(max=T - 1), kept
+
+
+def shifted(x: torch.Tensor, by: int, fill: int | float = 0) -> torch.Tensor:
+    """x[:, t + by] at position t, `fill` past the end (dim 1)."""
+    if by == 0:
+        return x
+    pad = torch.full_like(x[:, :by], fill)
+    return torch.cat([x[:, by:], pad], dim=1)
+
+
+def ttt_unroll(heads: Any, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor, steps: int,
+               needed: Optional[torch.Tensor] = None) -> Unrolled:
+    """The drafter unrolled `steps` times on its own outputs (see the module docstring).
+
+    Args:
+        heads: an EAGLE head (`forward(tokens, hidden, position_ids, mask, cache)`, `next_hidden`).
+        ids: [B, T] token ids; attn: [B, T] 1 on real tokens; hidden: [B, T, h], step 0's input.
+        needed: [B, T] bool, the positions steps j >= 1 must compute; None = all of them.
+    Returns:
+        an `Unrolled` with each step's layer output.
+    """
+    B, T = ids.shape
+    if needed is None:
+        needed = torch.ones(B, T, dtype=torch.bool, device=ids.device)
+    index, kept = kept_positions(needed)
+    allowed = causal_allowed(attn)
+    cache = DynamicCache(config=heads.decoder.config)
+    dtype = heads.fc.weight.dtype
+    pos = torch.arange(T, device=ids.device).unsqueeze(0)
+    out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)
+    unrolled = Unrolled([out], index, kept)
+    if steps == 1:
+        return unrolled
+    # step 0's keys each kept query sees, once for all later steps
+    prefix = drafter_mask(allowed.gather(1, index.unsqueeze(-1).expand(-1, -1, T)), dtype)
+    hidden = unrolled.at(1, heads.next_hidden(out))
+    with _Structured(heads.decoder):
+        for j in range(1, steps):
+            tokens = unrolled.at(1, shifted(ids, 1 + j))
+            out = heads(tokens, hidden, index + j, prefix, cache)
+            unrolled.outputs.append(out)
+            hidden = heads.next_hidden(out)
+    return unrolled
