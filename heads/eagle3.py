@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 
+from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.heads.eagle import EagleBase
+
+
+# The per-step losses training can use (train/losses.py computes them).
+DRAFT_LOSSES = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
 
 
 @dataclass
@@ -30,12 +35,26 @@ class Eagle3Config:
     # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i.
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # What each step learns: soft_ce (cross-entropy to the target's distribution over the draft vocabulary,
+    # EAGLE-3's), argmax_ce (cross-entropy on the target's greedy token, what greedy verification accepts),
+    # tv (total variation: 1 - TV is lossless sampling's acceptance rate) or soft_ce+tv.
+    loss: str = "soft_ce"
+    # Start the draft layer as a copy of this target layer (attention on the hidden half of its input, MLP,
+    # norms); -1 = random initialisation.
+    init_layer: int = -1
+
+    # Fields that shape training only: a head trained with other values can continue under these
+    # (train.init_from); every other field shapes the weights.
+    training_fields: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "loss", "init_layer")
 
     def __post_init__(self) -> None:
         if self.feature_layers and len(self.feature_layers) != 3:
             raise HeadwayError(f"head.eagle3.feature_layers needs 3 layer indices (low, middle, high), got {list(self.feature_layers)}")
         if self.draft_vocab_size < 2 or self.ttt_steps < 1:
             raise HeadwayError("head.eagle3: draft_vocab_size must be >= 2 and ttt_steps >= 1")
+        check_choice("head.eagle3", "loss", self.loss, list(DRAFT_LOSSES))
+        if self.init_layer < -1:
+            raise HeadwayError(f"head.eagle3.init_layer={self.init_layer}: use a target layer index, or -1 for random")
 
 
 class FusedInputNorm(nn.Module):
@@ -106,6 +125,32 @@ class Eagle3Head(EagleBase):
             h = self.hidden_size
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * h :] = torch.eye(h, dtype=self.fc.weight.dtype)
+        if self.cfg.init_layer >= 0:
+            self.copy_target_layer(target_model, self.cfg.init_layer)
+
+    def copy_target_layer(self, target_model: Any, index: int) -> None:
+        """Start the draft layer as target layer `index`: its attention reads the hidden half of the
+        [embedding; hidden] input through the target's q/k/v (the embedding half starts at zero), and
+        its output projection, MLP and norms are the target's."""
+        layers = target_model.get_decoder().layers
+        if not 0 <= index < len(layers):
+            raise HeadwayError(f"head.eagle3.init_layer={index} is not a layer of this {len(layers)}-layer target: "
+                               f"use 0..{len(layers) - 1}, or -1 for random initialisation")
+        source = layers[index].state_dict()
+        own = self.decoder.layers[0]
+        h = self.hidden_size
+        with torch.no_grad():
+            for name, value in own.state_dict().items():
+                key = name.replace("input_layernorm.emb_norm.", "input_layernorm.").replace(
+                    "input_layernorm.hidden_norm.", "input_layernorm.")
+                if key not in source:
+                    continue
+                src = source[key].to(value.dtype)  # state_dict values share the parameters' storage
+                if value.shape == src.shape:
+                    value.copy_(src)
+                elif value.dim() == 2 and value.shape == (src.shape[0], 2 * h) and src.shape[1] == h:
+                    value.zero_()
+                    value[:, h:] = src
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
         """The drafter's h-wide input from the concatenated low/middle/high target features [.., 3h]."""

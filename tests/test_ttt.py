@@ -100,3 +100,113 @@ def test_unroll_skips_positions_no_loss_reads(tiny_dirs):
     for j in (1, 2):
         torch.testing.assert_close(sparse.outputs[j][0], full.outputs[j][0, 4:9])
         torch.testing.assert_close(sparse.outputs[j][2, :2], full.outputs[j][2, 1:3])
+
+
+def test_draft_losses_match_hand_computed_values():
+    from headway.train.losses import draft_loss
+
+    logits = torch.tensor([[0.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
+    p = torch.tensor([[0.75, 0.25], [0.5, 0.5]], dtype=torch.float64)
+    q1 = torch.tensor([2.0, 0.0]).softmax(0).double()  # [0.8808, 0.1192]
+    soft = (-(0.75 * torch.log(torch.tensor(0.5)) + 0.25 * torch.log(torch.tensor(0.5)))
+            - (0.5 * q1[0].log() + 0.5 * q1[1].log())) / 2
+    tv = (0.5 * (0.25 + 0.25) + 0.5 * (abs(q1[0] - 0.5) + abs(q1[1] - 0.5))) / 2
+    argmax = (-torch.log(torch.tensor(0.5)) - q1[0].log()) / 2  # both rows' target argmax is token 0
+    assert float(draft_loss("soft_ce", logits, p)) == pytest.approx(float(soft))
+    assert float(draft_loss("tv", logits, p)) == pytest.approx(float(tv))
+    assert float(draft_loss("soft_ce+tv", logits, p)) == pytest.approx(float(soft + tv))
+    assert float(draft_loss("argmax_ce", logits, p)) == pytest.approx(float(argmax))
+
+
+def test_simulated_chain_acceptance_counts_leading_hits():
+    from headway.train.losses import chain_acceptance
+
+    valid0 = torch.tensor([[True, True, True, False]])
+    correct = [torch.tensor([[True, True, False, True]]), torch.tensor([[True, False, True, True]]),
+               torch.tensor([[True, True, True, True]])]
+    # runs at the three valid positions: 3, 1, 0 -> tau = 1 + 4/3
+    assert float(chain_acceptance(correct, valid0)) == pytest.approx(1 + 4 / 3)
+
+
+def test_eagle3_logs_simulated_tau_and_takes_each_loss(tiny_dirs):
+    t = load64(tiny_dirs["qwen2"])
+    heads = random_head(t, "eagle3")
+    batch, feats = padded_batch(t)
+    t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
+    seen = {}
+    for loss in ("soft_ce", "argmax_ce", "tv", "soft_ce+tv"):
+        heads.cfg.loss = loss
+        value, metrics = eagle3_objective(RunConfig(), heads, batch, feats, t2d)
+        seen[loss] = float(value.detach())
+        assert 1.0 <= metrics["tau/chain"] <= 1 + heads.cfg.ttt_steps
+    assert seen["soft_ce+tv"] == pytest.approx(seen["soft_ce"] + seen["tv"])
+    assert len(set(seen.values())) == 4
+
+
+def test_draft_layer_can_start_as_a_target_layer(tiny_dirs):
+    from headway.heads.eagle3 import Eagle3Config
+
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, "eagle3")
+    heads.cfg.init_layer = 1
+    heads.init_from_target(t.model)
+    own, src = heads.decoder.layers[0], t.model.model.layers[1]
+    h = t.config.hidden_size
+    torch.testing.assert_close(own.mlp.down_proj.weight, src.mlp.down_proj.weight)
+    torch.testing.assert_close(own.self_attn.q_proj.weight[:, h:], src.self_attn.q_proj.weight)
+    assert not own.self_attn.q_proj.weight[:, :h].any()
+    torch.testing.assert_close(own.input_layernorm.hidden_norm.weight, src.input_layernorm.weight)
+    heads.cfg.init_layer = 9
+    with pytest.raises(Exception, match=r"init_layer=9 is not a layer of this 4-layer target: use 0..3"):
+        heads.init_from_target(t.model)
+    with pytest.raises(Exception, match="head.eagle3.loss='kl' is not allowed"):
+        Eagle3Config(loss="kl")
+
+
+def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
+    """train.init_from: the first run's head is where the second starts (weights and draft vocabulary); a head of
+    another kind or another shape is refused before training, naming the fix."""
+    from headway.errors import HeadwayError
+    from headway.heads.checkpoint import load_head
+    from headway.heads.target import TargetConfig, load_target
+    from headway.train.loop import build_heads, train
+    from train_helpers import small_run
+
+    base = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.eval_every=0",
+            "train.save_every=0", "train.max_steps=3")
+    first = train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "first", *base))
+    cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "second", *base, f"train.init_from={first}",
+                    "head.eagle3.ttt_steps=3", "head.eagle3.loss=tv")
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu"))
+    started = build_heads(cfg, t, [])
+    saved = load_head(first)
+    assert started.cfg.ttt_steps == 3 and started.cfg.loss == "tv"
+    for name, value in saved.state_dict().items():
+        torch.testing.assert_close(started.state_dict()[name], value.to(started.state_dict()[name].dtype))
+    assert train(cfg).is_dir()
+    wrong = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "third", *base, f"train.init_from={first}",
+                      "head.eagle3.draft_vocab_size=32")
+    with pytest.raises(HeadwayError, match=r"was trained with head.eagle3: draft_vocab_size=64, which this run sets"):
+        build_heads(wrong, t, [])
+    medusa = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fourth", f"train.init_from={first}")
+    with pytest.raises(HeadwayError, match=r"holds a 'eagle3' head, but this run trains head.kind=medusa"):
+        build_heads(medusa, t, [])
+    with pytest.raises(HeadwayError, match="is not a head directory"):
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fifth", f"train.init_from={tmp_path}"))
+
+
+def test_duplicate_answers_are_dropped_by_the_configured_rule():
+    from headway.train.dedup import duplicates
+
+    base = tuple(range(100, 160))
+    near = base[:58] + (7, 8)  # the same answer but its last two tokens
+    other = tuple(range(300, 360))
+    answers = [base, near, base, other, tuple(reversed(base))]
+    assert duplicates(answers, "none") == [False] * 5
+    assert duplicates(answers, "exact") == [False, False, True, False, False]
+    assert duplicates(answers, "near", 0.8) == [False, True, True, False, False]
+    assert duplicates(answers, "near", 1.0) == [False, False, True, False, False]
+    with pytest.raises(Exception, match=r"train.dedup='fuzzy' is not allowed: use one of none, exact, near"):
+        from headway.train.config import TrainConfig
+
+        TrainConfig(dedup="fuzzy")

@@ -42,6 +42,10 @@ class TrainConfig:
     # train.datasets, same max_length) instead of running the target in every step; [] = online.
     # Not with Medusa-2.
     features_dir: list[str] = field(default_factory=list)
+    # Duplicate answers dropped before the held-out split (the first of each group is kept): none, exact
+    # (the same answer tokens) or near (estimated Jaccard similarity of their token 5-grams >= dedup_threshold).
+    dedup: str = "none"
+    dedup_threshold: float = 0.8
     # Longer sequences are cut to this many tokens.
     max_length: int = 1024
     # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr.
@@ -69,6 +73,10 @@ class TrainConfig:
     # A checkpoint directory to continue from; "auto" = the newest whole one in output_dir/checkpoints (so
     # rerunning a killed command continues it); null = start over (existing checkpoints are overwritten).
     resume_from: Optional[str] = "auto"
+    # A head directory (same kind and target) whose weights and draft vocabulary a fresh run starts from,
+    # for a run that goes on after its checkpoints are gone; its training-only settings (EAGLE-3's
+    # ttt_steps, loss, ...) come from this config. Ignored when the run resumes from a checkpoint.
+    init_from: Optional[str] = None
     seed: int = 0
     log_every: int = 10
     # Medusa-2 (LoRA on the target); off by default.
@@ -87,6 +95,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])
+        check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
+        if not 0 < self.dedup_threshold <= 1:
+            raise HeadwayError(f"train.dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
         if self.backend in ("fsdp", "deepspeed") and self.lora.enabled:

@@ -15,6 +15,7 @@ import torch
 from headway.data_scripts.distill import load_distilled
 from headway.errors import HeadwayError
 from headway.heads.target import fingerprint_mismatch
+from headway.train.dedup import answer_tokens, duplicates
 
 
 @dataclass
@@ -41,6 +42,12 @@ def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[
             key = f"{path}#{i}"
             out.append((key, Sample(list(ids[:max_length]), list(mask[:max_length]), key)))
     return out, {"datasets": paths}
+
+
+def drop_duplicates(samples: list[tuple[str, Sample]], rule: str, threshold: float) -> tuple[list[tuple[str, Sample]], int]:
+    """The samples without duplicate answers (train.dedup), and how many were dropped."""
+    dup = duplicates([answer_tokens(s.input_ids, s.loss_mask) for _, s in samples], rule, threshold)
+    return [x for x, d in zip(samples, dup) if not d], sum(dup)
 
 
 def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[list[Sample], list[Sample]]:

@@ -12,7 +12,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from headway.config import CONFIG_FILENAME, save_config
 from headway.errors import HeadwayError
-from headway.heads.checkpoint import save_head
+from headway.heads.checkpoint import load_head, read_head_config, save_head
 from headway.heads.draft_layer import draft_layer_config, text_config
 from headway.heads.eagle3 import Eagle3Head
 from headway.heads.registry import LAYERED, build_head
@@ -35,7 +35,8 @@ from headway.train.distributed import (HeadObjective, Parallel, TorchStep, full_
                                       wrap)
 from headway.run_config import RunConfig
 from headway.data_scripts.cache_features import FeatureCache
-from headway.train.data import Sample, batch_at, collate, load_samples, split_heldout, token_frequencies
+from headway.train.data import (Sample, batch_at, collate, drop_duplicates, load_samples, split_heldout,
+                                token_frequencies)
 from headway.train.logging import RunLogger
 from headway.train.losses import distill_kl, target_to_draft
 from headway.train.objectives import OBJECTIVES, Features
@@ -87,8 +88,33 @@ def kind_config(cfg: RunConfig, num_layers: int) -> Any:
     return kind_cfg
 
 
+def heads_from(cfg: RunConfig, target: Any) -> Any:
+    """The head of train.init_from, checked against the run: same kind, same target (load_head refuses
+    another) and the same shape-defining settings; its training-only settings are the run's."""
+    path = Path(cfg.train.init_from).expanduser()
+    kind = read_head_config(path).get("kind")
+    if kind != cfg.head.kind:
+        raise HeadwayError(f"train.init_from={path} holds a '{kind}' head, but this run trains head.kind="
+                           f"{cfg.head.kind}: start from a {cfg.head.kind} head, or unset train.init_from")
+    heads = load_head(path, target.fingerprint, device=target.device, dtype=torch.float32)
+    run_cfg = kind_config(cfg, int(text_config(target.config).num_hidden_layers))
+    free = getattr(type(run_cfg), "training_fields", ())
+    differ = [f.name for f in fields(run_cfg) if f.name not in free and getattr(run_cfg, f.name) != getattr(heads.cfg, f.name)]
+    if differ:
+        shown = ", ".join(f"{k}={getattr(heads.cfg, k)!r}" for k in differ)
+        raise HeadwayError(f"train.init_from={path} was trained with head.{kind}: {shown}, which this run sets "
+                           f"otherwise: set those to the head's values, or unset train.init_from")
+    heads.cfg = replace(heads.cfg, **{k: getattr(run_cfg, k) for k in free})
+    heads.attach_target(target.model)
+    log.info("starting from the weights of %s", path)
+    return heads.train()
+
+
 def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
-    """A fresh head for the target; a reduced vocabulary is the most frequent tokens the target wrote."""
+    """A fresh head for the target (or train.init_from's); a reduced vocabulary is the most frequent tokens the
+    target wrote."""
+    if cfg.train.init_from:
+        return heads_from(cfg, target)
     kind = cfg.head.kind
     text = text_config(target.config)
     hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
@@ -158,7 +184,8 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
 
 # What a checkpoint's weights and data order depend on: a resumed run must agree on all of them (the batch may
 # be split differently: the data position is counted in sequences).
-RUN_IDENTITY = ("head", "target.name_or_path", "train.datasets", "train.max_length", "train.seed", "train.lora")
+RUN_IDENTITY = ("head", "target.name_or_path", "train.datasets", "train.max_length", "train.seed", "train.lora",
+                "train.dedup", "train.dedup_threshold")
 
 
 def _check_same_run(saved: Path, cfg: RunConfig) -> None:
@@ -168,6 +195,10 @@ def _check_same_run(saved: Path, cfg: RunConfig) -> None:
     from omegaconf import OmegaConf
 
     old, new = OmegaConf.load(saved), OmegaConf.structured(cfg)
+    try:  # a key the saved config lacks was written before it existed: it had the default then
+        old = OmegaConf.merge(OmegaConf.structured(RunConfig()), old)
+    except Exception:  # a key since removed: compare what both have
+        pass
     changed = [k for k in RUN_IDENTITY if OmegaConf.select(old, k) != OmegaConf.select(new, k)]
     if changed:
         raise HeadwayError(
@@ -255,6 +286,8 @@ def train(cfg: RunConfig) -> Path:
     """Train a head on a frozen target; returns the directory of the exported native head."""
     tc = cfg.train
     out = Path(tc.output_dir).expanduser()
+    if tc.init_from:
+        read_head_config(Path(tc.init_from).expanduser())  # a missing or broken head fails before the target loads
     random.seed(tc.seed)
     torch.manual_seed(tc.seed)  # the same initial head on every rank
     target = load_target(cfg.target)
@@ -265,6 +298,9 @@ def train(cfg: RunConfig) -> Path:
     if tc.shard_target and not tc.features_dir:
         shard_target(target.model)
     samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
+    if tc.dedup != "none":
+        samples, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
+        log.info("train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples))
     train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
     if tc.eval_every and 0 < min(len(held), tc.eval_max_samples) < par.world_size:
@@ -357,7 +393,7 @@ def train(cfg: RunConfig) -> Path:
             result = evaluate(cfg, target, objective, held, t2d, device, cache, par)
             if logger:
                 logger.log({"step": step, **result})
-            log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k))
+            log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k or "tau" in k))
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
             _checkpoint(ckpt_root, step, consumed, objective, heads, optimizer, scheduler, target, tc, par)
     bar.close()

@@ -96,3 +96,36 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` where `mask` is true (0 when nothing is)."""
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp(min=1)
+
+
+
+def draft_loss(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
+    """Mean loss of draft logits [n, V] against the target's distribution target_p [n, V] on the same vocabulary.
+
+    soft_ce: cross-entropy to target_p (KL up to a constant); argmax_ce: cross-entropy on target_p's argmax,
+    the token greedy verification accepts; tv: total variation, since 1 - TV(draft, target) is the chance that
+    lossless sampling accepts a drafted token; soft_ce+tv: their sum.
+    """
+    if kind == "argmax_ce":
+        return F.cross_entropy(logits, target_p.argmax(-1))
+    logp = F.log_softmax(logits, -1)
+    soft = -(target_p * logp).sum(-1).mean()
+    if kind == "soft_ce":
+        return soft
+    tv = 0.5 * (logp.exp() - target_p).abs().sum(-1).mean()
+    if kind == "tv":
+        return tv
+    if kind == "soft_ce+tv":
+        return soft + tv
+    raise ValueError(f"unknown draft loss {kind!r}")
+
+
+def chain_acceptance(correct: list[torch.Tensor], valid0: torch.Tensor) -> torch.Tensor:
+    """Expected tokens per target forward of a greedy chain, simulated: 1 + the mean over positions valid at
+    step 0 of how many leading steps drafted the target's token. correct[j]: bool [B, T], step j right at t."""
+    run = torch.ones_like(valid0, dtype=torch.float32)
+    length = torch.zeros_like(run)
+    for c in correct:
+        run = run * c.float()
+        length = length + run
+    return 1 + masked_mean(length, valid0)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from headway.heads.draft_layer import drafter_mask
-from headway.train.losses import masked_mean, medusa_labels, medusa_loss, medusa_soft_targets
+from headway.train.losses import chain_acceptance, draft_loss, masked_mean, medusa_labels, medusa_loss, medusa_soft_targets
 from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
 
@@ -111,16 +111,21 @@ def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Op
                           needed)
     total = target_p.new_zeros(())
     metrics: dict[str, float] = {}
+    correct = []
     for j, out in enumerate(unrolled.outputs):
         where = unrolled.valid(j, valid[j])
-        if not bool(where.any()):
-            continue
-        logits = heads.logits(out[where]).float()  # the draft lm_head only where a loss is taken: most of a step's cost
-        p = unrolled.at(j, shifted(target_p, 1 + j))[where]
-        loss_j = -(p * F.log_softmax(logits, -1)).sum(-1).mean()
-        total = total + (ec.ttt_decay**j) * loss_j
-        metrics[f"loss/step{j}"] = float(loss_j.detach())
-        metrics[f"top1/step{j}"] = float((logits.argmax(-1) == p.argmax(-1)).float().mean())
+        hit = torch.zeros_like(valid[0])
+        if bool(where.any()):
+            logits = heads.logits(out[where]).float()  # the draft lm_head only where a loss is taken: most of a step's cost
+            p = unrolled.at(j, shifted(target_p, 1 + j))[where]
+            loss_j = draft_loss(ec.loss, logits, p)
+            total = total + (ec.ttt_decay**j) * loss_j
+            right = logits.argmax(-1) == p.argmax(-1)
+            metrics[f"loss/step{j}"] = float(loss_j.detach())
+            metrics[f"top1/step{j}"] = float(right.float().mean())
+            hit = unrolled.scatter(j, where, right, hit)
+        correct.append(hit)
+    metrics["tau/chain"] = float(chain_acceptance(correct, valid[0]))
     return total, metrics
 
 

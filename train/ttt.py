@@ -103,6 +103,16 @@ class Unrolled:
         idx = self.index.reshape(*self.index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:])
         return values.gather(1, idx)
 
+    def scatter(self, j: int, where: torch.Tensor, values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+        """A copy of `into` [B, T] with `values` written at the positions step j's bool `where` selects."""
+        out = into.clone()
+        if j == 0:
+            out[where] = values
+            return out
+        rows = torch.arange(self.index.shape[0], device=where.device).unsqueeze(1).expand_as(self.index)
+        out[rows[where], self.index[where]] = values
+        return out
+
     def valid(self, j: int, mask: torch.Tensor) -> torch.Tensor:
         """A bool [B, T] loss mask in step j's layout (False at padding)."""
         return mask if j == 0 else self.at(j, mask) & self.kept
