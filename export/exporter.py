@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
-from headway.export.layouts import converter, eagle3_feature_layers
+from headway.export.layouts import converter, eagle3_feature_layers, trtllm_layers_to_capture
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
 from headway.heads.checkpoint import load_head, read_head_config, write_head_config
@@ -32,16 +32,29 @@ from headway.runtime import parse_dtype
 
 log = logging.getLogger("headway")
 
-FORMATS = ["native", "vllm", "sglang", "trtllm"]
+FORMATS = ["native", "vllm", "sglang", "trtllm", "speculators"]
 # Native config keys carried in an export's config.json (under "headway") so it can be re-imported.
 CARRIED = ("kind", "headway_version", "hidden_size", "vocab_size", "draft_vocab_size", "head", "draft_layer",
            "target_fingerprint", "rank_accuracy", "trained_steps")
 
 
 def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "bfloat16",
-                target_fingerprint: Optional[dict] = None, target_lm_head: Optional[torch.Tensor] = None) -> Path:
-    """Write `head_dir` (a head directory, or a training run's directory) in `fmt` to `out`; refuse a head made
-    for another target than `target_fingerprint`."""
+                target_fingerprint: Optional[dict] = None, target_lm_head: Optional[torch.Tensor] = None,
+                verifier: str = "", verifier_arch: str = "LlamaForCausalLM") -> Path:
+    """Write a head in an engine's layout, checked key by key against what that engine's loader reads.
+
+    Args:
+        head_dir: a head directory, or a training run's directory (its head/).
+        fmt: native, vllm, sglang, trtllm or speculators.
+        out: the directory to write (whole or not at all).
+        dtype: the floating weights' dtype.
+        target_fingerprint: refuse a head made for another target than this one.
+        target_lm_head: [V, h], the target's lm_head, for Medusa heads that read out through it.
+        verifier, verifier_arch: speculators only: the target directory (or hub id) `vllm serve` runs the
+            draft with, and its architecture.
+    Returns:
+        `out`.
+    """
     if fmt not in FORMATS:
         raise HeadwayError(f"--format {fmt}: choose one of {', '.join(FORMATS)}")
     head_dir, out = resolve_head_dir(head_dir), Path(out)
@@ -58,13 +71,15 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
     state = {k: v.detach().cpu() for k, v in heads.state_dict().items()}
     if needs_target_lm_head(native) and target_lm_head is not None:
         state["target.lm_head.weight"] = target_lm_head.detach().cpu()
-    config, tensors = conv.to_engine(native, state)
+    config, tensors = conv.to_engine(native, state, verifier=verifier, verifier_arch=verifier_arch,
+                                     draft_tokens=draft_tokens(native))
     config["headway"] = {"format": fmt, **{k: native[k] for k in CARRIED if k in native}, "head": asdict(heads.cfg)}
     tensors = to_dtype(tensors, parse_dtype(dtype))
     check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")
+    weights = conv.layout.weights_file
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config["headway"]["files"] = file_checksums(tmp, ["model.safetensors"])
+        save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
+        config["headway"]["files"] = file_checksums(tmp, [weights])
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         fault_point("export:written")
         for f in tmp.iterdir():
@@ -72,6 +87,17 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
         _read_back(tmp, heads, dtype)
     log.info("%s: %s head written in the %s layout (%s)", out, native["kind"], fmt, conv.layout.engines)
     return out
+
+
+def draft_tokens(native: dict) -> int:
+    """The draft length an engine should run the head with: Medusa's head count, EAGLE-3's trained unroll,
+    3 for EAGLE-1."""
+    head = native.get("head", {})
+    if native.get("kind") == "medusa":
+        return int(head.get("num_heads", 3))
+    if native.get("kind") == "eagle3":
+        return int(head.get("ttt_steps", 3))
+    return 3
 
 
 def resolve_head_dir(path: str | os.PathLike) -> Path:
@@ -115,9 +141,8 @@ def _read_back(directory: Path, heads: Any, dtype: str) -> None:
 def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
     """(format, config, tensors) of an exported directory, checked against its engine layout."""
     d = Path(directory)
-    for name in ("config.json", "model.safetensors"):
-        if not (d / name).is_file():
-            raise HeadwayError(f"{d} has no {name}: not an exported head (export one with `headway export`)")
+    if not (d / "config.json").is_file():
+        raise HeadwayError(f"{d} has no config.json: not an exported head (export one with `headway export`)")
     try:
         config = json.loads((d / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -125,12 +150,16 @@ def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
     meta = config.get("headway")
     if not isinstance(meta, dict) or "format" not in meta or "kind" not in meta:
         raise HeadwayError(f"{d / 'config.json'} has no 'headway' section: it was not written by `headway export`")
+    layout = converter(meta["format"], meta["kind"]).layout
+    weights = d / layout.weights_file
+    if not weights.is_file():
+        raise HeadwayError(f"{d} has no {layout.weights_file}, which {layout.name} loads: export the head again")
     verify_checksums(d, meta.get("files"), "export", "the file is damaged; export the head again")
     try:
-        tensors = load_file(str(d / "model.safetensors"))
+        tensors = load_file(str(weights))
     except Exception as e:
-        raise HeadwayError(f"cannot read {d / 'model.safetensors'} ({e}): the file is truncated or damaged; export again") from None
-    check(converter(meta["format"], meta["kind"]).layout, config, tensors, str(d))
+        raise HeadwayError(f"cannot read {weights} ({e}): the file is truncated or damaged; export again") from None
+    check(layout, config, tensors, str(d))
     return meta["format"], config, tensors
 
 
@@ -148,6 +177,8 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     kind = meta["kind"]
     state = converter(fmt, kind).from_engine(config, tensors)
     head_cfg = dict(meta["head"])
+    if meta.get("draft_layer") is not None:  # exports written before draft_layer was a setting have the target's layer
+        head_cfg.setdefault("draft_layer", "target")
     if kind == "eagle3":
         head_cfg["feature_layers"] = eagle3_feature_layers(fmt, config)
     cfg_cls, _ = KINDS[kind]
@@ -162,18 +193,31 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     return heads.eval()
 
 
-def serve_hint(fmt: str, kind: str, out: Path) -> str:
-    """How to point the engine at the export (printed by the CLI)."""
-    method = {"eagle3": "eagle3", "eagle": "eagle", "medusa": "medusa"}[kind]
+def serve_hint(fmt: str, config: dict, out: Path) -> str:
+    """How to run the export in its engine (printed by the CLI), sized from the head."""
+    meta = config.get("headway", {})
+    kind, k = meta.get("kind"), draft_tokens(meta)
+    if fmt == "speculators":
+        return f"vllm serve {out}   (the target and {k} draft tokens come from its speculators_config)"
     if fmt == "vllm":
-        return (f"vllm serve TARGET_DIR --speculative-config '{{\"method\": \"{method}\", \"model\": \"{out}\", "
-                "\"num_speculative_tokens\": 3}'")
+        note = "  (vLLM 0.10 to 0.32: 0.33 removed Medusa)" if kind == "medusa" else ""
+        return (f"vllm serve TARGET_DIR --speculative-config '{{\"method\": \"{kind}\", \"model\": \"{out}\", "
+                f"\"num_speculative_tokens\": {k}}}'{note}")
     if fmt == "sglang":
         algo = "EAGLE3" if kind == "eagle3" else "EAGLE"
         return (f"python -m sglang.launch_server --model TARGET_DIR --speculative-algorithm {algo} "
-                f"--speculative-draft-model-path {out} --speculative-num-steps 3 --speculative-eagle-topk 4 "
-                "--speculative-num-draft-tokens 8")
+                f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 4 "
+                f"--speculative-num-draft-tokens {2 * k + 2}")
+    if fmt == "trtllm" and kind == "eagle3":
+        layers = trtllm_layers_to_capture(config["eagle_aux_hidden_state_layer_ids"])
+        return (f"TensorRT-LLM (PyTorch backend): LLM(TARGET_DIR, speculative_config=Eagle3DecodingConfig("
+                f"speculative_model_dir=\"{out}\", max_draft_len={k}, eagle3_layers_to_capture={set(layers)}))  "
+                "(TensorRT-LLM reads the layers only from this set)")
     if fmt == "trtllm":
-        return (f"TensorRT-LLM: speculative_config={'Eagle3DecodingConfig' if kind == 'eagle3' else 'MedusaDecodingConfig'}"
-                f"(speculative_model_dir=\"{out}\", ...) (see docs/export.md)")
+        heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
+        return (f"TensorRT-LLM (TensorRT engine backend; Medusa has no PyTorch-backend path):\n"
+                f"  python examples/medusa/convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir {out} "
+                f"--output_dir medusa_ckpt --dtype float16 --num_medusa_heads {heads} --num_medusa_layers {layers}\n"
+                "  trtllm-build --checkpoint_dir medusa_ckpt --output_dir medusa_engine --gemm_plugin float16 "
+                "--speculative_decoding_mode medusa --max_batch_size 4")
     return f"headway generate --head {out}"

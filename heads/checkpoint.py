@@ -82,6 +82,8 @@ def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, devic
     head_cfg = dict(config["head"])
     if kind == "eagle" and "fc_bias" not in head_cfg:  # heads written before fc_bias was a setting had one
         head_cfg["fc_bias"] = "fc.bias" in state
+    if kind in LAYERED:  # heads written before draft_layer was a setting have the target's own layer
+        head_cfg.setdefault("draft_layer", "target")
     heads = build_head(kind, cfg_cls(**head_cfg), config["hidden_size"], config["vocab_size"],
                        d2t=state.get("d2t"), layer_config=config.get("draft_layer"))
     missing, unexpected = heads.load_state_dict(state, strict=False)

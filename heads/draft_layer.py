@@ -21,8 +21,16 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def draft_layer_config(target_config: Any) -> dict:
-    """The target's text config as a dict, cut to one full-attention layer: saved with the head."""
+# What an EAGLE head's decoder layer is: a Llama layer sized from the target (what vLLM, SGLang and
+# TensorRT-LLM build for an EAGLE draft, whatever the target's family), or the target's own layer class.
+DRAFT_LAYERS = ("llama", "target")
+
+
+def draft_layer_config(target_config: Any, style: str = "target") -> dict:
+    """The draft layer's config as a dict, saved with the head: one full-attention layer of the target's
+    own class (style=target), or a Llama layer with the target's sizes, GQA, RoPE and norm epsilon (style=llama)."""
+    if style == "llama":
+        return llama_layer_config(target_config)
     cfg = text_config(target_config).to_dict()
     cfg["num_hidden_layers"] = 1
     if cfg.get("layer_types"):
@@ -31,6 +39,47 @@ def draft_layer_config(target_config: Any) -> dict:
         cfg.pop(key, None)
     cfg["use_cache"] = True
     return cfg
+
+
+def _full_attention_rope(t: Any) -> dict:
+    """The RoPE parameters of the target's full-attention layers (transformers 5 keeps them per layer type)."""
+    rope = getattr(t, "rope_parameters", None) or {}
+    if isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    rope = dict(rope)
+    theta = rope.get("rope_theta", getattr(t, "rope_theta", None) or 10000.0)
+    rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = float(theta)
+    return rope
+
+
+def llama_layer_config(target_config: Any) -> dict:
+    """A one-layer Llama config with the target's sizes: the draft layer serving engines build."""
+    t = text_config(target_config)
+    h, heads = int(t.hidden_size), int(t.num_attention_heads)
+    rope = _full_attention_rope(t)
+    return {
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": int(t.intermediate_size),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(t, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(t, "head_dim", None) or h // heads),
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",  # the engines' Llama MLP supports SiLU only
+        "rms_norm_eps": float(getattr(t, "rms_norm_eps", None) or 1e-6),
+        "max_position_embeddings": int(t.max_position_embeddings),
+        "rope_theta": rope["rope_theta"],
+        "rope_parameters": rope,
+        "vocab_size": int(t.vocab_size),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": getattr(t, "bos_token_id", None),
+        "eos_token_id": getattr(t, "eos_token_id", None),
+        "pad_token_id": getattr(t, "pad_token_id", None),
+        "use_cache": True,
+    }
 
 
 def build_draft_layer(layer_config: dict) -> nn.Module:

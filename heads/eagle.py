@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headway.errors import HeadwayError
-from headway.heads.draft_layer import build_draft_layer, cache_kwarg
+from headway.config import check_choice
+from headway.heads.draft_layer import DRAFT_LAYERS, build_draft_layer, cache_kwarg
 
 
 @dataclass
@@ -28,8 +30,12 @@ class EagleConfig:
     token_weight: float = 0.1
     # A bias in fc (the original EAGLE has one; vLLM's EAGLE-1 has none, so an fc bias keeps the head out of vLLM).
     fc_bias: bool = False
+    # The draft layer: llama (a Llama layer with the target's sizes: what vLLM, SGLang and TensorRT-LLM
+    # serve, whatever the target's family) or target (the target's own layer class: Headway decoding only).
+    draft_layer: str = "llama"
 
     def __post_init__(self) -> None:
+        check_choice("head.eagle", "draft_layer", self.draft_layer, list(DRAFT_LAYERS))
         if self.feature_noise < 0 or self.feature_weight < 0 or self.token_weight < 0:
             raise HeadwayError("head.eagle: feature_noise, feature_weight and token_weight must be >= 0")
 
@@ -67,6 +73,8 @@ class EagleBase(nn.Module):
         if self._embed is None:
             raise HeadwayError("an EAGLE head needs attach_target(target model) before it runs")
         with torch.no_grad():
+            if self.cfg.draft_layer == "llama":  # engines feed an EAGLE draft the raw embedding table (no Gemma scale)
+                return F.embedding(tokens, self._embed.weight).to(self.fc.weight.dtype)
             return self._embed(tokens).to(self.fc.weight.dtype)
 
     def run_decoder(self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],

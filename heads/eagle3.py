@@ -18,6 +18,7 @@ from torch import nn
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
+from headway.heads.draft_layer import DRAFT_LAYERS
 from headway.heads.eagle import EagleBase
 
 
@@ -39,6 +40,9 @@ class Eagle3Config:
     # EAGLE-3's), argmax_ce (cross-entropy on the target's greedy token, what greedy verification accepts),
     # tv (total variation: 1 - TV is lossless sampling's acceptance rate) or soft_ce+tv.
     loss: str = "soft_ce"
+    # The draft layer: llama (a Llama layer with the target's sizes: what vLLM, SGLang and TensorRT-LLM
+    # serve, whatever the target's family) or target (the target's own layer class: Headway decoding only).
+    draft_layer: str = "llama"
     # Start the draft layer as a copy of this target layer (attention on the hidden half of its input, MLP,
     # norms); -1 = random initialisation.
     init_layer: int = -1
@@ -48,8 +52,14 @@ class Eagle3Config:
     training_fields: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "loss", "init_layer")
 
     def __post_init__(self) -> None:
-        if self.feature_layers and len(self.feature_layers) != 3:
-            raise HeadwayError(f"head.eagle3.feature_layers needs 3 layer indices (low, middle, high), got {list(self.feature_layers)}")
+        layers = list(self.feature_layers)
+        if layers and (len(layers) != 3 or layers != sorted(set(layers)) or layers[0] < 1):
+            raise HeadwayError(
+                f"head.eagle3.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, each "
+                "from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the last layer's "
+                "index minus one (engines capture layer outputs in ascending order, before the final norm), e.g. [2, 15, 27] "
+                "on a 30-layer target; or [] for the default")
+        check_choice("head.eagle3", "draft_layer", self.draft_layer, list(DRAFT_LAYERS))
         if self.draft_vocab_size < 2 or self.ttt_steps < 1:
             raise HeadwayError("head.eagle3: draft_vocab_size must be >= 2 and ttt_steps >= 1")
         check_choice("head.eagle3", "loss", self.loss, list(DRAFT_LOSSES))
@@ -104,13 +114,30 @@ class Eagle3Head(EagleBase):
 
     @staticmethod
     def feature_layers(cfg: Eagle3Config, num_target_layers: int) -> list[int]:
-        if cfg.feature_layers:
-            bad = [i for i in cfg.feature_layers if not 0 <= i <= num_target_layers]
-            if bad:
-                raise HeadwayError(f"head.eagle3.feature_layers {bad} outside the target's 0..{num_target_layers}")
-            return list(cfg.feature_layers)
+        """The fused target layers: cfg's, or the low/middle/high default (2, L//2, L-3) that vLLM and SGLang
+        feed by default (1, L//2, L-1 on targets too shallow for it)."""
         L = num_target_layers
-        return [min(2, L), L // 2, max(0, L - 3)]
+        if cfg.feature_layers:
+            bad = [i for i in cfg.feature_layers if not 0 <= i <= L]
+            if bad:
+                raise HeadwayError(f"head.eagle3.feature_layers {bad} outside the target's 0..{L}")
+            return list(cfg.feature_layers)
+        if L < 4:
+            raise HeadwayError(f"EAGLE-3 fuses three distinct layer outputs before the last of the target's layers, "
+                               f"and this target has {L}: use head.kind=eagle")
+        default = [2, L // 2, L - 3]
+        return default if default == sorted(set(default)) else [1, L // 2, L - 1]
+
+    @staticmethod
+    def check_servable(layers: list[int], num_target_layers: int) -> None:
+        """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the
+        last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
+        L = num_target_layers
+        bad = [i for i in layers if not 1 <= i <= L - 1]
+        if bad:
+            raise HeadwayError(f"head.eagle3.feature_layers {bad} outside this {L}-layer target's 1..{L - 1} (the last "
+                               f"layer's output, {L}, is post-norm in HF and not what engines capture): choose from "
+                               f"1..{L - 1}")
 
     def init_from_target(self, target_model: Any) -> None:
         """Start the read-out where the target's is: its final norm and its lm_head rows for the draft vocabulary."""
@@ -139,6 +166,14 @@ class Eagle3Head(EagleBase):
         source = layers[index].state_dict()
         own = self.decoder.layers[0]
         h = self.hidden_size
+        names = {n.replace("input_layernorm.emb_norm.", "input_layernorm.").replace("input_layernorm.hidden_norm.",
+                                                                                    "input_layernorm.") for n in own.state_dict()}
+        left = sorted(k for k in source if k not in names)
+        if left or type(layers[index].input_layernorm) is not type(self.norm):
+            raise HeadwayError(f"head.eagle3.init_layer={index}: the target's layers ({type(layers[index]).__name__}) do not "
+                               f"map onto this draft layer ({type(own).__name__}; {', '.join(left[:3]) or 'other norms'} "
+                               "have no counterpart): set head.eagle3.draft_layer=target to copy a target layer, or "
+                               "init_layer=-1")
         with torch.no_grad():
             for name, value in own.state_dict().items():
                 key = name.replace("input_layernorm.emb_norm.", "input_layernorm.").replace(

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from headway.config import config_to_yaml, load_config
@@ -140,11 +141,18 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
     with_model = args.format != "native" and needs_target_lm_head(read_head_config(head))
     target = load_target(cfg.target, with_model=with_model)
     lm_head = target.model.get_output_embeddings().weight if with_model else None
-    out = export_head(head, args.format, args.out, args.dtype, target.fingerprint, lm_head)
-    kind = json.loads((out / "config.json").read_text()).get("headway", {}).get("kind") or "native"
+    verifier = args.verifier or ""
+    if args.format == "speculators" and not verifier:
+        if not Path(cfg.target.name_or_path).expanduser().is_dir():
+            raise HeadwayError("--format speculators names the target vLLM serves with the draft: pass --verifier "
+                               "TARGET_DIR (a Hugging Face directory or hub id; `headway target export --out DIR` "
+                               f"writes one for {cfg.target.name_or_path})")
+        verifier = str(Path(cfg.target.name_or_path).expanduser().resolve())
+    out = export_head(head, args.format, args.out, args.dtype, target.fingerprint, lm_head, verifier=verifier)
+    config = json.loads((out / "config.json").read_text())
     print(f"exported: {out}  ({args.format})")
-    if kind != "native":
-        print(f"serve it: {serve_hint(args.format, kind, out)}")
+    if "headway" in config:
+        print(f"serve it: {serve_hint(args.format, config, out)}")
     return 0
 
 
@@ -290,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM), checked key by key")
     p.add_argument("--head", help="a head directory, or a training run's directory (its head/ is exported)")
-    p.add_argument("--format", choices=["native", "vllm", "sglang", "trtllm"], help="the engine layout")
+    p.add_argument("--format", choices=["native", "vllm", "sglang", "trtllm", "speculators"], help="the engine layout")
+    p.add_argument("--verifier", help="--format speculators: the target directory or hub id vLLM serves the draft with")
     p.add_argument("--out", help="output directory (written whole or not at all)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype")
     p.add_argument("--check", metavar="DIR", help="only check an existing export against its engine layout")

@@ -28,17 +28,18 @@ def load64(path: Path):
     return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
 
 
-def random_head(t, kind: str, seed: int = 0):
-    """An untrained head of `kind` for target `t`, float64, with random (not zero) weights."""
+def random_head(t, kind: str, seed: int = 0, draft_layer: str = "target"):
+    """An untrained head of `kind` for target `t`, float64, with random (not zero) weights; its draft layer is
+    the target's own class unless draft_layer=llama."""
     torch.manual_seed(seed)
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     if kind == "eagle3":
-        cfg = Eagle3Config(draft_vocab_size=96, ttt_steps=3)
+        cfg = Eagle3Config(draft_vocab_size=96, ttt_steps=3, draft_layer=draft_layer)
         cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
         d2t = torch.sort(torch.randperm(V)[:96]).values
     else:
-        cfg, d2t = EagleConfig(), None
-    heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config))
+        cfg, d2t = EagleConfig(draft_layer=draft_layer), None
+    heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, draft_layer))
     heads.init_from_target(t.model)
     heads.attach_target(t.model)
     return heads.double().eval()
@@ -176,7 +177,7 @@ def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(tiny_dirs, ti
     config = json.loads((head_dir / "config.json").read_text())
     assert config["kind"] == kind and config["draft_layer"]["num_hidden_layers"] == 1
     if kind == "eagle3":
-        assert config["head"]["feature_layers"] == [2, 2, 1]  # (2, L//2, L-3) resolved for the 4-layer target
+        assert config["head"]["feature_layers"] == [1, 2, 3]  # (2, L//2, L-3) does not ascend on 4 layers: (1, L//2, L-1)
         assert config["draft_vocab_size"] == 64
     cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
                                         "target.dtype=float64", "inference.max_new_tokens=24"])
@@ -202,7 +203,7 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
     feats = tmp_path / "feats"
     res = subprocess.run([sys.executable, "-m", "headway", "cache-features", f"target.name_or_path={tiny_dirs['llama']}",
                           "target.num_threads=1", f"train.datasets=[{tiny_data}]", f"features.output_dir={feats}",
-                          "features.dtype=float32", "features.shard_size=10", "features.layers=[1,2,4]"],
+                          "features.dtype=float32", "features.shard_size=10", "features.layers=[1,2,3,4]"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "GB on disk" in res.stdout and len(list((feats / "shards").glob("*.safetensors"))) == 3
@@ -237,7 +238,7 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
         caches.append(tmp_path / f"feats{i}")
         run_cache_features(load_config(RunConfig, None, [
             f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1", f"train.datasets=[{ds}]",
-            f"features.output_dir={caches[-1]}", "features.dtype=float32", "features.layers=[1,2,4]"]))
+            f"features.output_dir={caches[-1]}", "features.dtype=float32", "features.layers=[1,2,3,4]"]))
     extra = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.max_steps=3",
              "train.eval_every=0", "train.save_every=0", f"train.datasets=[{tiny_data},{second}]")
     train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))

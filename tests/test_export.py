@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
-from headway.export.exporter import export_head, load_export, read_export
+from headway.export.exporter import export_head, load_export, read_export, serve_hint
 from headway.export.layouts import CONVERTERS
 from headway.heads.checkpoint import save_head
 from headway.heads.draft_layer import draft_layer_config
@@ -29,17 +29,19 @@ from headway.inference.tree import build_tree
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
-def random_head(t, kind: str, lm_head: str = "reduced", seed: int = 0):
+def random_head(t, kind: str, lm_head: str = "reduced", seed: int = 0, draft_layer: str = "target",
+                feature_layers: tuple = ()):
     """An untrained head of `kind` for target `t` with random (not identity) weights."""
     torch.manual_seed(seed)
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     d2t = torch.sort(torch.randperm(V)[:64]).values
+    layer_config = draft_layer_config(t.model.config, draft_layer)
     if kind == "eagle3":
-        cfg = Eagle3Config(draft_vocab_size=64, ttt_steps=2)
+        cfg = Eagle3Config(draft_vocab_size=64, ttt_steps=2, draft_layer=draft_layer, feature_layers=list(feature_layers))
         cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
-        heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config))
+        heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=layer_config)
     elif kind == "eagle":
-        heads = build_head(kind, EagleConfig(), h, V, layer_config=draft_layer_config(t.model.config))
+        heads = build_head(kind, EagleConfig(draft_layer=draft_layer), h, V, layer_config=layer_config)
     else:
         heads = build_head(kind, MedusaConfig(num_heads=3, lm_head=lm_head, draft_vocab_size=64), h, V,
                            d2t=d2t if lm_head == "reduced" else None)
@@ -86,7 +88,7 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path
     heads = random_head(t, kind, lm_head=lm_head)
     native = save_head(heads, tmp_path / "head", t.fingerprint)
     out = export_head(native, fmt, tmp_path / "out", dtype="float32", target_fingerprint=t.fingerprint,
-                      target_lm_head=lm_head_of(t))
+                      target_lm_head=lm_head_of(t), verifier="/models/target")
     again = load_export(out, t.fingerprint)
     original = heads.state_dict()
     assert set(again.state_dict()) == set(original)
@@ -96,8 +98,10 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path
     if fmt != "native":  # the layout check passes on what was written
         assert read_export(out)[0] == fmt
     # bf16 (the default) is what gets written, floating tensors only, and it reads back too
-    export_head(native, fmt, tmp_path / "bf16", target_fingerprint=t.fingerprint, target_lm_head=lm_head_of(t))
-    written = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    export_head(native, fmt, tmp_path / "bf16", target_fingerprint=t.fingerprint, target_lm_head=lm_head_of(t),
+                verifier="/models/target")
+    weights = CONVERTERS[(fmt, kind)].layout.weights_file if fmt != "native" else "model.safetensors"
+    written = load_file(str(tmp_path / "bf16" / weights))
     assert all(v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64) or v.dtype == torch.bool
                for v in written.values())
     load_export(tmp_path / "bf16", t.fingerprint)
@@ -158,8 +162,13 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
 
     own = random_head(t, "medusa", lm_head="own")
     export_head(save_head(own, tmp_path / "mo", t.fingerprint), "trtllm", tmp_path / "mt", "float32")
-    tensors = load_file(str(tmp_path / "mt" / "model.safetensors"))
-    assert tensors["medusa_head.0.0.linear.weight"].shape == (h, h) and tensors["medusa_head.1.1.weight"].shape == (V, h)
+    # TensorRT-LLM's load_medusa_hf: medusa_lm_head.safetensors, the original Medusa keys without a prefix
+    assert not (tmp_path / "mt" / "model.safetensors").exists()
+    tensors = load_file(str(tmp_path / "mt" / "medusa_lm_head.safetensors"))
+    assert tensors["0.0.linear.weight"].shape == (h, h) and tensors["1.1.weight"].shape == (V, h)
+    assert tensors["2.0.linear.bias"].shape == (h,) and len(tensors) == 3 * 3
+    config = json.loads((tmp_path / "mt" / "config.json").read_text())
+    assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 1)
     export_head(tmp_path / "mo", "vllm", tmp_path / "mov", "float32")
     config = json.loads((tmp_path / "mov" / "config.json").read_text())
     assert config["original_lm_head"] is False and load_file(str(tmp_path / "mov" / "model.safetensors"))[
@@ -182,7 +191,7 @@ def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, k
 def test_other_families_and_biased_fc_are_refused_by_name(tiny_dirs, llama, tmp_path: Path):
     qwen = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1))
     head = save_head(random_head(qwen, "eagle3"), tmp_path / "q", qwen.fingerprint)
-    with pytest.raises(HeadwayError, match=r"hold a Llama decoder layer; this head.s draft layer is qwen2, which they cannot represent"):
+    with pytest.raises(HeadwayError, match=r"hold a Llama decoder layer; this head.s draft layer is qwen2, .*draft_layer=llama"):
         export_head(head, "vllm", tmp_path / "o")
     export_head(head, "native", tmp_path / "n")  # native holds every family
     biased = build_head("eagle", EagleConfig(fc_bias=True), 64, llama.config.vocab_size,
@@ -244,3 +253,151 @@ def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
     with pytest.raises(HeadwayError, match="the file is damaged"):
         export_head(head, "vllm", tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- what each engine's loader reads, replayed
+
+def vllm_eagle3_load(config: dict, tensors: dict) -> tuple[list[int], dict]:
+    """vLLM 0.32's Eagle3LlamaForCausalLM as it reads a checkpoint: the fused layers from the top-level key as written
+    (else eagle_config's, else its default), midlayer.* renamed to layers.0.*, d2t kept as draft_id_to_target_id, t2d
+    dropped, fc as wide as 3 x target_hidden_size."""
+    layers = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
+        "eagle_aux_hidden_state_layer_ids")
+    params = {}
+    for name, t in tensors.items():
+        if name == "t2d":
+            continue
+        name = "draft_id_to_target_id" if name == "d2t" else name.replace("midlayer.", "layers.0.")
+        params[name] = t
+    assert params["fc.weight"].shape[1] == 3 * config["target_hidden_size"]
+    return list(layers), params
+
+
+def sglang_eagle3_layers(config: dict) -> list[int]:
+    """SGLang: only eagle_config's list, plus one (it names the layer before whose input it captures)."""
+    return [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+
+
+def vllm_speculators_config(config: dict) -> dict:
+    """vLLM's speculators path (update_eagle3, build_vllm_speculative_config): what it makes of the config."""
+    spec = config["speculators_config"]
+    assert "model_type" not in config and spec["proposal_methods"][0]["speculative_tokens"] >= 1
+    return {"norm_before_residual": config.get("norm_before_residual", True),  # vLLM's default differs from Headway's
+            "num_speculative_tokens": spec["proposal_methods"][0]["speculative_tokens"],
+            "target": spec["verifier"]["name_or_path"], "layers": config.get("eagle_aux_hidden_state_layer_ids")}
+
+
+def test_non_default_feature_layers_reach_every_engine_as_the_same_layers(llama, tmp_path: Path):
+    """One head, fused layers [1, 3] plus 2: vLLM, SGLang, TensorRT-LLM and speculators each read layers 1, 2, 3 of
+    HF's output_hidden_states, whatever each engine's indexing."""
+    t = llama
+    heads = random_head(t, "eagle3", feature_layers=(1, 2, 3))
+    head = save_head(heads, tmp_path / "h", t.fingerprint)
+    want = [1, 2, 3]
+    for fmt in ("vllm", "sglang", "trtllm", "speculators"):
+        out = export_head(head, fmt, tmp_path / fmt, "float32", verifier="/models/target")
+        config = json.loads((out / "config.json").read_text())
+        tensors = load_file(str(out / "model.safetensors"))
+        vllm_layers, params = vllm_eagle3_load(config, tensors)
+        assert vllm_layers == want, fmt
+        if fmt != "speculators":
+            assert sglang_eagle3_layers(config) == want and config["norm_before_residual"] is False
+            assert "layers.0.self_attn.q_proj.weight" in params
+        assert load_export(out).cfg.feature_layers == want
+    trt = json.loads((tmp_path / "trtllm" / "config.json").read_text())
+    assert "eagle3_layers_to_capture={0, 1, 2}" in serve_hint("trtllm", trt, tmp_path / "trtllm")
+
+
+def test_speculators_export_is_self_describing(llama, tmp_path: Path):
+    t = llama
+    heads = random_head(t, "eagle3", draft_layer="llama")
+    heads.cfg.ttt_steps = 5
+    out = export_head(save_head(heads, tmp_path / "h", t.fingerprint), "speculators", tmp_path / "s", "float32",
+                      verifier="/models/smollm2")
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    seen = vllm_speculators_config(config)
+    assert seen == {"norm_before_residual": False, "num_speculative_tokens": 5, "target": "/models/smollm2",
+                    "layers": heads.cfg.feature_layers}
+    assert config["architectures"] == ["Eagle3Speculator"] and config["transformer_layer_config"]["model_type"] == "llama"
+    assert "layers.0.hidden_norm.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
+    assert "vllm serve" in serve_hint("speculators", config, out) and "5 draft tokens" in serve_hint("speculators", config, out)
+    with pytest.raises(HeadwayError, match="verifier.name_or_path is empty"):
+        export_head(tmp_path / "h", "speculators", tmp_path / "no-verifier", "float32")
+
+
+def test_speculators_own_config_classes_accept_the_export(llama, tmp_path: Path):
+    """speculators' Eagle3SpeculatorConfig validates what the exporter writes (a dev-only dependency)."""
+    speculators = pytest.importorskip("speculators")
+    from speculators import SpeculatorModelConfig
+
+    t = llama
+    out = export_head(save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint),
+                      "speculators", tmp_path / "s", "float32", verifier="/models/target")
+    config = json.loads((out / "config.json").read_text())
+    parsed = SpeculatorModelConfig.from_dict({k: v for k, v in config.items() if k != "headway"})
+    assert type(parsed).__name__ == "Eagle3SpeculatorConfig" and speculators is not None
+    assert parsed.norm_before_residual is False and parsed.draft_vocab_size == 64
+    assert parsed.speculators_config.proposal_methods[0].speculative_tokens == 2
+    assert parsed.speculators_config.verifier.name_or_path == "/models/target"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_llama_style_heads_for_other_families_export_and_draft_the_same(tiny_dirs, tmp_path: Path, arch: str,
+                                                                        kind: str):
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1))
+    heads = random_head(t, kind, draft_layer="llama")
+    assert heads.decoder.config.model_type == "llama"
+    head = save_head(heads, tmp_path / "h", t.fingerprint)
+    for fmt in ("vllm", "sglang"):
+        out = export_head(head, fmt, tmp_path / fmt, "float32")
+        config = json.loads((out / "config.json").read_text())
+        assert config["num_key_value_heads"] == t.config.num_key_value_heads and config["hidden_act"] == "silu"
+        again = load_export(out, t.fingerprint)
+        assert trace(t, again) == trace(t, heads)
+
+
+def test_gemma3_engine_exports_are_refused_with_the_reason(tiny_dirs, tmp_path: Path):
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["gemma3"]), device="cpu", num_threads=1))
+    head = save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint)
+    for fmt in ("vllm", "sglang", "speculators"):
+        with pytest.raises(HeadwayError, match=r"cannot serve an EAGLE draft for a gemma3\w* target: vLLM 0.32's "
+                                               r"Gemma3ForCausalLM does not implement SupportsEagle3"):
+            export_head(head, fmt, tmp_path / fmt, verifier="/models/target")
+    export_head(head, "native", tmp_path / "n")
+
+
+def test_medusa_for_vllm_is_refused_where_vllm_has_dropped_it(llama, tmp_path: Path, monkeypatch):
+    from headway.export import layouts
+
+    head = save_head(random_head(llama, "medusa", lm_head="own"), tmp_path / "m", llama.fingerprint)
+    monkeypatch.setattr(layouts, "installed_vllm", lambda: (0, 33))
+    with pytest.raises(HeadwayError, match=r"vLLM 0.33 is installed here, and vLLM 0.33 removed Medusa"):
+        export_head(head, "vllm", tmp_path / "v")
+    monkeypatch.setattr(layouts, "installed_vllm", lambda: (0, 32))
+    out = export_head(head, "vllm", tmp_path / "v", "float32")
+    hint = serve_hint("vllm", json.loads((out / "config.json").read_text()), out)
+    assert '"num_speculative_tokens": 3' in hint and "0.33 removed Medusa" in hint  # sized from the head's 3 heads
+    trt = export_head(head, "trtllm", tmp_path / "t", "float32")
+    hint = serve_hint("trtllm", json.loads((trt / "config.json").read_text()), trt)
+    assert "--num_medusa_heads 3 --num_medusa_layers 1" in hint and "--speculative_decoding_mode medusa" in hint
+
+
+@pytest.mark.parametrize("layers,message", [
+    ([15, 2, 27], "give 3 distinct target layer outputs in ascending order"),
+    ([2, 2, 27], "give 3 distinct target layer outputs in ascending order"),
+    ([0, 2, 3], "each from 1"),
+    ([2, 15], "give 3 distinct"),
+])
+def test_feature_layers_are_checked_when_the_config_is_read(layers, message):
+    with pytest.raises(HeadwayError, match=message):
+        Eagle3Config(feature_layers=layers)
+
+
+def test_the_last_layer_is_refused_for_training(tiny_dirs, tiny_data, tmp_path: Path):
+    from headway.train.loop import train
+    from train_helpers import small_run
+
+    with pytest.raises(HeadwayError, match=r"feature_layers \[4\] outside this 4-layer target's 1..3"):
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", "head.kind=eagle3", "head.eagle3.feature_layers=[1,2,4]"))

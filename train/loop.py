@@ -83,8 +83,9 @@ def kind_config(cfg: RunConfig, num_layers: int) -> Any:
     """The head kind's config with defaults resolved for this target (EAGLE-3's feature layers: they
     are saved with the head)."""
     kind_cfg = cfg.head.kind_config()
-    if cfg.head.kind == "eagle3" and not kind_cfg.feature_layers:
+    if cfg.head.kind == "eagle3":
         kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
+        Eagle3Head.check_servable(kind_cfg.feature_layers, num_layers)
     return kind_cfg
 
 
@@ -131,7 +132,7 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
         d2t = torch.sort(torch.topk(freq, size).indices).values
         covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
         log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
-    layer_config = draft_layer_config(target.config) if kind in LAYERED else None
+    layer_config = draft_layer_config(target.config, kind_cfg.draft_layer) if kind in LAYERED else None
     heads = build_head(kind, kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
     heads.init_from_target(target.model)
     heads.attach_target(target.model)
