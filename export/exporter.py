@@ -40,7 +40,7 @@ CARRIED = ("kind", "headway_version", "hidden_size", "vocab_size", "draft_vocab_
 
 def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "bfloat16",
                 target_fingerprint: Optional[dict] = None, target_lm_head: Optional[torch.Tensor] = None,
-                verifier: str = "", verifier_arch: str = "LlamaForCausalLM") -> Path:
+                verifier: str = "", verifier_arch: str = "LlamaForCausalLM", num_draft_tokens: Optional[int] = None) -> Path:
     """Write a head in an engine's layout, checked key by key against what that engine's loader reads.
 
     Args:
@@ -52,6 +52,7 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
         target_lm_head: [V, h], the target's lm_head, for Medusa heads that read out through it.
         verifier, verifier_arch: speculators only: the target directory (or hub id) `vllm serve` runs the
             draft with, and its architecture.
+        num_draft_tokens: speculators only: the draft length written for vLLM (default: sized from the head).
     Returns:
         `out`.
     """
@@ -72,7 +73,7 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
     if needs_target_lm_head(native) and target_lm_head is not None:
         state["target.lm_head.weight"] = target_lm_head.detach().cpu()
     config, tensors = conv.to_engine(native, state, verifier=verifier, verifier_arch=verifier_arch,
-                                     draft_tokens=draft_tokens(native))
+                                     draft_tokens=num_draft_tokens or draft_tokens(native))
     config["headway"] = {"format": fmt, **{k: native[k] for k in CARRIED if k in native}, "head": asdict(heads.cfg)}
     tensors = to_dtype(tensors, parse_dtype(dtype))
     check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")

@@ -148,7 +148,8 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
                                "TARGET_DIR (a Hugging Face directory or hub id; `headway target export --out DIR` "
                                f"writes one for {cfg.target.name_or_path})")
         verifier = str(Path(cfg.target.name_or_path).expanduser().resolve())
-    out = export_head(head, args.format, args.out, args.dtype, target.fingerprint, lm_head, verifier=verifier)
+    out = export_head(head, args.format, args.out, args.dtype, target.fingerprint, lm_head, verifier=verifier,
+                      num_draft_tokens=args.draft_tokens)
     config = json.loads((out / "config.json").read_text())
     print(f"exported: {out}  ({args.format})")
     if "headway" in config:
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", help="a head directory, or a training run's directory (its head/ is exported)")
     p.add_argument("--format", choices=["native", "vllm", "sglang", "trtllm", "speculators"], help="the engine layout")
     p.add_argument("--verifier", help="--format speculators: the target directory or hub id vLLM serves the draft with")
+    p.add_argument("--draft-tokens", type=int, help="--format speculators: the draft length vLLM runs (default: from the head)")
     p.add_argument("--out", help="output directory (written whole or not at all)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype")
     p.add_argument("--check", metavar="DIR", help="only check an existing export against its engine layout")

@@ -30,16 +30,22 @@ mkdir -p "$OUT"
 echo "== target as a plain HF directory (float32), and the head in vLLM's $KIND layout"
 headway target export --out "$OUT/target" --dtype float32 "$@"
 headway export --head "$HEAD" --format vllm --out "$OUT/draft" --dtype float32 "$@"
+SPEC=()
+if [ "$KIND" = eagle3 ]; then  # the self-describing layout too: vLLM reads the target and K from it
+  headway export --head "$HEAD" --format speculators --out "$OUT/speculators" --dtype float32 \
+    --verifier "$(realpath "$OUT/target")" --draft-tokens "$K" "$@"
+  SPEC=(--speculators "$OUT/speculators")
+fi
 
 echo "== vLLM: no draft, n-gram, Headway head (chain of $K, greedy, $THREADS thread(s))"
 "$VENV/bin/python" scripts/vllm_spec_run.py --target "$OUT/target" --draft "$OUT/draft" --method "$KIND" --k "$K" \
-  --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --max-tokens "$MAX_TOKENS" --out "$OUT/vllm.json"
+  --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --max-tokens "$MAX_TOKENS" --out "$OUT/vllm.json" "${SPEC[@]}"
 
 echo "== headway bench: the same prompts and the same chain"
 if [ "$KIND" = medusa ]; then
   CHAIN="inference.tree=$(python3 -c "print([[0] * (i + 1) for i in range($K)])" | tr -d ' ')"
 else
-  CHAIN="inference.depth=$K inference.top_k=1 inference.total_tokens=$K"
+  CHAIN="inference.drafter=neural inference.depth=$K inference.top_k=1 inference.total_tokens=$K"
 fi
 headway bench --head "$HEAD" --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --out "$OUT/headway.json" \
   target.dtype=float32 target.num_threads="$THREADS" inference.max_new_tokens="$MAX_TOKENS" "bench.baselines=[]" $CHAIN "$@"
@@ -52,6 +58,10 @@ h = json.load(open(f"{out}/headway.json"))["overall"]
 vl, hl = v["head"]["acceptance_length"], h["tau"]
 print(f"acceptance length: vLLM {vl:.3f}  headway bench {hl:.3f}  (difference {100 * (vl - hl) / hl:+.1f}%)")
 print(f"vLLM per position {v['head']['per_position']}  headway per depth {h.get('acceptance_by_depth')}")
+if "speculators" in v:
+    sl = v["speculators"]["acceptance_length"]
+    print(f"speculators export, no flags: vLLM {sl:.3f} (difference {100 * (sl - hl) / hl:+.1f}%), per position "
+          f"{v['speculators']['per_position']}")
 print(f"vLLM tok/s: plain {v['plain']['tok_s']:.1f}, n-gram {v['ngram']['tok_s']:.1f}, Headway head {v['head']['tok_s']:.1f}")
 sys.exit(0 if abs(vl - hl) <= 0.10 * hl else 1)
 PY

@@ -57,7 +57,9 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     elif mode == "head":
         spec = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
-    llm = LLM(model=args.target, dtype=args.dtype, max_model_len=2048, max_num_seqs=1, seed=0, speculative_config=spec,
+    # speculators: the draft directory alone, as `vllm serve DIR` runs it (target and draft length from its config)
+    model = args.speculators if mode == "speculators" else args.target
+    llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, max_num_seqs=1, seed=0, speculative_config=spec,
               disable_log_stats=False, enforce_eager=not args.compile)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=stops, detokenize=False)
     llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
@@ -92,7 +94,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", choices=["plain", "ngram", "head"], help="one engine run (the script runs each in its own process)")
+    p.add_argument("--speculators", help="also run this speculators-format export with no speculative config")
+    p.add_argument("--mode", choices=["plain", "ngram", "head", "speculators"],
+                   help="one engine run (the script runs each in its own process)")
     args = p.parse_args()
     ids, stops = prompt_ids(args.target, args.prompts, args.limit, args.per_category)
     if args.mode:  # vLLM does not start a second engine cleanly in one process: one process per mode
@@ -100,7 +104,7 @@ def main() -> None:
             json.dump(run(args.mode, args, ids, stops), f)
         return
     results = []
-    for mode in ("plain", "ngram", "head"):
+    for mode in ("plain", "ngram", "head") + (("speculators",) if args.speculators else ()):
         subprocess.run([sys.executable, __file__, *sys.argv[1:], "--mode", mode], check=True)
         with open(f"{args.out}.{mode}") as f:
             results.append(json.load(f))

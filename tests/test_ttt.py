@@ -210,3 +210,22 @@ def test_duplicate_answers_are_dropped_by_the_configured_rule():
         from headway.train.config import TrainConfig
 
         TrainConfig(dedup="fuzzy")
+
+
+def test_evaluation_can_read_datasets_never_trained_on(tiny_dirs, tiny_data, tmp_path):
+    import json
+    import shutil
+
+    from headway.errors import HeadwayError
+    from headway.train.loop import train
+    from train_helpers import small_run
+
+    evalset = tmp_path / "eval"
+    shutil.copytree(tiny_data, evalset)
+    base = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.save_every=0")
+    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "run", *base, f"train.eval_datasets=[{evalset}]"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/tau/chain" in r]
+    assert evals and all(1.0 <= r["eval/tau/chain"] <= 3.0 for r in evals)
+    with pytest.raises(HeadwayError, match=r"are also train.datasets"):
+        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "bad", *base, f"train.eval_datasets=[{tiny_data}]"))

@@ -65,6 +65,9 @@ class TrainConfig:
     decay: float = 0.8
     # Fraction of samples held out for evaluation (chosen by sample id, stable across runs).
     eval_fraction: float = 0.02
+    # Datasets evaluated instead of the held-out split (never trained on), e.g. the target's answers to
+    # MT-bench; [] = the held-out split.
+    eval_datasets: list[str] = field(default_factory=list)
     eval_every: int = 200
     # Evaluate on at most this many held-out sequences.
     eval_max_samples: int = 64

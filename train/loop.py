@@ -302,7 +302,16 @@ def train(cfg: RunConfig) -> Path:
     if tc.dedup != "none":
         samples, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
         log.info("train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples))
-    train_set, held = split_heldout(samples, tc.eval_fraction)
+    if tc.eval_datasets:  # every training sequence trains; evaluation reads other datasets
+        overlap = sorted(set(tc.eval_datasets) & set(tc.datasets))
+        if overlap:
+            raise HeadwayError(f"train.eval_datasets {overlap} are also train.datasets: evaluate on data the head "
+                               "never trains on, or leave train.eval_datasets=[] for a held-out split")
+        train_set = [s for _, s in samples]
+        held = [s for _, s in load_samples(tc.eval_datasets, target.fingerprint, tc.max_length)[0]]
+        log.info("evaluating on %d sequences of %s", len(held), ", ".join(tc.eval_datasets))
+    else:
+        train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
     if tc.eval_every and 0 < min(len(held), tc.eval_max_samples) < par.world_size:
         log.warning("only %d held-out sequence(s) for %d processes: no evaluation this run; raise train.eval_fraction "
