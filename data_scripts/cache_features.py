@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
-from headway.heads.target import fingerprint_mismatch
 from headway.faults import fault_point
+from headway.heads.target import fingerprint_mismatch
 from headway.io import atomic_file, atomic_write_json, sha256_file
 from headway.runtime import barrier, dist_info, parse_dtype
 
@@ -54,36 +54,69 @@ class FeaturesConfig:
 
 
 @torch.no_grad()
-def cache_features(model: Any, samples: list, keys: list[str], layers: list[int], fingerprint: dict, cfg: FeaturesConfig,
-                   identity: dict, pad_id: int) -> Path:
+def cache_features(
+    model: Any,
+    samples: list,
+    keys: list[str],
+    layers: list[int],
+    fingerprint: dict,
+    cfg: FeaturesConfig,
+    identity: dict,
+    pad_id: int,
+) -> Path:
     """Write the shards and the manifest; `identity` (datasets, max_length) must match on resume."""
     info = dist_info()
     out = Path(cfg.output_dir).expanduser()
     (out / "shards").mkdir(parents=True, exist_ok=True)
     dtype = parse_dtype(cfg.dtype)
-    run = {"target_fingerprint": fingerprint, "layers": layers, "dtype": cfg.dtype, "shard_size": cfg.shard_size, **identity}
+    run = {
+        "target_fingerprint": fingerprint,
+        "layers": layers,
+        "dtype": cfg.dtype,
+        "shard_size": cfg.shard_size,
+        **identity,
+    }
     run_file = out / "run.json"
     if run_file.is_file():
         previous = json.loads(run_file.read_text())
         if previous != run:
             changed = sorted(k for k in set(previous) | set(run) if previous.get(k) != run.get(k))
-            raise HeadwayError(f"{out} holds features cached with other settings ({', '.join(changed)}): "
-                               "use another features.output_dir or delete it")
+            raise HeadwayError(
+                f"{out} holds features cached with other settings ({', '.join(changed)}): "
+                "use another features.output_dir or delete it"
+            )
     elif info.is_main:
         atomic_write_json(run_file, run)
-    hidden = int(model.config.get_text_config().hidden_size if hasattr(model.config, "get_text_config") else model.config.hidden_size)
+    hidden = int(
+        model.config.get_text_config().hidden_size
+        if hasattr(model.config, "get_text_config")
+        else model.config.hidden_size
+    )
     tokens = sum(len(s.input_ids) for s in samples)
     need = tokens * len(layers) * hidden * dtype.itemsize
-    log.info("caching layers %s for %d sequences (%d tokens) in %s: needs %.2f GB of disk", layers, len(samples), tokens,
-             cfg.dtype, need / 1e9)
+    log.info(
+        "caching layers %s for %d sequences (%d tokens) in %s: needs %.2f GB of disk",
+        layers,
+        len(samples),
+        tokens,
+        cfg.dtype,
+        need / 1e9,
+    )
     if info.is_main:
-        print(f"feature cache: {len(samples)} sequences, {tokens} tokens, layers {layers}, {cfg.dtype}: "
-              f"{need / 1e9:.2f} GB on disk in {out}", flush=True)
+        print(
+            f"feature cache: {len(samples)} sequences, {tokens} tokens, layers {layers}, {cfg.dtype}: "
+            f"{need / 1e9:.2f} GB on disk in {out}",
+            flush=True,
+        )
     device = next(model.parameters()).device
     starts = list(range(0, len(samples), cfg.shard_size))
     mine = [first for n, first in enumerate(starts) if n % info.world_size == info.rank]
-    bar = tqdm(total=sum(len(samples[f : f + cfg.shard_size]) for f in mine), unit="seq", position=info.rank,
-               desc=f"cache-features[rank {info.rank}]" if info.world_size > 1 else "cache-features")
+    bar = tqdm(
+        total=sum(len(samples[f : f + cfg.shard_size]) for f in mine),
+        unit="seq",
+        position=info.rank,
+        desc=f"cache-features[rank {info.rank}]" if info.world_size > 1 else "cache-features",
+    )
     for first in mine:
         path = out / "shards" / _shard_name(first, cfg.shard_size)
         part = samples[first : first + cfg.shard_size]
@@ -99,10 +132,19 @@ def cache_features(model: Any, samples: list, keys: list[str], layers: list[int]
         for first in starts:
             path = out / "shards" / _shard_name(first, cfg.shard_size)
             if not path.is_file():
-                raise HeadwayError(f"feature shard {path} is missing after every rank finished: rerun the same command")
-            shards.append({"file": f"shards/{path.name}", "keys": keys[first : first + cfg.shard_size],
-                           "sha256": sha256_file(path)})
-        atomic_write_json(out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards})
+                raise HeadwayError(
+                    f"feature shard {path} is missing after every rank finished: rerun the same command"
+                )
+            shards.append(
+                {
+                    "file": f"shards/{path.name}",
+                    "keys": keys[first : first + cfg.shard_size],
+                    "sha256": sha256_file(path),
+                }
+            )
+        atomic_write_json(
+            out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards}
+        )
     barrier(info)
     return out
 
@@ -111,8 +153,17 @@ def _shard_name(first: int, shard_size: int) -> str:
     return f"shard-{first // shard_size:05d}.safetensors"
 
 
-def _write_shard(model: Any, part: list, layers: list[int], dtype: torch.dtype, batch_size: int, pad_id: int, device: Any,
-                 path: Path, bar: Any) -> None:
+def _write_shard(
+    model: Any,
+    part: list,
+    layers: list[int],
+    dtype: torch.dtype,
+    batch_size: int,
+    pad_id: int,
+    device: Any,
+    path: Path,
+    bar: Any,
+) -> None:
     """Run the target over one shard's sequences and write their features atomically."""
     from headway.train.data import collate
 
@@ -120,8 +171,11 @@ def _write_shard(model: Any, part: list, layers: list[int], dtype: torch.dtype, 
     argmax: list[torch.Tensor] = []
     for b in range(0, len(part), batch_size):
         batch = collate(part[b : b + batch_size], pad_id)
-        o = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                  output_hidden_states=True)
+        o = model(
+            input_ids=batch["input_ids"].to(device),
+            attention_mask=batch["attention_mask"].to(device),
+            output_hidden_states=True,
+        )
         greedy = o.logits.argmax(-1).to(torch.int32).cpu()
         for row, s in enumerate(part[b : b + batch_size]):
             argmax.append(greedy[row, : len(s.input_ids)])
@@ -134,7 +188,6 @@ def _write_shard(model: Any, part: list, layers: list[int], dtype: torch.dtype, 
     tensors["argmax"] = torch.cat(argmax)
     with atomic_file(path) as tmp:
         save_file(tensors, str(tmp))
-
 
 
 class FeatureCache:
@@ -152,8 +205,10 @@ class FeatureCache:
             cached += self._read_manifest(path, fingerprint, layers, identity)
         extra = [d for d in identity["datasets"] if d not in cached]
         if extra:
-            raise HeadwayError(f"features in {', '.join(map(str, self.paths))} were cached from {cached}, not from {extra}: "
-                               "cache them from every dataset you train on (training on a subset of the cached ones is fine)")
+            raise HeadwayError(
+                f"features in {', '.join(map(str, self.paths))} were cached from {cached}, not from {extra}: "
+                "cache them from every dataset you train on (training on a subset of the cached ones is fine)"
+            )
         self.layers = layers
         self._open: dict[int, Any] = {}
         self._offsets: dict[int, torch.Tensor] = {}
@@ -162,23 +217,33 @@ class FeatureCache:
         """Check one cache against the run and index its shards; returns the datasets it holds."""
         manifest_file = path / "manifest.json"
         if not manifest_file.is_file():
-            raise HeadwayError(f"{path} has no manifest.json: run `headway cache-features` to completion first")
+            raise HeadwayError(
+                f"{path} has no manifest.json: run `headway cache-features` to completion first"
+            )
         m = json.loads(manifest_file.read_text())
         diff = fingerprint_mismatch(m["target_fingerprint"], fingerprint)
         if diff:
-            raise HeadwayError(f"features in {path} were cached from another target ({'; '.join(diff)}): cache them again")
+            raise HeadwayError(
+                f"features in {path} were cached from another target ({'; '.join(diff)}): cache them again"
+            )
         missing = [i for i in layers if i not in m["layers"]]
         if missing:
-            raise HeadwayError(f"features in {path} hold layers {m['layers']}, not {missing} which this head reads: "
-                               "cache them with features.layers including those")
+            raise HeadwayError(
+                f"features in {path} hold layers {m['layers']}, not {missing} which this head reads: "
+                "cache them with features.layers including those"
+            )
         if m.get("max_length") != identity["max_length"]:
-            raise HeadwayError(f"features in {path} were cached with max_length={m.get('max_length')}, but training "
-                               f"has train.max_length={identity['max_length']}: use the same, or cache them again")
+            raise HeadwayError(
+                f"features in {path} were cached with max_length={m.get('max_length')}, but training "
+                f"has train.max_length={identity['max_length']}: use the same, or cache them again"
+            )
         for shard in m["shards"]:
             f = path / shard["file"]
             if not f.is_file() or sha256_file(f) != shard["sha256"]:
-                raise HeadwayError(f"feature shard {f} is missing or damaged (checksum differs): delete it and rerun "
-                                   "`headway cache-features` to rebuild it")
+                raise HeadwayError(
+                    f"feature shard {f} is missing or damaged (checksum differs): delete it and rerun "
+                    "`headway cache-features` to rebuild it"
+                )
             for row, key in enumerate(shard["keys"]):
                 self.where[key] = (len(self.files), row)
             self.files.append(f)
@@ -192,13 +257,17 @@ class FeatureCache:
             self._offsets[si] = self._open[si].get_tensor("offsets")
         return self._open[si]
 
-    def batch(self, keys: list[str], width: int, device: Any = "cpu") -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    def batch(
+        self, keys: list[str], width: int, device: Any = "cpu"
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
         """Right-padded features {layer: [B, width, h]} (float32) and the target's greedy tokens [B, width]."""
         out: dict[int, Optional[torch.Tensor]] = {i: None for i in self.layers}
         argmax = torch.zeros(len(keys), width, dtype=torch.long)
         for b, key in enumerate(keys):
             if key not in self.where:
-                raise HeadwayError(f"sample {key} is not in the feature caches {[str(p) for p in self.paths]}: cache the features again")
+                raise HeadwayError(
+                    f"sample {key} is not in the feature caches {[str(p) for p in self.paths]}: cache the features again"
+                )
             si, row = self.where[key]
             h = self._handle(si)
             lo, hi = (int(x) for x in self._offsets[si][row : row + 2])
@@ -240,8 +309,16 @@ def run_cache_features(cfg: Any) -> Path:
     pairs, _ = load_samples(cfg.train.datasets, target.fingerprint, cfg.train.max_length)
     layers = layers_for(cfg, int(text_config(target.config).num_hidden_layers))
     identity = {"datasets": list(cfg.train.datasets), "max_length": cfg.train.max_length}
-    out = cache_features(target.model, [s for _, s in pairs], [k for k, _ in pairs], layers, target.fingerprint,
-                         cfg.features, identity, target.tokenizer.pad_token_id or 0)
+    out = cache_features(
+        target.model,
+        [s for _, s in pairs],
+        [k for k, _ in pairs],
+        layers,
+        target.fingerprint,
+        cfg.features,
+        identity,
+        target.tokenizer.pad_token_id or 0,
+    )
     if info.world_size > 1:
         torch.distributed.destroy_process_group()
     return out

@@ -24,7 +24,9 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
             if int(i) not in ids:
                 ids.append(int(i))
     if not ids:
-        raise HeadwayError("the target's tokenizer has no eos token: set tokenizer.eos_token in its tokenizer_config.json")
+        raise HeadwayError(
+            "the target's tokenizer has no eos token: set tokenizer.eos_token in its tokenizer_config.json"
+        )
     return ids
 
 
@@ -48,7 +50,9 @@ class ChatFormat:
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as e:  # jinja raises for templates that refuse a message layout
             raise HeadwayError(f"the target's chat template cannot render this conversation: {e}") from None
 
@@ -66,10 +70,13 @@ class ChatFormat:
         would write itself, it is not written twice.
         """
         text = self._render(
-            self._messages(system, ("user", "u"), ("assistant", _SENTINEL), ("user", user)), add_generation_prompt=True
+            self._messages(system, ("user", "u"), ("assistant", _SENTINEL), ("user", user)),
+            add_generation_prompt=True,
         )
         if _SENTINEL not in text:
-            raise HeadwayError("the target's chat template drops assistant messages; multi-turn prompts need one that keeps them")
+            raise HeadwayError(
+                "the target's chat template drops assistant messages; multi-turn prompts need one that keeps them"
+            )
         after = text.split(_SENTINEL, 1)[1]
         if last_token is not None and last_token in self.stop_ids:
             closing = self.tokenizer.convert_ids_to_tokens(last_token)

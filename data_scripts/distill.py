@@ -26,8 +26,8 @@ from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLL
 from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
-from headway.heads.target import Target, load_target
 from headway.faults import fault_point
+from headway.heads.target import Target, load_target
 from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
 from headway.runtime import DistInfo, barrier, dist_info
 
@@ -95,7 +95,12 @@ def _settings(cfg: DistillConfig) -> SamplingSettings:
 
 
 def answer(
-    convs: list[Conversation], fmt: ChatFormat, engine: Engine, cfg: DistillConfig, max_length: int, seed: int,
+    convs: list[Conversation],
+    fmt: ChatFormat,
+    engine: Engine,
+    cfg: DistillConfig,
+    max_length: int,
+    seed: int,
     progress: Any = None,
 ) -> tuple[list[dict], list[dict]]:
     """Answer every conversation turn by turn (all first turns in one batch, then all second turns...).
@@ -109,7 +114,9 @@ def answer(
         if len(ids) + cfg.max_new_tokens > max_length:
             msg = f"prompt {c.id} has {len(ids)} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds max_length={max_length}"
             if cfg.on_too_long == "error":
-                raise HeadwayError(f"{msg}: shorten it, raise distill.max_length, or set distill.on_too_long=skip")
+                raise HeadwayError(
+                    f"{msg}: shorten it, raise distill.max_length, or set distill.on_too_long=skip"
+                )
             skipped.append({"id": c.id, "reason": "too_long"})
             continue
         states.append(_State(c, ids, [0] * len(ids)))
@@ -175,7 +182,13 @@ def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
         log.info("generation engine: vllm")
         d = cfg.distill
         return VLLMEngine(
-            str(target.path), stop_ids, d.vllm_dtype, max_length, d.vllm_max_num_seqs, d.seed, target.num_threads,
+            str(target.path),
+            stop_ids,
+            d.vllm_dtype,
+            max_length,
+            d.vllm_max_num_seqs,
+            d.seed,
+            target.num_threads,
             cfg.target.trust_remote_code,
         )
     log.info("generation engine: hf (transformers), batch %d", cfg.distill.batch_size)
@@ -193,8 +206,14 @@ def _run_identity(cfg: RunConfig, target: Target, source: str, total: int) -> di
         "prompts": asdict(cfg.prompts) if cfg.prompts.path else None,
         "magpie": asdict(cfg.magpie) if not cfg.prompts.path else None,
         "generation": {
-            "max_new_tokens": d.max_new_tokens, "temperature": d.temperature, "top_p": d.top_p, "top_k": d.top_k,
-            "seed": d.seed, "max_length": d.max_length, "on_too_long": d.on_too_long, "system_prompt": d.system_prompt,
+            "max_new_tokens": d.max_new_tokens,
+            "temperature": d.temperature,
+            "top_p": d.top_p,
+            "top_k": d.top_k,
+            "seed": d.seed,
+            "max_length": d.max_length,
+            "on_too_long": d.on_too_long,
+            "system_prompt": d.system_prompt,
         },
         "chunk_size": d.chunk_size,
         "num_prompts": total,
@@ -213,7 +232,6 @@ def _check_or_write_identity(out: Path, identity: dict, info: DistInfo) -> None:
             )
     elif info.is_main:
         atomic_write_json(path, identity)
-
 
 
 def distill(cfg: RunConfig) -> Path:
@@ -244,7 +262,9 @@ def distill(cfg: RunConfig) -> Path:
     elif cfg.magpie.num_prompts > 0:
         convs, total, source = None, cfg.magpie.num_prompts, "magpie"
     else:
-        raise HeadwayError("no prompts: set prompts.path=FILE, or magpie.num_prompts=N to let the target write its own")
+        raise HeadwayError(
+            "no prompts: set prompts.path=FILE, or magpie.num_prompts=N to let the target write its own"
+        )
 
     out.mkdir(parents=True, exist_ok=True)
     identity = _run_identity(cfg, target, source, total)
@@ -264,8 +284,13 @@ def distill(cfg: RunConfig) -> Path:
     if done:
         log.info("resuming: %d of %d chunks already written", len(mine) - len(todo), len(mine))
     engine = _make_engine(cfg, target, max_length)
-    bar = tqdm(total=my_total, initial=done, desc=f"distill[rank {info.rank}]" if info.world_size > 1 else "distill",
-               unit="prompt", position=info.rank)
+    bar = tqdm(
+        total=my_total,
+        initial=done,
+        desc=f"distill[rank {info.rank}]" if info.world_size > 1 else "distill",
+        unit="prompt",
+        position=info.rank,
+    )
     stats = {"tokens": 0, "start": time.time()}
 
     def progress(new_tokens: int) -> None:
@@ -283,7 +308,9 @@ def distill(cfg: RunConfig) -> Path:
             chunk = [Conversation(id=lo + j, turns=[t]) for j, t in enumerate(texts) if t is not None]
             skipped = [{"id": lo + j, "reason": "magpie_rejected"} for j, t in enumerate(texts) if t is None]
         rows, too_long = answer(chunk, fmt, engine, cfg.distill, max_length, seed + 1, progress)
-        atomic_write_json(_chunk_path(out, k), {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long})
+        atomic_write_json(
+            _chunk_path(out, k), {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long}
+        )
         fault_point(f"distill:chunk:{k}")
         bar.update(hi - lo)
     bar.close()
@@ -299,8 +326,16 @@ def distill(cfg: RunConfig) -> Path:
     return out
 
 
-def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfig, engine: str,
-           tokens: int, elapsed: float) -> None:
+def _merge(
+    out: Path,
+    num_chunks: int,
+    total: int,
+    identity: dict,
+    cfg: RunConfig,
+    engine: str,
+    tokens: int,
+    elapsed: float,
+) -> None:
     """Join the chunk files into one dataset; every prompt id must appear exactly once."""
     from datasets import Dataset, Features, Sequence, Value
 
@@ -309,13 +344,17 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfi
     for k in range(num_chunks):
         p = _chunk_path(out, k)
         if not p.exists():
-            raise HeadwayError(f"chunk {p.name} is missing after all ranks finished: rerun the same command to fill it")
+            raise HeadwayError(
+                f"chunk {p.name} is missing after all ranks finished: rerun the same command to fill it"
+            )
         data = read_json(p)
         rows += data["rows"]
         skipped += data["skipped"]
     seen = [r["id"] for r in rows] + [s["id"] for s in skipped]
     if sorted(seen) != list(range(total)):
-        raise HeadwayError(f"chunks in {out / CHUNK_DIR} do not cover every prompt exactly once: delete {out} and rerun")
+        raise HeadwayError(
+            f"chunks in {out / CHUNK_DIR} do not cover every prompt exactly once: delete {out} and rerun"
+        )
     if not rows:
         reasons = sorted({s["reason"] for s in skipped})
         raise HeadwayError(
@@ -323,10 +362,15 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfi
             "distill.max_length and the magpie settings"
         )
     rows.sort(key=lambda r: r["id"])
-    features = Features({
-        "id": Value("int64"), "input_ids": Sequence(Value("int32")), "loss_mask": Sequence(Value("int8")),
-        "num_turns": Value("int32"), "finished": Value("bool"),
-    })
+    features = Features(
+        {
+            "id": Value("int64"),
+            "input_ids": Sequence(Value("int32")),
+            "loss_mask": Sequence(Value("int8")),
+            "num_turns": Value("int32"),
+            "finished": Value("bool"),
+        }
+    )
     columns = {name: [r[name] for r in rows] for name in features}
     ds = Dataset.from_dict(columns, features=features)
     tmp = out / ".merge-tmp"
@@ -358,8 +402,17 @@ def _merge(out: Path, num_chunks: int, total: int, identity: dict, cfg: RunConfi
             "unfinished_samples": sum(1 for r in rows if not r["finished"]),
         },
         "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
-        "files": file_checksums(out, [f.name for f in out.iterdir() if f.is_file() and f.name not in (MANIFEST, RUN_STATE)
-                                      and not f.name.startswith(".") and f.name != "config.yaml"]),
+        "files": file_checksums(
+            out,
+            [
+                f.name
+                for f in out.iterdir()
+                if f.is_file()
+                and f.name not in (MANIFEST, RUN_STATE)
+                and not f.name.startswith(".")
+                and f.name != "config.yaml"
+            ],
+        ),
     }
     atomic_write_json(out / MANIFEST, manifest)
     log.info("wrote %d samples (%d generated tokens) to %s", len(rows), gen_tokens, out)
@@ -372,9 +425,18 @@ def load_distilled(path: str | os.PathLike) -> tuple[Any, dict]:
     p = Path(path)
     if not (p / MANIFEST).is_file():
         if (p / RUN_STATE).is_file():
-            raise HeadwayError(f"dataset {p} is incomplete (no manifest.json): rerun the same `headway distill` to finish it")
-        raise HeadwayError(f"{p} is not a headway dataset (no manifest.json): make one with `headway distill`")
+            raise HeadwayError(
+                f"dataset {p} is incomplete (no manifest.json): rerun the same `headway distill` to finish it"
+            )
+        raise HeadwayError(
+            f"{p} is not a headway dataset (no manifest.json): make one with `headway distill`"
+        )
     manifest = json.loads((p / MANIFEST).read_text())
-    verify_checksums(p, manifest.get("files"), "dataset", "the file is damaged; delete manifest.json and rerun the same "
-                     "`headway distill` to rebuild the dataset from its chunks")
+    verify_checksums(
+        p,
+        manifest.get("files"),
+        "dataset",
+        "the file is damaged; delete manifest.json and rerun the same "
+        "`headway distill` to rebuild the dataset from its chunks",
+    )
     return load_from_disk(str(p)), manifest

@@ -41,7 +41,11 @@ class Engine(Protocol):
     name: str
 
     def generate(
-        self, prompts: list[list[int]], settings: SamplingSettings, seed: int, progress: Optional[ProgressFn] = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        seed: int,
+        progress: Optional[ProgressFn] = None,
     ) -> list[Generation]: ...
 
 
@@ -65,7 +69,11 @@ class HFEngine:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], settings: SamplingSettings, seed: int, progress: Optional[ProgressFn] = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        seed: int,
+        progress: Optional[ProgressFn] = None,
     ) -> list[Generation]:
         from transformers import GenerationConfig
 
@@ -120,8 +128,15 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(
-        self, model_dir: str, stop_ids: list[int], dtype: str, max_model_len: int, max_num_seqs: int, seed: int,
-        num_threads: int, trust_remote_code: bool = False,
+        self,
+        model_dir: str,
+        stop_ids: list[int],
+        dtype: str,
+        max_model_len: int,
+        max_num_seqs: int,
+        seed: int,
+        num_threads: int,
+        trust_remote_code: bool = False,
     ):
         if not vllm_available():
             raise HeadwayError(
@@ -147,12 +162,21 @@ class VLLMEngine:
 
         self.stop_ids = list(stop_ids)
         self.llm = LLM(
-            model=str(model_dir), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
-            skip_tokenizer_init=False, trust_remote_code=trust_remote_code,
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            skip_tokenizer_init=False,
+            trust_remote_code=trust_remote_code,
         )
 
     def generate(
-        self, prompts: list[list[int]], settings: SamplingSettings, seed: int, progress: Optional[ProgressFn] = None
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        seed: int,
+        progress: Optional[ProgressFn] = None,
     ) -> list[Generation]:
         from vllm import SamplingParams
 

@@ -28,7 +28,12 @@ class MagpieConfig:
 
 
 def write_prompts(
-    engine: Engine, fmt: ChatFormat, cfg: MagpieConfig, count: int, seed: int, progress: Optional[ProgressFn] = None
+    engine: Engine,
+    fmt: ChatFormat,
+    cfg: MagpieConfig,
+    count: int,
+    seed: int,
+    progress: Optional[ProgressFn] = None,
 ) -> list[Optional[str]]:
     """`count` self-written user prompts; None where a sample was unfinished, too short or a duplicate."""
     prefix = fmt.user_prefix()

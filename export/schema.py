@@ -45,12 +45,21 @@ class Layout:
 def check(layout: Layout, config: dict, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Raise one HeadwayError that names every key the engine would miss, reject or misread."""
     problems = [f"config key '{k}' is missing" for k in layout.required_config if k not in config]
-    problems += [f"config key '{k}' is {config.get(k)!r}, the engine needs {v!r}"
-                 for k, v in layout.fixed_config.items() if k in config and config[k] != v]
+    problems += [
+        f"config key '{k}' is {config.get(k)!r}, the engine needs {v!r}"
+        for k, v in layout.fixed_config.items()
+        if k in config and config[k] != v
+    ]
     if not problems:
         expected = layout.tensors(config)
-        problems += [f"tensor '{k}' is missing (expected shape {list(s.shape)})" for k, s in expected.items() if k not in tensors]
-        problems += [f"tensor '{k}' is not part of the {layout.name} layout" for k in tensors if k not in expected]
+        problems += [
+            f"tensor '{k}' is missing (expected shape {list(s.shape)})"
+            for k, s in expected.items()
+            if k not in tensors
+        ]
+        problems += [
+            f"tensor '{k}' is not part of the {layout.name} layout" for k in tensors if k not in expected
+        ]
         for k, s in expected.items():
             if k not in tensors:
                 continue

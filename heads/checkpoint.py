@@ -12,13 +12,18 @@ from safetensors.torch import load_file, save_file
 
 import headway
 from headway.errors import HeadwayError
-from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
 from headway.heads.registry import KINDS, LAYERED, build_head
 from headway.heads.target import fingerprint_mismatch
+from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
 
 
-def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Optional[dict] = None,
-              write_extra: Optional[Callable[[Path], None]] = None) -> Path:
+def save_head(
+    heads: Any,
+    out: str | os.PathLike,
+    fingerprint: dict,
+    extra: Optional[dict] = None,
+    write_extra: Optional[Callable[[Path], None]] = None,
+) -> Path:
     """Write the head directory whole or not at all (temp dir, then rename); `write_extra` adds files
     (Medusa-2's LoRA adapter) to the temp dir before the rename."""
     out = Path(out)
@@ -34,7 +39,11 @@ def save_head(heads: Any, out: str | os.PathLike, fingerprint: dict, extra: Opti
         **(extra or {}),
     }
     with atomic_dir(out) as tmp:
-        save_file(safetensors_of(heads.state_dict()), str(tmp / "model.safetensors"), metadata={"format": "pt", "kind": heads.kind})
+        save_file(
+            safetensors_of(heads.state_dict()),
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt", "kind": heads.kind},
+        )
         if write_extra is not None:
             write_extra(tmp)
         write_head_config(tmp, config)
@@ -50,14 +59,18 @@ def write_head_config(directory: Path, config: dict) -> None:
 def read_head_config(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise HeadwayError(f"{p} is not a head directory (needs config.json and model.safetensors): train one with `headway train`")
+        raise HeadwayError(
+            f"{p} is not a head directory (needs config.json and model.safetensors): train one with `headway train`"
+        )
     try:
         return json.loads((p / "config.json").read_text())
     except json.JSONDecodeError as e:
         raise HeadwayError(f"{p / 'config.json'} is not valid JSON: {e}") from None
 
 
-def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, device: Any = "cpu", dtype: Any = None) -> Any:
+def load_head(
+    path: str | os.PathLike, fingerprint: Optional[dict] = None, device: Any = "cpu", dtype: Any = None
+) -> Any:
     """Build the head a directory describes; refuse one made for another target (naming both)."""
     p = Path(path)
     config = read_head_config(p)
@@ -76,17 +89,29 @@ def load_head(path: str | os.PathLike, fingerprint: Optional[dict] = None, devic
     try:
         state = load_file(str(p / "model.safetensors"))
     except Exception as e:
-        raise HeadwayError(f"cannot read {p / 'model.safetensors'} ({e}): the file is damaged; re-export the head") from None
+        raise HeadwayError(
+            f"cannot read {p / 'model.safetensors'} ({e}): the file is damaged; re-export the head"
+        ) from None
     if kind in LAYERED and not isinstance(config.get("draft_layer"), dict):
-        raise HeadwayError(f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it")
+        raise HeadwayError(
+            f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it"
+        )
     head_cfg = dict(config["head"])
     if kind == "eagle" and "fc_bias" not in head_cfg:  # heads written before fc_bias was a setting had one
         head_cfg["fc_bias"] = "fc.bias" in state
     if kind in LAYERED:  # heads written before draft_layer was a setting have the target's own layer
         head_cfg.setdefault("draft_layer", "target")
-    heads = build_head(kind, cfg_cls(**head_cfg), config["hidden_size"], config["vocab_size"],
-                       d2t=state.get("d2t"), layer_config=config.get("draft_layer"))
+    heads = build_head(
+        kind,
+        cfg_cls(**head_cfg),
+        config["hidden_size"],
+        config["vocab_size"],
+        d2t=state.get("d2t"),
+        layer_config=config.get("draft_layer"),
+    )
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise HeadwayError(f"{p / 'model.safetensors'} does not match its config: missing {missing}, unexpected {unexpected}")
+        raise HeadwayError(
+            f"{p / 'model.safetensors'} does not match its config: missing {missing}, unexpected {unexpected}"
+        )
     return heads.to(device=device, dtype=dtype).eval()  # dtype casts floating tensors only: d2t stays int64

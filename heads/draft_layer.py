@@ -94,9 +94,13 @@ def build_draft_layer(layer_config: dict) -> nn.Module:
         config = AutoConfig.for_model(model_type, **cfg)
         model = AutoModel.from_config(config)
     except (ValueError, KeyError) as e:
-        raise HeadwayError(f"this transformers cannot build a '{model_type}' layer for the drafter: {e}") from None
+        raise HeadwayError(
+            f"this transformers cannot build a '{model_type}' layer for the drafter: {e}"
+        ) from None
     if not hasattr(model, "layers") or len(model.layers) != 1:
-        raise HeadwayError(f"'{model_type}' models have no `layers` list: EAGLE heads support decoder-only text targets")
+        raise HeadwayError(
+            f"'{model_type}' models have no `layers` list: EAGLE heads support decoder-only text targets"
+        )
     model.embed_tokens = None  # inputs_embeds only: the target's embedding is shared, never stored twice
     return model
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.errors import HeadwayError
 from headway.config import check_choice
+from headway.errors import HeadwayError
 from headway.heads.draft_layer import DRAFT_LAYERS, build_draft_layer, cache_kwarg
 
 
@@ -73,19 +73,31 @@ class EagleBase(nn.Module):
         if self._embed is None:
             raise HeadwayError("an EAGLE head needs attach_target(target model) before it runs")
         with torch.no_grad():
-            if self.cfg.draft_layer == "llama":  # engines feed an EAGLE draft the raw embedding table (no Gemma scale)
+            if (
+                self.cfg.draft_layer == "llama"
+            ):  # engines feed an EAGLE draft the raw embedding table (no Gemma scale)
                 return F.embedding(tokens, self._embed.weight).to(self.fc.weight.dtype)
             return self._embed(tokens).to(self.fc.weight.dtype)
 
-    def run_decoder(self, x: torch.Tensor, position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                    cache: Any = None) -> torch.Tensor:
+    def run_decoder(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        cache: Any = None,
+    ) -> torch.Tensor:
         """One pass of the decoder layer over x [B, T, h]; returns the layer's output before any final norm. A
         cache with its own `run` (the drafter's static cache) runs the layer itself."""
         if hasattr(cache, "run"):
             return cache.run(self.decoder, x, position_ids, attention_mask)
         kw = {self._cache_kw: cache} if cache is not None else {}
-        out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
-                           use_cache=cache is not None, **kw)
+        out = self.decoder(
+            inputs_embeds=x,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=cache is not None,
+            **kw,
+        )
         return out.last_hidden_state
 
     @property
@@ -101,11 +113,19 @@ class EagleHead(EagleBase):
 
     kind = "eagle"
 
-    def __init__(self, cfg: EagleConfig, hidden_size: int, vocab_size: int, layer_config: dict,
-                 d2t: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        cfg: EagleConfig,
+        hidden_size: int,
+        vocab_size: int,
+        layer_config: dict,
+        d2t: Optional[torch.Tensor] = None,
+    ):
         super().__init__(hidden_size, vocab_size, layer_config)
         if d2t is not None:
-            raise HeadwayError("EAGLE-1 reads out through the target's full lm_head: it takes no draft vocabulary")
+            raise HeadwayError(
+                "EAGLE-1 reads out through the target's full lm_head: it takes no draft vocabulary"
+            )
         self.cfg = cfg
         self.d2t = None  # draft ids are target ids
         self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=cfg.fc_bias)
@@ -115,8 +135,14 @@ class EagleHead(EagleBase):
         """The drafter's h-wide input from the target's features (EAGLE-1: the feature itself)."""
         return target_features
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
         """Predicted features [B, T, h] for positions whose token is `tokens` and feature is `hidden`."""
         x = self.fc(torch.cat([self.embed(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
         return self.run_decoder(x, position_ids, attention_mask, cache)

@@ -21,7 +21,6 @@ from headway.errors import HeadwayError
 from headway.heads.draft_layer import DRAFT_LAYERS
 from headway.heads.eagle import EagleBase
 
-
 # The per-step losses training can use (train/losses.py computes them).
 DRAFT_LOSSES = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
 
@@ -58,13 +57,16 @@ class Eagle3Config:
                 f"head.eagle3.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, each "
                 "from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the last layer's "
                 "index minus one (engines capture layer outputs in ascending order, before the final norm), e.g. [2, 15, 27] "
-                "on a 30-layer target; or [] for the default")
+                "on a 30-layer target; or [] for the default"
+            )
         check_choice("head.eagle3", "draft_layer", self.draft_layer, list(DRAFT_LAYERS))
         if self.draft_vocab_size < 2 or self.ttt_steps < 1:
             raise HeadwayError("head.eagle3: draft_vocab_size must be >= 2 and ttt_steps >= 1")
         check_choice("head.eagle3", "loss", self.loss, list(DRAFT_LOSSES))
         if self.init_layer < -1:
-            raise HeadwayError(f"head.eagle3.init_layer={self.init_layer}: use a target layer index, or -1 for random")
+            raise HeadwayError(
+                f"head.eagle3.init_layer={self.init_layer}: use a target layer index, or -1 for random"
+            )
 
 
 class FusedInputNorm(nn.Module):
@@ -87,15 +89,23 @@ class FusedInputNorm(nn.Module):
 class Eagle3Head(EagleBase):
     kind = "eagle3"
 
-    def __init__(self, cfg: Eagle3Config, hidden_size: int, vocab_size: int, layer_config: dict,
-                 d2t: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        hidden_size: int,
+        vocab_size: int,
+        layer_config: dict,
+        d2t: Optional[torch.Tensor] = None,
+    ):
         super().__init__(hidden_size, vocab_size, layer_config)
         self.cfg = cfg
         self.fc = nn.Linear(3 * hidden_size, hidden_size, bias=False)
         layer = self.decoder.layers[0]
         fused = FusedInputNorm(layer.input_layernorm)
         layer.input_layernorm = fused
-        object.__setattr__(self, "fused_norm", fused)  # a handle, not a second registration of the same weights
+        object.__setattr__(
+            self, "fused_norm", fused
+        )  # a handle, not a second registration of the same weights
         attn = layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(attn, name)
@@ -108,7 +118,9 @@ class Eagle3Head(EagleBase):
         if d2t is None:
             d2t = torch.arange(min(cfg.draft_vocab_size, vocab_size))
         if len(d2t) > vocab_size or int(d2t.max()) >= vocab_size:
-            raise HeadwayError(f"draft vocabulary ({len(d2t)} ids, max {int(d2t.max())}) does not fit the target's {vocab_size}")
+            raise HeadwayError(
+                f"draft vocabulary ({len(d2t)} ids, max {int(d2t.max())}) does not fit the target's {vocab_size}"
+            )
         self.register_buffer("d2t", d2t.to(torch.long).clone(), persistent=True)
         self.lm_head = nn.Linear(hidden_size, len(d2t), bias=False)
 
@@ -123,8 +135,10 @@ class Eagle3Head(EagleBase):
                 raise HeadwayError(f"head.eagle3.feature_layers {bad} outside the target's 0..{L}")
             return list(cfg.feature_layers)
         if L < 4:
-            raise HeadwayError(f"EAGLE-3 fuses three distinct layer outputs before the last of the target's layers, "
-                               f"and this target has {L}: use head.kind=eagle")
+            raise HeadwayError(
+                f"EAGLE-3 fuses three distinct layer outputs before the last of the target's layers, "
+                f"and this target has {L}: use head.kind=eagle"
+            )
         default = [2, L // 2, L - 3]
         return default if default == sorted(set(default)) else [1, L // 2, L - 1]
 
@@ -135,16 +149,20 @@ class Eagle3Head(EagleBase):
         L = num_target_layers
         bad = [i for i in layers if not 1 <= i <= L - 1]
         if bad:
-            raise HeadwayError(f"head.eagle3.feature_layers {bad} outside this {L}-layer target's 1..{L - 1} (the last "
-                               f"layer's output, {L}, is post-norm in HF and not what engines capture): choose from "
-                               f"1..{L - 1}")
+            raise HeadwayError(
+                f"head.eagle3.feature_layers {bad} outside this {L}-layer target's 1..{L - 1} (the last "
+                f"layer's output, {L}, is post-norm in HF and not what engines capture): choose from "
+                f"1..{L - 1}"
+            )
 
     def init_from_target(self, target_model: Any) -> None:
         """Start the read-out where the target's is: its final norm and its lm_head rows for the draft vocabulary."""
         target_lm_head = target_model.get_output_embeddings().weight
         final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         with torch.no_grad():
-            self.lm_head.weight.copy_(target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight.dtype))
+            self.lm_head.weight.copy_(
+                target_lm_head[self.d2t.to(target_lm_head.device)].to(self.lm_head.weight.dtype)
+            )
             if final_norm is not None and type(final_norm) is type(self.norm):
                 self.norm.load_state_dict(final_norm.state_dict())
             # fc starts by passing the highest fused layer through: the untrained drafter then reads the
@@ -161,23 +179,32 @@ class Eagle3Head(EagleBase):
         its output projection, MLP and norms are the target's."""
         layers = target_model.get_decoder().layers
         if not 0 <= index < len(layers):
-            raise HeadwayError(f"head.eagle3.init_layer={index} is not a layer of this {len(layers)}-layer target: "
-                               f"use 0..{len(layers) - 1}, or -1 for random initialisation")
+            raise HeadwayError(
+                f"head.eagle3.init_layer={index} is not a layer of this {len(layers)}-layer target: "
+                f"use 0..{len(layers) - 1}, or -1 for random initialisation"
+            )
         source = layers[index].state_dict()
         own = self.decoder.layers[0]
         h = self.hidden_size
-        names = {n.replace("input_layernorm.emb_norm.", "input_layernorm.").replace("input_layernorm.hidden_norm.",
-                                                                                    "input_layernorm.") for n in own.state_dict()}
+        names = {
+            n.replace("input_layernorm.emb_norm.", "input_layernorm.").replace(
+                "input_layernorm.hidden_norm.", "input_layernorm."
+            )
+            for n in own.state_dict()
+        }
         left = sorted(k for k in source if k not in names)
         if left or type(layers[index].input_layernorm) is not type(self.norm):
-            raise HeadwayError(f"head.eagle3.init_layer={index}: the target's layers ({type(layers[index]).__name__}) do not "
-                               f"map onto this draft layer ({type(own).__name__}; {', '.join(left[:3]) or 'other norms'} "
-                               "have no counterpart): set head.eagle3.draft_layer=target to copy a target layer, or "
-                               "init_layer=-1")
+            raise HeadwayError(
+                f"head.eagle3.init_layer={index}: the target's layers ({type(layers[index]).__name__}) do not "
+                f"map onto this draft layer ({type(own).__name__}; {', '.join(left[:3]) or 'other norms'} "
+                "have no counterpart): set head.eagle3.draft_layer=target to copy a target layer, or "
+                "init_layer=-1"
+            )
         with torch.no_grad():
             for name, value in own.state_dict().items():
                 key = name.replace("input_layernorm.emb_norm.", "input_layernorm.").replace(
-                    "input_layernorm.hidden_norm.", "input_layernorm.")
+                    "input_layernorm.hidden_norm.", "input_layernorm."
+                )
                 if key not in source:
                     continue
                 src = source[key].to(value.dtype)  # state_dict values share the parameters' storage
@@ -191,8 +218,14 @@ class Eagle3Head(EagleBase):
         """The drafter's h-wide input from the concatenated low/middle/high target features [.., 3h]."""
         return self.fc(target_features.to(self.fc.weight.dtype))
 
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None, cache: Any = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        cache: Any = None,
+    ) -> torch.Tensor:
         """The layer's output [B, T, h] (pre-norm) for positions with `tokens` and h-wide input `hidden`."""
         self.fused_norm.embedding = self.embed(tokens)
         try:

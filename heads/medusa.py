@@ -54,13 +54,16 @@ class MedusaHeads(nn.Module):
 
     kind = "medusa"
 
-    def __init__(self, cfg: MedusaConfig, hidden_size: int, vocab_size: int, d2t: Optional[torch.Tensor] = None):
+    def __init__(
+        self, cfg: MedusaConfig, hidden_size: int, vocab_size: int, d2t: Optional[torch.Tensor] = None
+    ):
         super().__init__()
         self.cfg = cfg
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(cfg.num_layers)]) for _ in range(cfg.num_heads)
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(cfg.num_layers)])
+            for _ in range(cfg.num_heads)
         )
         if cfg.lm_head == "reduced":
             if d2t is None:
@@ -69,7 +72,11 @@ class MedusaHeads(nn.Module):
         else:
             self.d2t = None
         out = 0 if cfg.lm_head == "shared" else (len(self.d2t) if self.d2t is not None else vocab_size)
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden_size, out, bias=False) for _ in range(cfg.num_heads)) if out else None
+        self.lm_heads = (
+            nn.ModuleList(nn.Linear(hidden_size, out, bias=False) for _ in range(cfg.num_heads))
+            if out
+            else None
+        )
         self.shared_lm_head: Optional[torch.Tensor] = None  # set by attach_target for lm_head=shared
 
     @property

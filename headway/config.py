@@ -61,21 +61,29 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
         except Exception as e:  # yaml syntax errors come in many types
             raise HeadwayError(f"cannot parse config file {p}: {e}") from None
         if not isinstance(loaded, DictConfig):
-            raise HeadwayError(f"config file {p} must hold a mapping of sections, not a {type(loaded).__name__}")
+            raise HeadwayError(
+                f"config file {p} must hold a mapping of sections, not a {type(loaded).__name__}"
+            )
         layers.append((str(p), loaded))
     bad = [o for o in overrides if "=" not in o]
     if bad:
-        raise HeadwayError(f"override '{bad[0]}' is not of the form key=value (e.g. distill.max_new_tokens=128)")
+        raise HeadwayError(
+            f"override '{bad[0]}' is not of the form key=value (e.g. distill.max_new_tokens=128)"
+        )
     for o in overrides:
         try:
             OmegaConf.from_dotlist([o])
         except Exception as e:  # yaml and omegaconf grammar errors come in many types
-            raise HeadwayError(f"cannot parse override '{o}' ({_first_line(e)}): quote the value or fix its syntax") from None
+            raise HeadwayError(
+                f"cannot parse override '{o}' ({_first_line(e)}): quote the value or fix its syntax"
+            ) from None
     if overrides:
         try:
             layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
         except Exception as e:  # e.g. `train=1 train.lr=2`: a key set both as a value and as a section
-            raise HeadwayError(f"the overrides {' '.join(overrides)} contradict each other ({_first_line(e)})") from None
+            raise HeadwayError(
+                f"the overrides {' '.join(overrides)} contradict each other ({_first_line(e)})"
+            ) from None
     cfg = base
     for source, layer in layers:
         try:
@@ -86,11 +94,15 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
             raise HeadwayError(f"bad value for config key '{e.full_key}' in {source}: {e.msg}") from None
         except (OmegaConfBaseException, TypeError, ValueError) as e:  # a list given a mapping, and the like
             key = getattr(e, "full_key", "") or ""
-            raise HeadwayError(f"bad value{f' for config key {key!r}' if key else ''} in {source}: {_first_line(e)}") from None
+            raise HeadwayError(
+                f"bad value{f' for config key {key!r}' if key else ''} in {source}: {_first_line(e)}"
+            ) from None
     try:
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
-        raise HeadwayError(f"config error at '{getattr(e, 'full_key', '')}': {getattr(e, 'msg', e)}") from None
+        raise HeadwayError(
+            f"config error at '{getattr(e, 'full_key', '')}': {getattr(e, 'msg', e)}"
+        ) from None
 
 
 def config_to_yaml(cfg: Any) -> str:

@@ -33,7 +33,6 @@ from headway.train.config import TrainConfig
 log = logging.getLogger("headway")
 
 
-
 def reference_head() -> Path:
     """The EAGLE-3 head shipped with Headway for the default target (its README.md says how it was made)."""
     from importlib.resources import files
@@ -74,18 +73,40 @@ class DemoConfig:
     # Decoding settings (tree, sampling). The head's tuned tree for this machine (tuned.json) wins when it has one;
     # otherwise this small tree, `headway tune`'s choice for the shipped head on a 2-core CPU (a GPU gains from a
     # larger one: run `headway tune`, or pass inference.depth=5 inference.total_tokens=15).
-    inference: InferenceConfig = field(default_factory=lambda: InferenceConfig(depth=1, top_k=8, total_tokens=5))
+    inference: InferenceConfig = field(
+        default_factory=lambda: InferenceConfig(depth=1, top_k=8, total_tokens=5)
+    )
     # --train: self-distillation budget (the target writes magpie.num_prompts prompts itself and answers them).
     magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=96))
-    distill: DistillConfig = field(default_factory=lambda: DistillConfig(
-        output_dir="", engine="hf", max_new_tokens=160, batch_size=16, chunk_size=16, max_length=512))
+    distill: DistillConfig = field(
+        default_factory=lambda: DistillConfig(
+            output_dir="", engine="hf", max_new_tokens=160, batch_size=16, chunk_size=16, max_length=512
+        )
+    )
     # --train: the head trained (EAGLE-3 with a small draft vocabulary and a short training-time test).
-    head: HeadConfig = field(default_factory=lambda: HeadConfig(
-        kind="eagle3", eagle3=Eagle3Config(draft_vocab_size=2048, ttt_steps=3)))
+    head: HeadConfig = field(
+        default_factory=lambda: HeadConfig(
+            kind="eagle3", eagle3=Eagle3Config(draft_vocab_size=2048, ttt_steps=3)
+        )
+    )
     # --train: the training budget.
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        output_dir="", max_steps=150, micro_batch_size=4, grad_accum=1, max_length=512, lr=1e-3, warmup_steps=10,
-        grad_clip=0.5, eval_every=50, eval_fraction=0.05, save_every=50, log_every=10, resume_from="auto"))
+    train: TrainConfig = field(
+        default_factory=lambda: TrainConfig(
+            output_dir="",
+            max_steps=150,
+            micro_batch_size=4,
+            grad_accum=1,
+            max_length=512,
+            lr=1e-3,
+            warmup_steps=10,
+            grad_clip=0.5,
+            eval_every=50,
+            eval_fraction=0.05,
+            save_every=50,
+            log_every=10,
+            resume_from="auto",
+        )
+    )
 
 
 def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:
@@ -96,7 +117,9 @@ def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:
     else:
         head_dir = Path(cfg.head_dir) if cfg.head_dir else reference_head()
         if not (head_dir / "model.safetensors").is_file():
-            raise HeadwayError(f"no head at {head_dir}: pass demo.head_dir=DIR, or run `headway demo --train` to make one")
+            raise HeadwayError(
+                f"no head at {head_dir}: pass demo.head_dir=DIR, or run `headway demo --train` to make one"
+            )
     result = measure(cfg, head_dir)
     result["wall_seconds"] = time.time() - start
     atomic_write_json(out / "results.json", result)
@@ -114,11 +137,18 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
     from headway.runtime import resolve_device
 
     t = cfg.target
-    if (not cfg.fast_cpu_format or t.dtype != "float32" or t.linear_weights != "native"
-            or resolve_device(t.device).type != "cpu" or kernels_missing("onednn")):
+    if (
+        not cfg.fast_cpu_format
+        or t.dtype != "float32"
+        or t.linear_weights != "native"
+        or resolve_device(t.device).type != "cpu"
+        or kernels_missing("onednn")
+    ):
         return t
-    print("== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
-          "(fast_cpu_format=false: float32)")
+    print(
+        "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
+        "(fast_cpu_format=false: float32)"
+    )
     return dataclasses.replace(t, dtype="bfloat16", linear_weights="onednn")
 
 
@@ -130,22 +160,32 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
 
     distill_cfg = dataclasses.replace(cfg.distill, output_dir=cfg.distill.output_dir or str(out / "distill"))
     t0 = time.time()
-    print(f"== 1/3 self-distillation: the target writes {cfg.magpie.num_prompts} prompts and answers them "
-          f"(up to {distill_cfg.max_new_tokens} tokens each)")
+    print(
+        f"== 1/3 self-distillation: the target writes {cfg.magpie.num_prompts} prompts and answers them "
+        f"(up to {distill_cfg.max_new_tokens} tokens each)"
+    )
     data = distill(_run_config(cfg, magpie=cfg.magpie, distill=distill_cfg))
     _, manifest = load_distilled(data)
-    print(f"   {manifest['counts']['samples']} samples, {manifest['counts']['generated_tokens']} answer tokens "
-          f"in {(time.time() - t0) / 60:.1f} min -> {data}")
-    train_cfg = dataclasses.replace(cfg.train, datasets=[str(data)], output_dir=cfg.train.output_dir or str(out / "eagle3"))
+    print(
+        f"   {manifest['counts']['samples']} samples, {manifest['counts']['generated_tokens']} answer tokens "
+        f"in {(time.time() - t0) / 60:.1f} min -> {data}"
+    )
+    train_cfg = dataclasses.replace(
+        cfg.train, datasets=[str(data)], output_dir=cfg.train.output_dir or str(out / "eagle3")
+    )
     t0 = time.time()
-    print(f"== 2/3 training an EAGLE-3 head: {train_cfg.max_steps} steps of {train_cfg.micro_batch_size * train_cfg.grad_accum} sequences")
+    print(
+        f"== 2/3 training an EAGLE-3 head: {train_cfg.max_steps} steps of {train_cfg.micro_batch_size * train_cfg.grad_accum} sequences"
+    )
     head_dir = train(_run_config(cfg, head=cfg.head, train=train_cfg))
     print(f"   trained in {(time.time() - t0) / 60:.1f} min -> {head_dir}")
     target = load_target(cfg.target, with_model=False)
     try:
         exported = export_head(head_dir, "vllm", out / "eagle3-vllm", "bfloat16", target.fingerprint)
         print(f"== 3/3 exported for vLLM -> {exported}")
-    except HeadwayError as e:  # a target family vLLM's EAGLE-3 layer cannot hold: the native head still decodes here
+    except (
+        HeadwayError
+    ) as e:  # a target family vLLM's EAGLE-3 layer cannot hold: the native head still decodes here
         print(f"== 3/3 not exported for vLLM: {e}")
     return head_dir
 
@@ -166,35 +206,64 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
 
     run = _run_config(dataclasses.replace(cfg, target=decoding_target(cfg)))
     decoder = SpeculativeDecoder.load(head_dir, run)
-    print(f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
-          f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)")
+    print(
+        f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
+        f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)"
+    )
     warm = decoder.fmt.first_turn("Hello")
     decoder.generate(warm, 4)
     decoder.generate_plain(warm, 4)
     greedy = decoder.cfg.inference.sampling.greedy
-    runners = {"plain": lambda ids: decoder.generate_plain(ids, cfg.max_new_tokens),
-               "spec": lambda ids: decoder.generate(ids, cfg.max_new_tokens)}
+    runners = {
+        "plain": lambda ids: decoder.generate_plain(ids, cfg.max_new_tokens),
+        "spec": lambda ids: decoder.generate(ids, cfg.max_new_tokens),
+    }
     rows, specs, plains = [], [], []
     for i, text in enumerate(tqdm(cfg.prompts, desc="demo", unit="prompt")):
         res = alternate(runners, decoder.fmt.first_turn(text), i)
         spec, plain = res["spec"], res["plain"]
         same = spec.tokens == plain.tokens if greedy else None
         answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
-        tqdm.write(f"\n-- {text[:100]}\n{answer[:cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
-                   f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | plain {plain.tokens_per_second:.1f} "
-                   f"tok/s | speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
-                   + (f"\n   accepted drafts by branch: {_by_branch(spec.sources)}" if spec.sources else ""))
-        rows.append({"prompt": text, "tokens": len(spec.tokens), "tau": spec.tau, "spec_seconds": spec.seconds,
-                     "plain_tokens": len(plain.tokens), "plain_seconds": plain.seconds, "target_forwards": spec.target_forwards,
-                     "equals_plain": same, "accepted_by_branch": spec.sources})
+        tqdm.write(
+            f"\n-- {text[:100]}\n{answer[: cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
+            f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | plain {plain.tokens_per_second:.1f} "
+            f"tok/s | speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
+            + (f"\n   accepted drafts by branch: {_by_branch(spec.sources)}" if spec.sources else "")
+        )
+        rows.append(
+            {
+                "prompt": text,
+                "tokens": len(spec.tokens),
+                "tau": spec.tau,
+                "spec_seconds": spec.seconds,
+                "plain_tokens": len(plain.tokens),
+                "plain_seconds": plain.seconds,
+                "target_forwards": spec.target_forwards,
+                "equals_plain": same,
+                "accepted_by_branch": spec.sources,
+            }
+        )
         specs.append(spec)
         plains.append(plain)
     spec_all, plain_all = pooled(specs), pooled(plains)
-    overall = {"tau": spec_all["tau"], "spec_tok_s": spec_all["tok_s"], "plain_tok_s": plain_all["tok_s"],
-               "speedup": spec_all["tok_s"] / plain_all["tok_s"],
-               "all_equal_plain": all(r["equals_plain"] for r in rows) if greedy else None}
-    print(f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain {plain_all['tok_s']:.1f} tok/s | "
-          f"speedup {overall['speedup']:.2f}x | every output equals plain greedy: {overall['all_equal_plain']}")
-    return {"head": str(head_dir), "drafter": decoder.drafter.settings(), "threads": decoder.target.num_threads,
-            "device": str(decoder.target.device), "dtype": run.target.dtype, "linear_weights": run.target.linear_weights,
-            "overall": overall, "prompts": rows}
+    overall = {
+        "tau": spec_all["tau"],
+        "spec_tok_s": spec_all["tok_s"],
+        "plain_tok_s": plain_all["tok_s"],
+        "speedup": spec_all["tok_s"] / plain_all["tok_s"],
+        "all_equal_plain": all(r["equals_plain"] for r in rows) if greedy else None,
+    }
+    print(
+        f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain {plain_all['tok_s']:.1f} tok/s | "
+        f"speedup {overall['speedup']:.2f}x | every output equals plain greedy: {overall['all_equal_plain']}"
+    )
+    return {
+        "head": str(head_dir),
+        "drafter": decoder.drafter.settings(),
+        "threads": decoder.target.num_threads,
+        "device": str(decoder.target.device),
+        "dtype": run.target.dtype,
+        "linear_weights": run.target.linear_weights,
+        "overall": overall,
+        "prompts": rows,
+    }

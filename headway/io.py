@@ -52,8 +52,10 @@ def disk_full_named(path: Path) -> Iterator[None]:
         yield
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise HeadwayError(f"no space left on the device while writing {path}: free some disk space and rerun the "
-                               "same command (the previous version of the file, if any, is intact)") from None
+            raise HeadwayError(
+                f"no space left on the device while writing {path}: free some disk space and rerun the "
+                "same command (the previous version of the file, if any, is intact)"
+            ) from None
         raise
 
 
@@ -173,7 +175,9 @@ def verify_checksums(root: Path, recorded: Optional[dict], what: str, fix: str) 
             raise HeadwayError(f"{what} {root} is missing {name}: {fix}")
         size = f.stat().st_size
         if size != want["bytes"]:
-            raise HeadwayError(f"{what} {root}: {name} is truncated or damaged ({size} bytes; it was written with "
-                               f"{want['bytes']}): {fix}")
+            raise HeadwayError(
+                f"{what} {root}: {name} is truncated or damaged ({size} bytes; it was written with "
+                f"{want['bytes']}): {fix}"
+            )
         if sha256_file(f) != want["sha256"]:
             raise HeadwayError(f"{what} {root}: {name} does not match its recorded sha256 (damaged): {fix}")

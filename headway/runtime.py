@@ -59,7 +59,9 @@ def parse_dtype(name: str) -> torch.dtype:
     try:
         return DTYPES[name.lower()]
     except KeyError:
-        raise HeadwayError(f"unknown dtype '{name}': use one of float32, bfloat16, float16, float64") from None
+        raise HeadwayError(
+            f"unknown dtype '{name}': use one of float32, bfloat16, float16, float64"
+        ) from None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,7 +75,9 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError:
         raise HeadwayError(f"unknown device '{name}': use auto, cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise HeadwayError(f"device '{name}' asked for, but this machine has no CUDA GPU: use device=cpu or auto")
+        raise HeadwayError(
+            f"device '{name}' asked for, but this machine has no CUDA GPU: use device=cpu or auto"
+        )
     return device
 
 

@@ -10,17 +10,17 @@ from typing import Any, Optional
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import load_head, read_head_config
+from headway.heads.draft_layer import text_config
 from headway.heads.packed_linear import linear_weights, pack_head_linear_weights
 from headway.heads.target import Target, load_target
-from headway.run_config import RunConfig
-from headway.heads.draft_layer import text_config
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.engine import depth_matters
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.engine import depth_matters
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree
 from headway.inference.tune import apply_tuned, tuned_entry, verify_cost_curve, verify_costs
+from headway.run_config import RunConfig
 
 
 def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
@@ -30,8 +30,10 @@ def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
         return cfg.inference.tree
     accuracy = head_config.get("rank_accuracy")
     if not accuracy:
-        raise HeadwayError("inference.tree_nodes needs the head's measured accuracy (rank_accuracy in its config.json, "
-                           "written when training has a held-out split); set inference.tree_nodes=0 to use inference.tree")
+        raise HeadwayError(
+            "inference.tree_nodes needs the head's measured accuracy (rank_accuracy in its config.json, "
+            "written when training has a held-out split); set inference.tree_nodes=0 to use inference.tree"
+        )
     return best_tree(accuracy, n)
 
 
@@ -69,8 +71,14 @@ class SpeculativeDecoder:
     """A frozen target plus a draft head; `generate` decodes exactly as the target would (greedy, or its sampling
     distribution), only faster."""
 
-    def __init__(self, target: Target, heads: Any, cfg: RunConfig, head_config: Optional[dict] = None,
-                 saved_costs: Optional[dict] = None):
+    def __init__(
+        self,
+        target: Target,
+        heads: Any,
+        cfg: RunConfig,
+        head_config: Optional[dict] = None,
+        saved_costs: Optional[dict] = None,
+    ):
         """saved_costs: verify_ms from the head's tuned.json for this machine (hybrid and n-gram trees size
         themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
@@ -92,13 +100,20 @@ class SpeculativeDecoder:
             from peft import PeftModel
 
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
-        heads = load_head(head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype)
+        heads = load_head(
+            head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype
+        )
         heads.attach_target(target.model)
         if linear_weights(target.model) != "native":
             pack_head_linear_weights(heads, linear_weights(target.model))
         tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)
-        return cls(target, heads, apply_tuned(cfg, head_dir, target.model), head_config,
-                   tuned.get("verify_ms") if tuned else None)
+        return cls(
+            target,
+            heads,
+            apply_tuned(cfg, head_dir, target.model),
+            head_config,
+            tuned.get("verify_ms") if tuned else None,
+        )
 
     def with_drafter(self, kind: str) -> "SpeculativeDecoder":
         """The same target and head decoding with another drafter (neural, ngram or hybrid)."""
@@ -107,14 +122,27 @@ class SpeculativeDecoder:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         n = max_new_tokens or self.cfg.inference.max_new_tokens
-        return speculative_generate(self.target.model, self.drafter, prompt_ids, n, self.fmt.stop_ids,
-                                    self.cfg.inference.sampling, engine=self.cfg.inference.engine)
+        return speculative_generate(
+            self.target.model,
+            self.drafter,
+            prompt_ids,
+            n,
+            self.fmt.stop_ids,
+            self.cfg.inference.sampling,
+            engine=self.cfg.inference.engine,
+        )
 
     def generate_plain(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
         """The same target decoded plainly, with the same sampling settings: the reference."""
         n = max_new_tokens or self.cfg.inference.max_new_tokens
-        return plain_generate(self.target.model, prompt_ids, n, self.fmt.stop_ids, self.cfg.inference.sampling,
-                              self.cfg.inference.engine)
+        return plain_generate(
+            self.target.model,
+            prompt_ids,
+            n,
+            self.fmt.stop_ids,
+            self.cfg.inference.sampling,
+            self.cfg.inference.engine,
+        )
 
     def chat(self, message: str, max_new_tokens: Optional[int] = None) -> ChatResult:
         ids = self.fmt.first_turn(message)

@@ -30,9 +30,15 @@ from headway.inference.generate import GenerationResult, alternate
 from headway.io import atomic_write_json, atomic_write_text
 
 PLAIN, SPEC = "plain", "speculative"
-LABELS = {PLAIN: "Headway plain", "hf_generate": "HF generate", "hf_prompt_lookup": "HF prompt lookup",
-          SPEC: "Headway speculative", "headway_neural": "Headway neural tree", "headway_ngram": "Headway n-gram tree",
-          "headway_hybrid": "Headway hybrid tree"}
+LABELS = {
+    PLAIN: "Headway plain",
+    "hf_generate": "HF generate",
+    "hf_prompt_lookup": "HF prompt lookup",
+    SPEC: "Headway speculative",
+    "headway_neural": "Headway neural tree",
+    "headway_ngram": "Headway n-gram tree",
+    "headway_hybrid": "Headway hybrid tree",
+}
 
 
 def _rate(hits: list[bool]) -> float:
@@ -45,26 +51,38 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
     forwards = sum(s["target_forwards"] for s in spec)
     accepted = [a for s in spec for a in s["accepted"]]
     by_source = {k: sum(s.get("sources", {}).get(k, 0) for s in spec) for k in ("neural", "ngram", "both")}
-    tok_s = {m: sum(r[m]["tokens"] for r in rows) / max(1e-9, sum(r[m]["seconds"] for r in rows)) for m in methods}
+    tok_s = {
+        m: sum(r[m]["tokens"] for r in rows) / max(1e-9, sum(r[m]["seconds"] for r in rows)) for m in methods
+    }
     return {
         "prompts": len(rows),
         "tau": (spec_tokens - len(rows)) / max(1, forwards),
-        "acceptance_by_depth": [sum(a >= d for a in accepted) / max(1, len(accepted)) for d in range(1, depth + 1)],
+        "acceptance_by_depth": [
+            sum(a >= d for a in accepted) / max(1, len(accepted)) for d in range(1, depth + 1)
+        ],
         "tok_s": tok_s,
         # speculative tokens/s over each other method's
         "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
         # share of outputs equal to Headway's plain greedy decoding (None when sampling)
-        "matches_plain": {m: _rate([r[m]["match"] for r in rows]) if greedy else None for m in methods if m != PLAIN},
+        "matches_plain": {
+            m: _rate([r[m]["match"] for r in rows]) if greedy else None for m in methods if m != PLAIN
+        },
         # accepted draft tokens by the branch kind that proposed them (hybrid and n-gram drafters), as shares
-        "accepted_from": {k: v / max(1, sum(by_source.values())) for k, v in by_source.items()} if any(by_source.values()) else None,
+        "accepted_from": {k: v / max(1, sum(by_source.values())) for k, v in by_source.items()}
+        if any(by_source.values())
+        else None,
         # where the speculative time goes, in milliseconds per generated token
         "ms_per_token": {
             "drafting": 1e3 * sum(s["draft_seconds"] for s in spec) / max(1, spec_tokens),
             "verification": 1e3 * sum(s["verify_seconds"] for s in spec) / max(1, spec_tokens),
-            "other": 1e3 * sum(s["seconds"] - s["draft_seconds"] - s["verify_seconds"] for s in spec) / max(1, spec_tokens),
+            "other": 1e3
+            * sum(s["seconds"] - s["draft_seconds"] - s["verify_seconds"] for s in spec)
+            / max(1, spec_tokens),
         },
         # the headline pair, kept under the names earlier results files used
-        "plain_tok_s": tok_s[PLAIN], "spec_tok_s": tok_s[SPEC], "speedup": tok_s[SPEC] / tok_s[PLAIN],
+        "plain_tok_s": tok_s[PLAIN],
+        "spec_tok_s": tok_s[SPEC],
+        "speedup": tok_s[SPEC] / tok_s[PLAIN],
         "match_rate": _rate([r[SPEC]["match"] for r in rows]) if greedy else None,
     }
 
@@ -81,7 +99,9 @@ def per_category(convs: list, n: int) -> list:
     return out
 
 
-def _runners(decoder: SpeculativeDecoder, bc: BenchConfig, max_new_tokens: int) -> dict[str, Callable[[list[int]], GenerationResult]]:
+def _runners(
+    decoder: SpeculativeDecoder, bc: BenchConfig, max_new_tokens: int
+) -> dict[str, Callable[[list[int]], GenerationResult]]:
     model, stops, sampling = decoder.target.model, decoder.fmt.stop_ids, decoder.cfg.inference.sampling
     runners: dict[str, Callable[[list[int]], GenerationResult]] = {
         PLAIN: lambda ids: decoder.generate_plain(ids, max_new_tokens),
@@ -94,21 +114,33 @@ def _runners(decoder: SpeculativeDecoder, bc: BenchConfig, max_new_tokens: int) 
     if "hf_generate" in bc.baselines:
         runners["hf_generate"] = lambda ids: hf_generate(model, ids, max_new_tokens, stops, sampling)
     if "hf_prompt_lookup" in bc.baselines:
-        runners["hf_prompt_lookup"] = lambda ids: hf_generate(model, ids, max_new_tokens, stops, sampling,
-                                                              bc.prompt_lookup_tokens, bc.prompt_lookup_max_ngram)
+        runners["hf_prompt_lookup"] = lambda ids: hf_generate(
+            model, ids, max_new_tokens, stops, sampling, bc.prompt_lookup_tokens, bc.prompt_lookup_max_ngram
+        )
     return runners
 
 
 def _record(res: GenerationResult, plain: GenerationResult | None, greedy: bool) -> dict:
-    rec = {"tokens": len(res.tokens), "seconds": res.seconds,
-           "match": (res.tokens == plain.tokens) if greedy and plain is not None else None}
+    rec = {
+        "tokens": len(res.tokens),
+        "seconds": res.seconds,
+        "match": (res.tokens == plain.tokens) if greedy and plain is not None else None,
+    }
     if res.target_forwards:
-        rec.update(target_forwards=res.target_forwards, accepted=res.accepted, tau=res.tau,
-                   draft_seconds=res.draft_seconds, verify_seconds=res.verify_seconds, sources=res.sources)
+        rec.update(
+            target_forwards=res.target_forwards,
+            accepted=res.accepted,
+            tau=res.tau,
+            draft_seconds=res.draft_seconds,
+            verify_seconds=res.verify_seconds,
+            sources=res.sources,
+        )
     return rec
 
 
-def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int, bc: BenchConfig) -> dict:
+def run_bench(
+    decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens: int, bc: BenchConfig
+) -> dict:
     convs = load_conversations(prompts)
     if bc.per_category > 0:
         convs = per_category(convs, bc.per_category)
@@ -118,18 +150,27 @@ def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens
     warm = decoder.fmt.first_turn("Hello")
     for run in runners.values():
         run(warm)
-    work = [(c, t) for c in convs for t in range(len(c.turns) if bc.turns == 0 else min(bc.turns, len(c.turns)))]
+    work = [
+        (c, t) for c in convs for t in range(len(c.turns) if bc.turns == 0 else min(bc.turns, len(c.turns)))
+    ]
     rows: list[dict] = []
     history: dict[int, list[int]] = {}  # conversation id -> its ids so far (prompts + plain answers)
     for i, (conv, turn) in enumerate(tqdm(work, desc="bench", unit="turn")):
         if turn == 0:
             ids = decoder.fmt.first_turn(conv.turns[0], conv.system)
         else:
-            ids = history[conv.id] + decoder.fmt.next_turn(conv.turns[turn], history[conv.id][-1], conv.system)
+            ids = history[conv.id] + decoder.fmt.next_turn(
+                conv.turns[turn], history[conv.id][-1], conv.system
+            )
         results = alternate({m: runners[m] for m in methods}, ids, i)
         plain = results[PLAIN]
         history[conv.id] = ids + plain.tokens
-        row = {"id": conv.id, "turn": turn + 1, "category": conv.meta.get("category", "all"), "prompt_tokens": len(ids)}
+        row = {
+            "id": conv.id,
+            "turn": turn + 1,
+            "category": conv.meta.get("category", "all"),
+            "prompt_tokens": len(ids),
+        }
         row.update({m: _record(results[m], None if m == PLAIN else plain, greedy) for m in methods})
         rows.append(row)
     depth = decoder.drafter.max_depth
@@ -137,14 +178,23 @@ def run_bench(decoder: SpeculativeDecoder, prompts: PromptConfig, max_new_tokens
     model = decoder.target.model
     return {
         "overall": _summary(rows, methods, depth, greedy),
-        "by_category": {c: _summary([r for r in rows if r["category"] == c], methods, depth, greedy) for c in categories},
+        "by_category": {
+            c: _summary([r for r in rows if r["category"] == c], methods, depth, greedy) for c in categories
+        },
         "methods": methods,
-        "settings": {"max_new_tokens": max_new_tokens, "threads": torch.get_num_threads(), "drafter": decoder.drafter.settings(),
-                     "dtype": str(next(model.parameters()).dtype), "device": str(next(model.parameters()).device),
-                     "machine": platform.processor() or platform.machine(),
-                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "prompts": prompts.path,
-                     "date": time.strftime("%Y-%m-%d"), "bench": dataclasses.asdict(bc),
-                     "sampling": dataclasses.asdict(decoder.cfg.inference.sampling)},
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "threads": torch.get_num_threads(),
+            "drafter": decoder.drafter.settings(),
+            "dtype": str(next(model.parameters()).dtype),
+            "device": str(next(model.parameters()).device),
+            "machine": platform.processor() or platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "prompts": prompts.path,
+            "date": time.strftime("%Y-%m-%d"),
+            "bench": dataclasses.asdict(bc),
+            "sampling": dataclasses.asdict(decoder.cfg.inference.sampling),
+        },
         "per_prompt": rows,
     }
 
@@ -156,29 +206,54 @@ def _match(rate: float | None) -> str:
 def markdown_table(result: dict) -> str:
     methods = result.get("methods", [PLAIN, SPEC])
     others = [m for m in methods if m != SPEC]
-    head = ["category", "prompts", "tau", *[f"{LABELS[m]} tok/s" for m in methods],
-            *[f"speedup vs {LABELS[m]}" for m in others], "matches plain"]
+    head = [
+        "category",
+        "prompts",
+        "tau",
+        *[f"{LABELS[m]} tok/s" for m in methods],
+        *[f"speedup vs {LABELS[m]}" for m in others],
+        "matches plain",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, s in [*result["by_category"].items(), ("**overall**", result["overall"])]:
-        cells = [name, str(s["prompts"]), f"{s['tau']:.2f}", *[f"{s['tok_s'][m]:.1f}" for m in methods],
-                 *[f"{s['speedup_over'][m]:.2f}x" for m in others], _match(s["match_rate"])]
+        cells = [
+            name,
+            str(s["prompts"]),
+            f"{s['tau']:.2f}",
+            *[f"{s['tok_s'][m]:.1f}" for m in methods],
+            *[f"{s['speedup_over'][m]:.2f}x" for m in others],
+            _match(s["match_rate"]),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     o = result["overall"]
     acc = ", ".join(f"{a:.2f}" for a in o["acceptance_by_depth"][:8])
     ms = o["ms_per_token"]
     st = result["settings"]
-    lines.append(f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
-                 f"other (prefill, bookkeeping) {ms['other']:.1f} ms.")
-    lines.append(f"Acceptance at draft depth 1..{min(8, len(o['acceptance_by_depth']))}: {acc}. "
-                 f"Threads {st['threads']}, {st['dtype']}, {st['max_new_tokens']} new tokens.")
+    lines.append(
+        f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
+        f"other (prefill, bookkeeping) {ms['other']:.1f} ms."
+    )
+    lines.append(
+        f"Acceptance at draft depth 1..{min(8, len(o['acceptance_by_depth']))}: {acc}. "
+        f"Threads {st['threads']}, {st['dtype']}, {st['max_new_tokens']} new tokens."
+    )
     if o.get("accepted_from"):
-        lines.append("Accepted draft tokens by branch: " + "; ".join(
-            f"{name} " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["accepted_from"].items())
-            for name, s in [*result["by_category"].items(), ("overall", o)] if s.get("accepted_from")) + ".")
+        lines.append(
+            "Accepted draft tokens by branch: "
+            + "; ".join(
+                f"{name} " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["accepted_from"].items())
+                for name, s in [*result["by_category"].items(), ("overall", o)]
+                if s.get("accepted_from")
+            )
+            + "."
+        )
     peers = [m for m in others if m != PLAIN]
     if peers and o["matches_plain"][peers[0]] is not None:
-        lines.append("Outputs equal to Headway plain greedy: "
-                     + ", ".join(f"{LABELS[m]} {_match(o['matches_plain'][m])}" for m in [*peers, SPEC]) + ".")
+        lines.append(
+            "Outputs equal to Headway plain greedy: "
+            + ", ".join(f"{LABELS[m]} {_match(o['matches_plain'][m])}" for m in [*peers, SPEC])
+            + "."
+        )
     return "\n".join(lines) + "\n"
 
 

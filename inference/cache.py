@@ -42,7 +42,9 @@ def keep_tree_nodes(cache: Any, tree_size: int, keep: list[int]) -> None:
         k, v = layer.keys, layer.values
         n = k.shape[-2]
         if n < tree_size:
-            raise HeadwayError("the KV cache holds fewer entries than the tree: the sequence outgrew a sliding window")
+            raise HeadwayError(
+                "the KV cache holds fewer entries than the tree: the sequence outgrew a sliding window"
+            )
         sel = torch.tensor(keep, device=k.device) + (n - tree_size)
         layer.keys = torch.cat([k[..., : n - tree_size, :], k.index_select(-2, sel)], dim=-2)
         layer.values = torch.cat([v[..., : n - tree_size, :], v.index_select(-2, sel)], dim=-2)

@@ -81,5 +81,10 @@ class BenchConfig:
             check_choice("bench", "baselines", b, list(BASELINES))
         for d in self.drafters:
             check_choice("bench", "drafters", d, list(DRAFTERS))
-        if self.turns < 0 or self.per_category < 0 or self.prompt_lookup_tokens < 1 or self.prompt_lookup_max_ngram < 1:
+        if (
+            self.turns < 0
+            or self.per_category < 0
+            or self.prompt_lookup_tokens < 1
+            or self.prompt_lookup_max_ngram < 1
+        ):
             raise HeadwayError("bench.turns and bench.per_category must be >= 0, bench.prompt_lookup_* >= 1")

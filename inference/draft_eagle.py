@@ -24,13 +24,25 @@ from headway.inference.tree import Tree, build_tree
 
 
 class EagleDrafter:
-    def __init__(self, heads: Any, num_target_layers: int, depth: int, top_k: int, total_tokens: int, static: bool = True):
+    def __init__(
+        self,
+        heads: Any,
+        num_target_layers: int,
+        depth: int,
+        top_k: int,
+        total_tokens: int,
+        static: bool = True,
+    ):
         """static: keep the drafter layer's keys and values in a preallocated buffer (where its family allows)
         rather than a transformers DynamicCache."""
         if depth < 1 or top_k < 1 or total_tokens < 1:
-            raise HeadwayError(f"EAGLE tree settings need depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})")
+            raise HeadwayError(
+                f"EAGLE tree settings need depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})"
+            )
         if top_k > heads.draft_vocab_size:
-            raise HeadwayError(f"inference.top_k={top_k} exceeds the head's draft vocabulary ({heads.draft_vocab_size})")
+            raise HeadwayError(
+                f"inference.top_k={top_k} exceeds the head's draft vocabulary ({heads.draft_vocab_size})"
+            )
         self.heads = heads
         self.static = static
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
@@ -47,7 +59,13 @@ class EagleDrafter:
         return self.depth
 
     def settings(self) -> dict:
-        return {"drafter": "neural", "kind": self.heads.kind, "depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens}
+        return {
+            "drafter": "neural",
+            "kind": self.heads.kind,
+            "depth": self.depth,
+            "top_k": self.top_k,
+            "total_tokens": self.total_tokens,
+        }
 
     def _new_cache(self) -> Any:
         """A static cache where the drafter's layer is of a family the static engine runs, else transformers'."""
@@ -66,8 +84,14 @@ class EagleDrafter:
         hidden = self.heads.project(features.to(dev).unsqueeze(0))
         pos = torch.arange(self.committed, self.committed + n, device=dev).unsqueeze(0)
         allowed = torch.ones(1, n, self.committed + n, dtype=torch.bool, device=dev)
-        allowed[0, :, self.committed:] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        out = self.heads(torch.tensor([tokens], device=dev), hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
+        allowed[0, :, self.committed :] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        out = self.heads(
+            torch.tensor([tokens], device=dev),
+            hidden,
+            pos,
+            drafter_mask(allowed, self.param.dtype),
+            self.cache,
+        )
         self.committed += n
         self.last_out = out[0, -1]
 
@@ -91,7 +115,9 @@ class EagleDrafter:
         return ids, probs, parents
 
     @torch.no_grad()
-    def candidates(self, depth: int | None = None, top_k: int | None = None) -> tuple[list[int], list[float], list[int], list[int]]:
+    def candidates(
+        self, depth: int | None = None, top_k: int | None = None
+    ) -> tuple[list[int], list[float], list[int], list[int]]:
         """Every node the expansion reaches (draft token id, cumulative log-prob, parent index or -1, depth),
         with this drafter's depth and top_k unless given; the drafter cache is left as it was."""
         heads, dev = self.heads, self.param.device
@@ -108,7 +134,9 @@ class EagleDrafter:
         expanded: list[int] = []  # candidate index of each drafter cache entry added in this step
         for d in range(1, depth or self.depth):
             n_prev = len(expanded)
-            allowed = torch.zeros(1, len(layer), self.committed + n_prev + len(layer), dtype=torch.bool, device=dev)
+            allowed = torch.zeros(
+                1, len(layer), self.committed + n_prev + len(layer), dtype=torch.bool, device=dev
+            )
             allowed[0, :, : self.committed] = True
             for row, c in enumerate(layer):
                 allowed[0, row, self.committed + n_prev + row] = True
@@ -137,8 +165,9 @@ class EagleDrafter:
             truncate_cache(self.cache, self.committed)
         return tokens, scores, parents, depths
 
-    def _select(self, root: int, tokens: list[int], scores: list[float], parents: list[int],
-                depths: list[int]) -> tuple[torch.Tensor, Tree]:
+    def _select(
+        self, root: int, tokens: list[int], scores: list[float], parents: list[int], depths: list[int]
+    ) -> tuple[torch.Tensor, Tree]:
         """The `total_tokens` best candidates as a tree; a parent never ranks below its child (its score is
         at least the child's and it is shallower), so every chosen node's ancestors are chosen too."""
         order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))[: self.total_tokens]
@@ -156,5 +185,7 @@ class EagleDrafter:
         tree = build_tree(list(paths.values()))
         by_path = {p: c for c, p in paths.items()}
         draft_ids = torch.tensor([tokens[by_path[p]] for p in tree.paths[1:]], device=self.param.device)
-        nodes = torch.cat([torch.tensor([root], device=draft_ids.device), self.heads.to_target_ids(draft_ids)])
+        nodes = torch.cat(
+            [torch.tensor([root], device=draft_ids.device), self.heads.to_target_ids(draft_ids)]
+        )
         return nodes, tree

@@ -66,17 +66,22 @@ class HybridConfig:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
-            raise HeadwayError(f"inference.hybrid needs 1 <= min_ngram <= max_ngram (got {self.min_ngram}, {self.max_ngram})")
+            raise HeadwayError(
+                f"inference.hybrid needs 1 <= min_ngram <= max_ngram (got {self.min_ngram}, {self.max_ngram})"
+            )
         if self.max_tokens < 1 or self.branches < 1 or self.max_nodes < 1:
             raise HeadwayError("inference.hybrid.max_tokens, branches and max_nodes must be >= 1")
         if not 0 < self.ngram_prior <= 1 or self.prior_weight <= 0:
             raise HeadwayError("inference.hybrid.ngram_prior must be in (0, 1] and prior_weight > 0")
         if not 0 < self.memory <= 1 or not 0 < self.gain_memory <= 1:
-            raise HeadwayError(f"inference.hybrid.memory and gain_memory must be in (0, 1] (got {self.memory}, "
-                               f"{self.gain_memory})")
+            raise HeadwayError(
+                f"inference.hybrid.memory and gain_memory must be in (0, 1] (got {self.memory}, "
+                f"{self.gain_memory})"
+            )
         if self.gain_floor < 0 or self.gain_steps < 1 or not 1 <= self.probe_every <= self.probe_max:
-            raise HeadwayError("inference.hybrid: gain_floor must be >= 0, gain_steps >= 1 and "
-                               "1 <= probe_every <= probe_max")
+            raise HeadwayError(
+                "inference.hybrid: gain_floor must be >= 0, gain_steps >= 1 and 1 <= probe_every <= probe_max"
+            )
 
 
 class Rate:
@@ -116,7 +121,12 @@ class Calibration:
 
     @staticmethod
     def ngram_key(match: int, position: int, copying: bool) -> tuple:
-        return (NGRAM, min(match, 4), min(position, 3), copying)  # a copy that holds for 2 tokens tends to go on
+        return (
+            NGRAM,
+            min(match, 4),
+            min(position, 3),
+            copying,
+        )  # a copy that holds for 2 tokens tends to go on
 
     def estimate(self, keys: list[tuple]) -> float:
         return max(self._rate(k).value for k in keys)
@@ -138,8 +148,13 @@ class Candidate:
 class HybridDrafter:
     """Neural and n-gram branches in one tree (drafter=hybrid), or n-gram branches alone (drafter=ngram)."""
 
-    def __init__(self, neural: Optional[Any], hc: HybridConfig, verify_cost: Callable[[int, int], float],
-                 timed: bool = True):
+    def __init__(
+        self,
+        neural: Optional[Any],
+        hc: HybridConfig,
+        verify_cost: Callable[[int, int], float],
+        timed: bool = True,
+    ):
         """verify_cost(n, depth): the cost of verifying n tokens whose tree is `depth` levels deep below the root, in
         seconds when `timed` (the drafter's own time per step is then added to it), else in any unit (drafting
         counted as free)."""
@@ -154,7 +169,9 @@ class HybridDrafter:
         # per context (continuing an accepted copy or not): the realized gain of running the neural drafter
         self.gains = {False: Gain(hc.gain_steps, hc.gain_memory), True: Gain(hc.gain_steps, hc.gain_memory)}
         self._step_seconds = 0.0
-        self._pending: list[tuple[list[int], torch.Tensor]] = []  # verified steps the neural drafter has not read
+        self._pending: list[
+            tuple[list[int], torch.Tensor]
+        ] = []  # verified steps the neural drafter has not read
         self._skipped = {False: 0, True: 0}  # steps since the neural drafter last ran, per context
         self._interval = {False: hc.probe_every, True: hc.probe_every}  # steps between probes, per context
         self._probe: Optional[Probe] = None  # the last step's, when the neural drafter ran on it
@@ -169,9 +186,11 @@ class HybridDrafter:
 
     def settings(self) -> dict:
         """The neural drafter's settings (its tree's), the drafter kind, and the n-gram and budget settings."""
-        return {**(self.neural.settings() if self.neural is not None else {}),
-                "drafter": "hybrid" if self.neural is not None else "ngram",
-                "hybrid": {k: getattr(self.hc, k) for k in HybridConfig.__dataclass_fields__}}
+        return {
+            **(self.neural.settings() if self.neural is not None else {}),
+            "drafter": "hybrid" if self.neural is not None else "ngram",
+            "hybrid": {k: getattr(self.hc, k) for k in HybridConfig.__dataclass_fields__},
+        }
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         self.index.reset(prompt)
@@ -187,7 +206,9 @@ class HybridDrafter:
         self._learn(tokens[:-1])
         self.index.extend([self.root, *tokens[:-1]])
         self.root = tokens[-1]
-        if self.neural is not None:  # the neural drafter reads them when it next drafts (one forward for many steps)
+        if (
+            self.neural is not None
+        ):  # the neural drafter reads them when it next drafts (one forward for many steps)
             self._pending.append((tokens, features))
         self._time(time.perf_counter() - t0, add=True)
 
@@ -203,9 +224,12 @@ class HybridDrafter:
             spent = time.perf_counter() - t1
             self.neural_seconds = _average(self.neural_seconds, spent)
             chosen, _ = self._choose(cands, self.neural_seconds)
-            self._probe = Probe(context, {(cands[c].parent, cands[c].token): c for c in without},
-                                self._tree_cost(cands, without),
-                                self._tree_cost(cands, chosen) + (self.neural_seconds if self.timed else 0.0))
+            self._probe = Probe(
+                context,
+                {(cands[c].parent, cands[c].token): c for c in without},
+                self._tree_cost(cands, without),
+                self._tree_cost(cands, chosen) + (self.neural_seconds if self.timed else 0.0),
+            )
             t0 += spent  # the n-gram side's time is kept apart
         else:
             chosen, _ = self._choose(cands)
@@ -262,21 +286,27 @@ class HybridDrafter:
         for cont in self.index.lookup([root], self.hc.max_tokens, self.hc.branches):
             parent = -1
             for j, token in enumerate(cont.tokens, start=1):
-                parent = _add(cands, where, parent, token, Calibration.ngram_key(cont.match, j, self.copying), NGRAM)
+                parent = _add(
+                    cands, where, parent, token, Calibration.ngram_key(cont.match, j, self.copying), NGRAM
+                )
         return cands
 
     def _with_neural(self, root: int, cands: list[Candidate]) -> list[Candidate]:
         """The neural drafter's candidates merged into the trie (a token proposed twice after the same path is
         one node), after it has read the steps it has not seen yet."""
         if self._pending:
-            self.neural.accept([t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending]))
+            self.neural.accept(
+                [t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending])
+            )
             self._pending = []
         ids, probs, parents = self.neural.proposals(root)
         cands = list(cands)
         where = {(c.parent, c.token): i for i, c in enumerate(cands)}
         placed: list[int] = []
         for token, prob, p in zip(ids, probs, parents):
-            placed.append(_add(cands, where, placed[p] if p >= 0 else -1, token, Calibration.neural_key(prob), NEURAL))
+            placed.append(
+                _add(cands, where, placed[p] if p >= 0 else -1, token, Calibration.neural_key(prob), NEURAL)
+            )
         return cands
 
     def _choose(self, cands: list[Candidate], extra_seconds: float = 0.0) -> tuple[list[int], float]:
@@ -284,7 +314,9 @@ class HybridDrafter:
         that rate; extra_seconds is drafting time beyond the n-gram side's."""
         value = [0.0] * len(cands)
         for c, cand in enumerate(cands):  # parents come before their children
-            value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(cand.keys)
+            value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(
+                cand.keys
+            )
         order = sorted(range(len(cands)), key=lambda c: (-value[c], cands[c].depth, c))[: self.hc.max_nodes]
         drafting = self.draft_seconds + extra_seconds if self.timed else 0.0
         best_n, best_rate, expected, depth = 0, 1.0 / (self.verify_cost(1, 0) + drafting), 1.0, 0
@@ -329,7 +361,9 @@ class Probe:
     """A step the neural drafter ran on: what to score it against once the target has verified it."""
 
     context: bool  # whether the step continued an accepted copy
-    ngram_tree: dict  # (parent candidate or -1, token) -> candidate, for the tree chosen without the neural side
+    ngram_tree: (
+        dict  # (parent candidate or -1, token) -> candidate, for the tree chosen without the neural side
+    )
     ngram_seconds: float  # that tree's modelled step time
     seconds: float  # the chosen tree's modelled step time plus the neural drafter's
 
@@ -349,7 +383,9 @@ class Gain:
         return (tokens / seconds) / (alone_tokens / alone_seconds)
 
     def add(self, tokens: float, seconds: float, alone_tokens: float, alone_seconds: float) -> None:
-        self.sums = [self.memory * s + x for s, x in zip(self.sums, (tokens, seconds, alone_tokens, alone_seconds))]
+        self.sums = [
+            self.memory * s + x for s, x in zip(self.sums, (tokens, seconds, alone_tokens, alone_seconds))
+        ]
         self.steps += 1
 
 

@@ -21,15 +21,30 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import fewest_rows, fused_projections, linear_weights, row_linear, rows_for_one
-from headway.inference.cache import cache_kwarg, cache_length, keep_tree_nodes, new_cache, sliding_window_limit, truncate_cache
+from headway.heads.packed_linear import (
+    fewest_rows,
+    fused_projections,
+    linear_weights,
+    row_linear,
+    rows_for_one,
+)
+from headway.inference.cache import (
+    cache_kwarg,
+    cache_length,
+    keep_tree_nodes,
+    new_cache,
+    sliding_window_limit,
+    truncate_cache,
+)
 from headway.inference.tree import Tree, tree_attention_bias
 
 STATIC_FAMILIES = ("llama", "qwen2", "mistral")
 
 
 class Runner(Protocol):
-    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[Any, Any]:
+    def forward(
+        self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
+    ) -> tuple[Any, Any]:
         """Logits [n, V] (a tensor, or LazyLogits: rows by index) of `ids` (a chain continuing the cache, or the nodes of `tree` rooted after it) and,
         with `hidden`, the hidden states indexed as transformers' output_hidden_states (batch row 0 first)."""
 
@@ -54,14 +69,23 @@ class HFRunner:
     def length(self) -> int:
         return cache_length(self.cache)
 
-    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:
+    def forward(
+        self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
+    ) -> tuple[torch.Tensor, Any]:
         extra: dict[str, Any] = {}
         if tree is not None:
             prefix = self.length
-            extra = {"position_ids": (prefix + tree.depth.to(self.device)).view(1, -1),
-                     "attention_mask": tree_attention_bias(tree, prefix, self.dtype, self.device)}
-        o = self.model(ids.view(1, -1).to(self.device), use_cache=True, output_hidden_states=hidden,
-                       **{self.kw: self.cache}, **extra)
+            extra = {
+                "position_ids": (prefix + tree.depth.to(self.device)).view(1, -1),
+                "attention_mask": tree_attention_bias(tree, prefix, self.dtype, self.device),
+            }
+        o = self.model(
+            ids.view(1, -1).to(self.device),
+            use_cache=True,
+            output_hidden_states=hidden,
+            **{self.kw: self.cache},
+            **extra,
+        )
         return o.logits[0], o.hidden_states
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
@@ -74,8 +98,13 @@ class HFRunner:
 def static_supported(model: Any) -> bool:
     cfg = text_config(model.config)
     base = getattr(model, "model", None)
-    return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and sliding_window_limit(model) is None
-            and base is not None and hasattr(base, "layers") and hasattr(base, "rotary_emb"))
+    return (
+        getattr(cfg, "model_type", None) in STATIC_FAMILIES
+        and sliding_window_limit(model) is None
+        and base is not None
+        and hasattr(base, "layers")
+        and hasattr(base, "rotary_emb")
+    )
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,9 +157,18 @@ class LayerPlan:
         self.inter = 0 if gate_up is None else gate_up.sizes[0]
 
 
-def layer_step(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
-               attend: Optional["RowAttention"] = None) -> torch.Tensor:
+def layer_step(
+    plan: LayerPlan,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    end: int,
+    mask: Optional[torch.Tensor],
+    attend: Optional["RowAttention"] = None,
+) -> torch.Tensor:
     """One Llama-style decoder layer over rows x [n, hidden]: its keys and values go into cache slots `slots` [n] of
     k_cache/v_cache [kv_heads, max_len, head_dim] (in place, in the cache's dtype), and its queries attend to slots
     [0, end) under `mask` (bool or additive, [n, end] or broadcastable; None: every slot), or by `attend`.
@@ -147,8 +185,14 @@ def layer_step(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
     if attend is None:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None].to(k_cache.dtype), k_cache[None, :, :end],
-                                           v_cache[None, :, :end], attn_mask=mask, scale=plan.scaling, enable_gqa=True)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].to(k_cache.dtype),
+            k_cache[None, :, :end],
+            v_cache[None, :, :end],
+            attn_mask=mask,
+            scale=plan.scaling,
+            enable_gqa=True,
+        )
         o = o[0].transpose(0, 1).reshape(n, -1).to(x.dtype)
     else:
         o = attend(q, k_cache, v_cache, plan.scaling)
@@ -160,9 +204,20 @@ def layer_step(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return x + plan.down(plan.act(gate_up[:, : plan.inter]) * gate_up[:, plan.inter :])
 
 
-def decoder_stack(plans: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ks: list,
-                  vs: list, slots: torch.Tensor, end: int, mask: Optional[torch.Tensor],
-                  hidden: bool, attend: Optional["RowAttention"] = None) -> tuple[torch.Tensor, list]:
+def decoder_stack(
+    plans: list,
+    norm: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ks: list,
+    vs: list,
+    slots: torch.Tensor,
+    end: int,
+    mask: Optional[torch.Tensor],
+    hidden: bool,
+    attend: Optional["RowAttention"] = None,
+) -> tuple[torch.Tensor, list]:
     """Every decoder layer (`layer_step`, plans[i] on caches ks[i]/vs[i]) over x [1, n, hidden] and the final norm:
     the normed output [1, n, hidden] and, with `hidden`, the hidden states as transformers' output_hidden_states
     gives them (the last one normed). cos/sin: the model's rotary embedding [1, n, head_dim]. The unit
@@ -180,16 +235,22 @@ def decoder_stack(plans: list, norm: Any, x: torch.Tensor, cos: torch.Tensor, si
     return x[None], [h[None] for h in states]
 
 
-def _row_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "RowAttention",
-                   scale: float) -> torch.Tensor:
+def _row_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "RowAttention", scale: float
+) -> torch.Tensor:
     """RowAttention's computation: rows `plan.order` of q [n, heads, head_dim], group after group, attend to their
     slots (read in place, or gathered into `plan.slots` in that order); out [n, heads * head_dim]."""
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us); the
     # row-exact runners keep their cache in float32, so that no step converts it
     if plan.slots is not None:
-        k_all, v_all = k_cache.index_select(1, plan.slots).float(), v_cache.index_select(1, plan.slots).float()
-    q_all = (q if plan.in_order else q.index_select(0, plan.order)).unsqueeze(2).float()  # [rows, heads, 1, head_dim]
+        k_all, v_all = (
+            k_cache.index_select(1, plan.slots).float(),
+            v_cache.index_select(1, plan.slots).float(),
+        )
+    q_all = (
+        (q if plan.in_order else q.index_select(0, plan.order)).unsqueeze(2).float()
+    )  # [rows, heads, 1, head_dim]
     outs, slot, row = [], 0, 0
     for b, length, in_place in plan.groups:
         if in_place:
@@ -213,7 +274,9 @@ _ACTIVE: list[Optional["RowAttention"]] = [None]
 
 
 @torch.library.custom_op("headway::row_attention", mutates_args=())
-def _row_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def _row_attention_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
     plan = _ACTIVE[0]
     if plan is None:
         raise RuntimeError("internal: a compiled row-exact step ran without its RowAttention plan")
@@ -245,16 +308,28 @@ class RowAttention:
         order = in_place + [i for rows in by_len.values() for i in rows]
         self.order = torch.tensor(order, device=device)
         self.in_order = order == list(range(len(order)))
-        self.groups = ([(1, start + len(tails[i]), True) for i in in_place]
-                       + [(len(rows), start + length, False) for length, rows in by_len.items()])
+        self.groups = [(1, start + len(tails[i]), True) for i in in_place] + [
+            (len(rows), start + length, False) for length, rows in by_len.items()
+        ]
         self.slots = None
         if by_len:  # tensor ops, not Python lists: the plan's cost must not grow with the sequence
             prefix = torch.arange(start, device=device)
-            self.slots = torch.cat([torch.cat((prefix.expand(len(rows), start),
-                                               torch.tensor([tails[i] for i in rows], device=device)), dim=1).view(-1)
-                                    for rows in by_len.values()])
+            self.slots = torch.cat(
+                [
+                    torch.cat(
+                        (
+                            prefix.expand(len(rows), start),
+                            torch.tensor([tails[i] for i in rows], device=device),
+                        ),
+                        dim=1,
+                    ).view(-1)
+                    for rows in by_len.values()
+                ]
+            )
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [n, heads, head_dim] (rotated) -> [n, heads * head_dim], in q's dtype."""
         if torch.compiler.is_compiling():  # the plan is _ACTIVE's at run time (StaticRunner._row_exact)
             return torch.ops.headway.row_attention(q, k_cache, v_cache, scale)
@@ -279,13 +354,19 @@ class StaticLayerCache:
     @staticmethod
     def supported(decoder: Any) -> bool:
         cfg = text_config(decoder.config)
-        return (getattr(cfg, "model_type", None) in STATIC_FAMILIES and getattr(cfg, "sliding_window", None) is None
-                and len(getattr(decoder, "layers", ())) == 1 and hasattr(decoder, "rotary_emb"))
+        return (
+            getattr(cfg, "model_type", None) in STATIC_FAMILIES
+            and getattr(cfg, "sliding_window", None) is None
+            and len(getattr(decoder, "layers", ())) == 1
+            and hasattr(decoder, "rotary_emb")
+        )
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def run(self, decoder: Any, x: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def run(
+        self, decoder: Any, x: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         """The layer over x [1, n, h] at the next n slots; `mask` [1, 1, n, length + n] as the drafter builds it."""
         if x.shape[0] != 1:
             raise HeadwayError("internal: the drafter's static cache decodes one sequence at a time")
@@ -300,7 +381,9 @@ class StaticLayerCache:
         cos, sin = decoder.rotary_emb(x, position_ids)
         slots = torch.arange(start, start + n, device=x.device)
         cos, sin = rope_tables(cos, sin)
-        out = layer_step(self.plan, x[0], cos, sin, self.k, self.v, slots, start + n, None if mask is None else mask[0, 0])
+        out = layer_step(
+            self.plan, x[0], cos, sin, self.k, self.v, slots, start + n, None if mask is None else mask[0, 0]
+        )
         self.length = start + n
         return out[None]
 
@@ -347,7 +430,9 @@ def subtree_first(tree: Tree, count: int) -> Any:
 # Per model: its lm_head weight transposed (float32 on CPU), the KV buffers (one pair per layer, reused by every
 # sequence, grown when too small), and its compiled decoder stack.
 _LM_T: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
-_KV: "weakref.WeakKeyDictionary[Any, tuple[list[torch.Tensor], list[torch.Tensor]]]" = weakref.WeakKeyDictionary()
+_KV: "weakref.WeakKeyDictionary[Any, tuple[list[torch.Tensor], list[torch.Tensor]]]" = (
+    weakref.WeakKeyDictionary()
+)
 _COMPILED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _PLANS: "weakref.WeakKeyDictionary[Any, dict[bool, list[LayerPlan]]]" = weakref.WeakKeyDictionary()
 
@@ -406,19 +491,30 @@ class StaticRunner:
         # row-exact: keys and values kept in float32 (exactly the bf16/fp16 values), the dtype attention runs in
         cache_dtype = torch.float32 if self.row_exact else self.dtype
         kv = _KV.get(model)
-        if kv is None or kv[0][0].shape[1] < max_len or kv[0][0].dtype != cache_dtype or kv[0][0].device != self.device:
+        if (
+            kv is None
+            or kv[0][0].shape[1] < max_len
+            or kv[0][0].dtype != cache_dtype
+            or kv[0][0].device != self.device
+        ):
             shape = (self.kv_heads, max_len, self.head_dim)
-            kv = tuple([torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.layers] for _ in "kv")
+            kv = tuple(
+                [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.layers] for _ in "kv"
+            )
             _KV[model] = kv
         self.k, self.v = kv
         self.max_len = max_len
         self.length = 0
 
-    def forward(self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False) -> tuple[torch.Tensor, Any]:
+    def forward(
+        self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
+    ) -> tuple[torch.Tensor, Any]:
         ids = ids.view(-1).to(self.device)
         n, start = ids.shape[0], self.length
         if start + n > self.max_len:
-            raise RuntimeError(f"internal: static cache of {self.max_len} positions overflows ({start} + {n})")
+            raise RuntimeError(
+                f"internal: static cache of {self.max_len} positions overflows ({start} + {n})"
+            )
         if self.row_exact and (n == 1 or tree is not None):
             return self._row_exact(ids, tree, hidden)
         slots = torch.arange(start, start + n, device=self.device)
@@ -438,7 +534,9 @@ class StaticRunner:
         # eagerly, and the graphs always give the hidden states (free inside them) rather than compiling twice.
         compiled = self.compiled and (n == 1 or tree is not None)
         stack, plans = (self._stack, self.compiled_plans) if compiled else (decoder_stack, self.plans)
-        x, states = stack(plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, hidden or compiled)
+        x, states = stack(
+            plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, hidden or compiled
+        )
         self.length = start + n
         return self._logits(x[0], tree), tuple(states) if hidden else None
 
@@ -462,7 +560,10 @@ class StaticRunner:
         else:
             depth = tree.depth.tolist()
             anc = tree.ancestors.tolist()
-            tails = [sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start]) for i in range(n)]
+            tails = [
+                sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start])
+                for i in range(n)
+            ]
         # a step of fewer rows than the format's `fewest_rows` pads with copies of its first: the same token, written
         # to the same slot
         rows = max(n, self.fewest_rows)
@@ -475,8 +576,20 @@ class StaticRunner:
         _ACTIVE[0] = attend
         try:
             plans = self.compiled_plans if self.compiled else self.plans
-            x, states = self._stack(plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, None,
-                                    hidden or self.compiled, attend)
+            x, states = self._stack(
+                plans,
+                self.base.norm,
+                x,
+                cos,
+                sin,
+                self.k,
+                self.v,
+                slots,
+                start + n,
+                None,
+                hidden or self.compiled,
+                attend,
+            )
         finally:
             _ACTIVE[0] = None
         self.length = start + n
@@ -517,8 +630,10 @@ def engine_name(model: Any, engine: str = "auto") -> str:
     """The engine `engine` means for this model: auto is static where supported, else hf."""
     if engine in ("static", "compiled") and not static_supported(model):
         family = getattr(text_config(model.config), "model_type", "?")
-        raise HeadwayError(f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
-                           f"this '{family}' target: use inference.engine=auto or hf")
+        raise HeadwayError(
+            f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
+            f"this '{family}' target: use inference.engine=auto or hf"
+        )
     if engine == "auto":
         return "static" if static_supported(model) else "hf"
     return engine

@@ -82,8 +82,10 @@ def alternate(runners: dict[str, Any], ids: list[int], i: int) -> dict[str, Gene
 def pooled(results: list[GenerationResult]) -> dict:
     """Tokens/s and tau over several generations (totals, not a mean of per-prompt rates)."""
     tokens = sum(len(r.tokens) for r in results)
-    return {"tok_s": tokens / max(1e-9, sum(r.seconds for r in results)),
-            "tau": (tokens - len(results)) / max(1, sum(r.target_forwards for r in results))}
+    return {
+        "tok_s": tokens / max(1e-9, sum(r.seconds for r in results)),
+        "tau": (tokens - len(results)) / max(1, sum(r.target_forwards for r in results)),
+    }
 
 
 def _check_length(model: Any, prompt_len: int, max_new_tokens: int, tree_size: int) -> None:
@@ -97,7 +99,9 @@ def _check_length(model: Any, prompt_len: int, max_new_tokens: int, tree_size: i
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos and prompt_len + max_new_tokens + tree_size > max_pos:
-        raise HeadwayError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's context ({max_pos})")
+        raise HeadwayError(
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's context ({max_pos})"
+        )
 
 
 def _finish(tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[list[int], bool]:
@@ -109,8 +113,14 @@ def _finish(tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple
 
 
 @torch.inference_mode()
-def plain_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
-                   sampling: SamplingConfig = GREEDY, engine: str = "auto") -> GenerationResult:
+def plain_generate(
+    model: Any,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    sampling: SamplingConfig = GREEDY,
+    engine: str = "auto",
+) -> GenerationResult:
     """Plain decoding with the same engine (one target forward per token): greedy, or sampled."""
     _check_length(model, len(prompt), max_new_tokens, 1)
     sampler = Sampler(sampling)
@@ -127,16 +137,23 @@ def plain_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids:
     return GenerationResult(out, forwards, time.perf_counter() - start, [])
 
 
-def greedy_generate(model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
-                    engine: str = "auto") -> GenerationResult:
+def greedy_generate(
+    model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int], engine: str = "auto"
+) -> GenerationResult:
     """Plain greedy decoding: the reference every speculative greedy output must equal."""
     return plain_generate(model, prompt, max_new_tokens, stop_ids, engine=engine)
 
 
 @torch.inference_mode()
 def speculative_generate(
-    model: Any, drafter: Drafter, prompt: list[int], max_new_tokens: int, stop_ids: list[int],
-    sampling: SamplingConfig = GREEDY, rule: Any = None, engine: str = "auto",
+    model: Any,
+    drafter: Drafter,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    sampling: SamplingConfig = GREEDY,
+    rule: Any = None,
+    engine: str = "auto",
 ) -> GenerationResult:
     """Speculative decoding over the drafter's trees: greedy gives exactly plain_generate's tokens, sampling
     exactly its distribution (with acceptance=exact). `rule` overrides the acceptance rule (tests)."""
@@ -175,4 +192,6 @@ def speculative_generate(
         new, done = _finish(new, stops, max_new_tokens - len(out))
         out += new
         root = bonus
-    return GenerationResult(out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify, sources)
+    return GenerationResult(
+        out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify, sources
+    )

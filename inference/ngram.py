@@ -34,7 +34,7 @@ class NgramIndex:
             self.tokens.append(t)
             end = len(self.tokens)
             for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
-                self.follows.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
+                self.follows.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
     def lookup(self, extra: list[int], max_tokens: int, branches: int) -> list[Continuation]:
         """Continuations of the sequence followed by `extra` (tokens not yet in the index, e.g. the root)."""
@@ -43,11 +43,11 @@ class NgramIndex:
         out: list[Continuation] = []
         seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
-            for start in self.follows.get(tuple(seq[end - n:]), ())[::-1][:SCAN]:
+            for start in self.follows.get(tuple(seq[end - n :]), ())[::-1][:SCAN]:
                 if start >= end:
                     continue  # the suffix itself
-                cont = tuple(seq[start:start + max_tokens])
-                if cont and not any(s[:len(cont)] == cont for s in seen):
+                cont = tuple(seq[start : start + max_tokens])
+                if cont and not any(s[: len(cont)] == cont for s in seen):
                     seen.add(cont)
                     out.append(Continuation(list(cont), n))
                     if len(out) == branches:

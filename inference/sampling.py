@@ -90,7 +90,9 @@ class Sampler:
         return self.sample(target_distribution(logits, self.cfg))
 
 
-def accept_greedy(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+def accept_greedy(
+    tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler
+) -> tuple[list[int], int]:
     """The longest path whose every token is the target's argmax; the next token is the argmax after it."""
     path, cur = [0], 0
     while True:  # reads only the rows on the walked path (the static engine computes logits as they are read)
@@ -102,7 +104,9 @@ def accept_greedy(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler
         cur = nxt
 
 
-def accept_exact(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+def accept_exact(
+    tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler
+) -> tuple[list[int], int]:
     """Tree rejection sampling for deterministic drafts (see the module docstring): lossless."""
     path, cur = [0], 0
     while True:
@@ -121,7 +125,9 @@ def accept_exact(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler:
         cur = accepted
 
 
-def accept_typical(tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler) -> tuple[list[int], int]:
+def accept_typical(
+    tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler
+) -> tuple[list[int], int]:
     """Medusa's typical acceptance (LOSSY): follow the first child the target finds plausible enough."""
     cfg = sampler.cfg
     path, cur = [0], 0

@@ -45,7 +45,9 @@ def build_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> Tree:
     index = {(): 0}
     for p in paths:
         if p[:-1] not in index:
-            raise HeadwayError(f"tree choice {list(p)} has no parent {list(p[:-1])}: every prefix of a path must be a node")
+            raise HeadwayError(
+                f"tree choice {list(p)} has no parent {list(p[:-1])}: every prefix of a path must be a node"
+            )
         if any(x < 0 for x in p):
             raise HeadwayError(f"tree choice {list(p)} has a negative top-k index")
         index[p] = len(index)
@@ -70,7 +72,9 @@ def chain_choices(depth: int) -> list[list[int]]:
     return [[0] * d for d in range(1, depth + 1)]
 
 
-def tree_attention_bias(tree: Tree, prefix_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def tree_attention_bias(
+    tree: Tree, prefix_len: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """Additive 4-D mask [1, 1, n, prefix_len + n]: 0 where a node may attend, the dtype's minimum elsewhere."""
     n = tree.size
     bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=device)
@@ -88,7 +92,9 @@ def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int
     """
     import heapq
 
-    frontier: list[tuple[float, tuple[int, ...]]] = [(-rank_accuracy[0][k], (k,)) for k in range(len(rank_accuracy[0]))]
+    frontier: list[tuple[float, tuple[int, ...]]] = [
+        (-rank_accuracy[0][k], (k,)) for k in range(len(rank_accuracy[0]))
+    ]
     heapq.heapify(frontier)
     chosen: list[list[int]] = []
     while frontier and len(chosen) < num_nodes:

@@ -48,7 +48,14 @@ from headway.io import atomic_write_json, read_json
 log = logging.getLogger("headway")
 
 TUNED_FILENAME = "tuned.json"
-TREE_KEYS = ("tree", "tree_nodes", "depth", "top_k", "total_tokens", "drafter")  # the inference keys a tuned setting replaces
+TREE_KEYS = (
+    "tree",
+    "tree_nodes",
+    "depth",
+    "top_k",
+    "total_tokens",
+    "drafter",
+)  # the inference keys a tuned setting replaces
 
 
 @dataclass
@@ -85,7 +92,9 @@ class TuneConfig:
         if not self.drafters:
             raise HeadwayError("tune.drafters must name at least one of " + ", ".join(DRAFTERS))
         if self.num_prompts < 1 or self.max_new_tokens < 2 or self.repeats < 1 or self.medusa_top_k < 1:
-            raise HeadwayError("tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2")
+            raise HeadwayError(
+                "tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2"
+            )
 
 
 def machine_key(model: Any, engine: str = "auto") -> dict:
@@ -96,8 +105,13 @@ def machine_key(model: Any, engine: str = "auto") -> dict:
         name = torch.cuda.get_device_name(p.device)
     else:
         name = _cpu_name()
-    key = {"device": p.device.type, "processor": name, "threads": torch.get_num_threads(), "dtype": str(p.dtype),
-           "engine": engine_name(model, engine)}
+    key = {
+        "device": p.device.type,
+        "processor": name,
+        "threads": torch.get_num_threads(),
+        "dtype": str(p.dtype),
+        "engine": engine_name(model, engine),
+    }
     if linear_weights(model) != "native":
         key["linear_weights"] = linear_weights(model)
     return key
@@ -117,14 +131,15 @@ def _cpu_name() -> str:
 
 
 @torch.inference_mode()
-def verify_cost(model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto",
-                shape: str = "chain") -> dict[int, float]:
+def verify_cost(
+    model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto", shape: str = "chain"
+) -> dict[int, float]:
     """Median seconds of one verification step over n tree tokens after a cache of prefix_len tokens, for
     each n in sizes: the target forward (with hidden states) on the decoding engine, the greedy acceptance
     walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step. The tree is
     a chain (`shape` chain: the deepest) or the root's children (flat): only a row-exact engine's cost depends on
     which (`depth_matters`)."""
-    from headway.inference.sampling import Sampler, acceptance_rule, SamplingConfig
+    from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
 
     device = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
@@ -195,12 +210,15 @@ def replay_answers(decoder: Any, prompts: list[list[int]], max_new_tokens: int) 
         answer = decoder.generate_plain(ids, max_new_tokens).tokens
         seq = torch.tensor([ids + answer[:-1]], device=device)
         o = model(seq, output_hidden_states=True)
-        out.append(Replay(ids, answer, features_at(o.hidden_states, decoder.drafter.feature_layers, slice(None))))
+        out.append(
+            Replay(ids, answer, features_at(o.hidden_states, decoder.drafter.feature_layers, slice(None)))
+        )
     return out
 
 
-def eagle_acceptance(drafter: Any, replays: list[Replay], depths: list[int], top_ks: list[int],
-                     sizes: list[int]) -> dict[tuple[int, int, int], float]:
+def eagle_acceptance(
+    drafter: Any, replays: list[Replay], depths: list[int], top_ks: list[int], sizes: list[int]
+) -> dict[tuple[int, int, int], float]:
     """Mean accepted drafts per step for every (depth, top_k, total_tokens), from one expansion per top_k at
     the deepest depth at every answer position (see the module docstring)."""
     sums: dict[tuple[int, int, int], float] = {}
@@ -213,18 +231,22 @@ def eagle_acceptance(drafter: Any, replays: list[Replay], depths: list[int], top
     return {key: v / max(1, steps) for key, v in sums.items()}
 
 
-def eagle_accepted_along(drafter: Any, r: Replay, depths: list[int], top_ks: list[int], sizes: list[int]) -> Any:
+def eagle_accepted_along(
+    drafter: Any, r: Replay, depths: list[int], top_ks: list[int], sizes: list[int]
+) -> Any:
     """For each answer position p (the root being answer[p]): p and the drafts greedy verification would
     accept there for every (depth, top_k, total_tokens) whose tree the expansion can fill."""
     dmax = max(depths)
     n_prompt = len(r.prompt)
     drafter.begin(r.prompt, r.answer[0], r.features[:n_prompt])
     for p in range(len(r.answer) - 1):
-        want = r.answer[p + 1:]
+        want = r.answer[p + 1 :]
         counts: dict[tuple[int, int, int], int] = {}
         for k in top_ks:
             tokens, scores, parents, cdepths = drafter.candidates(dmax, k)
-            target_ids = drafter.heads.to_target_ids(torch.tensor(tokens, device=drafter.param.device)).tolist()
+            target_ids = drafter.heads.to_target_ids(
+                torch.tensor(tokens, device=drafter.param.device)
+            ).tolist()
             chain = _matching_chain(target_ids, parents, cdepths, want)
             for d in depths:
                 pool = [c for c in range(len(tokens)) if cdepths[c] <= d]
@@ -234,7 +256,7 @@ def eagle_accepted_along(drafter: Any, r: Replay, depths: list[int], top_ks: lis
                     if n <= len(pool):
                         counts[d, k, n] = sum(1 for x in ranks if x < n)
         yield p, counts
-        drafter.accept([r.answer[p + 1]], r.features[n_prompt + p: n_prompt + p + 1])
+        drafter.accept([r.answer[p + 1]], r.features[n_prompt + p : n_prompt + p + 1])
 
 
 def simulate(drafter: Any, replays: list[Replay], verify_seconds: Callable[[int, int], float]) -> dict:
@@ -258,19 +280,25 @@ def simulate(drafter: Any, replays: list[Replay], verify_seconds: Callable[[int,
                     break
                 k += 1
             k = min(k, len(r.answer) - 2 - p)  # the answer's last token is a bonus, never a draft
-            drafter.accept(r.answer[p + 1:p + k + 2], r.features[n_prompt + p:n_prompt + p + k + 1])
+            drafter.accept(r.answer[p + 1 : p + k + 2], r.features[n_prompt + p : n_prompt + p + k + 1])
             seconds += time.perf_counter() - t0 + verify_seconds(tree.size, tree.max_depth)
             steps, accepted, p = steps + 1, accepted + k, p + k + 1
     tokens = steps + accepted
     return {"steps": steps, "tau": tokens / max(1, steps), "tok_s": tokens / max(1e-9, seconds)}
 
 
-def _matching_chain(target_ids: list[int], parents: list[int], depths: list[int], want: list[int]) -> list[int]:
+def _matching_chain(
+    target_ids: list[int], parents: list[int], depths: list[int], want: list[int]
+) -> list[int]:
     """The candidates whose whole path spells the target's next tokens: one per depth, until one is missing."""
     chain: list[int] = []
     parent = -1
     for d, token in enumerate(want, start=1):
-        nxt = [c for c in range(len(target_ids)) if parents[c] == parent and depths[c] == d and target_ids[c] == token]
+        nxt = [
+            c
+            for c in range(len(target_ids))
+            if parents[c] == parent and depths[c] == d and target_ids[c] == token
+        ]
         if not nxt:
             break
         parent = nxt[0]
@@ -295,7 +323,7 @@ def medusa_matches_along(heads: Any, r: Replay, top_k: int) -> Any:
     """For each answer position p: p and the ranks of the target's next tokens among the heads' guesses, as far
     as they are among the top_k (every tree node that is a prefix of this path is accepted there)."""
     n_prompt = len(r.prompt)
-    hidden = r.features[n_prompt - 1:].to(next(heads.parameters()).dtype)  # the feature at each root
+    hidden = r.features[n_prompt - 1 :].to(next(heads.parameters()).dtype)  # the feature at each root
     logits = heads(hidden)  # [heads, positions, vocab]
     top = heads.to_target_ids(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices).tolist()
     for p in range(len(r.answer) - 1):
@@ -307,7 +335,9 @@ def medusa_matches_along(heads: Any, r: Replay, top_k: int) -> Any:
         yield p, path
 
 
-def best_medusa_trees(rates: dict[tuple[int, ...], float], sizes: list[int]) -> dict[int, tuple[list[list[int]], float]]:
+def best_medusa_trees(
+    rates: dict[tuple[int, ...], float], sizes: list[int]
+) -> dict[int, tuple[list[list[int]], float]]:
     """For each size, the nodes with the highest match rates (a child never beats its parent, so they form a
     tree) and the expected accepted drafts per step, their summed rates."""
     ranked = sorted(rates, key=lambda p: (-rates[p], len(p), p))
@@ -332,7 +362,7 @@ def draft_cost(drafter: Any, replay: Replay, positions: int = 12) -> float:
         t0 = time.perf_counter()
         drafter.draft(replay.answer[p])
         t1 = time.perf_counter()
-        drafter.accept([replay.answer[p + 1]], replay.features[n_prompt + p: n_prompt + p + 1])
+        drafter.accept([replay.answer[p + 1]], replay.features[n_prompt + p : n_prompt + p + 1])
         t_draft.append(t1 - t0)
         t_accept.append(time.perf_counter() - t1)
     return statistics.median(t_draft) + statistics.median(t_accept) if t_draft else 0.0
@@ -352,7 +382,9 @@ def calibration_prompts(decoder: Any, tc: TuneConfig) -> list[list[int]]:
     return [decoder.fmt.first_turn(c.turns[0], c.system) for c in convs]
 
 
-def search(decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], tc: TuneConfig) -> list[dict]:
+def search(
+    decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], tc: TuneConfig
+) -> list[dict]:
     """Every candidate tree setting with its expected accepted drafts, step time and tokens/s, best first; cost(n,
     depth) is the verify time of n tokens in a tree that deep (`verify_costs`)."""
     from headway.inference.draft_eagle import EagleDrafter
@@ -374,24 +406,41 @@ def search(decoder: Any, replays: list[Replay], cost: Callable[[int, int], float
         d_costs = {}
         for d in tc.depths:
             for k in top_ks:
-                drafter = EagleDrafter(heads, num_layers, d, k, max(n for (dd, kk, n) in acc if dd == d and kk == k))
+                drafter = EagleDrafter(
+                    heads, num_layers, d, k, max(n for (dd, kk, n) in acc if dd == d and kk == k)
+                )
                 d_costs[d, k] = draft_cost(drafter, replays[0])
         for (d, k, n), a in acc.items():
-            out.append(_candidate({"depth": d, "top_k": k, "total_tokens": n}, n, a, cost(n + 1, min(d, n)), d_costs[d, k]))
+            out.append(
+                _candidate(
+                    {"depth": d, "top_k": k, "total_tokens": n}, n, a, cost(n + 1, min(d, n)), d_costs[d, k]
+                )
+            )
     return sorted(out, key=lambda c: -c["tok_s"])
 
 
-def compare_drafters(decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], neural_settings: dict,
-                     kinds: list[str]) -> list[dict]:
+def compare_drafters(
+    decoder: Any,
+    replays: list[Replay],
+    cost: Callable[[int, int], float],
+    neural_settings: dict,
+    kinds: list[str],
+) -> list[dict]:
     """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with the
     chosen settings, n-gram branches alone, and both in one hybrid tree."""
     from headway.inference.api import make_drafter
     from headway.inference.draft_hybrid import HybridDrafter
 
-    cfg = dataclasses.replace(decoder.cfg, inference=dataclasses.replace(decoder.cfg.inference, **neural_settings))
+    cfg = dataclasses.replace(
+        decoder.cfg, inference=dataclasses.replace(decoder.cfg.inference, **neural_settings)
+    )
     out = []
     for kind in kinds:
-        neural = make_drafter(decoder.heads, cfg, decoder.head_config, decoder.target.config) if kind != "ngram" else None
+        neural = (
+            make_drafter(decoder.heads, cfg, decoder.head_config, decoder.target.config)
+            if kind != "ngram"
+            else None
+        )
         drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, cost)
         out.append({"drafter": kind, **simulate(drafter, replays, cost)})
     return sorted(out, key=lambda d: -d["tok_s"])
@@ -399,8 +448,14 @@ def compare_drafters(decoder: Any, replays: list[Replay], cost: Callable[[int, i
 
 def _candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draft_s: float) -> dict:
     step = verify_s + draft_s
-    return {"inference": settings, "draft_nodes": nodes, "expected_tau": 1 + accepted,
-            "verify_ms": 1e3 * verify_s, "draft_ms": 1e3 * draft_s, "tok_s": (1 + accepted) / step}
+    return {
+        "inference": settings,
+        "draft_nodes": nodes,
+        "expected_tau": 1 + accepted,
+        "verify_ms": 1e3 * verify_s,
+        "draft_ms": 1e3 * draft_s,
+        "tok_s": (1 + accepted) / step,
+    }
 
 
 def read_tuned(head_dir: str | Path) -> list[dict]:
@@ -410,7 +465,9 @@ def read_tuned(head_dir: str | Path) -> list[dict]:
     try:
         entries = read_json(path)["entries"]
     except (ValueError, KeyError, TypeError):
-        raise HeadwayError(f"{path} is not a tuned-tree file: delete it and run `headway tune --head {head_dir}` again") from None
+        raise HeadwayError(
+            f"{path} is not a tuned-tree file: delete it and run `headway tune --head {head_dir}` again"
+        ) from None
     return entries if isinstance(entries, list) else []
 
 
@@ -438,7 +495,9 @@ def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: in
     return f + (c - f) * (min(max(depth, 1), n - 1) - 1) / (n - 2)
 
 
-def verify_costs(chain: dict[int, float], flat: Optional[dict[int, float]] = None) -> Callable[[int, int], float]:
+def verify_costs(
+    chain: dict[int, float], flat: Optional[dict[int, float]] = None
+) -> Callable[[int, int], float]:
     """cost(n, depth) from the measured curves: the chain's alone where depth does not matter (flat None), else
     `tree_cost` between the two."""
     if flat is None:
@@ -449,8 +508,9 @@ def verify_costs(chain: dict[int, float], flat: Optional[dict[int, float]] = Non
 _measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def verify_cost_curve(model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None,
-                      shape: str = "chain") -> dict[int, float]:
+def verify_cost_curve(
+    model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None, shape: str = "chain"
+) -> dict[int, float]:
     """Seconds to verify n tokens (a chain, or a flat tree) on this machine: the chain's curve `headway tune` saved
     (verify_ms of a tuned.json entry) when it reaches max_tokens, else measured now (a few seconds, once per model
     and engine)."""
@@ -459,8 +519,14 @@ def verify_cost_curve(model: Any, engine: str, max_tokens: int, saved: Optional[
     cache = _measured_costs.setdefault(model, {})
     key = (engine_name(model, engine), torch.get_num_threads(), max_tokens, shape)
     if key not in cache:
-        sizes = sorted({n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64) if n < max_tokens} | {max_tokens})
-        log.info("measuring the target's verification time over 1..%d tokens in a %s tree (once)", max_tokens, shape)
+        sizes = sorted(
+            {n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64) if n < max_tokens} | {max_tokens}
+        )
+        log.info(
+            "measuring the target's verification time over 1..%d tokens in a %s tree (once)",
+            max_tokens,
+            shape,
+        )
         cache[key] = verify_cost(model, sizes, prefix_len=256, repeats=3, engine=engine, shape=shape)
     return cache[key]
 
@@ -474,12 +540,18 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
     match = tuned_entry(head_dir, model, cfg.inference.engine)
     if match is None:
         if entries:
-            log.info("%s/%s has no tuned tree for this machine (%s); using the configured tree (run `headway tune`)",
-                     head_dir, TUNED_FILENAME, machine_key(model, cfg.inference.engine))
+            log.info(
+                "%s/%s has no tuned tree for this machine (%s); using the configured tree (run `headway tune`)",
+                head_dir,
+                TUNED_FILENAME,
+                machine_key(model, cfg.inference.engine),
+            )
         return cfg
     chosen = match["chosen"]["inference"]
-    log.info("using the tree `headway tune` chose for this machine: %s (inference.use_tuned=false for the configured one)",
-             chosen)
+    log.info(
+        "using the tree `headway tune` chose for this machine: %s (inference.use_tuned=false for the configured one)",
+        chosen,
+    )
     return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **chosen))
 
 
@@ -491,13 +563,21 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     configured = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, use_tuned=False))
     as_configured = SpeculativeDecoder.load(head_dir, configured)
     # the search below scores the head's own trees
-    decoder = as_configured if configured.inference.drafter == "neural" else as_configured.with_drafter("neural")
+    decoder = (
+        as_configured if configured.inference.drafter == "neural" else as_configured.with_drafter("neural")
+    )
     model = decoder.target.model
     prompts = calibration_prompts(decoder, tc)
     replays = replay_answers(decoder, prompts, tc.max_new_tokens)
     prefix = int(statistics.median(len(p) for p in prompts) + tc.max_new_tokens // 2)
-    sizes = tc.verify_sizes or [n + 1 for n in (tc.medusa_nodes if decoder.heads.kind == "medusa" else tc.total_tokens)]
-    log.info("measuring the target's verification time over 1..%d tokens after a %d-token cache", max(sizes), prefix)
+    sizes = tc.verify_sizes or [
+        n + 1 for n in (tc.medusa_nodes if decoder.heads.kind == "medusa" else tc.total_tokens)
+    ]
+    log.info(
+        "measuring the target's verification time over 1..%d tokens after a %d-token cache",
+        max(sizes),
+        prefix,
+    )
     costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine)
     flat = None
     if depth_matters(model, cfg.inference.engine):
@@ -506,22 +586,37 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     cost = verify_costs(costs, flat)
     candidates = search(decoder, replays, cost, tc)
     drafters = compare_drafters(decoder, replays, cost, candidates[0]["inference"], tc.drafters)
-    best = {**candidates[0], "inference": {**candidates[0]["inference"], "drafter": drafters[0]["drafter"]},
-            "replayed": drafters[0]}
-    log.info("replayed drafters (tokens/s): %s", ", ".join(f"{d['drafter']} {d['tok_s']:.1f}" for d in drafters))
+    best = {
+        **candidates[0],
+        "inference": {**candidates[0]["inference"], "drafter": drafters[0]["drafter"]},
+        "replayed": drafters[0],
+    }
+    log.info(
+        "replayed drafters (tokens/s): %s", ", ".join(f"{d['drafter']} {d['tok_s']:.1f}" for d in drafters)
+    )
     entry = {
-        "machine": machine_key(model, cfg.inference.engine), "date": time.strftime("%Y-%m-%d"), "chosen": best,
+        "machine": machine_key(model, cfg.inference.engine),
+        "date": time.strftime("%Y-%m-%d"),
+        "chosen": best,
         "configured": {k: getattr(cfg.inference, k) for k in TREE_KEYS},
         "plain_tok_s_estimate": 1 / costs[1],
-        "verify_ms": {str(n): 1e3 * s for n, s in sorted(costs.items())}, "cache_prefix": prefix,
+        "verify_ms": {str(n): 1e3 * s for n, s in sorted(costs.items())},
+        "cache_prefix": prefix,
         **({"verify_flat_ms": {str(n): 1e3 * s for n, s in sorted(flat.items())}} if flat else {}),
-        "calibration": {"prompts": tc.prompts or "shipped calibration_prompts.jsonl", "num_prompts": len(prompts),
-                        "answer_tokens": sum(len(r.answer) for r in replays), "max_new_tokens": tc.max_new_tokens},
-        "top_candidates": candidates[:15], "drafters": drafters,
+        "calibration": {
+            "prompts": tc.prompts or "shipped calibration_prompts.jsonl",
+            "num_prompts": len(prompts),
+            "answer_tokens": sum(len(r.answer) for r in replays),
+            "max_new_tokens": tc.max_new_tokens,
+        },
+        "top_candidates": candidates[:15],
+        "drafters": drafters,
     }
     if tc.validate:
         as_configured.saved_costs = entry["verify_ms"]
-        entry["validation"] = validate(as_configured, configured, best["inference"], prompts, tc.max_new_tokens)
+        entry["validation"] = validate(
+            as_configured, configured, best["inference"], prompts, tc.max_new_tokens
+        )
     path = save_tuned(head_dir, entry)
     log.info("saved %s", path)
     return entry
@@ -532,16 +627,25 @@ def validate(decoder: Any, cfg: Any, tuned: dict, prompts: list[list[int]], max_
     from headway.inference.api import SpeculativeDecoder
 
     tuned_cfg = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **tuned))
-    tuned_decoder = SpeculativeDecoder(decoder.target, decoder.heads, tuned_cfg, decoder.head_config, decoder.saved_costs)
-    runs = {"plain": lambda ids: decoder.generate_plain(ids, max_new_tokens),
-            "configured": lambda ids: decoder.generate(ids, max_new_tokens),
-            "tuned": lambda ids: tuned_decoder.generate(ids, max_new_tokens)}
+    tuned_decoder = SpeculativeDecoder(
+        decoder.target, decoder.heads, tuned_cfg, decoder.head_config, decoder.saved_costs
+    )
+    runs = {
+        "plain": lambda ids: decoder.generate_plain(ids, max_new_tokens),
+        "configured": lambda ids: decoder.generate(ids, max_new_tokens),
+        "tuned": lambda ids: tuned_decoder.generate(ids, max_new_tokens),
+    }
     results: dict[str, list] = {n: [] for n in runs}
     for i, ids in enumerate(tqdm(prompts, desc="tune: validation", unit="prompt")):
         for n, r in alternate(runs, ids, i).items():
             results[n].append(r)
-    out: dict = {n: {**pooled(rs), "matches_plain": sum(r.tokens == p.tokens for r, p in zip(rs, results["plain"])) / len(rs)}
-                 for n, rs in results.items()}
+    out: dict = {
+        n: {
+            **pooled(rs),
+            "matches_plain": sum(r.tokens == p.tokens for r, p in zip(rs, results["plain"])) / len(rs),
+        }
+        for n, rs in results.items()
+    }
     out["tuned_over_configured"] = out["tuned"]["tok_s"] / out["configured"]["tok_s"]
     out["tuned_over_plain"] = out["tuned"]["tok_s"] / out["plain"]["tok_s"]
     return out

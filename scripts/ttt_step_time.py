@@ -29,16 +29,25 @@ def batches(args: argparse.Namespace, target, vocab: int) -> list[list[Sample]]:
         samples = [s for _, s in load_samples([args.data], target.fingerprint, args.max_length)[0]]
         g = torch.Generator().manual_seed(0)
         order = torch.randperm(len(samples), generator=g).tolist()
-        return [[samples[i] for i in order[k : k + args.batch]] for k in range(0, args.batch * args.repeats, args.batch)]
+        return [
+            [samples[i] for i in order[k : k + args.batch]]
+            for k in range(0, args.batch * args.repeats, args.batch)
+        ]
     g = torch.Generator().manual_seed(0)
     n = args.prompt + args.answer
-    row = lambda: Sample(torch.randint(0, vocab, (n,), generator=g).tolist(), [0] * args.prompt + [1] * args.answer)
+
+    def row() -> Sample:
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        return Sample(ids, [0] * args.prompt + [1] * args.answer)
+
     return [[row() for _ in range(args.batch)] for _ in range(args.repeats)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype of the step")
+    p.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype of the step"
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=7, help="head.eagle3.ttt_steps")
     p.add_argument("--batch", type=int, default=4, help="sequences per micro-step")
@@ -49,10 +58,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=6, help="timed micro-steps (after one warm-up)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    cfg = load_config(RunConfig, "configs/eagle3_smollm2.yaml", [
-        "target.device=cpu", f"target.num_threads={args.threads}", f"head.eagle3.ttt_steps={args.steps}",
-        f"train.autocast_dtype={args.dtype}",
-    ])
+    cfg = load_config(
+        RunConfig,
+        "configs/eagle3_smollm2.yaml",
+        [
+            "target.device=cpu",
+            f"target.num_threads={args.threads}",
+            f"head.eagle3.ttt_steps={args.steps}",
+            f"train.autocast_dtype={args.dtype}",
+        ],
+    )
     target = load_target(cfg.target)
     vocab = target.model.config.vocab_size
     data = batches(args, target, vocab)
@@ -76,9 +91,11 @@ def main() -> None:
             times.append(time.perf_counter() - started)
             tokens.append(int(batch["attention_mask"].sum()))
     med = statistics.median(times)
-    print(f"dtype={args.dtype} threads={args.threads} ttt_steps={args.steps} batch={args.batch} "
-          f"mean tokens/micro-step={statistics.mean(tokens):.0f}: median {med * 1000:.0f} ms "
-          f"(min {min(times) * 1000:.0f}, max {max(times) * 1000:.0f}) over {len(times)} micro-steps")
+    print(
+        f"dtype={args.dtype} threads={args.threads} ttt_steps={args.steps} batch={args.batch} "
+        f"mean tokens/micro-step={statistics.mean(tokens):.0f}: median {med * 1000:.0f} ms "
+        f"(min {min(times) * 1000:.0f}, max {max(times) * 1000:.0f}) over {len(times)} micro-steps"
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,11 @@ def spec_stats(llm) -> dict:
         return {}
     accepted = counts.get("vllm:spec_decode_num_accepted_tokens") or 0
     per_pos = counts.get("vllm:spec_decode_num_accepted_tokens_per_pos") or []
-    return {"drafts": drafts, "acceptance_length": 1 + accepted / drafts,
-            "per_position": [round(a / drafts, 3) for a in per_pos]}
+    return {
+        "drafts": drafts,
+        "acceptance_length": 1 + accepted / drafts,
+        "per_position": [round(a / drafts, 3) for a in per_pos],
+    }
 
 
 def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
@@ -54,15 +57,32 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
 
     spec = None
     if mode == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        spec = {
+            "method": "ngram",
+            "num_speculative_tokens": args.k,
+            "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2,
+        }
     elif mode == "head":
         spec = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
     # speculators: the draft directory alone, as `vllm serve DIR` runs it (target and draft length from its config)
     model = args.speculators if mode == "speculators" else args.target
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=2048, max_num_seqs=1, seed=0, speculative_config=spec,
-              disable_log_stats=False, enforce_eager=not args.compile)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=stops, detokenize=False)
-    llm.generate([{"prompt_token_ids": ids[0]}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)  # warm-up
+    llm = LLM(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=2048,
+        max_num_seqs=1,
+        seed=0,
+        speculative_config=spec,
+        disable_log_stats=False,
+        enforce_eager=not args.compile,
+    )
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=stops, detokenize=False
+    )
+    llm.generate(
+        [{"prompt_token_ids": ids[0]}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False
+    )  # warm-up
     before = spec_stats(llm)
     tokens, seconds, outputs = 0, 0.0, []
     for p in ids:  # one at a time: batch-1 latency, as headway bench measures
@@ -74,11 +94,27 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
     stats = spec_stats(llm)
     if before and stats:  # leave out the warm-up's drafts
         d = stats["drafts"] - before["drafts"]
-        acc = (stats["acceptance_length"] - 1) * stats["drafts"] - (before["acceptance_length"] - 1) * before["drafts"]
-        stats = {"drafts": d, "acceptance_length": 1 + acc / d if d else None,
-                 "per_position": [round((a * stats["drafts"] - b * before["drafts"]) / d, 3)
-                                  for a, b in zip(stats["per_position"], before["per_position"])] if d else []}
-    return {"mode": mode, "tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, **stats, "outputs": outputs}
+        acc = (stats["acceptance_length"] - 1) * stats["drafts"] - (before["acceptance_length"] - 1) * before[
+            "drafts"
+        ]
+        stats = {
+            "drafts": d,
+            "acceptance_length": 1 + acc / d if d else None,
+            "per_position": [
+                round((a * stats["drafts"] - b * before["drafts"]) / d, 3)
+                for a, b in zip(stats["per_position"], before["per_position"])
+            ]
+            if d
+            else [],
+        }
+    return {
+        "mode": mode,
+        "tokens": tokens,
+        "seconds": seconds,
+        "tok_s": tokens / seconds,
+        **stats,
+        "outputs": outputs,
+    }
 
 
 def main() -> None:
@@ -95,8 +131,11 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--out", required=True)
     p.add_argument("--speculators", help="also run this speculators-format export with no speculative config")
-    p.add_argument("--mode", choices=["plain", "ngram", "head", "speculators"],
-                   help="one engine run (the script runs each in its own process)")
+    p.add_argument(
+        "--mode",
+        choices=["plain", "ngram", "head", "speculators"],
+        help="one engine run (the script runs each in its own process)",
+    )
     args = p.parse_args()
     ids, stops = prompt_ids(args.target, args.prompts, args.limit, args.per_category)
     if args.mode:  # vLLM does not start a second engine cleanly in one process: one process per mode
@@ -111,8 +150,11 @@ def main() -> None:
     plain = results[0]["outputs"]
     for r in results:
         r["matches_plain"] = sum(o == q for o, q in zip(r.pop("outputs"), plain)) / len(plain)
-        print(f"vllm {r['mode']:6s} tok/s {r['tok_s']:7.1f}  acceptance length {r.get('acceptance_length') or 1.0:.2f}  "
-              f"per position {r.get('per_position', [])}  matches plain {100 * r['matches_plain']:.0f}%", flush=True)
+        print(
+            f"vllm {r['mode']:6s} tok/s {r['tok_s']:7.1f}  acceptance length {r.get('acceptance_length') or 1.0:.2f}  "
+            f"per position {r.get('per_position', [])}  matches plain {100 * r['matches_plain']:.0f}%",
+            flush=True,
+        )
     with open(args.out, "w") as f:
         json.dump({"settings": vars(args), "prompts": len(ids), "results": results}, f, indent=2)
 

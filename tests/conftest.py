@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import ARCHS, make_tiny_model
 
 torch.set_num_threads(int(os.environ.get("HEADWAY_TEST_THREADS", "1")))
@@ -40,11 +39,23 @@ def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
     from headway.run_config import RunConfig
 
     root = tmp_path_factory.mktemp("tiny-data")
-    rows = [{"instruction": f"Question {i}: what is {i} plus {i + 1}? Tell me a story about it."} for i in range(24)]
+    rows = [
+        {"instruction": f"Question {i}: what is {i} plus {i + 1}? Tell me a story about it."}
+        for i in range(24)
+    ]
     (root / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(RunConfig, None, [
-        f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1",
-        f"prompts.path={root / 'p.jsonl'}", f"distill.output_dir={root / 'ds'}", "distill.engine=hf",
-        "distill.max_new_tokens=24", "distill.batch_size=8",
-    ])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.device=cpu",
+            "target.num_threads=1",
+            f"prompts.path={root / 'p.jsonl'}",
+            f"distill.output_dir={root / 'ds'}",
+            "distill.engine=hf",
+            "distill.max_new_tokens=24",
+            "distill.batch_size=8",
+        ],
+    )
     return distill(cfg)

@@ -6,8 +6,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from headway.config import load_config, save_config
-from headway.run_config import RunConfig
 from headway.errors import HeadwayError
+from headway.run_config import RunConfig
 
 
 def test_defaults_yaml_and_overrides(tmp_path: Path):
@@ -71,7 +71,21 @@ def test_shipped_configs_load():
 def test_overrides_may_follow_options(capsys):
     from headway.cli import main
 
-    assert main(["bench", "--head", "h", "inference.max_new_tokens=7", "--limit", "2", "inference.top_k=3", "--print-config"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--head",
+                "h",
+                "inference.max_new_tokens=7",
+                "--limit",
+                "2",
+                "inference.top_k=3",
+                "--print-config",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "max_new_tokens: 7" in out and "top_k: 3" in out
     with pytest.raises(SystemExit) as e:

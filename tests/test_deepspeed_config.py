@@ -23,19 +23,29 @@ def test_shipped_files_are_the_presets(stage: int):
 def test_auto_fields_come_from_the_run():
     tc = TrainConfig(micro_batch_size=3, grad_accum=5, grad_clip=0.5)
     cfg = resolve_config(str(CONFIGS / "zero2.json"), tc, world_size=4, bf16=True)
-    assert (cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]) == (3, 5, 60)
+    assert (
+        cfg["train_micro_batch_size_per_gpu"],
+        cfg["gradient_accumulation_steps"],
+        cfg["train_batch_size"],
+    ) == (3, 5, 60)
     assert cfg["gradient_clipping"] == 0.5 and cfg["bf16"] == {"enabled": True}
     assert cfg["zero_optimization"]["stage"] == 2
     assert resolve_config("zero3", tc, 1, bf16=False)["bf16"] == {"enabled": False}
 
 
-@pytest.mark.parametrize("edit,message", [
-    ({"gradient_accumulation_steps": 8}, r"gradient_accumulation_steps=8 contradicts the run config \(1\)"),
-    ({"optimizer": {"type": "Adam"}}, r"remove its \"optimizer\" section"),
-    ({"scheduler": {"type": "WarmupLR"}}, r"remove its \"scheduler\" section"),
-    ({"fp16": {"enabled": True}}, r"fp16 is not supported"),
-    ({"bf16": {"enabled": True}}, r"bf16.enabled=True but train.autocast_dtype resolves to float32"),
-])
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (
+            {"gradient_accumulation_steps": 8},
+            r"gradient_accumulation_steps=8 contradicts the run config \(1\)",
+        ),
+        ({"optimizer": {"type": "Adam"}}, r"remove its \"optimizer\" section"),
+        ({"scheduler": {"type": "WarmupLR"}}, r"remove its \"scheduler\" section"),
+        ({"fp16": {"enabled": True}}, r"fp16 is not supported"),
+        ({"bf16": {"enabled": True}}, r"bf16.enabled=True but train.autocast_dtype resolves to float32"),
+    ],
+)
 def test_a_contradicting_config_is_refused_by_name(tmp_path: Path, edit: dict, message: str):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({**zero_preset(2), **edit}))
@@ -44,7 +54,9 @@ def test_a_contradicting_config_is_refused_by_name(tmp_path: Path, edit: dict, m
 
 
 def test_missing_or_broken_file_is_named(tmp_path: Path):
-    with pytest.raises(HeadwayError, match=r"nope.json does not exist; use a file such as configs/deepspeed/zero2.json"):
+    with pytest.raises(
+        HeadwayError, match=r"nope.json does not exist; use a file such as configs/deepspeed/zero2.json"
+    ):
         resolve_config(str(tmp_path / "nope.json"), TrainConfig(), 1, False)
     (tmp_path / "bad.json").write_text("{stage: 2")
     with pytest.raises(HeadwayError, match=r"bad.json is not valid JSON"):

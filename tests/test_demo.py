@@ -15,20 +15,42 @@ from headway.heads.packed_linear import kernels_missing
 
 def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: Path):
     out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "headway", "demo", "--train", f"target.name_or_path={tiny_dirs['llama']}",
-           "target.num_threads=1", f"output_dir={out}", "magpie.num_prompts=12",
-           "magpie.min_chars=1", "magpie.max_prompt_tokens=300", "distill.max_new_tokens=16", "train.max_steps=4",
-           "train.eval_every=2", "train.save_every=2", "head.eagle3.draft_vocab_size=64", "max_new_tokens=12",
-           "prompts=[What is 3 plus 4?,Tell me a story.]"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "headway",
+        "demo",
+        "--train",
+        f"target.name_or_path={tiny_dirs['llama']}",
+        "target.num_threads=1",
+        f"output_dir={out}",
+        "magpie.num_prompts=12",
+        "magpie.min_chars=1",
+        "magpie.max_prompt_tokens=300",
+        "distill.max_new_tokens=16",
+        "train.max_steps=4",
+        "train.eval_every=2",
+        "train.save_every=2",
+        "head.eagle3.draft_vocab_size=64",
+        "max_new_tokens=12",
+        "prompts=[What is 3 plus 4?,Tell me a story.]",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    for stage in ("1/3 self-distillation", "2/3 training an EAGLE-3 head", "3/3 exported for vLLM", "== overall: tau"):
+    for stage in (
+        "1/3 self-distillation",
+        "2/3 training an EAGLE-3 head",
+        "3/3 exported for vLLM",
+        "== overall: tau",
+    ):
         assert stage in res.stdout, stage
     result = json.loads((out / "results.json").read_text())
     assert result["overall"]["all_equal_plain"] is True and len(result["prompts"]) == 2
     assert result["head"] == str(out / "eagle3" / "head")
-    assert json.loads((out / "eagle3-vllm" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert json.loads((out / "eagle3-vllm" / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLMEagle3"
+    ]
     manifest = json.loads((out / "distill" / "manifest.json").read_text())
     assert manifest["counts"]["samples"] + sum(manifest["counts"]["skipped"].values()) == 12
     # a rerun resumes every stage (nothing is redone) and measures again
@@ -38,8 +60,12 @@ def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: P
 
 
 def test_demo_without_a_head_names_the_fix(tmp_path: Path):
-    res = subprocess.run([sys.executable, "-m", "headway", "demo", f"head_dir={tmp_path / 'none'}"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "headway", "demo", f"head_dir={tmp_path / 'none'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "no head at" in res.stderr and "headway demo --train" in res.stderr
 
@@ -51,13 +77,21 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
 
     head = reference_head()
     assert (head / "model.safetensors").stat().st_size < 25e6  # ~20 MB in bf16
-    cfg = DemoConfig(target=TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2),
-                     prompts=["What is 15% of 240? Show your steps."], max_new_tokens=32, output_dir=str(tmp_path))
+    cfg = DemoConfig(
+        target=TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2),
+        prompts=["What is 15% of 240? Show your steps."],
+        max_new_tokens=32,
+        output_dir=str(tmp_path),
+    )
     result = run_demo(cfg)
     assert result["overall"]["all_equal_plain"] is True
     assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
-    fast = kernels_missing("onednn") is None  # decoded in bf16 with oneDNN-packed weights where the CPU has them
-    assert (result["dtype"], result["linear_weights"]) == (("bfloat16", "onednn") if fast else ("float32", "native"))
+    fast = (
+        kernels_missing("onednn") is None
+    )  # decoded in bf16 with oneDNN-packed weights where the CPU has them
+    assert (result["dtype"], result["linear_weights"]) == (
+        ("bfloat16", "onednn") if fast else ("float32", "native")
+    )
 
 
 def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
@@ -67,7 +101,9 @@ def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
     fast = kernels_missing("onednn") is None
     t = decoding_target(DemoConfig(target=TargetConfig(device="cpu")))
     assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "native"))
-    for cfg in (DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
-                DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),
-                DemoConfig(target=TargetConfig(device="cpu", linear_weights="float16"))):
+    for cfg in (
+        DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
+        DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),
+        DemoConfig(target=TargetConfig(device="cpu", linear_weights="float16")),
+    ):
         assert decoding_target(cfg) == cfg.target  # asked for something else: decoded as asked

@@ -20,8 +20,8 @@ from headway.data_scripts.engines import Generation, HFEngine, SamplingSettings
 from headway.data_scripts.magpie import MagpieConfig, write_prompts
 from headway.data_scripts.prompts import Conversation
 from headway.errors import HeadwayError
-from headway.run_config import RunConfig
 from headway.heads.target import TargetConfig, load_target
+from headway.run_config import RunConfig
 
 PROMPTS = [
     {"turns": ["What is two plus three?", "And times four?"]},
@@ -42,9 +42,17 @@ def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> RunConfig
         RunConfig,
         None,
         [
-            f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", "target.dtype=float64",
-            f"prompts.path={prompts}", f"distill.output_dir={out}", "distill.engine=hf", "distill.max_new_tokens=12",
-            "distill.chunk_size=2", "distill.batch_size=3", *extra,
+            f"target.name_or_path={model_dir}",
+            "target.device=cpu",
+            "target.num_threads=1",
+            "target.dtype=float64",
+            f"prompts.path={prompts}",
+            f"distill.output_dir={out}",
+            "distill.engine=hf",
+            "distill.max_new_tokens=12",
+            "distill.chunk_size=2",
+            "distill.batch_size=3",
+            *extra,
         ],
     )
 
@@ -54,7 +62,9 @@ def test_loss_mask_is_exactly_what_the_target_wrote(tiny_dir: Path, tmp_path: Pa
     prompts = write_prompts_file(tmp_path / "p.jsonl")
     out = distill(run_cfg(tiny_dir, prompts, tmp_path / "ds"))
     ds, manifest = load_distilled(out)
-    target = load_target(TargetConfig(name_or_path=str(tiny_dir), device="cpu", num_threads=1, dtype="float64"))
+    target = load_target(
+        TargetConfig(name_or_path=str(tiny_dir), device="cpu", num_threads=1, dtype="float64")
+    )
     fmt = ChatFormat(target.tokenizer, None, target.generation_config)
     assert len(ds) == len(PROMPTS) and manifest["counts"]["samples"] == len(PROMPTS)
     assert manifest["target_fingerprint"] == target.fingerprint
@@ -90,10 +100,15 @@ class ScriptedEngine:
 @pytest.mark.parametrize("finished", [True, False])
 def test_multi_turn_glue_matches_the_template(tiny_dirs, arch: str, finished: bool):
     """A follow-up turn's prompt is the template's rendering of the whole conversation, token for token."""
-    tok = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu"), with_model=False).tokenizer
+    tok = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu"), with_model=False
+    ).tokenizer
     fmt = ChatFormat(tok)
     eos = fmt.stop_ids[0]
-    words = [tok("Two plus three is five.", add_special_tokens=False)["input_ids"], tok(" Twenty.", add_special_tokens=False)["input_ids"]]
+    words = [
+        tok("Two plus three is five.", add_special_tokens=False)["input_ids"],
+        tok(" Twenty.", add_special_tokens=False)["input_ids"],
+    ]
     answers = [w + [eos] if finished else w for w in words]
     engine = ScriptedEngine(answers, finished)
     conv = Conversation(id=0, turns=["What is two plus three?", "And times four?"])
@@ -119,11 +134,15 @@ def test_multi_turn_glue_matches_the_template(tiny_dirs, arch: str, finished: bo
 
 
 def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):
-    prompts = write_prompts_file(tmp_path / "p.jsonl", [{"instruction": "word " * 300}, {"instruction": "Hi."}])
+    prompts = write_prompts_file(
+        tmp_path / "p.jsonl", [{"instruction": "word " * 300}, {"instruction": "Hi."}]
+    )
     out = distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "skip"))
     ds, manifest = load_distilled(out)
     assert ds["id"] == [1] and manifest["counts"]["skipped"] == {"too_long": 1}
-    with pytest.raises(HeadwayError, match=r"prompt 0 has \d+ tokens; with max_new_tokens=12 it exceeds max_length=512"):
+    with pytest.raises(
+        HeadwayError, match=r"prompt 0 has \d+ tokens; with max_new_tokens=12 it exceeds max_length=512"
+    ):
         distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "fail", "distill.on_too_long=error"))
     with pytest.raises(HeadwayError, match=r"no samples: all 1 prompts were skipped \(too_long\)"):
         distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "none", "prompts.limit=1"))
@@ -154,8 +173,14 @@ def test_magpie_prompts_come_from_the_target(tiny_dirs, tmp_path: Path):
     assert texts == ["What is the capital of France?", None, None]  # duplicates are dropped
     assert target.tokenizer.decode(fmt.user_prefix()) == "<|im_start|>user\n"
     # End to end with the real (random) model: every id is a sample or a counted rejection.
-    cfg = run_cfg(tiny_dirs["llama"], tmp_path / "unused", tmp_path / "mag", "magpie.num_prompts=12", "magpie.min_chars=1",
-                  "magpie.max_prompt_tokens=300")
+    cfg = run_cfg(
+        tiny_dirs["llama"],
+        tmp_path / "unused",
+        tmp_path / "mag",
+        "magpie.num_prompts=12",
+        "magpie.min_chars=1",
+        "magpie.max_prompt_tokens=300",
+    )
     cfg.prompts.path = None
     out = distill(cfg)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -166,16 +191,26 @@ def test_magpie_prompts_come_from_the_target(tiny_dirs, tmp_path: Path):
 
 def test_hf_engine_batches_like_batch_one(tiny_dirs):
     """Left-padded batches give the same greedy tokens as one prompt at a time (float64)."""
-    target = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="float64"))
+    target = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="float64")
+    )
     fmt = ChatFormat(target.tokenizer, None, target.generation_config)
-    prompts = [fmt.first_turn(p) for p in ["Hi.", "Write a short poem about the sea and the sky.", "Numbers: 1 2 3"]]
+    prompts = [
+        fmt.first_turn(p) for p in ["Hi.", "Write a short poem about the sea and the sky.", "Numbers: 1 2 3"]
+    ]
     settings = SamplingSettings(max_new_tokens=10)
-    batched = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3).generate(prompts, settings, 0)
-    single = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=1).generate(prompts, settings, 0)
+    batched = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3).generate(
+        prompts, settings, 0
+    )
+    single = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=1).generate(
+        prompts, settings, 0
+    )
     assert [g.token_ids for g in batched] == [g.token_ids for g in single]
     sampled = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3)
     s = SamplingSettings(max_new_tokens=10, temperature=1.0)
-    assert [g.token_ids for g in sampled.generate(prompts, s, 7)] == [g.token_ids for g in sampled.generate(prompts, s, 7)]
+    assert [g.token_ids for g in sampled.generate(prompts, s, 7)] == [
+        g.token_ids for g in sampled.generate(prompts, s, 7)
+    ]
 
 
 def _cli(*args: str) -> list[str]:
@@ -188,8 +223,14 @@ def _env() -> dict:
 
 def _cli_overrides(model_dir: Path, prompts: Path, out: Path) -> list[str]:
     return [
-        f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", f"prompts.path={prompts}",
-        f"distill.output_dir={out}", "distill.engine=hf", "distill.max_new_tokens=24", "distill.chunk_size=4",
+        f"target.name_or_path={model_dir}",
+        "target.device=cpu",
+        "target.num_threads=1",
+        f"prompts.path={prompts}",
+        f"distill.output_dir={out}",
+        "distill.engine=hf",
+        "distill.max_new_tokens=24",
+        "distill.chunk_size=4",
         "distill.batch_size=4",
     ]
 
@@ -198,8 +239,12 @@ def test_sigkill_midway_then_rerun_finishes_every_prompt_once(tiny_dirs, tmp_pat
     rows = [{"instruction": f"Question number {i}: what is {i} plus {i}?"} for i in range(120)]
     prompts = write_prompts_file(tmp_path / "p.jsonl", rows)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(*_cli_overrides(tiny_dirs["llama"], prompts, out)), env=_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, out)),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and len(list((out / "chunks").glob("chunk-*.json"))) < 3:
         time.sleep(0.05)
@@ -208,13 +253,17 @@ def test_sigkill_midway_then_rerun_finishes_every_prompt_once(tiny_dirs, tmp_pat
     written = {p.name: p.stat().st_mtime_ns for p in (out / "chunks").glob("chunk-*.json")}
     assert 3 <= len(written) < 30, "the run must be killed midway"
     assert not (out / "manifest.json").exists()
-    subprocess.run(_cli(*_cli_overrides(tiny_dirs["llama"], prompts, out)), env=_env(), check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, out)), env=_env(), check=True, capture_output=True
+    )
     ds, manifest = load_distilled(out)
     assert ds["id"] == list(range(120))
     for name, mtime in written.items():  # finished chunks were kept, not redone
         assert (out / "chunks" / name).stat().st_mtime_ns == mtime
     clean = tmp_path / "clean"
-    subprocess.run(_cli(*_cli_overrides(tiny_dirs["llama"], prompts, clean)), env=_env(), check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, clean)), env=_env(), check=True, capture_output=True
+    )
     ref, _ = load_distilled(clean)
     assert ds["input_ids"] == ref["input_ids"] and ds["loss_mask"] == ref["loss_mask"]
 
@@ -223,21 +272,40 @@ def test_two_ranks_under_torchrun_cover_every_prompt_once(tiny_dirs, tmp_path: P
     rows = [{"instruction": f"Tell me about item {i}."} for i in range(18)]
     prompts = write_prompts_file(tmp_path / "p.jsonl", rows)
     out = tmp_path / "ranks"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "headway",
-           "distill", *_cli_overrides(tiny_dirs["mistral"], prompts, out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "headway",
+        "distill",
+        *_cli_overrides(tiny_dirs["mistral"], prompts, out),
+    ]
     res = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     ds, manifest = load_distilled(out)
     assert ds["id"] == list(range(18))
     single = tmp_path / "single"
-    subprocess.run(_cli(*_cli_overrides(tiny_dirs["mistral"], prompts, single)), env=_env(), check=True, capture_output=True)
+    subprocess.run(
+        _cli(*_cli_overrides(tiny_dirs["mistral"], prompts, single)),
+        env=_env(),
+        check=True,
+        capture_output=True,
+    )
     ref, _ = load_distilled(single)
     assert ds["input_ids"] == ref["input_ids"] and ds["loss_mask"] == ref["loss_mask"]
 
 
 def test_cli_errors_are_one_line(tmp_path: Path):
-    res = subprocess.run(_cli(f"prompts.path={tmp_path / 'none.jsonl'}", "distill.engine=hf", "target.name_or_path=/no/model"),
-                         env=_env(), capture_output=True, text=True)
+    res = subprocess.run(
+        _cli(f"prompts.path={tmp_path / 'none.jsonl'}", "distill.engine=hf", "target.name_or_path=/no/model"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().splitlines()[-1] == "headway: error: target path does not exist: /no/model"
     assert "Traceback" not in res.stderr
@@ -254,5 +322,7 @@ def test_broken_vllm_install_is_one_clear_error(monkeypatch):
     broken = types.ModuleType("vllm")  # imports, but has no LLM: what a half-broken install looks like
     broken.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
     monkeypatch.setitem(sys.modules, "vllm", broken)
-    with pytest.raises(HeadwayError, match="vLLM is installed but cannot be imported .*pip uninstall -y torchvision"):
+    with pytest.raises(
+        HeadwayError, match="vLLM is installed but cannot be imported .*pip uninstall -y torchvision"
+    ):
         VLLMEngine("/nowhere", [2], "float32", 128, 8, 0, 1)

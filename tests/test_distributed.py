@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
-from train_helpers import losses, small_run
 
 HEADS = {
     "medusa": ("head.kind=medusa", "head.medusa.num_heads=2"),
@@ -30,10 +30,25 @@ HEADS = {
 
 def overrides(model_dir: Path, data: Path, out: Path, kind: str, *extra: str) -> list[str]:
     """small_run's settings as command-line overrides: 6 steps of 2 sequences per rank x 2 accumulation."""
-    return [f"target.name_or_path={model_dir}", "target.device=cpu", "target.num_threads=1", f"train.datasets=[{data}]",
-            f"train.output_dir={out}", "train.max_steps=6", "train.micro_batch_size=2", "train.grad_accum=2",
-            "train.warmup_steps=2", "train.lr=0.01", "train.eval_every=3", "train.eval_fraction=0.2", "train.log_every=1",
-            "train.autocast_dtype=float32", "train.save_every=3", *HEADS[kind], *extra]
+    return [
+        f"target.name_or_path={model_dir}",
+        "target.device=cpu",
+        "target.num_threads=1",
+        f"train.datasets=[{data}]",
+        f"train.output_dir={out}",
+        "train.max_steps=6",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.warmup_steps=2",
+        "train.lr=0.01",
+        "train.eval_every=3",
+        "train.eval_fraction=0.2",
+        "train.log_every=1",
+        "train.autocast_dtype=float32",
+        "train.save_every=3",
+        *HEADS[kind],
+        *extra,
+    ]
 
 
 def torchrun(args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
@@ -45,13 +60,20 @@ def torchrun(args: list[str], kill_at: str | None = None) -> subprocess.Complete
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
 
 
-DEEPSPEED = pytest.param("deepspeed", "eagle3", marks=pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="deepspeed not installed (pip install -e '.[dev]')"))
+DEEPSPEED = pytest.param(
+    "deepspeed",
+    "eagle3",
+    marks=pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None,
+        reason="deepspeed not installed (pip install -e '.[dev]')",
+    ),
+)
 
 
 @pytest.mark.parametrize("backend,kind", [("ddp", "medusa"), ("fsdp", "eagle3"), DEEPSPEED])
-def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_data, tmp_path: Path, backend: str,
-                                                               kind: str):
+def test_two_processes_follow_the_one_process_curve_and_resume(
+    tiny_dirs, tiny_data, tmp_path: Path, backend: str, kind: str
+):
     from headway.train.loop import train
 
     model = tiny_dirs["llama"]
@@ -65,22 +87,37 @@ def test_two_processes_follow_the_one_process_curve_and_resume(tiny_dirs, tiny_d
     assert [s for s, _ in two] == [1, 2, 3, 4, 5, 6]
     for (_, a), (_, b) in zip(one, two):
         assert b == pytest.approx(a, rel=1e-4)
-    evals = [json.loads(line) for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines() if "eval/loss" in line]
+    evals = [
+        json.loads(line)
+        for line in (tmp_path / "two" / "log.jsonl").read_text().splitlines()
+        if "eval/loss" in line
+    ]
     assert len(evals) == 2 and (tmp_path / "two" / "head" / "config.json").is_file()
 
-    killed = torchrun(overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}"), "checkpoint:3")
+    killed = torchrun(
+        overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}"), "checkpoint:3"
+    )
     assert killed.returncode != 0 and not (tmp_path / "cut" / "head").exists()
     shutil.copytree(tmp_path / "cut", tmp_path / "cut-alone")
-    res = torchrun(overrides(model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}", "train.resume_from=auto"))
+    res = torchrun(
+        overrides(
+            model, tiny_data, tmp_path / "cut", kind, f"train.backend={backend}", "train.resume_from=auto"
+        )
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     cut = losses(tmp_path / "cut")
     assert [s for s, _ in cut] == [1, 2, 3, 4, 5, 6]  # steps 1-3 before the kill, 4-6 after: each once
     assert [v for _, v in cut] == pytest.approx([v for _, v in two], rel=1e-6)
 
-    alone = small_run(model, tiny_data, tmp_path / "cut-alone", *HEADS[kind], "train.grad_accum=4", "train.resume_from=auto")
+    alone = small_run(
+        model, tiny_data, tmp_path / "cut-alone", *HEADS[kind], "train.grad_accum=4", "train.resume_from=auto"
+    )
     if backend == "deepspeed":  # ZeRO shards are per rank: another world size is refused, by name
-        with pytest.raises(HeadwayError, match="written by train.backend=deepspeed: resume it with train.backend=deepspeed "
-                                               "and 2 processes"):
+        with pytest.raises(
+            HeadwayError,
+            match="written by train.backend=deepspeed: resume it with train.backend=deepspeed "
+            "and 2 processes",
+        ):
             train(alone)
         return
     # the same checkpoint resumed by one process (same effective batch): another world size, same curve
@@ -93,12 +130,27 @@ def test_a_sharded_target_gives_the_replicated_curve(tiny_dirs, tiny_data, tmp_p
     from headway.train.loop import train
 
     model = tiny_dirs["llama"]
-    train(small_run(model, tiny_data, tmp_path / "one", *HEADS["eagle3"], "train.grad_accum=4", "train.save_every=0"))
-    res = torchrun(overrides(model, tiny_data, tmp_path / "two", "eagle3", "train.backend=fsdp", "train.shard_target=true",
-                             "train.save_every=0"))
+    train(
+        small_run(
+            model, tiny_data, tmp_path / "one", *HEADS["eagle3"], "train.grad_accum=4", "train.save_every=0"
+        )
+    )
+    res = torchrun(
+        overrides(
+            model,
+            tiny_data,
+            tmp_path / "two",
+            "eagle3",
+            "train.backend=fsdp",
+            "train.shard_target=true",
+            "train.save_every=0",
+        )
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "decoder layers sharded across 2 ranks" in res.stderr
-    assert [v for _, v in losses(tmp_path / "two")] == pytest.approx([v for _, v in losses(tmp_path / "one")], rel=1e-4)
+    assert [v for _, v in losses(tmp_path / "two")] == pytest.approx(
+        [v for _, v in losses(tmp_path / "one")], rel=1e-4
+    )
 
 
 def test_nproc_needs_a_distributed_backend(tiny_dirs, tiny_data, tmp_path: Path):
@@ -108,14 +160,30 @@ def test_nproc_needs_a_distributed_backend(tiny_dirs, tiny_data, tmp_path: Path)
 
 def test_cache_features_in_two_processes_writes_the_one_process_cache(tiny_dirs, tiny_data, tmp_path: Path):
     """Each rank writes every other shard; rank 0's manifest equals one process's, checksums included."""
-    base = ["cache-features", f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1",
-            f"train.datasets=[{tiny_data}]", "features.shard_size=5", "features.layers=[1,4]"]
+    base = [
+        "cache-features",
+        f"target.name_or_path={tiny_dirs['llama']}",
+        "target.num_threads=1",
+        f"train.datasets=[{tiny_data}]",
+        "features.shard_size=5",
+        "features.layers=[1,4]",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "headway", *base, f"features.output_dir={tmp_path / 'one'}"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    one = subprocess.run(
+        [sys.executable, "-m", "headway", *base, f"features.output_dir={tmp_path / 'one'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "headway", *base, "--nproc", "2", f"features.output_dir={tmp_path / 'two'}"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    two = subprocess.run(
+        [sys.executable, "-m", "headway", *base, "--nproc", "2", f"features.output_dir={tmp_path / 'two'}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert two.returncode == 0, two.stderr[-2000:]
     assert "cache-features[rank 1]" in two.stderr
     a, b = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("one", "two"))
@@ -125,5 +193,7 @@ def test_cache_features_in_two_processes_writes_the_one_process_cache(tiny_dirs,
 def test_shard_target_needs_fsdp():
     from headway.train.config import TrainConfig
 
-    with pytest.raises(HeadwayError, match="train.shard_target shards the target with FSDP2: set train.backend=fsdp"):
+    with pytest.raises(
+        HeadwayError, match="train.shard_target shards the target with FSDP2: set train.backend=fsdp"
+    ):
         TrainConfig(shard_target=True, backend="ddp")

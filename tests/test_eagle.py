@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
 from headway.heads.checkpoint import load_head
@@ -19,7 +20,6 @@ from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.generate import features_at, greedy_generate, speculative_generate
 from headway.train.objectives import ttt_unroll
-from train_helpers import losses, small_run
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
@@ -46,7 +46,9 @@ def random_head(t, kind: str, seed: int = 0, draft_layer: str = "target"):
 
 
 def chat_ids(t, text: str) -> list[int]:
-    prompt = t.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    prompt = t.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
     return t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
@@ -83,7 +85,9 @@ def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
         feats = features_at(o.hidden_states, drafter.feature_layers, slice(None))
         n = len(told) - 1
         mask = drafter_mask(torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64)
-        fresh = heads(torch.tensor([told[1:]]), heads.project(feats.unsqueeze(0)), torch.arange(n).unsqueeze(0), mask)
+        fresh = heads(
+            torch.tensor([told[1:]]), heads.project(feats.unsqueeze(0)), torch.arange(n).unsqueeze(0), mask
+        )
     assert drafter.committed == n
     torch.testing.assert_close(drafter.last_out, fresh[0, -1], rtol=1e-9, atol=1e-9)
 
@@ -131,11 +135,17 @@ def test_training_time_test_sees_what_inference_sees(tiny_dirs):
     feats = torch.randn(1, T, 3 * t.config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         outs = ttt_unroll(heads, ids, attn, heads.project(feats), steps).outputs
-        for pos in (0, 4, 7):  # inference: commit 0..pos with real features, then extend a chain of true tokens
+        for pos in (
+            0,
+            4,
+            7,
+        ):  # inference: commit 0..pos with real features, then extend a chain of true tokens
             cache = DynamicCache(config=heads.decoder.config)
             n = pos + 1
             causal = drafter_mask(torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64)
-            out = heads(ids[:, 1 : n + 1], heads.project(feats[:, :n]), torch.arange(n).unsqueeze(0), causal, cache)
+            out = heads(
+                ids[:, 1 : n + 1], heads.project(feats[:, :n]), torch.arange(n).unsqueeze(0), causal, cache
+            )
             hidden = out[:, -1:]
             torch.testing.assert_close(hidden[0, 0], outs[0][0, pos])
             for j in range(1, steps):
@@ -149,7 +159,9 @@ def test_training_time_test_sees_what_inference_sees(tiny_dirs):
         moved_ids = ttt_unroll(heads, later_ids, attn, heads.project(feats), steps).outputs
         moved_feats = ttt_unroll(heads, ids, attn, heads.project(later_feats), steps).outputs
     for j in range(steps):
-        torch.testing.assert_close(moved_ids[j][0, : 9 - 1 - j], outs[j][0, : 9 - 1 - j])  # tokens <= t+1+j < 9
+        torch.testing.assert_close(
+            moved_ids[j][0, : 9 - 1 - j], outs[j][0, : 9 - 1 - j]
+        )  # tokens <= t+1+j < 9
         assert not torch.allclose(moved_ids[j][0, 8 - j], outs[j][0, 8 - j])  # reads token 9 at t = 8 - j
         torch.testing.assert_close(moved_feats[j][0, :9], outs[j][0, :9])  # features <= t < 9
 
@@ -164,23 +176,46 @@ def test_eagle_tree_settings_are_checked(tiny_dirs):
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_path: Path, kind: str):
+def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(
+    tiny_dirs, tiny_data, tmp_path: Path, kind: str
+):
     from headway.config import load_config
     from headway.inference.api import SpeculativeDecoder
     from headway.run_config import RunConfig
     from headway.train.loop import train
 
-    head_dir = train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "run", f"head.kind={kind}",
-                               "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=3", "train.max_steps=12"))
+    head_dir = train(
+        small_run(
+            tiny_dirs["llama"],
+            tiny_data,
+            tmp_path / "run",
+            f"head.kind={kind}",
+            "head.eagle3.draft_vocab_size=64",
+            "head.eagle3.ttt_steps=3",
+            "train.max_steps=12",
+        )
+    )
     curve = losses(tmp_path / "run")
     assert curve[-1][1] < curve[0][1]  # it learns
     config = json.loads((head_dir / "config.json").read_text())
     assert config["kind"] == kind and config["draft_layer"]["num_hidden_layers"] == 1
     if kind == "eagle3":
-        assert config["head"]["feature_layers"] == [1, 2, 3]  # (2, L//2, L-3) does not ascend on 4 layers: (1, L//2, L-1)
+        assert config["head"]["feature_layers"] == [
+            1,
+            2,
+            3,
+        ]  # (2, L//2, L-3) does not ascend on 4 layers: (1, L//2, L-1)
         assert config["draft_vocab_size"] == 64
-    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
-                                        "target.dtype=float64", "inference.max_new_tokens=24"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.device=cpu",
+            "target.dtype=float64",
+            "inference.max_new_tokens=24",
+        ],
+    )
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     result = decoder.chat("Question 3: what is 3 plus 4?")
     assert result.spec.tokens == result.plain.tokens
@@ -198,28 +233,68 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
 
     from headway.train.loop import train
 
-    extra = (f"head.kind={kind}", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "head.medusa.num_heads=2",
-             "head.eagle.feature_noise=0", "train.max_steps=3", "train.eval_every=0", "train.save_every=0")
+    extra = (
+        f"head.kind={kind}",
+        "head.eagle3.draft_vocab_size=64",
+        "head.eagle3.ttt_steps=2",
+        "head.medusa.num_heads=2",
+        "head.eagle.feature_noise=0",
+        "train.max_steps=3",
+        "train.eval_every=0",
+        "train.save_every=0",
+    )
     feats = tmp_path / "feats"
-    res = subprocess.run([sys.executable, "-m", "headway", "cache-features", f"target.name_or_path={tiny_dirs['llama']}",
-                          "target.num_threads=1", f"train.datasets=[{tiny_data}]", f"features.output_dir={feats}",
-                          "features.dtype=float32", "features.shard_size=10", "features.layers=[1,2,3,4]"],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "headway",
+            "cache-features",
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.num_threads=1",
+            f"train.datasets=[{tiny_data}]",
+            f"features.output_dir={feats}",
+            "features.dtype=float32",
+            "features.shard_size=10",
+            "features.layers=[1,2,3,4]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert "GB on disk" in res.stdout and len(list((feats / "shards").glob("*.safetensors"))) == 3
     train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))
-    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra, f"train.features_dir=[{feats}]"))
+    train(
+        small_run(
+            tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra, f"train.features_dir=[{feats}]"
+        )
+    )
     online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert [s for s, _ in online] == [1, 2, 3]
     for (_, a), (_, b) in zip(online, offline):
         assert b == pytest.approx(a, rel=1e-5)
-    with pytest.raises(HeadwayError, match=r"cached with max_length=1024, but training has train.max_length=64"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{feats}]",
-                        "train.max_length=64"))
+    with pytest.raises(
+        HeadwayError, match=r"cached with max_length=1024, but training has train.max_length=64"
+    ):
+        train(
+            small_run(
+                tiny_dirs["llama"],
+                tiny_data,
+                tmp_path / "x",
+                *extra,
+                f"train.features_dir=[{feats}]",
+                "train.max_length=64",
+            )
+        )
     shard = sorted((feats / "shards").glob("*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-8])  # a damaged shard is named, not read
     with pytest.raises(HeadwayError, match=rf"feature shard .*{shard.name} is missing or damaged"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "again", *extra, f"train.features_dir=[{feats}]"))
+        train(
+            small_run(
+                tiny_dirs["llama"], tiny_data, tmp_path / "again", *extra, f"train.features_dir=[{feats}]"
+            )
+        )
 
 
 def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
@@ -236,15 +311,44 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
     caches = []
     for i, ds in enumerate([tiny_data, second]):
         caches.append(tmp_path / f"feats{i}")
-        run_cache_features(load_config(RunConfig, None, [
-            f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1", f"train.datasets=[{ds}]",
-            f"features.output_dir={caches[-1]}", "features.dtype=float32", "features.layers=[1,2,3,4]"]))
-    extra = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.max_steps=3",
-             "train.eval_every=0", "train.save_every=0", f"train.datasets=[{tiny_data},{second}]")
+        run_cache_features(
+            load_config(
+                RunConfig,
+                None,
+                [
+                    f"target.name_or_path={tiny_dirs['llama']}",
+                    "target.num_threads=1",
+                    f"train.datasets=[{ds}]",
+                    f"features.output_dir={caches[-1]}",
+                    "features.dtype=float32",
+                    "features.layers=[1,2,3,4]",
+                ],
+            )
+        )
+    extra = (
+        "head.kind=eagle3",
+        "head.eagle3.draft_vocab_size=64",
+        "head.eagle3.ttt_steps=2",
+        "train.max_steps=3",
+        "train.eval_every=0",
+        "train.save_every=0",
+        f"train.datasets=[{tiny_data},{second}]",
+    )
     train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))
-    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra,
-                    f"train.features_dir=[{caches[0]},{caches[1]}]"))
+    train(
+        small_run(
+            tiny_dirs["llama"],
+            tiny_data,
+            tmp_path / "offline",
+            *extra,
+            f"train.features_dir=[{caches[0]},{caches[1]}]",
+        )
+    )
     for (_, a), (_, b) in zip(losses(tmp_path / "online"), losses(tmp_path / "offline")):
         assert b == pytest.approx(a, rel=1e-5)
     with pytest.raises(HeadwayError, match=rf"not from \['{second}'\]"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{caches[0]}]"))
+        train(
+            small_run(
+                tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{caches[0]}]"
+            )
+        )

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import chat_ids, random_head
 
 from headway.errors import HeadwayError
+from headway.heads.packed_linear import rows_for_one
 from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
-from headway.heads.packed_linear import rows_for_one
 from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
-from test_eagle import chat_ids, random_head
 
 STATIC = ["llama", "qwen2", "mistral"]
 
@@ -31,10 +31,15 @@ def test_static_runner_matches_the_model_forward(tiny_dirs, arch: str, compiled:
     # transformers' RMSNorm rounds to float32 inside; compiled code fuses the norm and skips that rounding
     atol = 1e-6 if compiled else 1e-10
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
-    steps = [(torch.arange(10, 40), None, None), (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
-             (torch.tensor([11]), None, None), (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
-             (torch.tensor([12, 13, 14, 15, 16, 17]), tree, [0, 1]),  # a path already in place: nothing moves
-             (torch.tensor([18, 19, 20, 21, 22, 23]), tree, [0]), (torch.tensor([24]), None, None)]
+    steps = [
+        (torch.arange(10, 40), None, None),
+        (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
+        (torch.tensor([11]), None, None),
+        (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
+        (torch.tensor([12, 13, 14, 15, 16, 17]), tree, [0, 1]),  # a path already in place: nothing moves
+        (torch.tensor([18, 19, 20, 21, 22, 23]), tree, [0]),
+        (torch.tensor([24]), None, None),
+    ]
     for ids, t_, keep in steps:
         (la, ha), (lb, hb) = hf.forward(ids, t_, hidden=True), static.forward(ids, t_, hidden=True)
         assert len(ha) == len(hb) == t.config.num_hidden_layers + 1
@@ -86,22 +91,34 @@ def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-@pytest.mark.parametrize("arch,fmt", [("llama", "native"), ("qwen2", "native"), ("llama", "float16")]
-                         + ([("llama", "onednn")] if ONEDNN_BF16 else []))
+@pytest.mark.parametrize(
+    "arch,fmt",
+    [("llama", "native"), ("qwen2", "native"), ("llama", "float16")]
+    + ([("llama", "onednn")] if ONEDNN_BF16 else []),
+)
 @torch.inference_mode()
 def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str):
     """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
     ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention, and the padding of
     few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16",
-                                 linear_weights=fmt))
+    t = load_target(
+        TargetConfig(
+            name_or_path=str(tiny_dirs[arch]),
+            device="cpu",
+            num_threads=1,
+            dtype="bfloat16",
+            linear_weights=fmt,
+        )
+    )
     prompt = torch.arange(10, 50)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
     nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])
     spec = StaticRunner(t.model, 64)
     spec.forward(prompt)
     rows, _ = spec.forward(nodes, tree, hidden=True)
-    if fmt != "native":  # the lm_head computes a few rows for the price of one: the root comes with the next nodes
+    if (
+        fmt != "native"
+    ):  # the lm_head computes a few rows for the price of one: the root comes with the next nodes
         rows[0]
         assert sorted(rows.rows) == list(range(rows_for_one(t.model))) and rows_for_one(t.model) > 1
     for leaf in (4, 5, 6):
@@ -143,6 +160,9 @@ def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):
     assert not static_supported(t.model)
     assert isinstance(make_runner(t.model, 32, "auto"), HFRunner)
     for engine in ("static", "compiled"):
-        with pytest.raises(HeadwayError, match=rf"inference.engine={engine} supports llama, qwen2, mistral .* not "
-                                               r"this 'gemma3\w*' target: use inference.engine=auto or hf"):
+        with pytest.raises(
+            HeadwayError,
+            match=rf"inference.engine={engine} supports llama, qwen2, mistral .* not "
+            r"this 'gemma3\w*' target: use inference.engine=auto or hf",
+        ):
             make_runner(t.model, 32, engine)

@@ -29,22 +29,35 @@ from headway.inference.tree import build_tree
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
 
-def random_head(t, kind: str, lm_head: str = "reduced", seed: int = 0, draft_layer: str = "target",
-                feature_layers: tuple = ()):
+def random_head(
+    t,
+    kind: str,
+    lm_head: str = "reduced",
+    seed: int = 0,
+    draft_layer: str = "target",
+    feature_layers: tuple = (),
+):
     """An untrained head of `kind` for target `t` with random (not identity) weights."""
     torch.manual_seed(seed)
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     d2t = torch.sort(torch.randperm(V)[:64]).values
     layer_config = draft_layer_config(t.model.config, draft_layer)
     if kind == "eagle3":
-        cfg = Eagle3Config(draft_vocab_size=64, ttt_steps=2, draft_layer=draft_layer, feature_layers=list(feature_layers))
+        cfg = Eagle3Config(
+            draft_vocab_size=64, ttt_steps=2, draft_layer=draft_layer, feature_layers=list(feature_layers)
+        )
         cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
         heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=layer_config)
     elif kind == "eagle":
         heads = build_head(kind, EagleConfig(draft_layer=draft_layer), h, V, layer_config=layer_config)
     else:
-        heads = build_head(kind, MedusaConfig(num_heads=3, lm_head=lm_head, draft_vocab_size=64), h, V,
-                           d2t=d2t if lm_head == "reduced" else None)
+        heads = build_head(
+            kind,
+            MedusaConfig(num_heads=3, lm_head=lm_head, draft_vocab_size=64),
+            h,
+            V,
+            d2t=d2t if lm_head == "reduced" else None,
+        )
     heads.init_from_target(t.model)
     with torch.no_grad():
         for name, p in heads.named_parameters():
@@ -61,8 +74,11 @@ def drafter_for(t, heads):
 
 
 def trace(t, heads) -> list:
-    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story about a cat."}],
-                                          add_generation_prompt=True, tokenize=False)
+    ids = t.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me a story about a cat."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     ids = t.tokenizer(ids, add_special_tokens=False)["input_ids"]
     r = speculative_generate(t.model, drafter_for(t, heads), ids, 24, [t.tokenizer.eos_token_id])
     return [r.tokens, r.accepted]
@@ -74,8 +90,14 @@ def llama(tiny_dirs):
 
 
 CASES = [(f, k, "reduced") for f, k in sorted(CONVERTERS) if k != "medusa"] + [
-    ("vllm", "medusa", "shared"), ("vllm", "medusa", "own"), ("trtllm", "medusa", "shared"), ("trtllm", "medusa", "own"),
-    ("native", "eagle3", "reduced"), ("native", "eagle", "reduced"), ("native", "medusa", "reduced")]
+    ("vllm", "medusa", "shared"),
+    ("vllm", "medusa", "own"),
+    ("trtllm", "medusa", "shared"),
+    ("trtllm", "medusa", "own"),
+    ("native", "eagle3", "reduced"),
+    ("native", "eagle", "reduced"),
+    ("native", "medusa", "reduced"),
+]
 
 
 def lm_head_of(t):
@@ -83,12 +105,21 @@ def lm_head_of(t):
 
 
 @pytest.mark.parametrize("fmt,kind,lm_head", CASES)
-def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path, fmt: str, kind: str, lm_head: str):
+def test_export_round_trips_to_a_head_that_drafts_the_same(
+    llama, tmp_path: Path, fmt: str, kind: str, lm_head: str
+):
     t = llama
     heads = random_head(t, kind, lm_head=lm_head)
     native = save_head(heads, tmp_path / "head", t.fingerprint)
-    out = export_head(native, fmt, tmp_path / "out", dtype="float32", target_fingerprint=t.fingerprint,
-                      target_lm_head=lm_head_of(t), verifier="/models/target")
+    out = export_head(
+        native,
+        fmt,
+        tmp_path / "out",
+        dtype="float32",
+        target_fingerprint=t.fingerprint,
+        target_lm_head=lm_head_of(t),
+        verifier="/models/target",
+    )
     again = load_export(out, t.fingerprint)
     original = heads.state_dict()
     assert set(again.state_dict()) == set(original)
@@ -98,12 +129,20 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(llama, tmp_path: Path
     if fmt != "native":  # the layout check passes on what was written
         assert read_export(out)[0] == fmt
     # bf16 (the default) is what gets written, floating tensors only, and it reads back too
-    export_head(native, fmt, tmp_path / "bf16", target_fingerprint=t.fingerprint, target_lm_head=lm_head_of(t),
-                verifier="/models/target")
+    export_head(
+        native,
+        fmt,
+        tmp_path / "bf16",
+        target_fingerprint=t.fingerprint,
+        target_lm_head=lm_head_of(t),
+        verifier="/models/target",
+    )
     weights = CONVERTERS[(fmt, kind)].layout.weights_file if fmt != "native" else "model.safetensors"
     written = load_file(str(tmp_path / "bf16" / weights))
-    assert all(v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64) or v.dtype == torch.bool
-               for v in written.values())
+    assert all(
+        v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64) or v.dtype == torch.bool
+        for v in written.values()
+    )
     load_export(tmp_path / "bf16", t.fingerprint)
 
 
@@ -113,33 +152,60 @@ def test_eagle3_layout_is_what_vllm_reads(llama, tmp_path: Path):
     export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
     config = json.loads((tmp_path / "v" / "config.json").read_text())
     tensors = load_file(str(tmp_path / "v" / "model.safetensors"))
-    h, n, kv, hd, inter = 64, t.config.num_attention_heads, t.config.num_key_value_heads, 16, t.config.intermediate_size
+    h, n, kv, hd, inter = (
+        64,
+        t.config.num_attention_heads,
+        t.config.num_key_value_heads,
+        16,
+        t.config.intermediate_size,
+    )
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
-    assert config["eagle_aux_hidden_state_layer_ids"] == heads.cfg.feature_layers  # HF output_hidden_states indices
+    assert (
+        config["eagle_aux_hidden_state_layer_ids"] == heads.cfg.feature_layers
+    )  # HF output_hidden_states indices
     assert config["draft_vocab_size"] == 64 and config["vocab_size"] == t.config.vocab_size
     assert t.config.hidden_size == h and config["head_dim"] == hd
     assert {k: list(v.shape) for k, v in tensors.items()} == {
-        "fc.weight": [h, 3 * h], "midlayer.input_layernorm.weight": [h], "midlayer.hidden_norm.weight": [h],
-        "midlayer.self_attn.q_proj.weight": [n * hd, 2 * h], "midlayer.self_attn.k_proj.weight": [kv * hd, 2 * h],
-        "midlayer.self_attn.v_proj.weight": [kv * hd, 2 * h], "midlayer.self_attn.o_proj.weight": [h, n * hd],
-        "midlayer.mlp.gate_proj.weight": [inter, h], "midlayer.mlp.up_proj.weight": [inter, h],
-        "midlayer.mlp.down_proj.weight": [h, inter], "midlayer.post_attention_layernorm.weight": [h],
-        "norm.weight": [h], "lm_head.weight": [64, h], "d2t": [64], "t2d": [t.config.vocab_size]}
+        "fc.weight": [h, 3 * h],
+        "midlayer.input_layernorm.weight": [h],
+        "midlayer.hidden_norm.weight": [h],
+        "midlayer.self_attn.q_proj.weight": [n * hd, 2 * h],
+        "midlayer.self_attn.k_proj.weight": [kv * hd, 2 * h],
+        "midlayer.self_attn.v_proj.weight": [kv * hd, 2 * h],
+        "midlayer.self_attn.o_proj.weight": [h, n * hd],
+        "midlayer.mlp.gate_proj.weight": [inter, h],
+        "midlayer.mlp.up_proj.weight": [inter, h],
+        "midlayer.mlp.down_proj.weight": [h, inter],
+        "midlayer.post_attention_layernorm.weight": [h],
+        "norm.weight": [h],
+        "lm_head.weight": [64, h],
+        "d2t": [64],
+        "t2d": [t.config.vocab_size],
+    }
     # d2t is an offset: target id = draft id + d2t[draft id]; t2d marks those ids
     assert torch.equal(torch.arange(64) + tensors["d2t"], heads.d2t)
     assert tensors["t2d"].dtype == torch.bool and torch.equal(tensors["t2d"].nonzero().flatten(), heads.d2t)
     # the embedding norm and the hidden norm land where vLLM applies them (input_layernorm: embeddings)
-    assert torch.equal(tensors["midlayer.input_layernorm.weight"], heads.decoder.layers[0].input_layernorm.emb_norm.weight)
+    assert torch.equal(
+        tensors["midlayer.input_layernorm.weight"], heads.decoder.layers[0].input_layernorm.emb_norm.weight
+    )
     export_head(tmp_path / "head", "sglang", tmp_path / "s", "float32")
     sglang = json.loads((tmp_path / "s" / "config.json").read_text())
     # SGLang and TensorRT-LLM name the layer whose output they take: HF index - 1
-    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [k - 1 for k in heads.cfg.feature_layers]
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        k - 1 for k in heads.cfg.feature_layers
+    ]
 
 
 def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     t = llama
     h, V = t.config.hidden_size, t.config.vocab_size
-    export_head(save_head(random_head(t, "eagle"), tmp_path / "e1", t.fingerprint), "vllm", tmp_path / "e1v", "float32")
+    export_head(
+        save_head(random_head(t, "eagle"), tmp_path / "e1", t.fingerprint),
+        "vllm",
+        tmp_path / "e1v",
+        "float32",
+    )
     tensors = load_file(str(tmp_path / "e1v" / "model.safetensors"))
     assert tensors["fc.weight"].shape == (h, 2 * h) and "fc.bias" not in tensors
     assert not any("input_layernorm" in k for k in tensors) and "layers.0.self_attn.q_proj.weight" in tensors
@@ -148,15 +214,22 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     assert torch.equal(s["fc.bias"], torch.zeros(h))  # SGLang's fc has a bias: zeros keep it exact
 
     medusa = random_head(t, "medusa", lm_head="shared")
-    export_head(save_head(medusa, tmp_path / "m", t.fingerprint), "vllm", tmp_path / "mv", "float32",
-                target_lm_head=lm_head_of(t))
+    export_head(
+        save_head(medusa, tmp_path / "m", t.fingerprint),
+        "vllm",
+        tmp_path / "mv",
+        "float32",
+        target_lm_head=lm_head_of(t),
+    )
     config = json.loads((tmp_path / "mv" / "config.json").read_text())
     tensors = load_file(str(tmp_path / "mv" / "model.safetensors"))
     assert config["medusa_fc_bias"] is True  # without it vLLM silently drops the blocks' biases
     assert (config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]) == (3, 1, V)
     assert config["original_lm_head"] is True and torch.equal(tensors["lm_heads.0.weight"], lm_head_of(t))
     assert tensors["blocks.2.layers.0.bias"].shape == (h,) and "lm_heads.1.weight" not in tensors
-    assert not any("num" in k for k in config if k not in ("num_heads", "num_hidden_layers"))  # vLLM renames those
+    assert not any(
+        "num" in k for k in config if k not in ("num_heads", "num_hidden_layers")
+    )  # vLLM renames those
     with pytest.raises(HeadwayError, match="needs the target's weights"):
         export_head(tmp_path / "m", "vllm", tmp_path / "no-lm-head", "float32")
 
@@ -172,15 +245,19 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     export_head(tmp_path / "mo", "vllm", tmp_path / "mov", "float32")
     config = json.loads((tmp_path / "mov" / "config.json").read_text())
     assert config["original_lm_head"] is False and load_file(str(tmp_path / "mov" / "model.safetensors"))[
-        "lm_heads.2.weight"].shape == (V, h)
+        "lm_heads.2.weight"
+    ].shape == (V, h)
 
 
-@pytest.mark.parametrize("fmt,kind,message", [
-    ("sglang", "medusa", "SGLang serves EAGLE drafts, not Medusa heads"),
-    ("trtllm", "eagle", "EAGLE-1 for vLLM and SGLang only"),
-    ("trtllm", "medusa", "TensorRT-LLM's Medusa reads heads over the full target vocabulary"),
-    ("vllm", "medusa", "vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary"),
-])
+@pytest.mark.parametrize(
+    "fmt,kind,message",
+    [
+        ("sglang", "medusa", "SGLang serves EAGLE drafts, not Medusa heads"),
+        ("trtllm", "eagle", "EAGLE-1 for vLLM and SGLang only"),
+        ("trtllm", "medusa", "TensorRT-LLM's Medusa reads heads over the full target vocabulary"),
+        ("vllm", "medusa", "vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary"),
+    ],
+)
 def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, kind: str, message: str):
     head = save_head(random_head(llama, kind), tmp_path / "h", llama.fingerprint)
     with pytest.raises(HeadwayError, match=message):
@@ -191,11 +268,19 @@ def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, k
 def test_other_families_and_biased_fc_are_refused_by_name(tiny_dirs, llama, tmp_path: Path):
     qwen = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1))
     head = save_head(random_head(qwen, "eagle3"), tmp_path / "q", qwen.fingerprint)
-    with pytest.raises(HeadwayError, match=r"hold a Llama decoder layer; this head.s draft layer is qwen2, .*draft_layer=llama"):
+    with pytest.raises(
+        HeadwayError,
+        match=r"hold a Llama decoder layer; this head.s draft layer is qwen2, .*draft_layer=llama",
+    ):
         export_head(head, "vllm", tmp_path / "o")
     export_head(head, "native", tmp_path / "n")  # native holds every family
-    biased = build_head("eagle", EagleConfig(fc_bias=True), 64, llama.config.vocab_size,
-                        layer_config=draft_layer_config(llama.model.config))
+    biased = build_head(
+        "eagle",
+        EagleConfig(fc_bias=True),
+        64,
+        llama.config.vocab_size,
+        layer_config=draft_layer_config(llama.model.config),
+    )
     torch.nn.init.normal_(biased.fc.bias)
     head = save_head(biased, tmp_path / "b", llama.fingerprint)
     with pytest.raises(HeadwayError, match="vLLM's EAGLE-1 .* has no fc bias"):
@@ -211,13 +296,16 @@ def test_a_head_for_another_target_is_refused(tiny_dirs, llama, tmp_path: Path):
         export_head(head, "vllm", tmp_path / "o", target_fingerprint=other.fingerprint)
 
 
-@pytest.mark.parametrize("damage,message", [
-    ("delete", r"tensor 'midlayer.self_attn.k_proj.weight' is missing \(expected shape"),
-    ("shape", r"tensor 'lm_head.weight' has shape \[63, 64\], expected \[64, 64\]"),
-    ("d2t", r"t2d does not mark exactly the target ids d2t maps to"),
-    ("truncate", r"is truncated or damaged"),
-    ("config", r"config key 'draft_vocab_size' is missing"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("delete", r"tensor 'midlayer.self_attn.k_proj.weight' is missing \(expected shape"),
+        ("shape", r"tensor 'lm_head.weight' has shape \[63, 64\], expected \[64, 64\]"),
+        ("d2t", r"t2d does not mark exactly the target ids d2t maps to"),
+        ("truncate", r"is truncated or damaged"),
+        ("config", r"config key 'draft_vocab_size' is missing"),
+    ],
+)
 def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path, damage: str, message: str):
     head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
     out = export_head(head, "vllm", tmp_path / "v")
@@ -230,7 +318,11 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
     elif damage == "d2t":
         tensors["d2t"] = tensors["d2t"].clone()
         tensors["d2t"][5] += 1  # a draft id now points at a target id t2d does not mark
-    if damage in ("delete", "shape", "d2t"):  # rewritten whole, checksum dropped: only the layout check can tell
+    if damage in (
+        "delete",
+        "shape",
+        "d2t",
+    ):  # rewritten whole, checksum dropped: only the layout check can tell
         save_file(tensors, str(weights))
         config = json.loads(config_file.read_text())
         del config["headway"]["files"]
@@ -246,7 +338,9 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
 
 
 def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
-    head = save_head(random_head(llama, "medusa", lm_head="own"), tmp_path / "run" / "head", llama.fingerprint)
+    head = save_head(
+        random_head(llama, "medusa", lm_head="own"), tmp_path / "run" / "head", llama.fingerprint
+    )
     export_head(tmp_path / "run", "vllm", tmp_path / "from-run")  # a run directory exports its head
     assert read_export(tmp_path / "from-run")[0] == "vllm"
     (head / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes()[:-64])
@@ -257,12 +351,14 @@ def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
 
 # ---------------------------------------------------------------- what each engine's loader reads, replayed
 
+
 def vllm_eagle3_load(config: dict, tensors: dict) -> tuple[list[int], dict]:
     """vLLM 0.32's Eagle3LlamaForCausalLM as it reads a checkpoint: the fused layers from the top-level key as written
     (else eagle_config's, else its default), midlayer.* renamed to layers.0.*, d2t kept as draft_id_to_target_id, t2d
     dropped, fc as wide as 3 x target_hidden_size."""
     layers = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     params = {}
     for name, t in tensors.items():
         if name == "t2d":
@@ -282,9 +378,14 @@ def vllm_speculators_config(config: dict) -> dict:
     """vLLM's speculators path (update_eagle3, build_vllm_speculative_config): what it makes of the config."""
     spec = config["speculators_config"]
     assert "model_type" not in config and spec["proposal_methods"][0]["speculative_tokens"] >= 1
-    return {"norm_before_residual": config.get("norm_before_residual", True),  # vLLM's default differs from Headway's
-            "num_speculative_tokens": spec["proposal_methods"][0]["speculative_tokens"],
-            "target": spec["verifier"]["name_or_path"], "layers": config.get("eagle_aux_hidden_state_layer_ids")}
+    return {
+        "norm_before_residual": config.get(
+            "norm_before_residual", True
+        ),  # vLLM's default differs from Headway's
+        "num_speculative_tokens": spec["proposal_methods"][0]["speculative_tokens"],
+        "target": spec["verifier"]["name_or_path"],
+        "layers": config.get("eagle_aux_hidden_state_layer_ids"),
+    }
 
 
 def test_non_default_feature_layers_reach_every_engine_as_the_same_layers(llama, tmp_path: Path):
@@ -312,16 +413,30 @@ def test_speculators_export_is_self_describing(llama, tmp_path: Path):
     t = llama
     heads = random_head(t, "eagle3", draft_layer="llama")
     heads.cfg.ttt_steps = 5
-    out = export_head(save_head(heads, tmp_path / "h", t.fingerprint), "speculators", tmp_path / "s", "float32",
-                      verifier="/models/smollm2")
+    out = export_head(
+        save_head(heads, tmp_path / "h", t.fingerprint),
+        "speculators",
+        tmp_path / "s",
+        "float32",
+        verifier="/models/smollm2",
+    )
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     seen = vllm_speculators_config(config)
-    assert seen == {"norm_before_residual": False, "num_speculative_tokens": 5, "target": "/models/smollm2",
-                    "layers": heads.cfg.feature_layers}
-    assert config["architectures"] == ["Eagle3Speculator"] and config["transformer_layer_config"]["model_type"] == "llama"
+    assert seen == {
+        "norm_before_residual": False,
+        "num_speculative_tokens": 5,
+        "target": "/models/smollm2",
+        "layers": heads.cfg.feature_layers,
+    }
+    assert (
+        config["architectures"] == ["Eagle3Speculator"]
+        and config["transformer_layer_config"]["model_type"] == "llama"
+    )
     assert "layers.0.hidden_norm.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
-    assert "vllm serve" in serve_hint("speculators", config, out) and "5 draft tokens" in serve_hint("speculators", config, out)
+    assert "vllm serve" in serve_hint("speculators", config, out) and "5 draft tokens" in serve_hint(
+        "speculators", config, out
+    )
     with pytest.raises(HeadwayError, match="verifier.name_or_path is empty"):
         export_head(tmp_path / "h", "speculators", tmp_path / "no-verifier", "float32")
 
@@ -332,8 +447,13 @@ def test_speculators_own_config_classes_accept_the_export(llama, tmp_path: Path)
     from speculators import SpeculatorModelConfig
 
     t = llama
-    out = export_head(save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint),
-                      "speculators", tmp_path / "s", "float32", verifier="/models/target")
+    out = export_head(
+        save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint),
+        "speculators",
+        tmp_path / "s",
+        "float32",
+        verifier="/models/target",
+    )
     config = json.loads((out / "config.json").read_text())
     parsed = SpeculatorModelConfig.from_dict({k: v for k, v in config.items() if k != "headway"})
     assert type(parsed).__name__ == "Eagle3SpeculatorConfig" and speculators is not None
@@ -344,8 +464,9 @@ def test_speculators_own_config_classes_accept_the_export(llama, tmp_path: Path)
 
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
-def test_llama_style_heads_for_other_families_export_and_draft_the_same(tiny_dirs, tmp_path: Path, arch: str,
-                                                                        kind: str):
+def test_llama_style_heads_for_other_families_export_and_draft_the_same(
+    tiny_dirs, tmp_path: Path, arch: str, kind: str
+):
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1))
     heads = random_head(t, kind, draft_layer="llama")
     assert heads.decoder.config.model_type == "llama"
@@ -353,7 +474,9 @@ def test_llama_style_heads_for_other_families_export_and_draft_the_same(tiny_dir
     for fmt in ("vllm", "sglang"):
         out = export_head(head, fmt, tmp_path / fmt, "float32")
         config = json.loads((out / "config.json").read_text())
-        assert config["num_key_value_heads"] == t.config.num_key_value_heads and config["hidden_act"] == "silu"
+        assert (
+            config["num_key_value_heads"] == t.config.num_key_value_heads and config["hidden_act"] == "silu"
+        )
         again = load_export(out, t.fingerprint)
         assert trace(t, again) == trace(t, heads)
 
@@ -362,8 +485,11 @@ def test_gemma3_engine_exports_are_refused_with_the_reason(tiny_dirs, tmp_path: 
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs["gemma3"]), device="cpu", num_threads=1))
     head = save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint)
     for fmt in ("vllm", "sglang", "speculators"):
-        with pytest.raises(HeadwayError, match=r"cannot serve an EAGLE draft for a gemma3\w* target: vLLM 0.32's "
-                                               r"Gemma3ForCausalLM does not implement SupportsEagle3"):
+        with pytest.raises(
+            HeadwayError,
+            match=r"cannot serve an EAGLE draft for a gemma3\w* target: vLLM 0.32's "
+            r"Gemma3ForCausalLM does not implement SupportsEagle3",
+        ):
             export_head(head, fmt, tmp_path / fmt, verifier="/models/target")
     export_head(head, "native", tmp_path / "n")
 
@@ -378,26 +504,42 @@ def test_medusa_for_vllm_is_refused_where_vllm_has_dropped_it(llama, tmp_path: P
     monkeypatch.setattr(layouts, "installed_vllm", lambda: (0, 32))
     out = export_head(head, "vllm", tmp_path / "v", "float32")
     hint = serve_hint("vllm", json.loads((out / "config.json").read_text()), out)
-    assert '"num_speculative_tokens": 3' in hint and "0.33 removed Medusa" in hint  # sized from the head's 3 heads
+    assert (
+        '"num_speculative_tokens": 3' in hint and "0.33 removed Medusa" in hint
+    )  # sized from the head's 3 heads
     trt = export_head(head, "trtllm", tmp_path / "t", "float32")
     hint = serve_hint("trtllm", json.loads((trt / "config.json").read_text()), trt)
-    assert "--num_medusa_heads 3 --num_medusa_layers 1" in hint and "--speculative_decoding_mode medusa" in hint
+    assert (
+        "--num_medusa_heads 3 --num_medusa_layers 1" in hint and "--speculative_decoding_mode medusa" in hint
+    )
 
 
-@pytest.mark.parametrize("layers,message", [
-    ([15, 2, 27], "give 3 distinct target layer outputs in ascending order"),
-    ([2, 2, 27], "give 3 distinct target layer outputs in ascending order"),
-    ([0, 2, 3], "each from 1"),
-    ([2, 15], "give 3 distinct"),
-])
+@pytest.mark.parametrize(
+    "layers,message",
+    [
+        ([15, 2, 27], "give 3 distinct target layer outputs in ascending order"),
+        ([2, 2, 27], "give 3 distinct target layer outputs in ascending order"),
+        ([0, 2, 3], "each from 1"),
+        ([2, 15], "give 3 distinct"),
+    ],
+)
 def test_feature_layers_are_checked_when_the_config_is_read(layers, message):
     with pytest.raises(HeadwayError, match=message):
         Eagle3Config(feature_layers=layers)
 
 
 def test_the_last_layer_is_refused_for_training(tiny_dirs, tiny_data, tmp_path: Path):
-    from headway.train.loop import train
     from train_helpers import small_run
 
+    from headway.train.loop import train
+
     with pytest.raises(HeadwayError, match=r"feature_layers \[4\] outside this 4-layer target's 1..3"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", "head.kind=eagle3", "head.eagle3.feature_layers=[1,2,4]"))
+        train(
+            small_run(
+                tiny_dirs["llama"],
+                tiny_data,
+                tmp_path / "r",
+                "head.kind=eagle3",
+                "head.eagle3.feature_layers=[1,2,4]",
+            )
+        )

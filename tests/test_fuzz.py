@@ -17,17 +17,43 @@ from headway.errors import HeadwayError
 from headway.run_config import RunConfig
 
 # HEADWAY_FUZZ_EXAMPLES=2000 for a longer hunt than CI's.
-SETTINGS = settings(max_examples=int(os.environ.get("HEADWAY_FUZZ_EXAMPLES", "150")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("HEADWAY_FUZZ_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-field_names = st.sampled_from(["instruction", "prompt", "turns", "conversations", "messages", "input", "system",
-                               "role", "content", "from", "value", "category", "x"])
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "gpt", "bot", 3]),
-                                           "content": st.text(max_size=12) | st.integers()}), max_size=4)
+field_names = st.sampled_from(
+    [
+        "instruction",
+        "prompt",
+        "turns",
+        "conversations",
+        "messages",
+        "input",
+        "system",
+        "role",
+        "content",
+        "from",
+        "value",
+        "category",
+        "x",
+    ]
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system", "gpt", "bot", 3]),
+            "content": st.text(max_size=12) | st.integers(),
+        }
+    ),
+    max_size=4,
+)
 records = st.dictionaries(field_names, json_values | messages | st.text(max_size=30), max_size=4)
 
 
@@ -54,10 +80,17 @@ def test_prompt_files_of_random_bytes(data: bytes, suffix: str):
 
 
 @SETTINGS
-@given(rows=st.lists(records | json_values, max_size=6), as_jsonl=st.booleans(),
-       offset=st.integers(0, 3), limit=st.none() | st.integers(0, 3), max_turns=st.integers(0, 2),
-       field=st.sampled_from(["auto", "prompt", "none"]))
-def test_prompt_files_of_random_records(rows: list, as_jsonl: bool, offset: int, limit, max_turns: int, field: str):
+@given(
+    rows=st.lists(records | json_values, max_size=6),
+    as_jsonl=st.booleans(),
+    offset=st.integers(0, 3),
+    limit=st.none() | st.integers(0, 3),
+    max_turns=st.integers(0, 2),
+    field=st.sampled_from(["auto", "prompt", "none"]),
+)
+def test_prompt_files_of_random_records(
+    rows: list, as_jsonl: bool, offset: int, limit, max_turns: int, field: str
+):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / ("p.jsonl" if as_jsonl else "p.json")
         text = "".join(json.dumps(r) + "\n" for r in rows) if as_jsonl else json.dumps(rows)
@@ -65,13 +98,48 @@ def test_prompt_files_of_random_records(rows: list, as_jsonl: bool, offset: int,
         _load(path, offset=offset, limit=limit, max_turns=max_turns, instruction_field=field)
 
 
-config_keys = st.sampled_from([
-    "target.dtype", "target.num_threads", "target.trust_remote_code", "distill.max_new_tokens", "distill.engine",
-    "train.lr", "train.max_steps", "train.datasets", "head.kind", "head.eagle3.draft_vocab_size", "inference.top_k",
-    "inference.depth", "bench.turns", "features.shard_size", "train.colour", "nothing", "train", "a.b.c",
-])
-config_values = st.one_of(st.text(max_size=10), st.integers(-5, 10**6).map(str), st.sampled_from(
-    ["[1,2]", "[]", "null", "true", "1e-3", "${oc.env:HOME}", "{a: 1}", "'", "[", "bfloat16", "eagle3", "-1"]))
+config_keys = st.sampled_from(
+    [
+        "target.dtype",
+        "target.num_threads",
+        "target.trust_remote_code",
+        "distill.max_new_tokens",
+        "distill.engine",
+        "train.lr",
+        "train.max_steps",
+        "train.datasets",
+        "head.kind",
+        "head.eagle3.draft_vocab_size",
+        "inference.top_k",
+        "inference.depth",
+        "bench.turns",
+        "features.shard_size",
+        "train.colour",
+        "nothing",
+        "train",
+        "a.b.c",
+    ]
+)
+config_values = st.one_of(
+    st.text(max_size=10),
+    st.integers(-5, 10**6).map(str),
+    st.sampled_from(
+        [
+            "[1,2]",
+            "[]",
+            "null",
+            "true",
+            "1e-3",
+            "${oc.env:HOME}",
+            "{a: 1}",
+            "'",
+            "[",
+            "bfloat16",
+            "eagle3",
+            "-1",
+        ]
+    ),
+)
 
 
 @SETTINGS
@@ -86,8 +154,10 @@ def test_config_overrides_fuzz(pairs: list):
 
 
 @SETTINGS
-@given(text=st.text(max_size=200) | st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n",
-                                              config_keys, config_values))
+@given(
+    text=st.text(max_size=200)
+    | st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", config_keys, config_values)
+)
 def test_config_files_fuzz(text: str):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "c.yaml"

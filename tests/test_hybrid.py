@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import ARCHS, chat_ids, load64, random_head
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
@@ -14,7 +15,6 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.ngram import Continuation, NgramIndex
 from headway.inference.tree import build_tree, tree_from_parents
 from headway.inference.tune import Replay, simulate, tree_cost, verify_costs
-from test_eagle import ARCHS, chat_ids, load64, random_head
 
 
 def linear_cost(per_node: float):
@@ -75,20 +75,32 @@ def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
     assert tree_cost(chain, flat, 1, 0) == 10.0 and tree_cost(chain, flat, 2, 1) == 12.0
     assert tree_cost(chain, flat, 5, 1) == 14.0 and tree_cost(chain, flat, 5, 4) == 20.0
     assert tree_cost(chain, flat, 5, 2) == pytest.approx(16.0)  # one level of three above the flat tree
-    assert tree_cost(chain, flat, 7, 6) == pytest.approx(30.0) and tree_cost(chain, flat, 7, 1) == pytest.approx(15.0)
-    assert verify_costs(chain, flat)(5, 2) == tree_cost(chain, flat, 5, 2) and verify_costs(chain)(5, 1) == 20.0
-    assert tree_cost(chain, {**flat, 5: 25.0}, 5, 1) == 20.0  # a flat tree measured above the chain: the chain's
+    assert tree_cost(chain, flat, 7, 6) == pytest.approx(30.0) and tree_cost(
+        chain, flat, 7, 1
+    ) == pytest.approx(15.0)
+    assert (
+        verify_costs(chain, flat)(5, 2) == tree_cost(chain, flat, 5, 2) and verify_costs(chain)(5, 1) == 20.0
+    )
+    assert (
+        tree_cost(chain, {**flat, 5: 25.0}, 5, 1) == 20.0
+    )  # a flat tree measured above the chain: the chain's
 
 
 def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
     """Three siblings and a chain below the first, every edge 0.8 likely: where each level costs as much as the
     row-exact engine's extra attention call, the siblings alone pay; where depth is free, the whole tree does."""
-    cands = [Candidate(10, -1, 1, [("k",)], {"ngram"}), Candidate(11, 0, 2, [("k",)], {"ngram"}),
-             Candidate(12, 1, 3, [("k",)], {"ngram"}), Candidate(13, -1, 1, [("k",)], {"neural"}),
-             Candidate(14, -1, 1, [("k",)], {"neural"})]
+    cands = [
+        Candidate(10, -1, 1, [("k",)], {"ngram"}),
+        Candidate(11, 0, 2, [("k",)], {"ngram"}),
+        Candidate(12, 1, 3, [("k",)], {"ngram"}),
+        Candidate(13, -1, 1, [("k",)], {"neural"}),
+        Candidate(14, -1, 1, [("k",)], {"neural"}),
+    ]
     chosen = {}
-    for name, cost in {"depth-priced": lambda n, depth: 1.0 + 0.05 * n + 0.5 * max(depth - 1, 0),
-                       "depth-free": lambda n, depth: 1.0 + 0.05 * n}.items():
+    for name, cost in {
+        "depth-priced": lambda n, depth: 1.0 + 0.05 * n + 0.5 * max(depth - 1, 0),
+        "depth-free": lambda n, depth: 1.0 + 0.05 * n,
+    }.items():
         drafter = HybridDrafter(None, HybridConfig(), cost, timed=False)
         drafter.calibration.estimate = lambda keys: 0.8
         chosen[name] = drafter._choose(cands)[0]
@@ -114,12 +126,16 @@ def test_budget_follows_confidence():
     for _ in range(8):
         nodes, tree = taken.draft(cycle[pos % 5])
         ids, node, accepted = nodes.tolist(), 0, []
-        while (node := next((c for c in tree.children[node] if ids[c] == cycle[(pos + 1 + len(accepted)) % 5]), None)):
+        while node := next(
+            (c for c in tree.children[node] if ids[c] == cycle[(pos + 1 + len(accepted)) % 5]), None
+        ):
             accepted.append(ids[node])
         taken.accept(accepted + [cycle[(pos + 1 + len(accepted)) % 5]], torch.empty(0, 0))
         pos += len(accepted) + 1
         sizes.append(tree.size)
-    assert sizes == sorted(sizes) and sizes[-1] >= sizes[0] + 3, sizes  # grows as the copy keeps being accepted
+    assert sizes == sorted(sizes) and sizes[-1] >= sizes[0] + 3, (
+        sizes
+    )  # grows as the copy keeps being accepted
     steep = ngram_only(per_node=50.0)
     steep.begin(prompt, 5, torch.empty(0, 0))
     assert steep.draft(5)[1].size == 1  # nothing is worth a verification that costs 50x more per token
@@ -154,7 +170,9 @@ def test_the_neural_drafter_runs_only_while_it_pays():
     for script, steps in (("right", 48), ("wrong", 48), ("turns", 130)):
         neural = FixedNeural(7)
         drafter = HybridDrafter(neural, hc, lambda n, depth: 0.01 + 0.003 * (n - 1))
-        drafter.calibration.estimate = lambda keys: 0.9  # the tree always takes the neural node: the gate decides
+        drafter.calibration.estimate = lambda keys: (
+            0.9
+        )  # the tree always takes the neural node: the gate decides
         drafter.begin(list(range(100, 140)), 1, torch.empty(0, 0))  # nothing repeats: no n-gram candidates
         ran = []
         for i in range(steps):
@@ -168,30 +186,42 @@ def test_the_neural_drafter_runs_only_while_it_pays():
         elif script == "wrong":
             assert sum(ran) <= hc.gain_steps + 4 and drafter.gains[False].value < hc.gain_floor
         else:
-            assert sum(ran[hc.gain_steps:30]) <= 4 and all(ran[-40:]), ran
+            assert sum(ran[hc.gain_steps : 30]) <= 4 and all(ran[-40:]), ran
 
 
 def repetitive_ids(t) -> list[list[int]]:
-    return [chat_ids(t, "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat."),
-            chat_ids(t, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n")]
+    return [
+        chat_ids(
+            t, "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
+        ),
+        chat_ids(t, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"),
+    ]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_hybrid_and_ngram_trees_are_exact(tiny_dirs, arch: str):
     t = load64(tiny_dirs[arch])
     L = t.config.num_hidden_layers
-    medusa = MedusaHeads(MedusaConfig(num_heads=3, lm_head="own"), t.config.hidden_size, t.config.vocab_size).double()
+    medusa = MedusaHeads(
+        MedusaConfig(num_heads=3, lm_head="own"), t.config.hidden_size, t.config.vocab_size
+    ).double()
     medusa.init_from_target(t.model)
     medusa.attach_target(t.model)
     for block in medusa.blocks:
         torch.nn.init.normal_(block[0].linear.weight, std=0.5)
-    neurals = {"ngram": lambda: None,
-               "eagle3": lambda: EagleDrafter(random_head(t, "eagle3"), L, 3, 3, 8),
-               "medusa": lambda: MedusaDrafter(medusa, build_tree([[0], [1], [0, 0], [0, 0, 0]]), L)}
+    neurals = {
+        "ngram": lambda: None,
+        "eagle3": lambda: EagleDrafter(random_head(t, "eagle3"), L, 3, 3, 8),
+        "medusa": lambda: MedusaDrafter(medusa, build_tree([[0], [1], [0, 0], [0, 0, 0]]), L),
+    }
     for name, make in neurals.items():
         for per_node in (0.0, 0.2):
-            drafter = HybridDrafter(make(), HybridConfig(node_cost=per_node, max_tokens=6, max_nodes=12),
-                                    linear_cost(per_node), timed=False)
+            drafter = HybridDrafter(
+                make(),
+                HybridConfig(node_cost=per_node, max_tokens=6, max_nodes=12),
+                linear_cost(per_node),
+                timed=False,
+            )
             sources: dict[str, int] = {}
             for ids in repetitive_ids(t):
                 ref = greedy_generate(t.model, ids, 40, [t.tokenizer.eos_token_id])
@@ -210,8 +240,12 @@ def test_simulation_equals_real_decoding(tiny_dirs):
     L = t.config.num_hidden_layers
     from headway.inference.generate import features_at
 
-    for make in (lambda: ngram_only(0.1), lambda: HybridDrafter(EagleDrafter(heads, L, 2, 3, 6), HybridConfig(node_cost=0.1),
-                                                                   linear_cost(0.1), timed=False)):
+    for make in (
+        lambda: ngram_only(0.1),
+        lambda: HybridDrafter(
+            EagleDrafter(heads, L, 2, 3, 6), HybridConfig(node_cost=0.1), linear_cost(0.1), timed=False
+        ),
+    ):
         for ids in repetitive_ids(t):
             real = speculative_generate(t.model, make(), ids, 30, [])
             seq = torch.tensor([ids + real.tokens[:-1]])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eagle import chat_ids, random_head
+from test_hybrid import ngram_only
 from torch import nn
 
 from headway.errors import HeadwayError
@@ -15,23 +17,37 @@ from headway.heads.target import TargetConfig, export_target, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
-from test_eagle import chat_ids, random_head
-from test_hybrid import ngram_only
 
 
 def assert_speculative_equals_plain(t, heads, engine: str) -> None:
     """EAGLE-3 and n-gram trees decode two prompts exactly as the engine's plain greedy decoding does."""
     stop = [t.tokenizer.eos_token_id]
-    for text in ["What is two plus three? Two plus three is five.", "Write a short poem about the sea and the sea."]:
+    for text in [
+        "What is two plus three? Two plus three is five.",
+        "Write a short poem about the sea and the sea.",
+    ]:
         ids = chat_ids(t, text)
         ref = greedy_generate(t.model, ids, 32, stop, engine=engine)
-        for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
-            assert speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens, engine
+        for drafter in (
+            EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8),
+            ngram_only(0.05, min_ngram=1),
+        ):
+            assert (
+                speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens
+            ), engine
 
 
 def load16(path, **kw):
-    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float32",
-                                    linear_weights="float16", **kw))
+    return load_target(
+        TargetConfig(
+            name_or_path=str(path),
+            device="cpu",
+            num_threads=1,
+            dtype="float32",
+            linear_weights="float16",
+            **kw,
+        )
+    )
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -53,17 +69,29 @@ def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_di
     t = load16(tiny_dirs[arch])
     assert linear_weights(t.model) == "float16"
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
-    assert isinstance(t.model.lm_head, Float16Linear) and t.model.lm_head.weight.shape == (t.config.vocab_size, t.config.hidden_size)
+    assert isinstance(t.model.lm_head, Float16Linear) and t.model.lm_head.weight.shape == (
+        t.config.vocab_size,
+        t.config.hidden_size,
+    )
     heads = random_head(t, "eagle3").float()
     assert pack_head_linear_weights(heads) > 0  # as SpeculativeDecoder.load does beside a packed target
-    for engine in ("hf", "static", "compiled") if static_supported(t.model) else ("hf",):  # gemma3: fused parts
+    for engine in (
+        ("hf", "static", "compiled") if static_supported(t.model) else ("hf",)
+    ):  # gemma3: fused parts
         assert_speculative_equals_plain(t, heads, engine)
 
 
 def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
     with pytest.raises(HeadwayError, match="CPU format for float32 or bfloat16 targets"):
-        load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64",
-                                 linear_weights="float16"))
+        load_target(
+            TargetConfig(
+                name_or_path=str(tiny_dirs["llama"]),
+                device="cpu",
+                num_threads=1,
+                dtype="float64",
+                linear_weights="float16",
+            )
+        )
     with pytest.raises(HeadwayError, match="target.linear_weights=.int8. is not allowed"):
         TargetConfig(linear_weights="int8")
     t = load16(tiny_dirs["llama"])
@@ -94,21 +122,29 @@ def test_float16_linear_is_exact_bf16_math_for_bf16_weights():
         out = packed(x)
         assert out.dtype == torch.bfloat16
         ref = F.linear(x.double(), lin.weight.double(), lin.bias.double())
-        assert ((out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-30).all()  # within bf16's rounding of the sum
+        assert (
+            (out.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-30
+        ).all()  # within bf16's rounding of the sum
         alone = torch.cat([packed(x[i : i + 1]) for i in range(9)])
         for rows in (2, 3, 4, 9):
-            assert torch.equal(torch.cat([packed(x[i : i + rows]) for i in range(0, 9 - rows + 1, rows)]),
-                               alone[: (9 // rows) * rows]), rows
+            assert torch.equal(
+                torch.cat([packed(x[i : i + rows]) for i in range(0, 9 - rows + 1, rows)]),
+                alone[: (9 // rows) * rows],
+            ), rows
     wide = nn.Linear(8, 4, bias=False).bfloat16()
     with torch.no_grad():
         wide.weight.copy_(torch.tensor([1e4, 1e-9] * 16).view(4, 8))
-    with pytest.raises(HeadwayError, match="do not fit float16 at any one scale.*use target.linear_weights=onednn"):
+    with pytest.raises(
+        HeadwayError, match="do not fit float16 at any one scale.*use target.linear_weights=onednn"
+    ):
         Float16Linear(wide)
     Float16Linear(wide, exact=False)  # a draft head's weights may round: drafts only steer speed
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-needs_onednn_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU has no oneDNN bf16 kernels (AVX512 needed)")
+needs_onednn_bf16 = pytest.mark.skipif(
+    not ONEDNN_BF16, reason="this CPU has no oneDNN bf16 kernels (AVX512 needed)"
+)
 
 
 @needs_onednn_bf16
@@ -136,8 +172,10 @@ def test_onednn_linear_gives_a_row_the_same_bits_for_any_row_count():
         x = torch.randn(9, in_features).bfloat16()
         alone = torch.cat([packed(x[i : i + 1]) for i in range(9)])
         for rows in (2, 3, 4, 5, 9):
-            assert torch.equal(torch.cat([packed(x[i : i + rows]) for i in range(0, 9 - rows + 1, rows)]),
-                               alone[: (9 // rows) * rows]), (out_features, rows)
+            assert torch.equal(
+                torch.cat([packed(x[i : i + rows]) for i in range(0, 9 - rows + 1, rows)]),
+                alone[: (9 // rows) * rows],
+            ), (out_features, rows)
 
 
 def fused_formats():
@@ -151,19 +189,33 @@ def test_fused_projections_compute_the_separate_linears(tiny_dirs, fmt: str):
     forward (through the parts that replace the linears) and Headway's static engine (one call) give what the
     separate linears would on the format's rounded weights, and the same logits as each other."""
     dtype = {"float16": "float32", "onednn": "bfloat16"}[fmt]
-    native = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype))
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype,
-                                 linear_weights=fmt))
+    native = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype)
+    )
+    t = load_target(
+        TargetConfig(
+            name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype, linear_weights=fmt
+        )
+    )
     x = torch.randn(3, t.config.hidden_size).to(getattr(torch, dtype))
     for layer, ref in zip(t.model.model.layers, native.model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         assert attn.headway_qkv is not None and mlp.headway_gate_up is not None
-        for part, lin in [(attn.q_proj, ref.self_attn.q_proj), (attn.k_proj, ref.self_attn.k_proj),
-                          (attn.v_proj, ref.self_attn.v_proj), (mlp.gate_proj, ref.mlp.gate_proj), (mlp.up_proj, ref.mlp.up_proj)]:
+        for part, lin in [
+            (attn.q_proj, ref.self_attn.q_proj),
+            (attn.k_proj, ref.self_attn.k_proj),
+            (attn.v_proj, ref.self_attn.v_proj),
+            (mlp.gate_proj, ref.mlp.gate_proj),
+            (mlp.up_proj, ref.mlp.up_proj),
+        ]:
             w = lin.weight.half().float() if fmt == "float16" else lin.weight.float()
             torch.testing.assert_close(part(x).float(), F.linear(x.float(), w), rtol=1e-2, atol=1e-2)
         q, k, v = attn.headway_qkv(x)
-        assert torch.equal(q, attn.q_proj(x)) and torch.equal(k, attn.k_proj(x)) and torch.equal(v, attn.v_proj(x))
+        assert (
+            torch.equal(q, attn.q_proj(x))
+            and torch.equal(k, attn.k_proj(x))
+            and torch.equal(v, attn.v_proj(x))
+        )
     ids = torch.arange(10, 30)
     hf, static = make_runner(t.model, 64, "hf"), make_runner(t.model, 64, "static")
     tol = {"float16": 1e-4, "onednn": 5e-2}[fmt]
@@ -173,28 +225,62 @@ def test_fused_projections_compute_the_separate_linears(tiny_dirs, fmt: str):
         torch.testing.assert_close(a[-1].float(), b[-1].float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("arch,fmt", [("llama", "float16"), ("qwen2", "float16")]
-                         + ([("llama", "onednn"), ("qwen2", "onednn")] if ONEDNN_BF16 else []))
+@pytest.mark.parametrize(
+    "arch,fmt",
+    [("llama", "float16"), ("qwen2", "float16")]
+    + ([("llama", "onednn"), ("qwen2", "onednn")] if ONEDNN_BF16 else []),
+)
 def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_dirs, arch: str, fmt: str):
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16",
-                                 linear_weights=fmt))
+    t = load_target(
+        TargetConfig(
+            name_or_path=str(tiny_dirs[arch]),
+            device="cpu",
+            num_threads=1,
+            dtype="bfloat16",
+            linear_weights=fmt,
+        )
+    )
     assert linear_weights(t.model) == fmt
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
-    assert isinstance(t.model.lm_head, (OneDNNLinear, Float16Linear)) and t.model.lm_head.weight.dtype == torch.bfloat16
+    assert (
+        isinstance(t.model.lm_head, (OneDNNLinear, Float16Linear))
+        and t.model.lm_head.weight.dtype == torch.bfloat16
+    )
     heads = random_head(t, "eagle3").bfloat16()
     assert pack_head_linear_weights(heads, fmt) > 0
     assert_speculative_equals_plain(t, heads, "static")
 
 
 def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
-    with pytest.raises(HeadwayError, match="target.linear_weights=onednn is a CPU format for bfloat16 targets .* set "
-                                           "target.dtype=bfloat16"):
-        load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float32",
-                                 linear_weights="onednn"))
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a CPU or build without oneDNN bf16
-    with pytest.raises(HeadwayError, match="no onednn linear kernels for this CPU .* use target.linear_weights=native"):
-        load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="bfloat16",
-                                 linear_weights="onednn"))
+    with pytest.raises(
+        HeadwayError,
+        match="target.linear_weights=onednn is a CPU format for bfloat16 targets .* set "
+        "target.dtype=bfloat16",
+    ):
+        load_target(
+            TargetConfig(
+                name_or_path=str(tiny_dirs["llama"]),
+                device="cpu",
+                num_threads=1,
+                dtype="float32",
+                linear_weights="onednn",
+            )
+        )
+    monkeypatch.setattr(
+        torch.backends.mkldnn, "is_available", lambda: False
+    )  # a CPU or build without oneDNN bf16
+    with pytest.raises(
+        HeadwayError, match="no onednn linear kernels for this CPU .* use target.linear_weights=native"
+    ):
+        load_target(
+            TargetConfig(
+                name_or_path=str(tiny_dirs["llama"]),
+                device="cpu",
+                num_threads=1,
+                dtype="bfloat16",
+                linear_weights="onednn",
+            )
+        )
 
 
 def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
@@ -206,8 +292,13 @@ def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
     ids = chat_ids(t, "Write a short poem about the sea.")
     ref = greedy_generate(t.model, ids, 16, [t.tokenizer.eos_token_id], engine="static")
     drafter = ngram_only(0.05, min_ngram=1)
-    assert greedy_generate(t.model, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens == ref.tokens
-    assert speculative_generate(t.model, drafter, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens == ref.tokens
+    assert (
+        greedy_generate(t.model, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens == ref.tokens
+    )
+    assert (
+        speculative_generate(t.model, drafter, ids, 16, [t.tokenizer.eos_token_id], engine="compiled").tokens
+        == ref.tokens
+    )
     assert not torch._dynamo.utils.counters["graph_break"]
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
@@ -219,8 +310,15 @@ def test_bf16_compiles_row_exact_without_graph_breaks(tiny_dirs, fmt: str):
     pads to 2 rows; RowAttention and oneDNN's linears are opaque ops), with no graph break."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="bfloat16",
-                                 linear_weights=fmt))
+    t = load_target(
+        TargetConfig(
+            name_or_path=str(tiny_dirs["llama"]),
+            device="cpu",
+            num_threads=1,
+            dtype="bfloat16",
+            linear_weights=fmt,
+        )
+    )
     heads = random_head(t, "eagle3").bfloat16()
     if fmt != "native":
         pack_head_linear_weights(heads, fmt)

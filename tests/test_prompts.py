@@ -41,7 +41,15 @@ def test_turns_sharegpt_and_openai_messages(tmp_path: Path):
     f = write_jsonl(tmp_path / "mt.jsonl", [{"turns": ["first?", "second?"], "category": "math"}])
     (conv,) = load_conversations(PromptConfig(path=str(f)))
     assert conv.turns == ["first?", "second?"] and conv.meta == {"category": "math"}
-    share = [{"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "old"}, {"from": "human", "value": "q2"}]}]
+    share = [
+        {
+            "conversations": [
+                {"from": "human", "value": "q1"},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "q2"},
+            ]
+        }
+    ]
     (conv,) = load_conversations(PromptConfig(path=str(write_jsonl(tmp_path / "sg.jsonl", share))))
     assert conv.turns == ["q1", "q2"]  # the source's answers are dropped: the target writes its own
     msgs = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}]
@@ -53,7 +61,9 @@ def test_explicit_and_dotted_fields_offset_limit(tmp_path: Path):
     rows = [{"q": {"text": f"question {i}"}, "instances": [{"input": f"ctx {i}"}]} for i in range(5)]
     f = write_jsonl(tmp_path / "n.jsonl", rows)
     convs = load_conversations(
-        PromptConfig(path=str(f), instruction_field="q.text", input_field="instances.0.input", offset=1, limit=2)
+        PromptConfig(
+            path=str(f), instruction_field="q.text", input_field="instances.0.input", offset=1, limit=2
+        )
     )
     assert [c.turns[0] for c in convs] == ["question 1\n\nctx 1", "question 2\n\nctx 2"]
     assert [c.id for c in convs] == [1, 2]
@@ -77,11 +87,15 @@ def test_malformed_line_is_named(tmp_path: Path):
     [
         ("", {}, "holds no records"),
         ('{"foo": "bar"}\n', {}, r"no prompt field found .*\['foo'\].*instruction_field"),
-        ('{"instruction": "x"}\n', {"instruction_field": "prompt"}, "no prompt text under the configured fields"),
+        (
+            '{"instruction": "x"}\n',
+            {"instruction_field": "prompt"},
+            "no prompt text under the configured fields",
+        ),
         ('{"instruction": 5}\n', {}, "must be a string"),
         ('{"turns": "x"}\n', {}, "must be a list of strings"),
         ('{"instruction": "x"}\n', {"offset": 5}, "no prompts selected"),
-        ('[1, 2]\n', {}, "expected an object"),
+        ("[1, 2]\n", {}, "expected an object"),
     ],
 )
 def test_bad_prompt_sets(tmp_path: Path, content: str, cfg: dict, expected: str):

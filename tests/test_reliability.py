@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_eagle import chat_ids, random_head
+from train_helpers import losses, small_run
 
 from headway.config import load_config
 from headway.data_scripts.distill import distill, load_distilled
@@ -30,8 +32,6 @@ from headway.inference.generate import speculative_generate
 from headway.io import atomic_write_json, atomic_write_text
 from headway.run_config import RunConfig
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint
-from test_eagle import chat_ids, random_head
-from train_helpers import losses, small_run
 
 EAGLE3 = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2")
 
@@ -41,8 +41,9 @@ def headway(*args: str, kill_at: str | None = None, timeout: int = 300) -> subpr
     env.pop("HEADWAY_KILL_AT", None)
     if kill_at:
         env["HEADWAY_KILL_AT"] = kill_at
-    return subprocess.run([sys.executable, "-m", "headway", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "headway", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def killed(res: subprocess.CompletedProcess) -> bool:
@@ -63,37 +64,68 @@ def flip_byte(path: Path) -> None:
 
 def train_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """small_run's settings on the command line."""
-    return [f"target.name_or_path={model}", "target.device=cpu", "target.num_threads=1", f"train.datasets=[{data}]",
-            f"train.output_dir={out}", "train.max_steps=6", "train.micro_batch_size=2", "train.grad_accum=2",
-            "train.warmup_steps=2", "train.lr=0.01", "train.eval_every=3", "train.eval_fraction=0.2",
-            "train.log_every=1", "train.autocast_dtype=float32", "train.save_every=3", *EAGLE3, *extra]
+    return [
+        f"target.name_or_path={model}",
+        "target.device=cpu",
+        "target.num_threads=1",
+        f"train.datasets=[{data}]",
+        f"train.output_dir={out}",
+        "train.max_steps=6",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.warmup_steps=2",
+        "train.lr=0.01",
+        "train.eval_every=3",
+        "train.eval_fraction=0.2",
+        "train.log_every=1",
+        "train.autocast_dtype=float32",
+        "train.save_every=3",
+        *EAGLE3,
+        *extra,
+    ]
 
 
 # ---- faults: SIGKILL, then the same command again ----
 
+
 def distill_args(model: Path, prompts: Path, out: Path) -> list[str]:
-    return [f"target.name_or_path={model}", "target.device=cpu", "target.num_threads=1", f"prompts.path={prompts}",
-            f"distill.output_dir={out}", "distill.engine=hf", "distill.max_new_tokens=10", "distill.chunk_size=3",
-            "distill.batch_size=3"]
+    return [
+        f"target.name_or_path={model}",
+        "target.device=cpu",
+        "target.num_threads=1",
+        f"prompts.path={prompts}",
+        f"distill.output_dir={out}",
+        "distill.engine=hf",
+        "distill.max_new_tokens=10",
+        "distill.chunk_size=3",
+        "distill.batch_size=3",
+    ]
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    path.write_text("".join(json.dumps({"instruction": f"Item {i}: say {i} twice."}) + "\n" for i in range(9)))
+    path.write_text(
+        "".join(json.dumps({"instruction": f"Item {i}: say {i} twice."}) + "\n" for i in range(9))
+    )
     return path
 
 
 @pytest.mark.parametrize("kill_at", ["distill:chunk:1", "distill:merged"])
-def test_distill_killed_then_rerun_gives_the_clean_dataset(tiny_dirs, prompts_file: Path, tmp_path: Path, kill_at: str):
+def test_distill_killed_then_rerun_gives_the_clean_dataset(
+    tiny_dirs, prompts_file: Path, tmp_path: Path, kill_at: str
+):
     args = distill_args(tiny_dirs["llama"], prompts_file, tmp_path / "d")
     first = headway("distill", *args, kill_at=kill_at)
     assert killed(first), first.stderr[-2000:]
     assert not (tmp_path / "d" / "manifest.json").exists()
     assert headway("distill", *args).returncode == 0
     ds, manifest = load_distilled(tmp_path / "d")
-    clean, _ = load_distilled(distill(load_config(RunConfig, None, distill_args(tiny_dirs["llama"], prompts_file,
-                                                                             tmp_path / "clean"))))
+    clean, _ = load_distilled(
+        distill(
+            load_config(RunConfig, None, distill_args(tiny_dirs["llama"], prompts_file, tmp_path / "clean"))
+        )
+    )
     assert ds["id"] == list(range(9))  # every prompt once
     assert ds["input_ids"] == clean["input_ids"] and ds["loss_mask"] == clean["loss_mask"]
     assert set(manifest["files"]) >= {"dataset_info.json", "state.json"} and leftovers(tmp_path / "d") == []
@@ -111,25 +143,34 @@ def clean_run(tiny_dirs, tiny_data, tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("kill_at", ["checkpoint-writing:3", "checkpoint:3"])
-def test_train_killed_at_a_checkpoint_resumes_the_same_curve(tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path,
-                                                             kill_at: str):
+def test_train_killed_at_a_checkpoint_resumes_the_same_curve(
+    tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path, kill_at: str
+):
     args = train_args(tiny_dirs["llama"], tiny_data, tmp_path / "run")
     assert killed(headway("train", *args, kill_at=kill_at))
     step3 = tmp_path / "run" / "checkpoints" / "step-00000003"
-    assert step3.is_dir() == (kill_at == "checkpoint:3")  # killed mid-write: no half checkpoint under the real name
+    assert step3.is_dir() == (
+        kill_at == "checkpoint:3"
+    )  # killed mid-write: no half checkpoint under the real name
     res = headway("train", *args)
     assert res.returncode == 0, res.stderr[-3000:]
     assert [s for s, _ in losses(tmp_path / "run")] == [1, 2, 3, 4, 5, 6]  # each step logged once
-    assert [v for _, v in losses(tmp_path / "run")] == pytest.approx([v for _, v in losses(clean_run)], rel=1e-6)
+    assert [v for _, v in losses(tmp_path / "run")] == pytest.approx(
+        [v for _, v in losses(clean_run)], rel=1e-6
+    )
     assert leftovers(tmp_path / "run") == []
 
 
-def test_train_killed_at_a_random_moment_resumes_the_same_curve(tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path):
+def test_train_killed_at_a_random_moment_resumes_the_same_curve(
+    tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path
+):
     rng = random.Random(int(os.environ.get("HEADWAY_FAULT_SEED", "10")))
     seconds = float((clean_run / "seconds").read_text())
     args = ["-m", "headway", "train", *train_args(tiny_dirs["llama"], tiny_data, tmp_path / "run")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     time.sleep(rng.uniform(0.5, 0.95) * seconds)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -137,15 +178,25 @@ def test_train_killed_at_a_random_moment_resumes_the_same_curve(tiny_dirs, tiny_
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [s for s, _ in losses(tmp_path / "run")]
     assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6] and steps == sorted(steps)
-    assert [v for _, v in losses(tmp_path / "run")][-3:] == pytest.approx([v for _, v in losses(clean_run)][-3:], rel=1e-6)
+    assert [v for _, v in losses(tmp_path / "run")][-3:] == pytest.approx(
+        [v for _, v in losses(clean_run)][-3:], rel=1e-6
+    )
     assert leftovers(tmp_path / "run") == []
 
 
 def test_cache_features_killed_after_a_shard_writes_the_clean_cache(tiny_dirs, tiny_data, tmp_path: Path):
     def args(out: Path) -> list[str]:
-        return [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1",
-                f"train.datasets=[{tiny_data}]", "head.kind=eagle3", f"features.output_dir={out}",
-                "features.shard_size=5", "features.batch_size=5", "features.dtype=float32"]
+        return [
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.device=cpu",
+            "target.num_threads=1",
+            f"train.datasets=[{tiny_data}]",
+            "head.kind=eagle3",
+            f"features.output_dir={out}",
+            "features.shard_size=5",
+            "features.batch_size=5",
+            "features.dtype=float32",
+        ]
 
     assert killed(headway("cache-features", *args(tmp_path / "f"), kill_at="features:shard:1"))
     assert len(list((tmp_path / "f" / "shards").glob("*.safetensors"))) == 2
@@ -157,11 +208,20 @@ def test_cache_features_killed_after_a_shard_writes_the_clean_cache(tiny_dirs, t
 
 
 @pytest.mark.parametrize("fmt", ["vllm", "native"])
-def test_export_killed_before_the_rename_leaves_the_old_export_whole(tiny_dirs, clean_run: Path, tmp_path: Path,
-                                                                     fmt: str):
+def test_export_killed_before_the_rename_leaves_the_old_export_whole(
+    tiny_dirs, clean_run: Path, tmp_path: Path, fmt: str
+):
     out = tmp_path / "export"
-    args = ["--head", str(clean_run), "--format", fmt, "--out", str(out), f"target.name_or_path={tiny_dirs['llama']}",
-            "target.device=cpu"]
+    args = [
+        "--head",
+        str(clean_run),
+        "--format",
+        fmt,
+        "--out",
+        str(out),
+        f"target.name_or_path={tiny_dirs['llama']}",
+        "target.device=cpu",
+    ]
     assert killed(headway("export", *args, kill_at="export:written"))
     assert not out.exists()  # nothing half-written under the real name
     assert headway("export", *args).returncode == 0
@@ -175,6 +235,7 @@ def test_export_killed_before_the_rename_leaves_the_old_export_whole(tiny_dirs, 
 
 # ---- damaged files: checksums recorded at write time, checked at load time ----
 
+
 def test_damaged_head_is_named_not_loaded(clean_run: Path, tmp_path: Path):
     head = shutil.copytree(clean_run / "head", tmp_path / "head")
     flip_byte(head / "model.safetensors")
@@ -187,7 +248,9 @@ def test_damaged_checkpoint_is_skipped_by_auto_and_named_when_asked_for(clean_ru
     assert latest_checkpoint(ckpts).name == "step-00000006"
     flip_byte(ckpts / "step-00000006" / "state.pt")
     assert latest_checkpoint(ckpts).name == "step-00000003"  # the newest whole one
-    with pytest.raises(HeadwayError, match=r"checkpoint .*step-00000006: state.pt does not match its recorded sha256"):
+    with pytest.raises(
+        HeadwayError, match=r"checkpoint .*step-00000006: state.pt does not match its recorded sha256"
+    ):
         read_checkpoint(ckpts / "step-00000006", None, False)
     (ckpts / "step-00000003" / "heads.safetensors").write_bytes(b"")
     with pytest.raises(HeadwayError, match=r"heads.safetensors is truncated or damaged \(0 bytes"):
@@ -197,8 +260,11 @@ def test_damaged_checkpoint_is_skipped_by_auto_and_named_when_asked_for(clean_ru
 def test_damaged_dataset_is_named_not_loaded(tiny_data: Path, tmp_path: Path):
     data = shutil.copytree(tiny_data, tmp_path / "data")
     flip_byte(next(data.glob("data-*.arrow")))
-    with pytest.raises(HeadwayError, match=r"dataset .*data-00000-of-00001.arrow does not match its recorded sha256.*"
-                                           r"delete manifest.json and rerun"):
+    with pytest.raises(
+        HeadwayError,
+        match=r"dataset .*data-00000-of-00001.arrow does not match its recorded sha256.*"
+        r"delete manifest.json and rerun",
+    ):
         load_distilled(data)
 
 
@@ -212,6 +278,7 @@ def test_a_damaged_chunk_is_generated_again(tiny_dirs, prompts_file: Path, tmp_p
 
 
 # ---- bad input: one message naming the thing and the fix ----
+
 
 def test_invalid_utf8_and_empty_prompt_files(tmp_path: Path):
     (tmp_path / "p.jsonl").write_bytes(b'{"instruction": "ok"}\n{"instruction": "caf\xe9"}\n')
@@ -239,21 +306,34 @@ def test_prompt_longer_than_the_context_is_refused(tiny_dirs):
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
     drafter = EagleDrafter(random_head(t, "eagle3").float(), t.config.num_hidden_layers, 2, 2, 4)
     ids = [5] * t.config.max_position_embeddings
-    with pytest.raises(HeadwayError, match=r"prompt \(\d+\) \+ max_new_tokens \(8\) exceeds the target's context"):
+    with pytest.raises(
+        HeadwayError, match=r"prompt \(\d+\) \+ max_new_tokens \(8\) exceeds the target's context"
+    ):
         speculative_generate(t.model, drafter, ids, 8, [t.tokenizer.eos_token_id])
 
 
 def test_draft_vocabulary_larger_than_the_target_is_refused(tiny_dirs, tiny_data, tmp_path: Path):
     from headway.train.loop import train
 
-    with pytest.raises(HeadwayError, match=r"head.eagle3.draft_vocab_size=5000 is larger than the target's vocabulary "
-                                           r"\((\d+) tokens\): set it to at most \1"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", "head.kind=eagle3",
-                        "head.eagle3.draft_vocab_size=5000"))
+    with pytest.raises(
+        HeadwayError,
+        match=r"head.eagle3.draft_vocab_size=5000 is larger than the target's vocabulary "
+        r"\((\d+) tokens\): set it to at most \1",
+    ):
+        train(
+            small_run(
+                tiny_dirs["llama"],
+                tiny_data,
+                tmp_path / "r",
+                "head.kind=eagle3",
+                "head.eagle3.draft_vocab_size=5000",
+            )
+        )
 
 
-def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoint(tiny_dirs, tiny_data, tmp_path: Path,
-                                                                                   monkeypatch):
+def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoint(
+    tiny_dirs, tiny_data, tmp_path: Path, monkeypatch
+):
     import headway.train.loop as loop
 
     real, calls = loop._step_loss, {"n": 0}
@@ -264,8 +344,11 @@ def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoi
         return (loss * float("nan") if calls["n"] == 9 else loss), metrics  # step 5's first micro-batch
 
     monkeypatch.setattr(loop, "_step_loss", poisoned)
-    with pytest.raises(HeadwayError, match=r"loss became nan at step 5 \(batch: sequences .*#\d+.*\); nothing of this "
-                                           r"step was applied and the last good checkpoint is .*step-00000003"):
+    with pytest.raises(
+        HeadwayError,
+        match=r"loss became nan at step 5 \(batch: sequences .*#\d+.*\); nothing of this "
+        r"step was applied and the last good checkpoint is .*step-00000003",
+    ):
         loop.train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", *EAGLE3))
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-00000003"]
 
@@ -273,7 +356,9 @@ def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoi
 def test_a_changed_run_is_not_resumed_into(tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path):
     run = shutil.copytree(clean_run, tmp_path / "run")
     res = headway("train", *train_args(tiny_dirs["llama"], tiny_data, run, "head.eagle3.ttt_steps=3"))
-    assert res.returncode == 2 and "holds checkpoints of a run with other settings (head changed)" in res.stderr
+    assert (
+        res.returncode == 2 and "holds checkpoints of a run with other settings (head changed)" in res.stderr
+    )
 
 
 def test_disk_full_is_named_and_the_old_file_is_intact(tmp_path: Path, monkeypatch):
@@ -286,7 +371,9 @@ def test_disk_full_is_named_and_the_old_file_is_intact(tmp_path: Path, monkeypat
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(hio.os, "fsync", full)
-    with pytest.raises(HeadwayError, match=r"no space left on the device while writing .*state.json: free some disk"):
+    with pytest.raises(
+        HeadwayError, match=r"no space left on the device while writing .*state.json: free some disk"
+    ):
         atomic_write_text(path, "x" * 10000)
     assert json.loads(path.read_text()) == {"old": True} and leftovers(tmp_path) == []
     with pytest.raises(HeadwayError, match=r"no space left on the device while writing .*head"):
@@ -312,6 +399,7 @@ def _tiny_head():
 
 # ---- untrusted files: data is never executed ----
 
+
 def test_yaml_tags_that_would_run_code_are_refused(tmp_path: Path):
     marker = tmp_path / "ran"
     cfg = tmp_path / "c.yaml"
@@ -325,8 +413,10 @@ def test_model_code_and_pickled_weights_are_not_run(tiny_dirs, tmp_path: Path):
     marker = tmp_path / "ran"
     custom = shutil.copytree(tiny_dirs["llama"], tmp_path / "custom")
     config = json.loads((custom / "config.json").read_text())
-    config.update(model_type="headway_custom", auto_map={"AutoConfig": "evil.EvilConfig",
-                                                         "AutoModelForCausalLM": "evil.EvilModel"})
+    config.update(
+        model_type="headway_custom",
+        auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+    )
     (custom / "config.json").write_text(json.dumps(config))
     (custom / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
     with pytest.raises(HeadwayError, match=r"ships its own Python code .*target.trust_remote_code=true"):
@@ -336,7 +426,9 @@ def test_model_code_and_pickled_weights_are_not_run(tiny_dirs, tmp_path: Path):
     pickled = shutil.copytree(tiny_dirs["llama"], tmp_path / "pickled")
     (pickled / "model.safetensors").unlink()
     torch.save({}, pickled / "pytorch_model.bin")
-    with pytest.raises(HeadwayError, match=r"has no .safetensors weights: Headway does not load pickled weights"):
+    with pytest.raises(
+        HeadwayError, match=r"has no .safetensors weights: Headway does not load pickled weights"
+    ):
         load_target(TargetConfig(name_or_path=str(pickled), device="cpu"))
 
 
@@ -357,6 +449,7 @@ def test_checkpoint_state_with_pickled_code_is_refused(clean_run: Path, tmp_path
 
 # ---- under load ----
 
+
 def test_memory_stays_flat_over_a_long_prompt_set(tiny_dirs):
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
     drafter = EagleDrafter(random_head(t, "eagle3").float(), t.config.num_hidden_layers, 3, 3, 8)
@@ -365,7 +458,11 @@ def test_memory_stays_flat_over_a_long_prompt_set(tiny_dirs):
     def live_tensor_bytes() -> int:
         gc.collect()
         # plain tensors only: torch.compile (other tests, same process) leaves fake tensors with symbolic sizes
-        return sum(o.numel() * o.element_size() for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter))
+        return sum(
+            o.numel() * o.element_size()
+            for o in gc.get_objects()
+            if type(o) in (torch.Tensor, torch.nn.Parameter)
+        )
 
     marks = {}
     for i, ids in enumerate(prompts):

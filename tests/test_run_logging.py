@@ -31,14 +31,18 @@ def test_wandb_gets_every_record_with_its_step(tmp_path: Path, monkeypatch):
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    logger = RunLogger(tmp_path / "log.jsonl", LoggingConfig(wandb_project="p", wandb_run_name="r"), {"train": {"lr": 1}})
+    logger = RunLogger(
+        tmp_path / "log.jsonl", LoggingConfig(wandb_project="p", wandb_run_name="r"), {"train": {"lr": 1}}
+    )
     logger.log({"step": 1, "loss": 2.5})
     logger.log({"step": 2, "eval/loss": 2.0})
     logger.close()
     (run,) = runs
     assert run.init == {"project": "p", "name": "r", "config": {"train": {"lr": 1}}}
     assert run.logged == [({"step": 1, "loss": 2.5}, 1), ({"step": 2, "eval/loss": 2.0}, 2)] and run.finished
-    assert [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()] == [r for r, _ in run.logged]
+    assert [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()] == [
+        r for r, _ in run.logged
+    ]
 
 
 def test_training_goes_on_without_wandb_and_says_so_once(tmp_path: Path, monkeypatch, caplog):

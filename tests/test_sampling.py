@@ -40,9 +40,18 @@ def model():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     m = AutoModelForCausalLM.from_config(cfg).double().eval()
     with torch.no_grad():
         m.lm_head.weight.mul_(40)  # logits of a few units: far from uniform, and not one-hot
@@ -63,7 +72,11 @@ def eagle_drafter(m, kind: str):
     torch.manual_seed(2)
     if kind == "eagle3":
         cfg = Eagle3Config(draft_vocab_size=4, ttt_steps=2)
-        cfg.feature_layers = [0, 1, 2]  # every hidden state of this 2-layer target (too shallow for the engines' rule)
+        cfg.feature_layers = [
+            0,
+            1,
+            2,
+        ]  # every hidden state of this 2-layer target (too shallow for the engines' rule)
         d2t = torch.tensor([0, 1, 2, 4])
     else:
         cfg, d2t = EagleConfig(), None
@@ -77,7 +90,9 @@ def exact_probabilities(m, cfg: SamplingConfig) -> dict[tuple, float]:
     """P(first N_TOKENS tokens) under the target with `cfg`'s temperature, top-k and top-p, by enumeration."""
     probs: dict[tuple, float] = {}
     with torch.no_grad():
-        for prefix in itertools.chain.from_iterable(itertools.product(range(V), repeat=k) for k in range(N_TOKENS)):
+        for prefix in itertools.chain.from_iterable(
+            itertools.product(range(V), repeat=k) for k in range(N_TOKENS)
+        ):
             p = target_distribution(m(torch.tensor([PROMPT + list(prefix)])).logits[0, -1], cfg)
             base = probs[prefix] if prefix else 1.0
             for t in range(V):
@@ -99,7 +114,11 @@ def chi_square_p(counts: Counter, expected: dict[tuple, float], n: int) -> float
         stat += (pool_obs - pool_exp) ** 2 / pool_exp
         cells += 1
     dof = cells - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
 
 
 def sample(generate, cfg: SamplingConfig) -> Counter:
@@ -142,7 +161,11 @@ def spec_p_value(m, drafter, cfg: SamplingConfig, rule=None) -> tuple[float, flo
 
 def test_target_distribution_is_hugging_faces(model):
     """Temperature, top-k and top-p as Hugging Face's sampling applies them (one function for both loops)."""
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     torch.manual_seed(3)
     logits = torch.randn(4, 50, dtype=torch.float64) * 3
@@ -152,8 +175,9 @@ def test_target_distribution_is_hugging_faces(model):
             scores = TopKLogitsWarper(k)(None, scores)
         if p < 1:
             scores = TopPLogitsWarper(p)(None, scores)
-        torch.testing.assert_close(target_distribution(logits, SamplingConfig(temperature=t, top_k=k, top_p=p)),
-                                   scores.softmax(-1))
+        torch.testing.assert_close(
+            target_distribution(logits, SamplingConfig(temperature=t, top_k=k, top_p=p)), scores.softmax(-1)
+        )
 
 
 def test_plain_sampling_has_the_target_distribution(model):
@@ -162,16 +186,22 @@ def test_plain_sampling_has_the_target_distribution(model):
     assert p_value(counts, exact_probabilities(model, cfg)) > ALPHA
 
 
-@pytest.mark.parametrize("kind,cfg", [
-    ("medusa", SamplingConfig(temperature=1.0)),
-    ("medusa", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
-    ("eagle", SamplingConfig(temperature=1.0)),
-    ("eagle3", SamplingConfig(temperature=1.0)),
-    ("hybrid", SamplingConfig(temperature=1.0)),
-    ("ngram", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
-])
+@pytest.mark.parametrize(
+    "kind,cfg",
+    [
+        ("medusa", SamplingConfig(temperature=1.0)),
+        ("medusa", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
+        ("eagle", SamplingConfig(temperature=1.0)),
+        ("eagle3", SamplingConfig(temperature=1.0)),
+        ("hybrid", SamplingConfig(temperature=1.0)),
+        ("ngram", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
+    ],
+)
 def test_speculative_sampling_is_lossless(model, kind: str, cfg: SamplingConfig):
-    if kind in ("hybrid", "ngram"):  # n-gram branches (and EAGLE-3's) in one tree, sized per step (node_cost 0: large)
+    if kind in (
+        "hybrid",
+        "ngram",
+    ):  # n-gram branches (and EAGLE-3's) in one tree, sized per step (node_cost 0: large)
         neural = eagle_drafter(model, "eagle3") if kind == "hybrid" else None
         hc = HybridConfig(node_cost=0.0, max_tokens=3, min_ngram=1)  # 5-token vocabulary: 1-grams match often
         drafter = HybridDrafter(neural, hc, lambda n, depth: 1.0, timed=False)
@@ -223,10 +253,14 @@ def test_wrong_or_lossy_acceptance_fails_the_same_test(model, rule):
 
 def test_a_seed_reproduces_a_run(model):
     drafter = eagle_drafter(model, "eagle3")
-    runs = [speculative_generate(model, drafter, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens
-            for s in (7, 7, 8)]
+    runs = [
+        speculative_generate(model, drafter, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens
+        for s in (7, 7, 8)
+    ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
-    plain = [plain_generate(model, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens for s in (7, 7)]
+    plain = [
+        plain_generate(model, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens for s in (7, 7)
+    ]
     assert plain[0] == plain[1]
 
 
@@ -246,6 +280,12 @@ def test_exact_rule_is_exact_on_a_single_node():
 
 
 def test_sampling_settings_are_checked():
-    for bad in [dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5), dict(acceptance="greedy")]:
+    for bad in [
+        dict(temperature=-1),
+        dict(top_k=-2),
+        dict(top_p=0),
+        dict(top_p=1.5),
+        dict(acceptance="greedy"),
+    ]:
         with pytest.raises(HeadwayError, match="inference.sampling"):
             SamplingConfig(**bad)

@@ -24,7 +24,10 @@ def load64(path: Path):
 
 def prompts_for(tok) -> list[list[int]]:
     texts = ["What is two plus three?", "Write a short poem about the sea.", "def add(a, b):"]
-    return [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True) for t in texts]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        for t in texts
+    ]
 
 
 class OracleDrafter:
@@ -65,7 +68,9 @@ def test_medusa_untrained_heads_are_exact(tiny_dirs, arch: str):
     torch.manual_seed(0)
     hidden, vocab = t.config.hidden_size, t.config.vocab_size
     for lm_head in ("own", "shared", "reduced"):
-        heads = MedusaHeads(MedusaConfig(num_heads=4, lm_head=lm_head, draft_vocab_size=64), hidden, vocab).double()
+        heads = MedusaHeads(
+            MedusaConfig(num_heads=4, lm_head=lm_head, draft_vocab_size=64), hidden, vocab
+        ).double()
         heads.init_from_target(t.model)
         heads.attach_target(t.model)
         for block in heads.blocks:  # random, not identity: the guesses differ per head
@@ -76,9 +81,14 @@ def test_medusa_untrained_heads_are_exact(tiny_dirs, arch: str):
             ref = greedy_generate(t.model, ids, 40, [t.tokenizer.eos_token_id])
             spec = speculative_generate(t.model, drafter, ids, 40, [t.tokenizer.eos_token_id])
             assert spec.tokens == ref.tokens, (arch, lm_head)
-            hf = t.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
-                                  eos_token_id=t.tokenizer.eos_token_id, pad_token_id=t.tokenizer.pad_token_id)
-            assert ref.tokens == hf[0, len(ids):].tolist()[: len(ref.tokens)]
+            hf = t.model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=40,
+                do_sample=False,
+                eos_token_id=t.tokenizer.eos_token_id,
+                pad_token_id=t.tokenizer.pad_token_id,
+            )
+            assert ref.tokens == hf[0, len(ids) :].tolist()[: len(ref.tokens)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
@@ -106,7 +116,9 @@ def test_chain_and_bad_trees():
 
 def test_sliding_window_overflow_is_refused(tiny_dirs):
     t = load64(tiny_dirs["gemma3"])
-    heads = MedusaHeads(MedusaConfig(num_heads=2, lm_head="own"), t.config.hidden_size, t.config.vocab_size).double()
+    heads = MedusaHeads(
+        MedusaConfig(num_heads=2, lm_head="own"), t.config.hidden_size, t.config.vocab_size
+    ).double()
     drafter = MedusaDrafter(heads, build_tree(chain_choices(2)), t.config.num_hidden_layers)
     with pytest.raises(HeadwayError, match="sliding window"):
         speculative_generate(t.model, drafter, [1] * 100, 40, [])

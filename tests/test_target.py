@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from headway.errors import HeadwayError
-from headway.heads.target import TargetConfig, compute_fingerprint, export_target, fingerprint_mismatch, load_target
+from headway.heads.target import (
+    TargetConfig,
+    compute_fingerprint,
+    export_target,
+    fingerprint_mismatch,
+    load_target,
+)
 
 
 def cfg_for(path: Path, **kw) -> TargetConfig:
@@ -19,7 +25,11 @@ def test_load_tiny_targets_of_every_arch(tiny_dirs):
         t = load_target(cfg_for(path))
         assert not t.model.training and not any(p.requires_grad for p in t.model.parameters())
         fp = t.fingerprint
-        assert fp["hidden_size"] == 64 and fp["num_hidden_layers"] == 4 and fp["vocab_size"] == t.config.vocab_size >= len(t.tokenizer)
+        assert (
+            fp["hidden_size"] == 64
+            and fp["num_hidden_layers"] == 4
+            and fp["vocab_size"] == t.config.vocab_size >= len(t.tokenizer)
+        )
         assert fp == load_target(cfg_for(path), with_model=False).fingerprint  # same with or without weights
         fps[arch] = fp
     assert len({fp["id"] for fp in fps.values()}) == len(fps)
@@ -60,7 +70,9 @@ def test_bad_targets(tmp_path: Path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(HeadwayError, match="no config.json and no .gguf file"):
         load_target(cfg_for(tmp_path / "empty"))
-    with pytest.raises(HeadwayError, match="neither a local path nor a model in the local Hugging Face cache"):
+    with pytest.raises(
+        HeadwayError, match="neither a local path nor a model in the local Hugging Face cache"
+    ):
         load_target(TargetConfig(name_or_path="nobody/no-such-model-xyz", device="cpu"))
 
 

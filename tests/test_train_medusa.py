@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_helpers import losses, small_run
 
 from headway.config import load_config
 from headway.errors import HeadwayError
@@ -18,7 +19,6 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
 from headway.run_config import RunConfig
 from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
-from train_helpers import losses, small_run
 
 
 def test_labels_look_two_plus_i_ahead_and_follow_the_mask():
@@ -33,7 +33,9 @@ def test_labels_look_two_plus_i_ahead_and_follow_the_mask():
 
 
 def test_loss_matches_hand_computation():
-    logits = torch.tensor([[[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], [[[0.0, 0.0, 3.0], [1.0, 1.0, 1.0]]]])  # [K=2,B=1,T=2,V=3]
+    logits = torch.tensor(
+        [[[[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], [[[0.0, 0.0, 3.0], [1.0, 1.0, 1.0]]]]
+    )  # [K=2,B=1,T=2,V=3]
     labels = torch.tensor([[[0, 1]], [[2, IGNORE]]])
     loss, metrics = medusa_loss(logits, labels, decay=0.8)
 
@@ -58,11 +60,18 @@ def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
     return small_run(model_dir, data, out, *MEDUSA_HEAD, *extra)
 
 
-MEDUSA2 = ("train.lora.enabled=true", "train.lora.heads_warmup_steps=2", "train.lora.lr=0.01", "train.lora.r=4")
+MEDUSA2 = (
+    "train.lora.enabled=true",
+    "train.lora.heads_warmup_steps=2",
+    "train.lora.lr=0.01",
+    "train.lora.r=4",
+)
 
 
 @pytest.mark.parametrize("variant", ["medusa1", "medusa2"])
-def test_resumed_run_continues_the_same_curve(tiny_dirs, tiny_data, tmp_path: Path, monkeypatch, variant: str):
+def test_resumed_run_continues_the_same_curve(
+    tiny_dirs, tiny_data, tmp_path: Path, monkeypatch, variant: str
+):
     from headway.train import loop
 
     extra = MEDUSA2 if variant == "medusa2" else ()
@@ -103,9 +112,17 @@ def test_medusa2_decodes_the_adapted_target_exactly(tiny_dirs, tiny_data, tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "m2" / "log.jsonl").read_text().splitlines()]
     assert "loss/distill" not in rows[0] and "loss/distill" in rows[-2]  # heads alone first, then adapters
     assert json.loads((head_dir / "config.json").read_text())["adapted_target"] == "lora"
-    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
-                                        "target.dtype=float64", "inference.max_new_tokens=16",
-                                        "inference.tree=[[0],[1],[0,0],[0,0,0]]"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.device=cpu",
+            "target.dtype=float64",
+            "inference.max_new_tokens=16",
+            "inference.tree=[[0],[1],[0,0],[0,0,0]]",
+        ],
+    )
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     assert not hasattr(decoder.target.model, "peft_config")  # merged: a plain model again
     result = decoder.chat("Question 2: what is 2 plus 3?")
@@ -117,17 +134,29 @@ def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_
 
     head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=4"))
     config = json.loads((head_dir / "config.json").read_text())
-    assert config["kind"] == "medusa" and config["draft_vocab_size"] == 64 and config["head"]["num_heads"] == 3
-    target = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64"))
+    assert (
+        config["kind"] == "medusa" and config["draft_vocab_size"] == 64 and config["head"]["num_heads"] == 3
+    )
+    target = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64")
+    )
     heads = load_head(head_dir, target.fingerprint, dtype=torch.float64)
     drafter = MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]), target.config.num_hidden_layers)
-    ids = target.tokenizer("<|im_start|>user\nQuestion 3: what is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n",
-                           add_special_tokens=False)["input_ids"]
+    ids = target.tokenizer(
+        "<|im_start|>user\nQuestion 3: what is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )["input_ids"]
     stop = [target.tokenizer.eos_token_id]
-    assert speculative_generate(target.model, drafter, ids, 30, stop).tokens == greedy_generate(target.model, ids, 30, stop).tokens
+    assert (
+        speculative_generate(target.model, drafter, ids, 30, stop).tokens
+        == greedy_generate(target.model, ids, 30, stop).tokens
+    )
     other = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False)
-    with pytest.raises(HeadwayError, match=rf"was made for target {target.fingerprint['id']} but the loaded target is "
-                                           rf"{other.fingerprint['id']} \(architecture: LlamaForCausalLM vs Qwen2ForCausalLM"):
+    with pytest.raises(
+        HeadwayError,
+        match=rf"was made for target {target.fingerprint['id']} but the loaded target is "
+        rf"{other.fingerprint['id']} \(architecture: LlamaForCausalLM vs Qwen2ForCausalLM",
+    ):
         load_head(head_dir, other.fingerprint)
 
 
@@ -137,7 +166,9 @@ def test_dataset_from_another_target_is_refused(tiny_dirs, tiny_data, tmp_path: 
     with pytest.raises(HeadwayError, match=r"dataset .* was made by target .* not the configured target"):
         train(train_cfg(tiny_dirs["mistral"], tiny_data, tmp_path / "run"))
     with pytest.raises(HeadwayError, match="no training data"):
-        train(load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"]))
+        train(
+            load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"])
+        )
 
 
 def test_training_measures_rank_accuracy_for_the_tree_builder(tiny_dirs, tiny_data, tmp_path: Path):
@@ -148,8 +179,17 @@ def test_training_measures_rank_accuracy_for_the_tree_builder(tiny_dirs, tiny_da
     acc = json.loads((head_dir / "config.json").read_text())["rank_accuracy"]
     assert len(acc) == 3 and len(acc[0]) == 8 and all(0 <= a <= 1 for row in acc for a in row)
     assert all(sum(row) <= 1 + 1e-6 for row in acc)  # at most one rank can be right
-    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
-                                        "target.dtype=float64", "inference.tree_nodes=6", "inference.max_new_tokens=12"])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.device=cpu",
+            "target.dtype=float64",
+            "inference.tree_nodes=6",
+            "inference.max_new_tokens=12",
+        ],
+    )
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     assert decoder.drafter.neural.tree.size == 7  # the hybrid drafter's neural half is the tree built from it
     result = decoder.chat("Question 1: what is 1 plus 2?")
@@ -164,23 +204,52 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
 
     head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2"))
     prompts = tmp_path / "mt.jsonl"
-    prompts.write_text("".join(json.dumps({"turns": [f"Question {i}?", "more?"], "category": c}) + "\n"
-                               for i, c in enumerate(["math", "writing", "math"])))
-    res = subprocess.run([sys.executable, "-m", "headway", "bench", "--head", str(head_dir), "--prompts", str(prompts),
-                          "--out", str(tmp_path / "b.json"), f"target.name_or_path={tiny_dirs['llama']}",
-                          "target.num_threads=1", "target.dtype=float64", "inference.max_new_tokens=12",
-                          "inference.tree=[[0],[1],[0,0]]", "bench.drafters=[neural,ngram]"],
-                         capture_output=True, text=True, timeout=300)
+    prompts.write_text(
+        "".join(
+            json.dumps({"turns": [f"Question {i}?", "more?"], "category": c}) + "\n"
+            for i, c in enumerate(["math", "writing", "math"])
+        )
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "headway",
+            "bench",
+            "--head",
+            str(head_dir),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "b.json"),
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.num_threads=1",
+            "target.dtype=float64",
+            "inference.max_new_tokens=12",
+            "inference.tree=[[0],[1],[0,0]]",
+            "bench.drafters=[neural,ngram]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.loads((tmp_path / "b.json").read_text())
     o = result["overall"]
     # both turns of each record: 6 rows; later turns continue from the plain answer
     assert o["prompts"] == 6 and set(result["by_category"]) == {"math", "writing"}
     assert [r["turn"] for r in result["per_prompt"]] == [1, 2] * 3
-    assert result["per_prompt"][1]["prompt_tokens"] > result["per_prompt"][0]["prompt_tokens"] + result["per_prompt"][0]["plain"]["tokens"]
+    assert (
+        result["per_prompt"][1]["prompt_tokens"]
+        > result["per_prompt"][0]["prompt_tokens"] + result["per_prompt"][0]["plain"]["tokens"]
+    )
     others = ["headway_neural", "headway_ngram", "hf_generate", "hf_prompt_lookup"]
     assert result["methods"] == ["plain", *others, "speculative"]  # speculative: the default hybrid drafter
-    assert result["settings"]["drafter"]["drafter"] == "hybrid" and result["settings"]["drafter"]["tree"] == [[0], [1], [0, 0]]
+    assert result["settings"]["drafter"]["drafter"] == "hybrid" and result["settings"]["drafter"]["tree"] == [
+        [0],
+        [1],
+        [0, 0],
+    ]
     # float64: every method writes exactly plain greedy's tokens
     assert o["match_rate"] == 1.0 and o["matches_plain"] == {m: 1.0 for m in [*others, "speculative"]}
     assert set(o["speedup_over"]) == {"plain", *others}
@@ -190,8 +259,12 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     counts = [r["speculative"]["sources"] for r in result["per_prompt"]]
     if any(counts):
         assert "Accepted draft tokens by branch" in (tmp_path / "b.md").read_text()
-    assert o["speedup_over"]["hf_generate"] == pytest.approx(o["tok_s"]["speculative"] / o["tok_s"]["hf_generate"])
-    assert len(o["acceptance_by_depth"]) == 12 and result["settings"]["threads"] == 1  # the n-gram branches' depth
+    assert o["speedup_over"]["hf_generate"] == pytest.approx(
+        o["tok_s"]["speculative"] / o["tok_s"]["hf_generate"]
+    )
+    assert (
+        len(o["acceptance_by_depth"]) == 12 and result["settings"]["threads"] == 1
+    )  # the n-gram branches' depth
     md = (tmp_path / "b.md").read_text()
     assert "| **overall** | 6 |" in md and "speedup vs HF prompt lookup" in md
     ms = o["ms_per_token"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_eagle import ARCHS, load64, random_head
 from transformers import DynamicCache
 
 from headway.heads.draft_layer import drafter_mask
@@ -12,7 +13,6 @@ from headway.run_config import RunConfig
 from headway.train.losses import target_to_draft
 from headway.train.objectives import Features, eagle3_objective
 from headway.train.ttt import causal_allowed, kept_positions, shifted, ttt_unroll
-from test_eagle import ARCHS, load64, random_head
 
 
 def dense_eagle3_loss(heads, batch: dict, feats: Features, t2d: torch.Tensor) -> torch.Tensor:
@@ -108,8 +108,10 @@ def test_draft_losses_match_hand_computed_values():
     logits = torch.tensor([[0.0, 0.0], [2.0, 0.0]], dtype=torch.float64)
     p = torch.tensor([[0.75, 0.25], [0.5, 0.5]], dtype=torch.float64)
     q1 = torch.tensor([2.0, 0.0]).softmax(0).double()  # [0.8808, 0.1192]
-    soft = (-(0.75 * torch.log(torch.tensor(0.5)) + 0.25 * torch.log(torch.tensor(0.5)))
-            - (0.5 * q1[0].log() + 0.5 * q1[1].log())) / 2
+    soft = (
+        -(0.75 * torch.log(torch.tensor(0.5)) + 0.25 * torch.log(torch.tensor(0.5)))
+        - (0.5 * q1[0].log() + 0.5 * q1[1].log())
+    ) / 2
     tv = (0.5 * (0.25 + 0.25) + 0.5 * (abs(q1[0] - 0.5) + abs(q1[1] - 0.5))) / 2
     argmax = (-torch.log(torch.tensor(0.5)) - q1[0].log()) / 2  # both rows' target argmax is token 0
     assert float(draft_loss("soft_ce", logits, p)) == pytest.approx(float(soft))
@@ -122,8 +124,11 @@ def test_simulated_chain_acceptance_counts_leading_hits():
     from headway.train.losses import chain_acceptance
 
     valid0 = torch.tensor([[True, True, True, False]])
-    correct = [torch.tensor([[True, True, False, True]]), torch.tensor([[True, False, True, True]]),
-               torch.tensor([[True, True, True, True]])]
+    correct = [
+        torch.tensor([[True, True, False, True]]),
+        torch.tensor([[True, False, True, True]]),
+        torch.tensor([[True, True, True, True]]),
+    ]
     # runs at the three valid positions: 3, 1, 0 -> tau = 1 + 4/3
     assert float(chain_acceptance(correct, valid0)) == pytest.approx(1 + 4 / 3)
 
@@ -166,17 +171,31 @@ def test_draft_layer_can_start_as_a_target_layer(tiny_dirs):
 def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
     """train.init_from: the first run's head is where the second starts (weights and draft vocabulary); a head of
     another kind or another shape is refused before training, naming the fix."""
+    from train_helpers import small_run
+
     from headway.errors import HeadwayError
     from headway.heads.checkpoint import load_head
     from headway.heads.target import TargetConfig, load_target
     from headway.train.loop import build_heads, train
-    from train_helpers import small_run
 
-    base = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.eval_every=0",
-            "train.save_every=0", "train.max_steps=3")
+    base = (
+        "head.kind=eagle3",
+        "head.eagle3.draft_vocab_size=64",
+        "head.eagle3.ttt_steps=2",
+        "train.eval_every=0",
+        "train.save_every=0",
+        "train.max_steps=3",
+    )
     first = train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "first", *base))
-    cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "second", *base, f"train.init_from={first}",
-                    "head.eagle3.ttt_steps=3", "head.eagle3.loss=tv")
+    cfg = small_run(
+        tiny_dirs["llama"],
+        tiny_data,
+        tmp_path / "second",
+        *base,
+        f"train.init_from={first}",
+        "head.eagle3.ttt_steps=3",
+        "head.eagle3.loss=tv",
+    )
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu"))
     started = build_heads(cfg, t, [])
     saved = load_head(first)
@@ -184,9 +203,17 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
     for name, value in saved.state_dict().items():
         torch.testing.assert_close(started.state_dict()[name], value.to(started.state_dict()[name].dtype))
     assert train(cfg).is_dir()
-    wrong = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "third", *base, f"train.init_from={first}",
-                      "head.eagle3.draft_vocab_size=32")
-    with pytest.raises(HeadwayError, match=r"was trained with head.eagle3: draft_vocab_size=64, which this run sets"):
+    wrong = small_run(
+        tiny_dirs["llama"],
+        tiny_data,
+        tmp_path / "third",
+        *base,
+        f"train.init_from={first}",
+        "head.eagle3.draft_vocab_size=32",
+    )
+    with pytest.raises(
+        HeadwayError, match=r"was trained with head.eagle3: draft_vocab_size=64, which this run sets"
+    ):
         build_heads(wrong, t, [])
     medusa = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fourth", f"train.init_from={first}")
     with pytest.raises(HeadwayError, match=r"holds a 'eagle3' head, but this run trains head.kind=medusa"):
@@ -216,16 +243,28 @@ def test_evaluation_can_read_datasets_never_trained_on(tiny_dirs, tiny_data, tmp
     import json
     import shutil
 
+    from train_helpers import small_run
+
     from headway.errors import HeadwayError
     from headway.train.loop import train
-    from train_helpers import small_run
 
     evalset = tmp_path / "eval"
     shutil.copytree(tiny_data, evalset)
-    base = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2", "train.save_every=0")
-    train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "run", *base, f"train.eval_datasets=[{evalset}]"))
+    base = (
+        "head.kind=eagle3",
+        "head.eagle3.draft_vocab_size=64",
+        "head.eagle3.ttt_steps=2",
+        "train.save_every=0",
+    )
+    train(
+        small_run(tiny_dirs["llama"], tiny_data, tmp_path / "run", *base, f"train.eval_datasets=[{evalset}]")
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/tau/chain" in r]
     assert evals and all(1.0 <= r["eval/tau/chain"] <= 3.0 for r in evals)
     with pytest.raises(HeadwayError, match=r"are also train.datasets"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "bad", *base, f"train.eval_datasets=[{tiny_data}]"))
+        train(
+            small_run(
+                tiny_dirs["llama"], tiny_data, tmp_path / "bad", *base, f"train.eval_datasets=[{tiny_data}]"
+            )
+        )

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from train_helpers import small_run
 
 from headway.config import load_config
 from headway.errors import HeadwayError
@@ -17,10 +18,15 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import speculative_generate
 from headway.inference.tree import build_tree
-from headway.inference.tune import (TuneConfig, best_medusa_trees, eagle_accepted_along, interpolate,
-                                    medusa_matches_along, replay_answers)
+from headway.inference.tune import (
+    TuneConfig,
+    best_medusa_trees,
+    eagle_accepted_along,
+    interpolate,
+    medusa_matches_along,
+    replay_answers,
+)
 from headway.run_config import RunConfig
-from train_helpers import small_run
 
 PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell me a story about it."]
 
@@ -32,16 +38,42 @@ def trained_heads(tiny_dirs, tiny_data, tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("tune-heads")
     return {
-        "eagle3": train(small_run(tiny_dirs["llama"], tiny_data, root / "e3", "head.kind=eagle3",
-                                  "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=3", "train.max_steps=12")),
-        "medusa": train(small_run(tiny_dirs["llama"], tiny_data, root / "m", "head.kind=medusa", "head.medusa.num_heads=3",
-                                  "train.max_steps=12")),
+        "eagle3": train(
+            small_run(
+                tiny_dirs["llama"],
+                tiny_data,
+                root / "e3",
+                "head.kind=eagle3",
+                "head.eagle3.draft_vocab_size=64",
+                "head.eagle3.ttt_steps=3",
+                "train.max_steps=12",
+            )
+        ),
+        "medusa": train(
+            small_run(
+                tiny_dirs["llama"],
+                tiny_data,
+                root / "m",
+                "head.kind=medusa",
+                "head.medusa.num_heads=3",
+                "train.max_steps=12",
+            )
+        ),
     }
 
 
 def _decoder(tiny_dirs, head: Path, *extra: str) -> SpeculativeDecoder:
-    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu",
-                                        "target.dtype=float64", "target.num_threads=1", *extra])
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.name_or_path={tiny_dirs['llama']}",
+            "target.device=cpu",
+            "target.dtype=float64",
+            "target.num_threads=1",
+            *extra,
+        ],
+    )
     return SpeculativeDecoder.load(head, cfg)
 
 
@@ -76,7 +108,9 @@ def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_h
 
 
 def test_replayed_medusa_matches_equal_real_verification(tiny_dirs, trained_heads):
-    d = _decoder(tiny_dirs, trained_heads["medusa"], "inference.use_tuned=false", "inference.tree=[[0],[1],[0,0]]")
+    d = _decoder(
+        tiny_dirs, trained_heads["medusa"], "inference.use_tuned=false", "inference.tree=[[0],[1],[0,0]]"
+    )
     replays = replay_answers(d, [d.fmt.first_turn(p) for p in PROMPTS], 24)
     tree_choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     drafter = MedusaDrafter(d.heads, build_tree(tree_choices), d.target.config.num_hidden_layers)
@@ -115,7 +149,9 @@ def test_tune_settings_are_checked():
 
 
 def _headway(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headway", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "headway", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_heads, tmp_path: Path):
@@ -125,10 +161,23 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
     shutil.copytree(trained_heads["eagle3"], head)
     target = [f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1", "target.dtype=float64"]
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in zip(PROMPTS, ["math", "story"])))
-    res = _headway("tune", "--head", str(head), "--prompts", str(prompts), *target, "tune.max_new_tokens=16",
-                   "tune.repeats=1", "tune.depths=[1,2,3]", "tune.top_ks=[1,2]", "tune.total_tokens=[1,2,4,6]",
-                   "tune.verify_sizes=[1,2,4,8]")
+    prompts.write_text(
+        "".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in zip(PROMPTS, ["math", "story"]))
+    )
+    res = _headway(
+        "tune",
+        "--head",
+        str(head),
+        "--prompts",
+        str(prompts),
+        *target,
+        "tune.max_new_tokens=16",
+        "tune.repeats=1",
+        "tune.depths=[1,2,3]",
+        "tune.top_ks=[1,2]",
+        "tune.total_tokens=[1,2,4,6]",
+        "tune.verify_sizes=[1,2,4,8]",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     entry = json.loads((head / "tuned.json").read_text())["entries"][0]
     chosen = entry["chosen"]["inference"]
@@ -136,7 +185,9 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
     # every drafter kind was replayed along the calibration answers; the fastest is the choice
     replayed = entry["drafters"]
     assert sorted(d["drafter"] for d in replayed) == ["hybrid", "neural", "ngram"]
-    assert chosen["drafter"] == replayed[0]["drafter"] and replayed[0]["tok_s"] == max(d["tok_s"] for d in replayed)
+    assert chosen["drafter"] == replayed[0]["drafter"] and replayed[0]["tok_s"] == max(
+        d["tok_s"] for d in replayed
+    )
     assert entry["machine"]["dtype"] == "torch.float64" and entry["machine"]["device"] == "cpu"
     assert entry["top_candidates"][0]["tok_s"] == max(c["tok_s"] for c in entry["top_candidates"])
     v = entry["validation"]
@@ -144,8 +195,20 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
     assert "saved in" in res.stdout and "tuned/configured" in res.stdout
 
     def bench_drafter(*extra: str) -> dict:
-        r = _headway("bench", "--head", str(head), "--prompts", str(prompts), "--out", str(tmp_path / "b.json"), *target,
-                     "inference.max_new_tokens=8", "bench.baselines=[]", "bench.plot=false", *extra)
+        r = _headway(
+            "bench",
+            "--head",
+            str(head),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(tmp_path / "b.json"),
+            *target,
+            "inference.max_new_tokens=8",
+            "bench.baselines=[]",
+            "bench.plot=false",
+            *extra,
+        )
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads((tmp_path / "b.json").read_text())["settings"]["drafter"]
 

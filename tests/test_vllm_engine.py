@@ -10,8 +10,11 @@ from dataset_checks import mask_spans
 
 from headway.data_scripts.engines import vllm_available
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (optional extra)")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (optional extra)"),
+]
 
 
 def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
@@ -24,9 +27,15 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     prompts = tmp_path / "p.jsonl"
     rows = [{"question": "What is 12 times 3?"}, {"turns": ["Name a colour.", "Name another one."]}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    overrides = [f"target.cache_dir={shared_cache}", f"prompts.path={prompts}", "distill.engine=vllm",
-                 "distill.max_new_tokens=40", "distill.vllm_max_num_seqs=8", "distill.max_length=1024",
-                 "distill.vllm_dtype=float32"]
+    overrides = [
+        f"target.cache_dir={shared_cache}",
+        f"prompts.path={prompts}",
+        "distill.engine=vllm",
+        "distill.max_new_tokens=40",
+        "distill.vllm_max_num_seqs=8",
+        "distill.max_length=1024",
+        "distill.vllm_dtype=float32",
+    ]
     first = load_config(RunConfig, None, overrides + [f"distill.output_dir={tmp_path / 'a'}"])
     ds, manifest = load_distilled(distill(first))
     assert manifest["engine"] == "vllm" and ds["id"] == [0, 1]
@@ -45,5 +54,7 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
 
     hf = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu"))
     start = ds[0]["loss_mask"].index(1)
-    ref = hf.model.generate(torch.tensor([ds[0]["input_ids"][:start]]), max_new_tokens=8, do_sample=False)[0, start:]
+    ref = hf.model.generate(torch.tensor([ds[0]["input_ids"][:start]]), max_new_tokens=8, do_sample=False)[
+        0, start:
+    ]
     assert ds[0]["input_ids"][start : start + 8] == ref.tolist()

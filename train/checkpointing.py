@@ -25,9 +25,18 @@ from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checks
 log = logging.getLogger("headway")
 
 
-def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict, scheduler: Any, consumed: int,
-                    adapters: Optional[dict] = None, rng_states: Optional[list] = None, optimizer_format: str = "index",
-                    shards: Optional[dict[str, Path]] = None) -> Path:
+def save_checkpoint(
+    root: Path,
+    step: int,
+    model_state: dict,
+    optim_state: dict,
+    scheduler: Any,
+    consumed: int,
+    adapters: Optional[dict] = None,
+    rng_states: Optional[list] = None,
+    optimizer_format: str = "index",
+    shards: Optional[dict[str, Path]] = None,
+) -> Path:
     """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the target's
     trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state, in rank order;
     `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter name,
@@ -38,15 +47,28 @@ def save_checkpoint(root: Path, step: int, model_state: dict, optim_state: dict,
         save_file(safetensors_of(model_state), str(tmp / "heads.safetensors"))
         if adapters is not None:
             save_file(safetensors_of(adapters), str(tmp / "adapters.safetensors"))
-        torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(),
-                    "torch_rng": rng_states or [torch.get_rng_state()]}, tmp / "state.pt")
-        state = {"step": step, "consumed": consumed, "python_rng": _jsonable(random.getstate()),
-                 "optimizer_format": optimizer_format, "world_size": len(rng_states or [None])}
+        torch.save(
+            {
+                "optimizer": optim_state,
+                "scheduler": scheduler.state_dict(),
+                "torch_rng": rng_states or [torch.get_rng_state()],
+            },
+            tmp / "state.pt",
+        )
+        state = {
+            "step": step,
+            "consumed": consumed,
+            "python_rng": _jsonable(random.getstate()),
+            "optimizer_format": optimizer_format,
+            "world_size": len(rng_states or [None]),
+        }
         for name, src in (shards or {}).items():
             os.replace(src, tmp / name)
         state["files"] = file_checksums(tmp, [f.name for f in tmp.iterdir() if f.is_file()])
         fault_point(f"checkpoint-writing:{step}")
-        (tmp / "trainer.json").write_text(json.dumps(state))  # last: a checkpoint with trainer.json is complete
+        (tmp / "trainer.json").write_text(
+            json.dumps(state)
+        )  # last: a checkpoint with trainer.json is complete
     return out
 
 
@@ -97,20 +119,33 @@ def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoi
     files = [path / "heads.safetensors", path / "state.pt", path / "trainer.json"]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise HeadwayError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}): resume from another one")
+        raise HeadwayError(
+            f"checkpoint {path} is incomplete (missing {', '.join(missing)}): resume from another one"
+        )
     trainer = _verify(path)
     adapters = None
     if with_adapters:
         if not (path / "adapters.safetensors").is_file():
-            raise HeadwayError(f"checkpoint {path} has no adapters.safetensors but train.lora.enabled is true")
+            raise HeadwayError(
+                f"checkpoint {path} has no adapters.safetensors but train.lora.enabled is true"
+            )
         adapters = load_file(str(path / "adapters.safetensors"))
     try:
         state = torch.load(files[1], weights_only=True)
     except pickle.UnpicklingError as e:
-        raise HeadwayError(f"checkpoint {path}: state.pt holds more than tensors and plain containers, which Headway "
-                           f"does not unpickle (it could run code): {str(e).splitlines()[0][:160]}") from None
+        raise HeadwayError(
+            f"checkpoint {path}: state.pt holds more than tensors and plain containers, which Headway "
+            f"does not unpickle (it could run code): {str(e).splitlines()[0][:160]}"
+        ) from None
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(_tupled(trainer["python_rng"]))
     rng = state["torch_rng"]
-    return Checkpoint(int(trainer["step"]), int(trainer["consumed"]), load_file(str(files[0])), state["optimizer"],
-                      trainer.get("optimizer_format", "index"), rng if isinstance(rng, list) else [rng], adapters)
+    return Checkpoint(
+        int(trainer["step"]),
+        int(trainer["consumed"]),
+        load_file(str(files[0])),
+        state["optimizer"],
+        trainer.get("optimizer_format", "index"),
+        rng if isinstance(rng, list) else [rng],
+        adapters,
+    )

@@ -104,15 +104,19 @@ class TrainConfig:
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
         if self.backend in ("fsdp", "deepspeed") and self.lora.enabled:
-            raise HeadwayError(f"train.backend={self.backend} wraps the head alone, but Medusa-2's LoRA adapters live in the "
-                               "target: train Medusa-2 with train.backend=ddp")
+            raise HeadwayError(
+                f"train.backend={self.backend} wraps the head alone, but Medusa-2's LoRA adapters live in the "
+                "target: train Medusa-2 with train.backend=ddp"
+            )
         if self.shard_target and self.backend != "fsdp":
             raise HeadwayError("train.shard_target shards the target with FSDP2: set train.backend=fsdp")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if self.features_dir and self.lora.enabled:
-            raise HeadwayError("train.features_dir (offline features) cannot train Medusa-2: its LoRA target must run in "
-                               "every step; unset one of them")
+            raise HeadwayError(
+                "train.features_dir (offline features) cannot train Medusa-2: its LoRA target must run in "
+                "every step; unset one of them"
+            )
         if not 0 <= self.eval_fraction < 1:
             raise HeadwayError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 
@@ -122,4 +126,3 @@ class LoggingConfig:
     # wandb project; null = no wandb. WANDB_MODE=offline works without a network.
     wandb_project: Optional[str] = None
     wandb_run_name: Optional[str] = None
-

@@ -25,10 +25,14 @@ class Sample:
     key: str = ""  # "<dataset dir>#<sample id>": stable across runs (the feature cache's key)
 
 
-def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[list[tuple[str, Sample]], dict]:
+def load_samples(
+    paths: list[str], fingerprint: dict, max_length: int
+) -> tuple[list[tuple[str, Sample]], dict]:
     """(key, sample) pairs from every dataset; a dataset made by another target is refused."""
     if not paths:
-        raise HeadwayError("no training data: set train.datasets=[DIR, ...] (directories written by `headway distill`)")
+        raise HeadwayError(
+            "no training data: set train.datasets=[DIR, ...] (directories written by `headway distill`)"
+        )
     out = []
     for path in paths:
         ds, manifest = load_distilled(path)
@@ -44,7 +48,9 @@ def load_samples(paths: list[str], fingerprint: dict, max_length: int) -> tuple[
     return out, {"datasets": paths}
 
 
-def drop_duplicates(samples: list[tuple[str, Sample]], rule: str, threshold: float) -> tuple[list[tuple[str, Sample]], int]:
+def drop_duplicates(
+    samples: list[tuple[str, Sample]], rule: str, threshold: float
+) -> tuple[list[tuple[str, Sample]], int]:
     """The samples without duplicate answers (train.dedup), and how many were dropped."""
     dup = duplicates([answer_tokens(s.input_ids, s.loss_mask) for _, s in samples], rule, threshold)
     return [x for x, d in zip(samples, dup) if not d], sum(dup)

@@ -25,15 +25,19 @@ def minhash(tokens: tuple[int, ...], ngram: int, coeffs: np.ndarray) -> np.ndarr
     """[NUM_HASHES] uint64 signature of the set of `ngram`-grams (the whole text when it is shorter)."""
     n = max(1, len(tokens) - ngram + 1)
     grams = {tokens[i : i + ngram] for i in range(n)}
-    keys = np.array([int.from_bytes(hashlib.blake2b(repr(g).encode(), digest_size=7).digest(), "little") for g in grams],
-                    dtype=np.uint64)
+    keys = np.array(
+        [int.from_bytes(hashlib.blake2b(repr(g).encode(), digest_size=7).digest(), "little") for g in grams],
+        dtype=np.uint64,
+    )
     a, b = coeffs[:, :1], coeffs[:, 1:]
     # (a * x + b) mod p on 64-bit words; the wrap-around is part of the hash family, not an error
     with np.errstate(over="ignore"):
         return ((a * keys[None, :] + b) % np.uint64(_PRIME)).min(axis=1)
 
 
-def duplicates(answers: list[tuple[int, ...]], rule: str, threshold: float = 0.8, ngram: int = 5) -> list[bool]:
+def duplicates(
+    answers: list[tuple[int, ...]], rule: str, threshold: float = 0.8, ngram: int = 5
+) -> list[bool]:
     """Per answer, True when an earlier answer is the same (rule=exact) or its estimated Jaccard similarity
     of token `ngram`-grams to an earlier kept one is at least `threshold` (rule=near); rule=none keeps all."""
     if rule == "none":

@@ -49,8 +49,10 @@ def _set(cfg: dict, key: str, value: Any, source: str) -> None:
     box = cfg.setdefault(section, {}) if section else cfg
     have = box.get(name, "auto")
     if have != "auto" and have != value:
-        raise HeadwayError(f"deepspeed config {source}: {key}={have!r} contradicts the run config ({value!r}); "
-                           f"set it to \"auto\" or change the train.* setting instead")
+        raise HeadwayError(
+            f"deepspeed config {source}: {key}={have!r} contradicts the run config ({value!r}); "
+            f'set it to "auto" or change the train.* setting instead'
+        )
     box[name] = value
 
 
@@ -62,18 +64,24 @@ def resolve_config(source: str, tc: Any, world_size: int, bf16: bool) -> dict:
     else:
         path = Path(source).expanduser()
         if not path.is_file():
-            raise HeadwayError(f"train.deepspeed_config: {path} does not exist; use a file such as "
-                               f"configs/deepspeed/zero2.json or one of {', '.join(PRESETS)}")
+            raise HeadwayError(
+                f"train.deepspeed_config: {path} does not exist; use a file such as "
+                f"configs/deepspeed/zero2.json or one of {', '.join(PRESETS)}"
+            )
         try:
             cfg = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise HeadwayError(f"train.deepspeed_config: {path} is not valid JSON ({e})") from None
     for owned in ("optimizer", "scheduler"):
         if owned in cfg:
-            raise HeadwayError(f"deepspeed config {source}: remove its \"{owned}\" section; Headway's train.* settings "
-                               f"(lr, betas, weight_decay, warmup_steps, min_lr_ratio) define the optimizer and schedule")
+            raise HeadwayError(
+                f'deepspeed config {source}: remove its "{owned}" section; Headway\'s train.* settings '
+                f"(lr, betas, weight_decay, warmup_steps, min_lr_ratio) define the optimizer and schedule"
+            )
     if cfg.get("fp16", {}).get("enabled") in (True, "auto"):
-        raise HeadwayError(f"deepspeed config {source}: fp16 is not supported (it needs loss scaling); use bf16")
+        raise HeadwayError(
+            f"deepspeed config {source}: fp16 is not supported (it needs loss scaling); use bf16"
+        )
     _set(cfg, "train_micro_batch_size_per_gpu", tc.micro_batch_size, source)
     _set(cfg, "gradient_accumulation_steps", tc.grad_accum, source)
     _set(cfg, "train_batch_size", tc.micro_batch_size * tc.grad_accum * world_size, source)
@@ -81,9 +89,11 @@ def resolve_config(source: str, tc: Any, world_size: int, bf16: bool) -> dict:
     if cfg.get("bf16", {}).get("enabled", "auto") == "auto":
         cfg.setdefault("bf16", {})["enabled"] = bf16
     elif bool(cfg["bf16"]["enabled"]) != bf16:
-        raise HeadwayError(f"deepspeed config {source}: bf16.enabled={cfg['bf16']['enabled']} but train.autocast_dtype "
-                           f"resolves to {'bfloat16' if bf16 else 'float32'}: set bf16.enabled to \"auto\" or change "
-                           "train.autocast_dtype")
+        raise HeadwayError(
+            f"deepspeed config {source}: bf16.enabled={cfg['bf16']['enabled']} but train.autocast_dtype "
+            f'resolves to {"bfloat16" if bf16 else "float32"}: set bf16.enabled to "auto" or change '
+            "train.autocast_dtype"
+        )
     return cfg
 
 
@@ -94,11 +104,16 @@ def initialize(module: torch.nn.Module, optimizer: Any, scheduler: Any, ds_confi
     try:
         import deepspeed
     except ImportError:
-        raise HeadwayError("train.backend=deepspeed needs DeepSpeed: pip install 'headway[deepspeed]' "
-                           "(on CPU also export DS_ACCELERATOR=cpu)") from None
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, dist_init_required=False)
-    log.info("deepspeed: ZeRO stage %d, bf16 %s", engine.zero_optimization_stage(), ds_config["bf16"]["enabled"])
+        raise HeadwayError(
+            "train.backend=deepspeed needs DeepSpeed: pip install 'headway[deepspeed]' "
+            "(on CPU also export DS_ACCELERATOR=cpu)"
+        ) from None
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+    )
+    log.info(
+        "deepspeed: ZeRO stage %d, bf16 %s", engine.zero_optimization_stage(), ds_config["bf16"]["enabled"]
+    )
     return engine
 
 
@@ -133,8 +148,10 @@ def full_module_state(engine: Any) -> dict[str, torch.Tensor]:
 
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
-                for k, v in module.state_dict().items()}
+        return {
+            k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
+            for k, v in module.state_dict().items()
+        }
 
 
 def save_shards(engine: Any, directory: Path) -> None:
@@ -145,11 +162,17 @@ def save_shards(engine: Any, directory: Path) -> None:
 def load_shards(engine: Any, checkpoint: Path, world_size: int, saved_world_size: int) -> None:
     """Restore the engine from a checkpoint written by the same number of ranks."""
     if not (checkpoint / TAG).is_dir():
-        raise HeadwayError(f"checkpoint {checkpoint} was not written by train.backend=deepspeed: resume it with the "
-                           "backend that wrote it")
+        raise HeadwayError(
+            f"checkpoint {checkpoint} was not written by train.backend=deepspeed: resume it with the "
+            "backend that wrote it"
+        )
     if saved_world_size != world_size:
-        raise HeadwayError(f"checkpoint {checkpoint} was written by {saved_world_size} deepspeed ranks and this run has "
-                           f"{world_size}: resume with {saved_world_size} processes (DeepSpeed's ZeRO shards are per rank)")
-    path, _ = engine.load_checkpoint(str(checkpoint), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True)
+        raise HeadwayError(
+            f"checkpoint {checkpoint} was written by {saved_world_size} deepspeed ranks and this run has "
+            f"{world_size}: resume with {saved_world_size} processes (DeepSpeed's ZeRO shards are per rank)"
+        )
+    path, _ = engine.load_checkpoint(
+        str(checkpoint), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if path is None:
         raise HeadwayError(f"checkpoint {checkpoint}: DeepSpeed could not read {checkpoint / TAG}")

@@ -21,6 +21,7 @@ from headway.runtime import dist_info
 
 log = logging.getLogger("headway")
 
+
 class HeadObjective(torch.nn.Module):
     """A head with its training objective: forward(batch, features, t2d) -> (loss, metrics)."""
 
@@ -103,8 +104,10 @@ def start(backend: str, device: torch.device) -> Parallel:
     info = dist_info()
     if backend == "none":
         if info.world_size > 1:
-            raise HeadwayError(f"launched as {info.world_size} processes but train.backend=none: set train.backend=ddp, "
-                               "fsdp or deepspeed (or launch one process)")
+            raise HeadwayError(
+                f"launched as {info.world_size} processes but train.backend=none: set train.backend=ddp, "
+                "fsdp or deepspeed (or launch one process)"
+            )
         return Parallel()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -133,8 +136,10 @@ def shard_target(model: torch.nn.Module) -> None:
 
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise HeadwayError(f"train.shard_target: {type(model).__name__} has no model.layers to shard; "
-                           "set train.shard_target=false")
+        raise HeadwayError(
+            f"train.shard_target: {type(model).__name__} has no model.layers to shard; "
+            "set train.shard_target=false"
+        )
     for layer in layers:
         fully_shard(layer)
     log.info("target: %d decoder layers sharded across %d ranks", len(layers), dist.get_world_size())
@@ -142,16 +147,28 @@ def shard_target(model: torch.nn.Module) -> None:
 
 def full_state(module: torch.nn.Module, optimizer: Any, par: Parallel) -> tuple[dict, dict]:
     """The whole model and optimizer state, gathered to rank 0 on CPU (every rank must call this)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=par.active)
-    return (get_model_state_dict(module, options=options),
-            get_optimizer_state_dict(module, optimizer, options=options))
+    return (
+        get_model_state_dict(module, options=options),
+        get_optimizer_state_dict(module, optimizer, options=options),
+    )
 
 
-def load_full_state(module: torch.nn.Module, optimizer: Any, model_state: dict, optim_state: dict, par: Parallel) -> None:
+def load_full_state(
+    module: torch.nn.Module, optimizer: Any, model_state: dict, optim_state: dict, par: Parallel
+) -> None:
     """Load a full (gathered) state into the possibly sharded module and optimizer on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(module, model_state, options=options)
@@ -163,8 +180,16 @@ class TorchStep:
     1/grad_accum; the step averages the LoRA adapters' gradients (outside the wrapped head), clips and
     steps the optimizer and the schedule."""
 
-    def __init__(self, optimizer: Any, scheduler: Any, params: list, lora_params: list, grad_clip: float,
-                 grad_accum: int, par: Parallel):
+    def __init__(
+        self,
+        optimizer: Any,
+        scheduler: Any,
+        params: list,
+        lora_params: list,
+        grad_clip: float,
+        grad_accum: int,
+        par: Parallel,
+    ):
         self.optimizer, self.scheduler, self.par = optimizer, scheduler, par
         self.params, self.lora_params = params, lora_params
         self.grad_clip, self.grad_accum = grad_clip, grad_accum

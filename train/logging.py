@@ -38,10 +38,17 @@ class RunLogger:
                 config = asdict(run_cfg) if is_dataclass(run_cfg) else dict(run_cfg)
                 self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=config)
             except ImportError:
-                log.warning("logging.wandb_project is set but wandb is not installed (pip install 'headway[wandb]'); "
-                            "logging to %s only", path)
+                log.warning(
+                    "logging.wandb_project is set but wandb is not installed (pip install 'headway[wandb]'); "
+                    "logging to %s only",
+                    path,
+                )
             except Exception as e:  # wandb raises its own types for network and auth problems
-                log.warning("wandb could not start (%s); logging to %s only (WANDB_MODE=offline works offline)", e, path)
+                log.warning(
+                    "wandb could not start (%s); logging to %s only (WANDB_MODE=offline works offline)",
+                    e,
+                    path,
+                )
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")

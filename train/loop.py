@@ -20,23 +20,38 @@ import torch
 from tqdm import tqdm
 
 from headway.config import CONFIG_FILENAME, save_config
+from headway.data_scripts.cache_features import FeatureCache
 from headway.errors import HeadwayError
+from headway.faults import fault_point
 from headway.heads.checkpoint import load_head, read_head_config, save_head
 from headway.heads.draft_layer import draft_layer_config, text_config
 from headway.heads.eagle3 import Eagle3Head
 from headway.heads.registry import LAYERED, build_head
 from headway.heads.target import load_target
-from headway.runtime import autocast_dtype
-from headway.train.calibration import rank_accuracy
-from headway.faults import fault_point
-from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
-from headway.train import deepspeed_engine
-from headway.train.distributed import (HeadObjective, Parallel, TorchStep, full_state, load_full_state, shard_target, start,
-                                      wrap)
 from headway.run_config import RunConfig
-from headway.data_scripts.cache_features import FeatureCache
-from headway.train.data import (Sample, batch_at, collate, drop_duplicates, load_samples, split_heldout,
-                                token_frequencies)
+from headway.runtime import autocast_dtype
+from headway.train import deepspeed_engine
+from headway.train.calibration import rank_accuracy
+from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
+from headway.train.data import (
+    Sample,
+    batch_at,
+    collate,
+    drop_duplicates,
+    load_samples,
+    split_heldout,
+    token_frequencies,
+)
+from headway.train.distributed import (
+    HeadObjective,
+    Parallel,
+    TorchStep,
+    full_state,
+    load_full_state,
+    shard_target,
+    start,
+    wrap,
+)
 from headway.train.logging import RunLogger
 from headway.train.losses import distill_kl, target_to_draft
 from headway.train.objectives import OBJECTIVES, Features
@@ -52,13 +67,25 @@ def add_lora(model: Any, lora: Any) -> Any:
     from headway.heads.packed_linear import linear_weights
 
     if linear_weights(model) != "native":
-        raise HeadwayError(f"Medusa-2's LoRA adapts the target's linear layers, which target.linear_weights="
-                           f"{linear_weights(model)} packs for inference: train with target.linear_weights=native")
+        raise HeadwayError(
+            f"Medusa-2's LoRA adapts the target's linear layers, which target.linear_weights="
+            f"{linear_weights(model)} packs for inference: train with target.linear_weights=native"
+        )
     try:
-        return get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                    target_modules=list(lora.target_modules), bias="none"))
+        return get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                bias="none",
+            ),
+        )
     except ValueError as e:
-        raise HeadwayError(f"train.lora.target_modules {list(lora.target_modules)} do not fit this target: {e}") from None
+        raise HeadwayError(
+            f"train.lora.target_modules {list(lora.target_modules)} do not fit this target: {e}"
+        ) from None
 
 
 def adapter_state(model: Any, enabled: bool) -> Any:
@@ -95,16 +122,24 @@ def heads_from(cfg: RunConfig, target: Any) -> Any:
     path = Path(cfg.train.init_from).expanduser()
     kind = read_head_config(path).get("kind")
     if kind != cfg.head.kind:
-        raise HeadwayError(f"train.init_from={path} holds a '{kind}' head, but this run trains head.kind="
-                           f"{cfg.head.kind}: start from a {cfg.head.kind} head, or unset train.init_from")
+        raise HeadwayError(
+            f"train.init_from={path} holds a '{kind}' head, but this run trains head.kind="
+            f"{cfg.head.kind}: start from a {cfg.head.kind} head, or unset train.init_from"
+        )
     heads = load_head(path, target.fingerprint, device=target.device, dtype=torch.float32)
     run_cfg = kind_config(cfg, int(text_config(target.config).num_hidden_layers))
     free = getattr(type(run_cfg), "training_fields", ())
-    differ = [f.name for f in fields(run_cfg) if f.name not in free and getattr(run_cfg, f.name) != getattr(heads.cfg, f.name)]
+    differ = [
+        f.name
+        for f in fields(run_cfg)
+        if f.name not in free and getattr(run_cfg, f.name) != getattr(heads.cfg, f.name)
+    ]
     if differ:
         shown = ", ".join(f"{k}={getattr(heads.cfg, k)!r}" for k in differ)
-        raise HeadwayError(f"train.init_from={path} was trained with head.{kind}: {shown}, which this run sets "
-                           f"otherwise: set those to the head's values, or unset train.init_from")
+        raise HeadwayError(
+            f"train.init_from={path} was trained with head.{kind}: {shown}, which this run sets "
+            f"otherwise: set those to the head's values, or unset train.init_from"
+        )
     heads.cfg = replace(heads.cfg, **{k: getattr(run_cfg, k) for k in free})
     heads.attach_target(target.model)
     log.info("starting from the weights of %s", path)
@@ -124,14 +159,20 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     if kind == "eagle3" or getattr(kind_cfg, "lm_head", None) == "reduced":
         size = kind_cfg.draft_vocab_size
         if size > vocab:
-            if size != type(kind_cfg)().draft_vocab_size:  # the default fits most targets; a value set by hand must fit
-                raise HeadwayError(f"head.{kind}.draft_vocab_size={size} is larger than the target's vocabulary "
-                                   f"({vocab} tokens): set it to at most {vocab}")
+            if (
+                size != type(kind_cfg)().draft_vocab_size
+            ):  # the default fits most targets; a value set by hand must fit
+                raise HeadwayError(
+                    f"head.{kind}.draft_vocab_size={size} is larger than the target's vocabulary "
+                    f"({vocab} tokens): set it to at most {vocab}"
+                )
             size = vocab
         freq = token_frequencies(train_samples, vocab)
         d2t = torch.sort(torch.topk(freq, size).indices).values
         covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
-        log.info("draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered)
+        log.info(
+            "draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered
+        )
     layer_config = draft_layer_config(target.config, kind_cfg.draft_layer) if kind in LAYERED else None
     heads = build_head(kind, kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
     heads.init_from_target(target.model)
@@ -145,10 +186,14 @@ def feature_layers(cfg: RunConfig, target: Any) -> list[int]:
     from headway.heads.registry import KINDS
 
     num_layers = int(text_config(target.config).num_hidden_layers)
-    return sorted(set(KINDS[cfg.head.kind][1].feature_layers(kind_config(cfg, num_layers), num_layers)) | {num_layers})
+    return sorted(
+        set(KINDS[cfg.head.kind][1].feature_layers(kind_config(cfg, num_layers), num_layers)) | {num_layers}
+    )
 
 
-def _gather_state(objective: Any, heads: Any, optimizer: Any, par: Parallel, lora: bool) -> tuple[dict, dict, str]:
+def _gather_state(
+    objective: Any, heads: Any, optimizer: Any, par: Parallel, lora: bool
+) -> tuple[dict, dict, str]:
     """The head's and optimizer's whole state (a collective: every rank calls it). Runs with LoRA adapters
     keep torch's own optimizer format (their optimizer also holds the target's adapters); DeepSpeed's
     optimizer state stays in its own per-rank shards."""
@@ -161,8 +206,18 @@ def _gather_state(objective: Any, heads: Any, optimizer: Any, par: Parallel, lor
     return {k.removeprefix("heads."): v for k, v in model_state.items()}, optim_state, fmt
 
 
-def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any, optimizer: Any, scheduler: Any,
-                target: Any, tc: Any, par: Parallel) -> None:
+def _checkpoint(
+    root: Path,
+    step: int,
+    consumed: int,
+    objective: Any,
+    heads: Any,
+    optimizer: Any,
+    scheduler: Any,
+    target: Any,
+    tc: Any,
+    par: Parallel,
+) -> None:
     model_state, optim_state, fmt = _gather_state(objective, heads, optimizer, par, tc.lora.enabled)
     rngs = par.gather_objects(torch.get_rng_state())
     shards = {}
@@ -175,8 +230,18 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
         par.barrier()
         shards = {deepspeed_engine.TAG: staging / deepspeed_engine.TAG}
     if par.is_main:
-        save_checkpoint(root, step, model_state, optim_state, scheduler, consumed, adapter_state(target.model, tc.lora.enabled),
-                        rngs, fmt, shards)
+        save_checkpoint(
+            root,
+            step,
+            model_state,
+            optim_state,
+            scheduler,
+            consumed,
+            adapter_state(target.model, tc.lora.enabled),
+            rngs,
+            fmt,
+            shards,
+        )
         if shards:
             shutil.rmtree(root / f".shards-step-{step:08d}", ignore_errors=True)
     par.barrier()
@@ -185,8 +250,16 @@ def _checkpoint(root: Path, step: int, consumed: int, objective: Any, heads: Any
 
 # What a checkpoint's weights and data order depend on: a resumed run must agree on all of them (the batch may
 # be split differently: the data position is counted in sequences).
-RUN_IDENTITY = ("head", "target.name_or_path", "train.datasets", "train.max_length", "train.seed", "train.lora",
-                "train.dedup", "train.dedup_threshold")
+RUN_IDENTITY = (
+    "head",
+    "target.name_or_path",
+    "train.datasets",
+    "train.max_length",
+    "train.seed",
+    "train.lora",
+    "train.dedup",
+    "train.dedup_threshold",
+)
 
 
 def _check_same_run(saved: Path, cfg: RunConfig) -> None:
@@ -204,24 +277,39 @@ def _check_same_run(saved: Path, cfg: RunConfig) -> None:
     if changed:
         raise HeadwayError(
             f"{saved.parent} holds checkpoints of a run with other settings ({', '.join(changed)} changed): rerun with "
-            "the original values, use another train.output_dir, or set train.resume_from=null to start over there")
+            "the original values, use another train.output_dir, or set train.resume_from=null to start over there"
+        )
 
 
-def _resume(path: Path, objective: Any, heads: Any, optimizer: Any, scheduler: Any, target: Any, tc: Any,
-            par: Parallel) -> tuple[int, int]:
+def _resume(
+    path: Path,
+    objective: Any,
+    heads: Any,
+    optimizer: Any,
+    scheduler: Any,
+    target: Any,
+    tc: Any,
+    par: Parallel,
+) -> tuple[int, int]:
     ck = read_checkpoint(path, scheduler, tc.lora.enabled)
     if par.backend == "deepspeed":
         deepspeed_engine.load_shards(objective, path, par.world_size, len(ck.rng_states))
     elif ck.optimizer_format == "deepspeed":
-        raise HeadwayError(f"checkpoint {path} was written by train.backend=deepspeed: resume it with train.backend="
-                           f"deepspeed and {len(ck.rng_states)} processes")
+        raise HeadwayError(
+            f"checkpoint {path} was written by train.backend=deepspeed: resume it with train.backend="
+            f"deepspeed and {len(ck.rng_states)} processes"
+        )
     elif ck.optimizer_format == "index":
         if par.backend == "fsdp":
-            raise HeadwayError(f"checkpoint {path} was written by a Medusa-2 or older run: resume it without fsdp")
+            raise HeadwayError(
+                f"checkpoint {path} was written by a Medusa-2 or older run: resume it without fsdp"
+            )
         heads.load_state_dict(ck.model_state)
         optimizer.load_state_dict(ck.optim_state)
     else:
-        load_full_state(objective, optimizer, {f"heads.{k}": v for k, v in ck.model_state.items()}, ck.optim_state, par)
+        load_full_state(
+            objective, optimizer, {f"heads.{k}": v for k, v in ck.model_state.items()}, ck.optim_state, par
+        )
     if ck.adapters is not None:
         from peft import set_peft_model_state_dict
 
@@ -229,14 +317,26 @@ def _resume(path: Path, objective: Any, heads: Any, optimizer: Any, scheduler: A
     if len(ck.rng_states) == par.world_size:
         torch.set_rng_state(ck.rng_states[par.rank])
     else:
-        log.warning("checkpoint %s was written by %d ranks, this run has %d: random streams (feature noise) restart",
-                    path, len(ck.rng_states), par.world_size)
+        log.warning(
+            "checkpoint %s was written by %d ranks, this run has %d: random streams (feature noise) restart",
+            path,
+            len(ck.rng_states),
+            par.world_size,
+        )
         torch.manual_seed(tc.seed + 1000 * ck.step + par.rank)
     return ck.step, ck.consumed
 
 
-def _step_loss(cfg: RunConfig, target: Any, objective: Any, samples: list[Sample], t2d: Any, device: Any,
-               adapt: bool = False, cache: Optional[FeatureCache] = None) -> tuple[torch.Tensor, dict]:
+def _step_loss(
+    cfg: RunConfig,
+    target: Any,
+    objective: Any,
+    samples: list[Sample],
+    t2d: Any,
+    device: Any,
+    adapt: bool = False,
+    cache: Optional[FeatureCache] = None,
+) -> tuple[torch.Tensor, dict]:
     """Head loss on one micro-batch. The target's features come from running it, or from the offline
     `cache`; with `adapt` (Medusa-2) the LoRA-adapted target runs with gradients and a distillation
     loss keeps it close to the frozen target."""
@@ -263,8 +363,16 @@ def _step_loss(cfg: RunConfig, target: Any, objective: Any, samples: list[Sample
 
 
 @torch.no_grad()
-def evaluate(cfg: RunConfig, target: Any, objective: Any, held: list, t2d: Any, device: Any,
-             cache: Optional[FeatureCache] = None, par: Parallel = Parallel()) -> dict:
+def evaluate(
+    cfg: RunConfig,
+    target: Any,
+    objective: Any,
+    held: list,
+    t2d: Any,
+    device: Any,
+    cache: Optional[FeatureCache] = None,
+    par: Parallel = Parallel(),
+) -> dict:
     """Per-head top-1 / top-5 accuracy and loss on the held-out split (mean over batches and ranks; every
     rank runs the same number of batches, as FSDP's collectives need)."""
     objective.eval()
@@ -273,8 +381,15 @@ def evaluate(cfg: RunConfig, target: Any, objective: Any, held: list, t2d: Any, 
     samples = held[: cfg.train.eval_max_samples]
     samples = par.shard(samples[: len(samples) // par.world_size * par.world_size])
     for first in range(0, len(samples), cfg.train.micro_batch_size):
-        loss, metrics = _step_loss(cfg, target, objective, samples[first : first + cfg.train.micro_batch_size], t2d,
-                                   device, cache=cache)
+        loss, metrics = _step_loss(
+            cfg,
+            target,
+            objective,
+            samples[first : first + cfg.train.micro_batch_size],
+            t2d,
+            device,
+            cache=cache,
+        )
         metrics["loss"] = float(loss)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v
@@ -288,7 +403,9 @@ def train(cfg: RunConfig) -> Path:
     tc = cfg.train
     out = Path(tc.output_dir).expanduser()
     if tc.init_from:
-        read_head_config(Path(tc.init_from).expanduser())  # a missing or broken head fails before the target loads
+        read_head_config(
+            Path(tc.init_from).expanduser()
+        )  # a missing or broken head fails before the target loads
     random.seed(tc.seed)
     torch.manual_seed(tc.seed)  # the same initial head on every rank
     target = load_target(cfg.target)
@@ -301,12 +418,16 @@ def train(cfg: RunConfig) -> Path:
     samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
     if tc.dedup != "none":
         samples, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
-        log.info("train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples))
+        log.info(
+            "train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples)
+        )
     if tc.eval_datasets:  # every training sequence trains; evaluation reads other datasets
         overlap = sorted(set(tc.eval_datasets) & set(tc.datasets))
         if overlap:
-            raise HeadwayError(f"train.eval_datasets {overlap} are also train.datasets: evaluate on data the head "
-                               "never trains on, or leave train.eval_datasets=[] for a held-out split")
+            raise HeadwayError(
+                f"train.eval_datasets {overlap} are also train.datasets: evaluate on data the head "
+                "never trains on, or leave train.eval_datasets=[] for a held-out split"
+            )
         train_set = [s for _, s in samples]
         held = [s for _, s in load_samples(tc.eval_datasets, target.fingerprint, tc.max_length)[0]]
         log.info("evaluating on %d sequences of %s", len(held), ", ".join(tc.eval_datasets))
@@ -314,13 +435,21 @@ def train(cfg: RunConfig) -> Path:
         train_set, held = split_heldout(samples, tc.eval_fraction)
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
     if tc.eval_every and 0 < min(len(held), tc.eval_max_samples) < par.world_size:
-        log.warning("only %d held-out sequence(s) for %d processes: no evaluation this run; raise train.eval_fraction "
-                    "or add data", len(held), par.world_size)
+        log.warning(
+            "only %d held-out sequence(s) for %d processes: no evaluation this run; raise train.eval_fraction "
+            "or add data",
+            len(held),
+            par.world_size,
+        )
     heads = build_heads(cfg, target, train_set).to(device)
     cache = None
     if tc.features_dir:
-        cache = FeatureCache(tc.features_dir, target.fingerprint, feature_layers(cfg, target),
-                             {"datasets": list(tc.datasets), "max_length": tc.max_length})
+        cache = FeatureCache(
+            tc.features_dir,
+            target.fingerprint,
+            feature_layers(cfg, target),
+            {"datasets": list(tc.datasets), "max_length": tc.max_length},
+        )
         log.info("offline: the target's features come from %s", tc.features_dir)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     objective = wrap(HeadObjective(heads, OBJECTIVES[cfg.head.kind], cfg), par, device)
@@ -331,14 +460,23 @@ def train(cfg: RunConfig) -> Path:
         target.model = add_lora(target.model, tc.lora)
         lora_params = [p for p in target.model.parameters() if p.requires_grad]
         groups.append({"params": lora_params, "lr": tc.lora.lr})
-        log.info("Medusa-2: LoRA r=%d on %s (%d parameters), joining after %d heads-only steps",
-                 tc.lora.r, ",".join(tc.lora.target_modules), sum(p.numel() for p in lora_params), tc.lora.heads_warmup_steps)
+        log.info(
+            "Medusa-2: LoRA r=%d on %s (%d parameters), joining after %d heads-only steps",
+            tc.lora.r,
+            ",".join(tc.lora.target_modules),
+            sum(p.numel() for p in lora_params),
+            tc.lora.heads_warmup_steps,
+        )
     optimizer = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas))
     scheduler = cosine_schedule(optimizer, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
     if par.backend == "deepspeed":
         bf16 = autocast_dtype(tc.autocast_dtype, device) == torch.bfloat16
         objective = deepspeed_engine.initialize(
-            objective, optimizer, scheduler, deepspeed_engine.resolve_config(tc.deepspeed_config, tc, par.world_size, bf16))
+            objective,
+            optimizer,
+            scheduler,
+            deepspeed_engine.resolve_config(tc.deepspeed_config, tc, par.world_size, bf16),
+        )
         stepper: Any = deepspeed_engine.DeepSpeedStep(objective)
     else:
         stepper = TorchStep(optimizer, scheduler, params, lora_params, tc.grad_clip, tc.grad_accum, par)
@@ -347,7 +485,9 @@ def train(cfg: RunConfig) -> Path:
     step, consumed = 0, 0
     ckpt_root = out / "checkpoints"
     if tc.resume_from:
-        path = par.broadcast_object(latest_checkpoint(ckpt_root) if tc.resume_from == "auto" else Path(tc.resume_from))
+        path = par.broadcast_object(
+            latest_checkpoint(ckpt_root) if tc.resume_from == "auto" else Path(tc.resume_from)
+        )
         if path is not None and tc.resume_from == "auto":
             _check_same_run(out / CONFIG_FILENAME, cfg)
         if path is None:
@@ -360,8 +500,13 @@ def train(cfg: RunConfig) -> Path:
         save_config(cfg, out)
         logger = RunLogger(out / "log.jsonl", cfg.logging, cfg, resume_step=step if step > 0 else None)
     micro = tc.micro_batch_size * par.world_size  # one global micro-batch; each rank reads its share
-    log.info("effective batch: %d sequences (%d per rank x %d accumulation x %d ranks)",
-             micro * tc.grad_accum, tc.micro_batch_size, tc.grad_accum, par.world_size)
+    log.info(
+        "effective batch: %d sequences (%d per rank x %d accumulation x %d ranks)",
+        micro * tc.grad_accum,
+        tc.micro_batch_size,
+        tc.grad_accum,
+        par.world_size,
+    )
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
     started, tokens = time.time(), 0
     while step < tc.max_steps:
@@ -377,7 +522,9 @@ def train(cfg: RunConfig) -> Path:
             loss, metrics = _step_loss(cfg, target, objective, batch, t2d, device, adapt, cache)
             micro_loss = float(loss.detach())
             if not math.isfinite(micro_loss) and bad_batch is None:
-                bad_batch = f"sequences {', '.join(s.key for s in batch[:4])}{' ...' if len(batch) > 4 else ''}"
+                bad_batch = (
+                    f"sequences {', '.join(s.key for s in batch[:4])}{' ...' if len(batch) > 4 else ''}"
+                )
             stepper.backward(loss)
             loss_sum += micro_loss / tc.grad_accum
             for k, v in metrics.items():
@@ -390,20 +537,33 @@ def train(cfg: RunConfig) -> Path:
                 f"loss became {loss_sum} at step {step + 1} (batch: {bad_batch or 'on another rank'}); nothing of this "
                 f"step was applied and the last good checkpoint is {kept or 'none (no checkpoint written yet)'}: lower "
                 "train.lr or train.grad_clip, or check those sequences, then rerun with "
-                "train.resume_from=auto")
+                "train.resume_from=auto"
+            )
         grad_norm = stepper.step()
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
-        record = {"step": step, "loss": loss_sum, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                  "tokens_per_s": par.world_size * tokens / max(1e-9, time.time() - started), **averaged}
+        record = {
+            "step": step,
+            "loss": loss_sum,
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": par.world_size * tokens / max(1e-9, time.time() - started),
+            **averaged,
+        }
         if logger and (step % tc.log_every == 0 or step == 1):
             logger.log(record)
         if tc.eval_every and (step % tc.eval_every == 0 or step == tc.max_steps) and held:
             result = evaluate(cfg, target, objective, held, t2d, device, cache, par)
             if logger:
                 logger.log({"step": step, **result})
-            log.info("step %d eval: %s", step, " ".join(f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k or "tau" in k))
+            log.info(
+                "step %d eval: %s",
+                step,
+                " ".join(
+                    f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k or "tau" in k
+                ),
+            )
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
             _checkpoint(ckpt_root, step, consumed, objective, heads, optimizer, scheduler, target, tc, par)
     bar.close()
@@ -416,8 +576,9 @@ def train(cfg: RunConfig) -> Path:
     return head_dir
 
 
-def _final_heads(cfg: RunConfig, target: Any, train_set: list, objective: Any, heads: Any, optimizer: Any,
-                 par: Parallel) -> Any:
+def _final_heads(
+    cfg: RunConfig, target: Any, train_set: list, objective: Any, heads: Any, optimizer: Any, par: Parallel
+) -> Any:
     """The trained head as one plain module on rank 0 (FSDP, DeepSpeed: gathered from the shards; a collective)."""
     if par.backend not in ("fsdp", "deepspeed"):
         return heads
@@ -435,12 +596,17 @@ def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: 
     tc = cfg.train
     extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
     if held and cfg.head.kind == "medusa" and tc.shard_target:
-        log.warning("train.shard_target: the target is sharded, so rank 0 cannot measure the heads' per-rank accuracy "
-                    "alone; the head is saved without it (generate uses inference.tree)")
+        log.warning(
+            "train.shard_target: the target is sharded, so rank 0 cannot measure the heads' per-rank accuracy "
+            "alone; the head is saved without it (generate uses inference.tree)"
+        )
     elif held and cfg.head.kind == "medusa":
         calib = held[: tc.eval_max_samples]
         extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)
-        log.info("measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)", len(calib))
+        log.info(
+            "measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)",
+            len(calib),
+        )
     write_lora = (lambda d: target.model.save_pretrained(str(d / "lora"))) if tc.lora.enabled else None
     if tc.lora.enabled:
         extra["adapted_target"] = "lora"

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 IGNORE = -100
 
 
-def target_to_draft(d2t: Optional[torch.Tensor], vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
+def target_to_draft(
+    d2t: Optional[torch.Tensor], vocab_size: int, device: torch.device
+) -> Optional[torch.Tensor]:
     """t2d map: target id -> draft id, or -1 for tokens outside the draft vocabulary."""
     if d2t is None:
         return None
@@ -19,8 +21,9 @@ def target_to_draft(d2t: Optional[torch.Tensor], vocab_size: int, device: torch.
     return t2d
 
 
-def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
-                  t2d: Optional[torch.Tensor]) -> torch.Tensor:
+def medusa_labels(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int, t2d: Optional[torch.Tensor]
+) -> torch.Tensor:
     """[K, B, T] draft-id labels: position t of head i is the token at t+2+i where the mask is on, else IGNORE.
 
     Tokens outside a reduced draft vocabulary are IGNORE too (no draft id can name them).
@@ -34,7 +37,7 @@ def medusa_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: i
         tok = input_ids[:, shift:]
         lab = tok if t2d is None else t2d[tok]
         lab = torch.where(loss_mask[:, shift:].bool() & (lab >= 0), lab, torch.full_like(lab, IGNORE))
-        labels[i, : B, : T - shift] = lab
+        labels[i, :B, : T - shift] = lab
     return labels
 
 
@@ -69,7 +72,9 @@ def medusa_loss(
     return total, metrics
 
 
-def distill_kl(adapted_logits: torch.Tensor, frozen_logits: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def distill_kl(
+    adapted_logits: torch.Tensor, frozen_logits: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """Mean over real tokens of KL(frozen target || adapted target): keeps Medusa-2's target itself."""
     logp = F.log_softmax(adapted_logits.float(), -1)
     logq = F.log_softmax(frozen_logits.float(), -1)
@@ -78,7 +83,9 @@ def distill_kl(adapted_logits: torch.Tensor, frozen_logits: torch.Tensor, attent
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
-def medusa_soft_targets(target_logits: torch.Tensor, num_heads: int, d2t: Optional[torch.Tensor]) -> torch.Tensor:
+def medusa_soft_targets(
+    target_logits: torch.Tensor, num_heads: int, d2t: Optional[torch.Tensor]
+) -> torch.Tensor:
     """[K, B, T, V] target distributions: head i at t is taught the target's distribution at t+1+i
     (the target's prediction of the token at t+2+i), restricted to the draft vocabulary."""
     B, T, V = target_logits.shape
@@ -96,7 +103,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` where `mask` is true (0 when nothing is)."""
     m = mask.to(values.dtype)
     return (values * m).sum() / m.sum().clamp(min=1)
-
 
 
 def draft_loss(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from headway.heads.draft_layer import drafter_mask
-from headway.train.losses import chain_acceptance, draft_loss, masked_mean, medusa_labels, medusa_loss, medusa_soft_targets
+from headway.train.losses import (
+    chain_acceptance,
+    draft_loss,
+    masked_mean,
+    medusa_labels,
+    medusa_loss,
+    medusa_soft_targets,
+)
 from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
 
@@ -22,8 +29,13 @@ class Features:
     given (online) or recomputed on first use from the last hidden state through `model`'s lm_head
     (offline); argmax: the target's greedy next token [B, T], given by the cache or read off the logits."""
 
-    def __init__(self, hidden: dict[int, torch.Tensor], logits: Optional[torch.Tensor] = None, model: Any = None,
-                 argmax: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        hidden: dict[int, torch.Tensor],
+        logits: Optional[torch.Tensor] = None,
+        model: Any = None,
+        argmax: Optional[torch.Tensor] = None,
+    ):
         self.hidden = hidden
         self._logits = logits
         self._model = model
@@ -67,16 +79,24 @@ def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Te
     return torch.tanh(logits / cap) * cap if cap else logits
 
 
-def medusa_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def medusa_objective(
+    cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, dict]:
     """Head i at t learns the token at t+2+i (ce) or the target's distribution there (kl), weighted decay^i."""
     num_layers = max(feats.hidden)
     logits = heads(feats.hidden[num_layers].to(next(heads.parameters()).dtype))
     labels = medusa_labels(batch["input_ids"], batch["loss_mask"], logits.shape[0], t2d)
-    soft = medusa_soft_targets(feats.logits.detach(), logits.shape[0], heads.d2t) if cfg.train.loss == "kl" else None
+    soft = (
+        medusa_soft_targets(feats.logits.detach(), logits.shape[0], heads.d2t)
+        if cfg.train.loss == "kl"
+        else None
+    )
     return medusa_loss(logits, labels, cfg.train.decay, soft)
 
 
-def eagle_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def eagle_objective(
+    cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, dict]:
     """EAGLE-1: from (feature t + noise, token t+1) predict feature t+1 (smooth-L1) and the target's
     distribution there (cross-entropy), on positions whose next-next token is an answer token."""
     ec = heads.cfg
@@ -94,10 +114,16 @@ def eagle_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Opt
     ploss = -(target_p * F.log_softmax(pred, -1)).sum(-1).mean() if len(pred) else pred.sum()
     top1 = (pred.argmax(-1) == target_p.argmax(-1)).float().mean() if len(pred) else pred.sum()
     loss = ec.feature_weight * vloss + ec.token_weight * ploss
-    return loss, {"loss/feature": float(vloss.detach()), "loss/token": float(ploss.detach()), "top1/step0": float(top1)}
+    return loss, {
+        "loss/feature": float(vloss.detach()),
+        "loss/token": float(ploss.detach()),
+        "top1/step0": float(top1),
+    }
 
 
-def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+def eagle3_objective(
+    cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, dict]:
     """EAGLE-3: step j of the unrolled drafter at t learns the target's distribution at t+1+j restricted
     to the draft vocabulary, weighted ttt_decay^j; positions whose target argmax is outside the draft
     vocabulary are skipped, as is everything that is not an answer token."""
@@ -105,10 +131,14 @@ def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Op
     ids = batch["input_ids"]
     target_p = torch.softmax(feats.draft_logits(heads.d2t.to(ids.device)).detach().float(), -1)
     in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
-    valid = [shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False) for j in range(ec.ttt_steps)]
+    valid = [
+        shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
+        for j in range(ec.ttt_steps)
+    ]
     needed = torch.stack(valid[1:]).any(0) if ec.ttt_steps > 1 else None
-    unrolled = ttt_unroll(heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps,
-                          needed)
+    unrolled = ttt_unroll(
+        heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps, needed
+    )
     total = target_p.new_zeros(())
     metrics: dict[str, float] = {}
     correct = []
@@ -116,7 +146,9 @@ def eagle3_objective(cfg: Any, heads: Any, batch: dict, feats: Features, t2d: Op
         where = unrolled.valid(j, valid[j])
         hit = torch.zeros_like(valid[0])
         if bool(where.any()):
-            logits = heads.logits(out[where]).float()  # the draft lm_head only where a loss is taken: most of a step's cost
+            logits = heads.logits(
+                out[where]
+            ).float()  # the draft lm_head only where a loss is taken: most of a step's cost
             p = unrolled.at(j, shifted(target_p, 1 + j))[where]
             loss_j = draft_loss(ec.loss, logits, p)
             total = total + (ec.ttt_decay**j) * loss_j
@@ -134,5 +166,3 @@ OBJECTIVES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {
     "eagle": eagle_objective,
     "eagle3": eagle3_objective,
 }
-
-

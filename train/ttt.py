@@ -31,9 +31,17 @@ def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
     return causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
 
 
-def ttt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor, scaling: Optional[float] = None, dropout: float = 0.0,
-                  softcap: Optional[float] = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def ttt_attention(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    softcap: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Attention of a step j >= 1 of the unroll, as a transformers attention function.
 
     Args:
@@ -61,7 +69,9 @@ def ttt_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
         prefix, own = (torch.tanh(s / softcap) * softcap for s in (prefix, own))
     prefix = prefix + attention_mask.unsqueeze(2)
     scores = torch.cat([prefix, own], dim=-1)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(query.dtype)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(
+        query.dtype
+    )
     if dropout and module.training:
         weights = torch.nn.functional.dropout(weights, p=dropout)
     out = torch.einsum("bhgns,bhsd->bhgnd", weights[..., :T], v0)
@@ -100,7 +110,9 @@ class Unrolled:
         """`values` [B, T, ...] in step j's layout: as is for step 0, gathered at the kept positions after."""
         if j == 0:
             return values
-        idx = self.index.reshape(*self.index.shape, *([1] * (values.dim() - 2))).expand(-1, -1, *values.shape[2:])
+        idx = self.index.reshape(*self.index.shape, *([1] * (values.dim() - 2))).expand(
+            -1, -1, *values.shape[2:]
+        )
         return values.gather(1, idx)
 
     def scatter(self, j: int, where: torch.Tensor, values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
@@ -137,8 +149,14 @@ def shifted(x: torch.Tensor, by: int, fill: int | float = 0) -> torch.Tensor:
     return torch.cat([x[:, by:], pad], dim=1)
 
 
-def ttt_unroll(heads: Any, ids: torch.Tensor, attn: torch.Tensor, hidden: torch.Tensor, steps: int,
-               needed: Optional[torch.Tensor] = None) -> Unrolled:
+def ttt_unroll(
+    heads: Any,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    hidden: torch.Tensor,
+    steps: int,
+    needed: Optional[torch.Tensor] = None,
+) -> Unrolled:
     """The drafter unrolled `steps` times on its own outputs (see the module docstring).
 
     Args:
