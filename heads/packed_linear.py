@@ -8,16 +8,15 @@ and the kernels cost. Two formats replace every nn.Linear by a module over a pre
   to float16 (half the traffic; outputs are exactly this format's own plain decoding, which can differ from
   float32's where two tokens nearly tie). For bfloat16 targets it is exact: a bf16 weight is a float16 value (a
   power-of-two scale brings tiny ones into range; a matrix no scale fits is refused), bf16 inputs convert exactly
-  to float32, and the output rounds to bf16: bf16 math, through fbgemm's fast one-row kernel (a one-token step of
-  the default target 20 ms against oneDNN's 27; docs/benchmarks.md, "Twelfth session"). Verifying 8 or more rows
-  costs more than with oneDNN.
+  to float32, and the output rounds to bf16: bf16 math, through fbgemm's fast one-row kernel (faster than oneDNN's
+  for one-token steps; verifying 8 or more rows costs more than with oneDNN).
 - `onednn` (bfloat16 targets): the same bf16 weights and math, prepacked for oneDNN's bf16 kernels, which
-  torch's own bf16 linear does not use for a few rows (a bf16 step 1.6x as fast on an AVX512-BF16 CPU).
+  torch's own bf16 linear does not use for a few rows (much faster bf16 steps on AVX512-BF16 CPUs).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
 MLP's gate and up projections as another (`FusedLinear`): a step then makes 4 calls a layer instead of 7, over larger
-weights (measured in docs/benchmarks.md, "Eleventh session").
+weights.
 """
 
 from __future__ import annotations
@@ -122,9 +121,8 @@ class Float16Linear(nn.Module):
 
 
 # OneDNNLinear runs fewer rows as this many (copies of the first row, results dropped): oneDNN's prepacked bf16
-# kernels take another path for one row, and run 2 rows slower than 4 (a step's linears: 16.2 ms for 1 row, 24.9 for
-# 2, 15.2 for 1 padded to 4; AVX512-BF16, docs/benchmarks.md "Eleventh session"). A row's result is then the same
-# bits for any row count.
+# kernels take another path for one row, and run 1 or 2 rows slower than 4 on AVX512-BF16 CPUs. A row's result is then
+# the same bits for any row count.
 ONEDNN_PAD_ROWS = 4
 
 
@@ -294,8 +292,8 @@ def fewest_rows(model: Any) -> int:
 
 def rows_for_one(model: Any) -> int:
     """How many rows the model's packed lm_head computes for about the price of one: oneDNN pads to
-    ONEDNN_PAD_ROWS anyway; fbgemm's float16 kernel ran 1-3 rows of the default target's lm_head in the same time
-    (3.7-4.0 ms, 4 rows 4.4; docs/benchmarks.md, "Twelfth session"); a native weight, one."""
+    ONEDNN_PAD_ROWS anyway; fbgemm's float16 kernel runs 1-3 rows of the default target's lm_head in about the
+    time of one; a native weight, one."""
     return {"onednn": ONEDNN_PAD_ROWS, "float16": 3}.get(linear_weights(model), 1)
 
 

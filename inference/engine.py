@@ -452,7 +452,7 @@ def compiled_stack(model: Any) -> Any:
     CPU core); torch keeps the result in its on-disk cache, so later runs start in seconds."""
     if model not in _COMPILED:
         # freezing: the target's weights are constants of the graph, so inductor prepacks them for the CPU's GEMM
-        # kernels (oneDNN/MKL); measured gains are in docs/benchmarks.md ("Ninth session").
+        # kernels (oneDNN/MKL).
         compiled = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
 
         def run(*args: Any) -> Any:
