@@ -24,8 +24,8 @@ from headway.errors import HeadwayError
 from headway.export.layouts import converter, eagle3_feature_layers, trtllm_layers_to_capture
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
-from headway.heads.checkpoint import load_head, read_head_config, write_head_config
-from headway.heads.registry import KINDS, build_head
+from headway.heads.checkpoint import load_head, read_head_config, saved_head_config, write_head_config
+from headway.heads.registry import build_head
 from headway.heads.target import fingerprint_mismatch
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
 from headway.runtime import parse_dtype
@@ -221,16 +221,11 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     kind = meta["kind"]
     state = converter(fmt, kind).from_engine(config, tensors)
     head_cfg = dict(meta["head"])
-    if (
-        meta.get("draft_layer") is not None
-    ):  # exports written before draft_layer was a setting have the target's layer
-        head_cfg.setdefault("draft_layer", "target")
     if kind == "eagle3":
         head_cfg["feature_layers"] = eagle3_feature_layers(fmt, config)
-    cfg_cls, _ = KINDS[kind]
     heads = build_head(
         kind,
-        cfg_cls(**head_cfg),
+        saved_head_config(kind, head_cfg, state),
         meta["hidden_size"],
         meta["vocab_size"],
         d2t=state.get("d2t"),

@@ -68,6 +68,16 @@ def read_head_config(path: str | os.PathLike) -> dict:
         raise HeadwayError(f"{p / 'config.json'} is not valid JSON: {e}") from None
 
 
+def saved_head_config(kind: str, saved: dict, state: dict) -> Any:
+    """The kind's config from a saved `head` section, with the values older heads had before a setting existed."""
+    head_cfg = dict(saved)
+    if kind == "eagle" and "fc_bias" not in head_cfg:  # heads written before fc_bias was a setting had one
+        head_cfg["fc_bias"] = "fc.bias" in state
+    if kind in LAYERED:  # heads written before draft_layer was a setting have the target's own layer
+        head_cfg.setdefault("draft_layer", "target")
+    return KINDS[kind][0](**head_cfg)
+
+
 def load_head(
     path: str | os.PathLike, fingerprint: Optional[dict] = None, device: Any = "cpu", dtype: Any = None
 ) -> Any:
@@ -84,7 +94,6 @@ def load_head(
                 f"head {p} was made for target {config.get('target_fingerprint', {}).get('id')} "
                 f"but the loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
             )
-    cfg_cls, _ = KINDS[kind]
     verify_checksums(p, config.get("files"), "head", "the file is damaged; copy or export the head again")
     try:
         state = load_file(str(p / "model.safetensors"))
@@ -96,14 +105,9 @@ def load_head(
         raise HeadwayError(
             f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it"
         )
-    head_cfg = dict(config["head"])
-    if kind == "eagle" and "fc_bias" not in head_cfg:  # heads written before fc_bias was a setting had one
-        head_cfg["fc_bias"] = "fc.bias" in state
-    if kind in LAYERED:  # heads written before draft_layer was a setting have the target's own layer
-        head_cfg.setdefault("draft_layer", "target")
     heads = build_head(
         kind,
-        cfg_cls(**head_cfg),
+        saved_head_config(kind, config["head"], state),
         config["hidden_size"],
         config["vocab_size"],
         d2t=state.get("d2t"),
