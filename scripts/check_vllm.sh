@@ -43,7 +43,7 @@ echo "== vLLM: no draft, n-gram, Headway head (chain of $K, greedy, $THREADS thr
 
 echo "== headway bench: the same prompts and the same chain"
 if [ "$KIND" = medusa ]; then
-  CHAIN="inference.tree=$(python3 -c "print([[0] * (i + 1) for i in range($K)])" | tr -d ' ')"
+  CHAIN="inference.drafter=neural inference.tree=$(python3 -c "print([[0] * (i + 1) for i in range($K)])" | tr -d ' ')"
 else
   CHAIN="inference.drafter=neural inference.depth=$K inference.top_k=1 inference.total_tokens=$K"
 fi

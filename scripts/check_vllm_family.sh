@@ -4,11 +4,13 @@
 # Llama-style draft layer, then its exports served in vLLM beside `headway bench` (scripts/check_vllm.sh).
 #
 #   scripts/check_vllm_family.sh qwen2|mistral
-# Env: WORK (outputs/family-check/ARCH), STEPS (80), VLLM_VENV and THREADS as for scripts/check_vllm.sh.
+# Env: KIND (eagle3; or eagle, or medusa with its own full-vocabulary lm_heads, the layout vLLM loads),
+#      LAYERS (EAGLE-3's fused layers, e.g. [2,3,4]; default: the kind's default),
+#      WORK (outputs/family-check/ARCH-KIND), STEPS (80), VLLM_VENV and THREADS as for scripts/check_vllm.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ARCH=${1:?usage: scripts/check_vllm_family.sh qwen2|mistral}
-WORK=${WORK:-outputs/family-check/$ARCH}; STEPS=${STEPS:-80}
+KIND=${KIND:-eagle3}; WORK=${WORK:-outputs/family-check/$ARCH-$KIND}; STEPS=${STEPS:-80}
 mkdir -p "$WORK"
 
 if [ ! -f "$WORK/target/config.json" ]; then
@@ -55,7 +57,9 @@ T="target.name_or_path=$WORK/target"
 echo "== self-distillation and training ($STEPS steps)"
 headway distill "$T" "prompts.path=$WORK/prompts.jsonl" "distill.output_dir=$WORK/data" distill.engine=hf \
   distill.max_new_tokens=96 distill.batch_size=32
-headway train "$T" head.kind=eagle3 head.eagle3.draft_vocab_size=256 "train.datasets=[$WORK/data]" \
+headway train "$T" head.kind="$KIND" head.eagle3.draft_vocab_size=256 head.medusa.lm_head=own \
+  head.medusa.num_heads=3 "train.datasets=[$WORK/data]" \
   "train.output_dir=$WORK/train" train.max_steps="$STEPS" train.micro_batch_size=8 train.warmup_steps=10 \
-  train.lr=0.003 train.eval_every=0 train.save_every=0 train.autocast_dtype=float32
+  train.lr=0.003 train.eval_every=0 train.save_every=0 train.autocast_dtype=float32 \
+  ${LAYERS:+"head.eagle3.feature_layers=$LAYERS"}
 PER_CATEGORY=0 OUT="$WORK/vllm-check" scripts/check_vllm.sh "$WORK/train/head" "$WORK/eval.jsonl" "$T"
