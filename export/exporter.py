@@ -222,7 +222,7 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     state = converter(fmt, kind).from_engine(config, tensors)
     head_cfg = dict(meta["head"])
     if kind == "eagle3":
-        head_cfg["feature_layers"] = eagle3_feature_layers(fmt, config)
+        head_cfg["feature_layers"] = eagle3_feature_layers(config)
     heads = build_head(
         kind,
         saved_head_config(kind, head_cfg, state),

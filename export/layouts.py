@@ -257,7 +257,7 @@ def _eagle3_from_engine(config: dict, tensors: dict, layer_prefix: str = "midlay
     return state
 
 
-def eagle3_feature_layers(fmt: str, config: dict) -> list[int]:
+def eagle3_feature_layers(config: dict) -> list[int]:
     """The target hidden-state indices (HF output_hidden_states) an exported EAGLE-3 config feeds."""
     return list(config["eagle_aux_hidden_state_layer_ids"])
 
