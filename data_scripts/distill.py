@@ -27,9 +27,9 @@ from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
 from headway.faults import fault_point
-from headway.heads.target import Target, load_target
 from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
 from headway.runtime import DistInfo, barrier, dist_info
+from headway.target.loading import Target, load_target
 
 if TYPE_CHECKING:
     from headway.run_config import RunConfig

@@ -21,14 +21,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
-from headway.export.layouts import converter, eagle3_feature_layers, trtllm_layers_to_capture
+from headway.export.layouts import Converter
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
-from headway.heads.checkpoint import load_head, read_head_config, saved_head_config, write_head_config
-from headway.heads.registry import build_head
-from headway.heads.target import fingerprint_mismatch
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
+from headway.kinds.checkpoint import load_head, read_head_config, saved_head_config, write_head_config
+from headway.kinds.registry import head_kind
 from headway.runtime import parse_dtype
+from headway.target.loading import fingerprint_mismatch
 
 log = logging.getLogger("headway")
 
@@ -119,15 +119,22 @@ def export_head(
     return out
 
 
+def converter(fmt: str, kind: str) -> Converter:
+    """The kind's converter for an engine format; a format the kind cannot be served in is refused with why."""
+    spec = head_kind(kind)
+    if fmt in spec.refused_exports:
+        raise HeadwayError(spec.refused_exports[fmt])
+    if fmt not in spec.exports:
+        raise HeadwayError(
+            f"no {fmt} layout for a '{kind}' head (its formats: native, {', '.join(spec.exports)})"
+        )
+    return spec.exports[fmt]
+
+
 def draft_tokens(native: dict) -> int:
-    """The draft length an engine should run the head with: Medusa's head count, EAGLE-3's trained unroll,
-    3 for EAGLE-1."""
-    head = native.get("head", {})
-    if native.get("kind") == "medusa":
-        return int(head.get("num_heads", 3))
-    if native.get("kind") == "eagle3":
-        return int(head.get("ttt_steps", 3))
-    return 3
+    """The draft length an engine should run the head with (the kind's: Medusa's head count, EAGLE-3's
+    trained unroll, 3 for EAGLE-1)."""
+    return head_kind(native.get("kind")).draft_tokens(native.get("head", {}))
 
 
 def resolve_head_dir(path: str | os.PathLike) -> Path:
@@ -139,8 +146,8 @@ def resolve_head_dir(path: str | os.PathLike) -> Path:
 
 
 def needs_target_lm_head(native: dict) -> bool:
-    """A Medusa head over the target's own lm_head: engines load that lm_head with the draft."""
-    return native.get("kind") == "medusa" and native.get("head", {}).get("lm_head") == "shared"
+    """A head that reads out through the target's own lm_head (Medusa's shared): engines load it with the draft."""
+    return head_kind(native.get("kind")).reads_target_lm_head(native.get("head", {}))
 
 
 def _export_native(head_dir: Path, out: Path, heads: Any, dtype: str) -> Path:
@@ -219,21 +226,16 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
                 f"export {d} was made for another target ({'; '.join(diff)}): use the head's own target"
             )
     kind = meta["kind"]
-    state = converter(fmt, kind).from_engine(config, tensors)
-    head_cfg = dict(meta["head"])
-    if kind == "eagle3":
-        head_cfg["feature_layers"] = eagle3_feature_layers(config)
-    heads = build_head(
-        kind,
+    conv = converter(fmt, kind)
+    state = conv.from_engine(config, tensors)
+    head_cfg = {**meta["head"], **conv.head_settings(config)}
+    heads = head_kind(kind).build(
         saved_head_config(kind, head_cfg, state),
         meta["hidden_size"],
         meta["vocab_size"],
         d2t=state.get("d2t"),
         layer_config=meta.get("draft_layer"),
     )
-    if kind == "eagle" and "fc.bias" in state and getattr(heads.fc, "bias", None) is None:
-        if bool(state.pop("fc.bias").ne(0).any()):
-            raise HeadwayError(f"{d}: fc.bias is not zero but the head's config has no fc bias")
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise HeadwayError(f"{d} does not rebuild its head: missing {missing}, unexpected {unexpected}")
@@ -243,36 +245,6 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
 def serve_hint(fmt: str, config: dict, out: Path) -> str:
     """How to run the export in its engine (printed by the CLI), sized from the head."""
     meta = config.get("headway", {})
-    kind, k = meta.get("kind"), draft_tokens(meta)
-    if fmt == "speculators":
-        return f"vllm serve {out}   (the target and {k} draft tokens come from its speculators_config)"
-    if fmt == "vllm":
-        note = "  (vLLM 0.10 to 0.32: 0.33 removed Medusa)" if kind == "medusa" else ""
-        return (
-            f'vllm serve TARGET_DIR --speculative-config \'{{"method": "{kind}", "model": "{out}", '
-            f'"num_speculative_tokens": {k}}}\'{note}'
-        )
-    if fmt == "sglang":
-        algo = "EAGLE3" if kind == "eagle3" else "EAGLE"
-        return (
-            f"python -m sglang.launch_server --model TARGET_DIR --speculative-algorithm {algo} "
-            f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 4 "
-            f"--speculative-num-draft-tokens {2 * k + 2}"
-        )
-    if fmt == "trtllm" and kind == "eagle3":
-        layers = trtllm_layers_to_capture(config["eagle_aux_hidden_state_layer_ids"])
-        return (
-            f"TensorRT-LLM (PyTorch backend): LLM(TARGET_DIR, speculative_config=Eagle3DecodingConfig("
-            f'speculative_model_dir="{out}", max_draft_len={k}, eagle3_layers_to_capture={set(layers)}))  '
-            "(TensorRT-LLM reads the layers only from this set)"
-        )
-    if fmt == "trtllm":
-        heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
-        return (
-            f"TensorRT-LLM (TensorRT engine backend; Medusa has no PyTorch-backend path):\n"
-            f"  python examples/medusa/convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir {out} "
-            f"--output_dir medusa_ckpt --dtype float16 --num_medusa_heads {heads} --num_medusa_layers {layers}\n"
-            "  trtllm-build --checkpoint_dir medusa_ckpt --output_dir medusa_engine --gemm_plugin float16 "
-            "--speculative_decoding_mode medusa --max_batch_size 4"
-        )
-    return f"headway generate --head {out}"
+    if fmt == "native":
+        return f"headway generate --head {out}"
+    return converter(fmt, meta.get("kind")).serve(out, config, draft_tokens(meta))

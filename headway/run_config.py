@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headway.data_scripts.cache_features import FeaturesConfig
 from headway.data_scripts.distill import DistillConfig
 from headway.data_scripts.magpie import MagpieConfig
 from headway.data_scripts.prompts import PromptConfig
-from headway.heads.registry import HeadConfig
-from headway.heads.target import TargetConfig
-from headway.inference.config import BenchConfig, InferenceConfig
-from headway.inference.tune import TuneConfig
-from headway.train.config import LoggingConfig, TrainConfig
+from headway.inference.config import BenchConfig, InferenceConfig, TuneConfig
+from headway.kinds.config import HeadConfig
+from headway.target.loading import TargetConfig
+from headway.train.config import FeaturesConfig, LoggingConfig, TrainConfig
 
 
 @dataclass

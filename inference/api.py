@@ -9,41 +9,23 @@ from typing import Any, Optional
 
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
-from headway.heads.checkpoint import load_head, read_head_config
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import linear_weights, pack_head_linear_weights
-from headway.heads.target import Target, load_target
-from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.cost_model import verify_cost_curve, verify_costs
 from headway.inference.draft_hybrid import HybridDrafter
-from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.engine import depth_matters
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
-from headway.inference.tree import best_tree, build_tree
-from headway.inference.tune import apply_tuned, tuned_entry, verify_cost_curve, verify_costs
+from headway.inference.tuned import apply_tuned, tuned_entry
+from headway.kinds.checkpoint import load_head, read_head_config
+from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
-
-
-def choose_tree(cfg: RunConfig, head_config: dict) -> list[list[int]]:
-    """The configured tree, or the best tree of `inference.tree_nodes` nodes from the head's calibration."""
-    n = cfg.inference.tree_nodes
-    if n <= 0:
-        return cfg.inference.tree
-    accuracy = head_config.get("rank_accuracy")
-    if not accuracy:
-        raise HeadwayError(
-            "inference.tree_nodes needs the head's measured accuracy (rank_accuracy in its config.json, "
-            "written when training has a held-out split); set inference.tree_nodes=0 to use inference.tree"
-        )
-    return best_tree(accuracy, n)
+from headway.target.loading import Target, load_target
+from headway.target.packed_linear import linear_weights, pack_head_linear_weights
 
 
 def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: Any) -> Any:
-    """The drafter for the head's kind: Medusa's static tree, or an EAGLE-2 dynamic tree."""
+    """The neural drafter of the head's kind, as the inference section sets it up."""
     num_layers = int(text_config(target_config).num_hidden_layers)
-    if heads.kind == "medusa":
-        return MedusaDrafter(heads, build_tree(choose_tree(cfg, head_config)), num_layers)
-    ic = cfg.inference
-    return EagleDrafter(heads, num_layers, ic.depth, ic.top_k, ic.total_tokens, static=ic.engine != "hf")
+    return head_kind(heads.kind).drafter(heads, cfg.inference, head_config, num_layers)
 
 
 def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[dict] = None) -> HybridDrafter:
@@ -93,7 +75,7 @@ class SpeculativeDecoder:
         cfg = cfg or RunConfig()
         head_config = read_head_config(head_dir)
         lora_dir = Path(head_dir) / "lora"
-        if lora_dir.is_dir() and head_config.get("kind") != "medusa":
+        if lora_dir.is_dir() and not head_kind(head_config.get("kind")).adapts_target:
             raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
         target = load_target(cfg.target)
         if lora_dir.is_dir():  # Medusa-2: decode the adapted target (its output is what this reproduces)

@@ -25,20 +25,10 @@ from tqdm import tqdm
 from headway.data_scripts.prompts import PromptConfig, load_conversations
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.baselines import hf_generate
-from headway.inference.config import BenchConfig
+from headway.inference.bench_plot import plot_results
+from headway.inference.config import LABELS, PLAIN, SPEC, BenchConfig
 from headway.inference.generate import GenerationResult, alternate
 from headway.io import atomic_write_json, atomic_write_text
-
-PLAIN, SPEC = "plain", "speculative"
-LABELS = {
-    PLAIN: "Headway plain",
-    "hf_generate": "HF generate",
-    "hf_prompt_lookup": "HF prompt lookup",
-    SPEC: "Headway speculative",
-    "headway_neural": "Headway neural tree",
-    "headway_ngram": "Headway n-gram tree",
-    "headway_hybrid": "Headway hybrid tree",
-}
 
 
 def _rate(hits: list[bool]) -> float:
@@ -263,7 +253,5 @@ def write_results(result: dict, out: Path, plot: bool = True) -> list[Path]:
     atomic_write_text(out.with_suffix(".md"), markdown_table(result))
     written = [out, out.with_suffix(".md")]
     if plot:
-        from headway.inference.bench_plot import plot_results
-
         written.append(plot_results(result, out.with_suffix(".png")))
     return written

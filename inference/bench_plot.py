@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+from headway.inference.config import LABELS, PLAIN, SPEC
 from headway.io import atomic_write_bytes
 
 
@@ -15,8 +16,6 @@ def plot_results(result: dict, path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from headway.inference.bench import LABELS, PLAIN, SPEC
 
     groups = [*result["by_category"].items(), ("overall", result["overall"])]
     methods = [m for m in result.get("methods", [PLAIN, SPEC]) if m != PLAIN]

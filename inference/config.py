@@ -1,4 +1,5 @@
-"""Decoding settings shared by `headway generate` and `headway bench`, and the bench's own settings."""
+"""The inference package's config sections: decoding (shared by `generate`, `bench` and `tune`), the bench's
+and the tuner's own settings."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ from headway.inference.sampling import SamplingConfig
 
 BASELINES = ("hf_generate", "hf_prompt_lookup")  # the peers `headway bench` can run
 DRAFTERS = ("neural", "ngram", "hybrid")
+# The methods a bench result names, and how tables and plots label them.
+PLAIN, SPEC = "plain", "speculative"
+LABELS = {
+    PLAIN: "Headway plain",
+    "hf_generate": "HF generate",
+    "hf_prompt_lookup": "HF prompt lookup",
+    SPEC: "Headway speculative",
+    "headway_neural": "Headway neural tree",
+    "headway_ngram": "Headway n-gram tree",
+    "headway_hybrid": "Headway hybrid tree",
+}
 
 
 # A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
@@ -88,3 +100,42 @@ class BenchConfig:
             or self.prompt_lookup_max_ngram < 1
         ):
             raise HeadwayError("bench.turns and bench.per_category must be >= 0, bench.prompt_lookup_* >= 1")
+
+
+@dataclass
+class TuneConfig:
+    # Calibration prompts (jsonl/json/parquet, first user turns); null = the prompts shipped with Headway.
+    prompts: Optional[str] = None
+    num_prompts: int = 8
+    max_new_tokens: int = 128
+    # Verified-token counts whose target forward time is measured (others are interpolated); [] = every count the
+    # search scores (each tree size + the root). Small counts can cost more than larger ones on a CPU (matmul
+    # kernels change with the row count), so measuring each is safer than interpolating.
+    verify_sizes: list[int] = field(default_factory=list)
+    repeats: int = 7
+    # EAGLE-2 search space (every combination is scored; total_tokens larger than the expansion are skipped).
+    depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    top_ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    total_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
+    # Medusa search space: tree sizes (draft nodes), and how many ranked guesses per head are considered.
+    medusa_nodes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
+    medusa_top_k: int = 8
+    # The drafters compared (neural: the best tree above; ngram; hybrid: that tree's neural branches with n-gram ones),
+    # each replayed along the calibration answers with its own per-step choices.
+    drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
+    # Decode the calibration prompts with the configured and the tuned tree beside plain decoding at the end.
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("verify_sizes", "depths", "top_ks", "total_tokens", "medusa_nodes"):
+            values = getattr(self, name)
+            if (not values and name != "verify_sizes") or (values and min(values) < 1):
+                raise HeadwayError(f"tune.{name} must be a non-empty list of numbers >= 1 (got {values})")
+        for d in self.drafters:
+            check_choice("tune", "drafters", d, list(DRAFTERS))
+        if not self.drafters:
+            raise HeadwayError("tune.drafters must name at least one of " + ", ".join(DRAFTERS))
+        if self.num_prompts < 1 or self.max_new_tokens < 2 or self.repeats < 1 or self.medusa_top_k < 1:
+            raise HeadwayError(
+                "tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2"
+            )

@@ -24,6 +24,14 @@ from headway.inference.tree import Tree, build_tree
 
 
 class EagleDrafter:
+    """EAGLE-2's dynamic tree: the drafter layer expanded `depth` steps with `top_k` children per node, the
+    `total_tokens` most likely candidates verified."""
+
+    @classmethod
+    def from_config(cls, heads: Any, ic: Any, head_config: dict, num_target_layers: int) -> "EagleDrafter":
+        """The drafter the inference section asks for (`ic`: InferenceConfig); the head's config is not needed."""
+        return cls(heads, num_target_layers, ic.depth, ic.top_k, ic.total_tokens, static=ic.engine != "hf")
+
     def __init__(
         self,
         heads: Any,

@@ -166,15 +166,11 @@ class HybridDrafter:
         self.copying = False  # the last verification accepted at least one n-gram token
         self.draft_seconds = 0.0  # moving average of the n-gram side's time per step (draft plus accept)
         self.neural_seconds = 0.0  # moving average of the neural drafter's time when it runs
-        # per context (continuing an accepted copy or not): the realized gain of running the neural drafter
-        self.gains = {False: Gain(hc.gain_steps, hc.gain_memory), True: Gain(hc.gain_steps, hc.gain_memory)}
+        self.gate = NeuralGate(hc)
         self._step_seconds = 0.0
         self._pending: list[
             tuple[list[int], torch.Tensor]
         ] = []  # verified steps the neural drafter has not read
-        self._skipped = {False: 0, True: 0}  # steps since the neural drafter last ran, per context
-        self._interval = {False: hc.probe_every, True: hc.probe_every}  # steps between probes, per context
-        self._probe: Optional[Probe] = None  # the last step's, when the neural drafter ran on it
         self.root: Optional[int] = None
         self.node_sources: list[str] = []  # per node of the last tree (root: ""), for the loop's accounting
         self._last: list[Candidate] = []  # per node of the last tree after the root
@@ -194,15 +190,14 @@ class HybridDrafter:
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         self.index.reset(prompt)
-        self.root, self.copying, self._pending, self._probe = root, False, [], None
+        self.root, self.copying, self._pending = root, False, []
+        self.gate.probe = None
         if self.neural is not None:
             self.neural.begin(prompt, root, features)
 
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        if self._probe is not None:
-            self._score_probe(self._probe, tokens)
-            self._probe = None
+        self.gate.score(tokens)
         self._learn(tokens[:-1])
         self.index.extend([self.root, *tokens[:-1]])
         self.root = tokens[-1]
@@ -217,14 +212,14 @@ class HybridDrafter:
         self.root = root
         cands = self._ngram_candidates(root)
         context = self.copying
-        if self.neural is not None and self._neural_pays(context):
+        if self.neural is not None and self.gate.runs(context):
             without = self._choose(cands)[0]
             t1 = time.perf_counter()
             cands = self._with_neural(root, cands)  # the n-gram candidates keep their indices
             spent = time.perf_counter() - t1
             self.neural_seconds = _average(self.neural_seconds, spent)
             chosen, _ = self._choose(cands, self.neural_seconds)
-            self._probe = Probe(
+            self.gate.probe = Probe(
                 context,
                 {(cands[c].parent, cands[c].token): c for c in without},
                 self._tree_cost(cands, without),
@@ -246,38 +241,10 @@ class HybridDrafter:
         self._time(time.perf_counter() - t0)
         return nodes, tree
 
-    def _neural_pays(self, context: bool) -> bool:
-        """Whether to run the neural drafter this step: yes while, in this context, it has raised the tokens/s the
-        target really gave on the steps it ran on, net of its own time (and once in a while anyway, so the estimate
-        follows the text)."""
-        self._skipped[context] += 1
-        gain = self.gains[context].value
-        if gain is None or gain >= self.hc.gain_floor:
-            self._skipped[context], self._interval[context] = 0, self.hc.probe_every
-            return True
-        if self._skipped[context] >= self._interval[context]:
-            self._skipped[context] = 0
-            self._interval[context] = min(2 * self._interval[context], self.hc.probe_max)
-            return True
-        return False
-
     def _tree_cost(self, cands: list[Candidate], chosen: list[int]) -> float:
         """The modelled time of a step verifying these candidates (the n-gram side's drafting included)."""
         depth = max((cands[c].depth for c in chosen), default=0)
         return self.verify_cost(len(chosen) + 1, depth) + (self.draft_seconds if self.timed else 0.0)
-
-    def _score_probe(self, probe: "Probe", tokens: list[int]) -> None:
-        """Set the step the neural drafter ran on against the n-gram tree alone on the same step: that tree would
-        have accepted its longest path along the tokens the target wrote (at least; they end at the bonus)."""
-        node, alone = -1, 0
-        for token in tokens:
-            node = probe.ngram_tree.get((node, token), -2)
-            if node == -2:
-                break
-            alone += 1
-        self.gains[probe.context].add(len(tokens), probe.seconds, alone + 1, probe.ngram_seconds)
-        if len(tokens) / probe.seconds >= self.hc.gain_floor * (alone + 1) / probe.ngram_seconds:
-            self._interval[probe.context] = self.hc.probe_every  # it paid this time: look again soon
 
     def _ngram_candidates(self, root: int) -> list[Candidate]:
         """The n-gram continuations as a trie (continuations sharing a prefix share its nodes)."""
@@ -354,6 +321,49 @@ class HybridDrafter:
             self.draft_seconds = _average(self.draft_seconds or None, self._step_seconds + seconds)
         else:
             self._step_seconds = seconds
+
+
+class NeuralGate:
+    """Whether the hybrid runs its neural drafter this step. Per context (continuing an accepted copy or not) it
+    keeps the realized gain of the steps the drafter ran on: the tokens/s the target gave against what the n-gram
+    tree alone would have given on the same step. It runs the drafter while that gain holds, and otherwise probes
+    at doubling intervals, so the estimate follows the text."""
+
+    def __init__(self, hc: HybridConfig):
+        self.hc = hc
+        self.gains = {False: Gain(hc.gain_steps, hc.gain_memory), True: Gain(hc.gain_steps, hc.gain_memory)}
+        self.skipped = {False: 0, True: 0}  # steps since the neural drafter last ran, per context
+        self.interval = {False: hc.probe_every, True: hc.probe_every}  # steps between probes, per context
+        self.probe: Optional[Probe] = None  # the last step's, when the neural drafter ran on it
+
+    def runs(self, context: bool) -> bool:
+        """Whether to run the neural drafter on this step (and count the step)."""
+        self.skipped[context] += 1
+        gain = self.gains[context].value
+        if gain is None or gain >= self.hc.gain_floor:
+            self.skipped[context], self.interval[context] = 0, self.hc.probe_every
+            return True
+        if self.skipped[context] >= self.interval[context]:
+            self.skipped[context] = 0
+            self.interval[context] = min(2 * self.interval[context], self.hc.probe_max)
+            return True
+        return False
+
+    def score(self, tokens: list[int]) -> None:
+        """Set the last probed step against the n-gram tree alone on the same step: that tree would have accepted
+        its longest path along the tokens the target wrote (at least; they end at the bonus)."""
+        probe, self.probe = self.probe, None
+        if probe is None:
+            return
+        node, alone = -1, 0
+        for token in tokens:
+            node = probe.ngram_tree.get((node, token), -2)
+            if node == -2:
+                break
+            alone += 1
+        self.gains[probe.context].add(len(tokens), probe.seconds, alone + 1, probe.ngram_seconds)
+        if len(tokens) / probe.seconds >= self.hc.gain_floor * (alone + 1) / probe.ngram_seconds:
+            self.interval[probe.context] = self.hc.probe_every  # it paid this time: look again soon
 
 
 @dataclass

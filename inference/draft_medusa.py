@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaHeads
-from headway.inference.tree import Tree
+from headway.inference.tree import Tree, best_tree, build_tree
+
+
+def choose_tree(ic: Any, head_config: dict) -> list[list[int]]:
+    """inference.tree, or the best tree of `inference.tree_nodes` nodes from the head's calibration."""
+    n = ic.tree_nodes
+    if n <= 0:
+        return ic.tree
+    accuracy = head_config.get("rank_accuracy")
+    if not accuracy:
+        raise HeadwayError(
+            "inference.tree_nodes needs the head's measured accuracy (rank_accuracy in its config.json, "
+            "written when training has a held-out split); set inference.tree_nodes=0 to use inference.tree"
+        )
+    return best_tree(accuracy, n)
 
 
 class MedusaDrafter:
     """Fills a static tree from the heads' guesses on the hidden state that produced the root token."""
+
+    @classmethod
+    def from_config(
+        cls, heads: MedusaHeads, ic: Any, head_config: dict, num_target_layers: int
+    ) -> "MedusaDrafter":
+        """The drafter the inference section asks for (`ic`: InferenceConfig; head_config: the head's config.json)."""
+        return cls(heads, build_tree(choose_tree(ic, head_config)), num_target_layers)
 
     def __init__(self, heads: MedusaHeads, tree: Tree, num_target_layers: int):
         if tree.max_depth > heads.cfg.num_heads:

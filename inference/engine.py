@@ -8,12 +8,11 @@ in place, and skips transformers' mask and cache machinery. Llama-style families
 (llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`. Both give the same
 logits (tests compare them in float64). `StaticLayerCache` runs the EAGLE drafter's one layer the same way
 (`layer_step` is the layer body both share). The compiled engine is the static one with its decoder stack under
-torch.compile (`compiled_stack`).
+torch.compile (`ModelEngine.compiled_stack`).
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional, Protocol
 
 import torch
@@ -21,13 +20,6 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.heads.packed_linear import (
-    fewest_rows,
-    fused_projections,
-    linear_weights,
-    row_linear,
-    rows_for_one,
-)
 from headway.inference.cache import (
     cache_kwarg,
     cache_length,
@@ -37,6 +29,13 @@ from headway.inference.cache import (
     truncate_cache,
 )
 from headway.inference.tree import Tree, tree_attention_bias
+from headway.target.packed_linear import (
+    fewest_rows,
+    fused_projections,
+    linear_weights,
+    row_linear,
+    rows_for_one,
+)
 
 STATIC_FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -241,7 +240,7 @@ def _row_attention(
     """RowAttention's computation: rows `plan.order` of q [n, heads, head_dim], group after group, attend to their
     slots (read in place, or gathered into `plan.slots` in that order); out [n, heads * head_dim]."""
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    # in float32: this CPU's fused attention is ~6x faster there than in bf16 for one query (43 against 280 us); the
+    # in float32: the CPU's fused attention is much faster there than in bf16 for one query (docs/inference.md); the
     # row-exact runners keep their cache in float32, so that no step converts it
     if plan.slots is not None:
         k_all, v_all = (
@@ -427,42 +426,70 @@ def subtree_first(tree: Tree, count: int) -> Any:
     return together
 
 
-# Per model: its lm_head weight transposed (float32 on CPU), the KV buffers (one pair per layer, reused by every
-# sequence, grown when too small), and its compiled decoder stack.
-_LM_T: "weakref.WeakKeyDictionary[Any, torch.Tensor]" = weakref.WeakKeyDictionary()
-_KV: "weakref.WeakKeyDictionary[Any, tuple[list[torch.Tensor], list[torch.Tensor]]]" = (
-    weakref.WeakKeyDictionary()
-)
-_COMPILED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_PLANS: "weakref.WeakKeyDictionary[Any, dict[bool, list[LayerPlan]]]" = weakref.WeakKeyDictionary()
+class ModelEngine:
+    """What the static engine keeps for one target model across sequences: its decoder layers as LayerPlans, its
+    compiled decoder stack, its lm_head transposed (float32 CPUs) and the KV buffers (one pair per layer) that each
+    new runner of the model reuses, grown when too small. The model owns it (`ModelEngine.of`), as gpt-fast's model
+    owns its KV cache, so it lives and goes with the model."""
 
+    ATTRIBUTE = "_headway_engine"
 
-def layer_plans(model: Any, lean: bool) -> list[LayerPlan]:
-    """The model's decoder layers as LayerPlans, once per model and kind."""
-    plans = _PLANS.setdefault(model, {})
-    if lean not in plans:
-        plans[lean] = [LayerPlan(layer, lean) for layer in model.model.layers]
-    return plans[lean]
+    def __init__(self) -> None:
+        self._plans: dict[bool, list[LayerPlan]] = {}
+        self._compiled: Any = None
+        self._lm_t: Optional[torch.Tensor] = None
+        self._kv: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
 
+    @classmethod
+    def of(cls, model: Any) -> "ModelEngine":
+        """The model's engine state, made on first use (not a submodule: never in its state_dict)."""
+        engine = model.__dict__.get(cls.ATTRIBUTE)
+        if engine is None:
+            engine = cls()
+            object.__setattr__(model, cls.ATTRIBUTE, engine)
+        return engine
 
-def compiled_stack(model: Any) -> Any:
-    """`decoder_stack` under torch.compile, once per model. Shapes are dynamic: one graph serves every tree size,
-    prompt length and cache length, and torch's 0/1 specialisation adds one for single tokens; two graphs in all, so
-    no tree-size buckets or padding are needed. The first two calls compile (minutes for the default target on one
-    CPU core); torch keeps the result in its on-disk cache, so later runs start in seconds."""
-    if model not in _COMPILED:
-        # freezing: the target's weights are constants of the graph, so inductor prepacks them for the CPU's GEMM
-        # kernels (oneDNN/MKL).
-        compiled = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
+    def layer_plans(self, model: Any, lean: bool) -> list[LayerPlan]:
+        """The model's decoder layers as LayerPlans, once per kind."""
+        if lean not in self._plans:
+            self._plans[lean] = [LayerPlan(layer, lean) for layer in model.model.layers]
+        return self._plans[lean]
 
-        def run(*args: Any) -> Any:
-            # no duck sizing: sizes equal by chance when a graph compiles (a tree's 3 rows and the target's 3 key/value
-            # heads) would be tied by a guard, and the next step would compile another graph
-            with torch.fx.experimental._config.patch(use_duck_shape=False):
-                return compiled(*args)
+    def compiled_stack(self) -> Any:
+        """`decoder_stack` under torch.compile, once per model. Shapes are dynamic: one graph serves every tree
+        size, prompt length and cache length, and torch's 0/1 specialisation adds one for single tokens; two graphs
+        in all, so no tree-size buckets or padding are needed. The first two calls compile (minutes for the default
+        target on one CPU core); torch keeps the result in its on-disk cache, so later runs start in seconds."""
+        if self._compiled is None:
+            # freezing: the target's weights are constants of the graph, so inductor prepacks them for the CPU's
+            # GEMM kernels (oneDNN/MKL).
+            compiled = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
 
-        _COMPILED[model] = run
-    return _COMPILED[model]
+            def run(*args: Any) -> Any:
+                # no duck sizing: sizes equal by chance when a graph compiles (a tree's 3 rows and the target's 3
+                # key/value heads) would be tied by a guard, and the next step would compile another graph
+                with torch.fx.experimental._config.patch(use_duck_shape=False):
+                    return compiled(*args)
+
+            self._compiled = run
+        return self._compiled
+
+    def lm_head_t(self, weight: torch.Tensor) -> torch.Tensor:
+        """The lm_head weight [V, H] transposed to [H, V], contiguous, kept while its dtype holds."""
+        if self._lm_t is None or self._lm_t.dtype != weight.dtype:
+            self._lm_t = weight.t().contiguous()
+        return self._lm_t
+
+    def kv_buffers(
+        self, layers: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Keys and values per layer, each [kv_heads, max_len, head_dim]: the kept ones when they are long enough
+        and of this dtype and device (a runner starts empty by its length, not by clearing them)."""
+        kv = self._kv
+        if kv is None or kv[0][0].shape[1] < shape[1] or kv[0][0].dtype != dtype or kv[0][0].device != device:
+            kv = tuple([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in "kv")
+            self._kv = kv
+        return kv
 
 
 class StaticRunner:
@@ -480,28 +507,20 @@ class StaticRunner:
         self.device, self.dtype = p.device, p.dtype
         self._lm_row = self._lm_row_fn(model)
         self.compiled = compiled
-        self._stack = compiled_stack(model) if compiled else decoder_stack
+        state = ModelEngine.of(model)
+        self._stack = state.compiled_stack() if compiled else decoder_stack
         # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`); compiled, a
         # single token pads to 2 rows too, so that every step runs the one graph of dynamic row count
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
         self.fewest_rows = max(fewest_rows(model), 2 if compiled else 1)
         self.lm_rows_free = rows_for_one(model)
-        self.plans = layer_plans(model, lean=True)
-        self.compiled_plans = layer_plans(model, lean=False) if compiled else None
+        self.plans = state.layer_plans(model, lean=True)
+        self.compiled_plans = state.layer_plans(model, lean=False) if compiled else None
         # row-exact: keys and values kept in float32 (exactly the bf16/fp16 values), the dtype attention runs in
         cache_dtype = torch.float32 if self.row_exact else self.dtype
-        kv = _KV.get(model)
-        if (
-            kv is None
-            or kv[0][0].shape[1] < max_len
-            or kv[0][0].dtype != cache_dtype
-            or kv[0][0].device != self.device
-        ):
-            shape = (self.kv_heads, max_len, self.head_dim)
-            kv = tuple(
-                [torch.zeros(shape, dtype=cache_dtype, device=self.device) for _ in self.layers] for _ in "kv"
-            )
-            _KV[model] = kv
+        kv = state.kv_buffers(
+            len(self.layers), (self.kv_heads, max_len, self.head_dim), cache_dtype, self.device
+        )
         self.k, self.v = kv
         self.max_len = max_len
         self.length = 0
@@ -604,9 +623,7 @@ class StaticRunner:
             return model.lm_head
         lm = model.lm_head.weight.detach()
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float64):
-            if model not in _LM_T or _LM_T[model].dtype != self.dtype:
-                _LM_T[model] = lm.t().contiguous()
-            lm_t = _LM_T[model]
+            lm_t = ModelEngine.of(model).lm_head_t(lm)
             return lambda h: h @ lm_t
         return lambda h: F.linear(h, lm)
 

@@ -16,8 +16,8 @@ import time
 import torch
 
 from headway.config import load_config
-from headway.heads.target import load_target
 from headway.run_config import RunConfig
+from headway.target.loading import load_target
 from headway.train.data import Sample, collate, load_samples
 from headway.train.loop import build_heads
 from headway.train.losses import target_to_draft

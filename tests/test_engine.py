@@ -8,12 +8,12 @@ import torch
 from test_eagle import chat_ids, random_head
 
 from headway.errors import HeadwayError
-from headway.heads.packed_linear import rows_for_one
-from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
+from headway.target.loading import TargetConfig, load_target
+from headway.target.packed_linear import rows_for_one
 
 STATIC = ["llama", "qwen2", "mistral"]
 

@@ -13,18 +13,17 @@ from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
-from headway.export.layouts import CONVERTERS
-from headway.heads.checkpoint import save_head
 from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
 from headway.heads.medusa import MedusaConfig
-from headway.heads.registry import build_head
-from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import speculative_generate
 from headway.inference.tree import build_tree
+from headway.kinds.checkpoint import save_head
+from headway.kinds.registry import KINDS, build_head
+from headway.target.loading import TargetConfig, load_target
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -89,7 +88,7 @@ def llama(tiny_dirs):
     return load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
 
 
-CASES = [(f, k, "reduced") for f, k in sorted(CONVERTERS) if k != "medusa"] + [
+CASES = [(f, k, "reduced") for k in sorted(KINDS) for f in sorted(KINDS[k].exports) if k != "medusa"] + [
     ("vllm", "medusa", "shared"),
     ("vllm", "medusa", "own"),
     ("trtllm", "medusa", "shared"),
@@ -137,7 +136,7 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(
         target_lm_head=lm_head_of(t),
         verifier="/models/target",
     )
-    weights = CONVERTERS[(fmt, kind)].layout.weights_file if fmt != "native" else "model.safetensors"
+    weights = KINDS[kind].exports[fmt].layout.weights_file if fmt != "native" else "model.safetensors"
     written = load_file(str(tmp_path / "bf16" / weights))
     assert all(
         v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64) or v.dtype == torch.bool

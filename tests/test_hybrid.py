@@ -8,13 +8,14 @@ from test_eagle import ARCHS, chat_ids, load64, random_head
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.inference.cost_model import tree_cost, verify_costs
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter, Rate
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.ngram import Continuation, NgramIndex
+from headway.inference.replay import Replay, simulate
 from headway.inference.tree import build_tree, tree_from_parents
-from headway.inference.tune import Replay, simulate, tree_cost, verify_costs
 
 
 def linear_cost(per_node: float):
@@ -182,9 +183,9 @@ def test_the_neural_drafter_runs_only_while_it_pays():
             right = script == "right" or (script == "turns" and i >= 30)
             drafter.accept(([7] if right else []) + [1000 + i], torch.empty(0, 0))
         if script == "right":
-            assert sum(ran) == steps and drafter.gains[False].value > 1.2
+            assert sum(ran) == steps and drafter.gate.gains[False].value > 1.2
         elif script == "wrong":
-            assert sum(ran) <= hc.gain_steps + 4 and drafter.gains[False].value < hc.gain_floor
+            assert sum(ran) <= hc.gain_steps + 4 and drafter.gate.gains[False].value < hc.gain_floor
         else:
             assert sum(ran[hc.gain_steps : 30]) <= 4 and all(ran[-40:]), ran
 
@@ -261,10 +262,10 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkey
     """bf16 on the static engine verifies row by row (one attention call per depth level): there the drafter measures
     a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's. The curves are stand-ins
     (a tiny model's timings are noise), so only the choice of curves is under test."""
-    from headway.heads.target import TargetConfig, load_target
     from headway.inference import api
     from headway.inference.engine import depth_matters
     from headway.run_config import RunConfig
+    from headway.target.loading import TargetConfig, load_target
 
     asked = []
 

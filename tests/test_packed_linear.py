@@ -12,11 +12,11 @@ from test_hybrid import ngram_only
 from torch import nn
 
 from headway.errors import HeadwayError
-from headway.heads.packed_linear import Float16Linear, OneDNNLinear, linear_weights, pack_head_linear_weights
-from headway.heads.target import TargetConfig, export_target, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
+from headway.target.loading import TargetConfig, export_target, load_target
+from headway.target.packed_linear import Float16Linear, OneDNNLinear, linear_weights, pack_head_linear_weights
 
 
 def assert_speculative_equals_plain(t, heads, engine: str) -> None:

@@ -25,12 +25,12 @@ from headway.config import load_config
 from headway.data_scripts.distill import distill, load_distilled
 from headway.data_scripts.prompts import PromptConfig, load_conversations
 from headway.errors import HeadwayError
-from headway.heads.checkpoint import load_head, save_head
-from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.generate import speculative_generate
 from headway.io import atomic_write_json, atomic_write_text
+from headway.kinds.checkpoint import load_head, save_head
 from headway.run_config import RunConfig
+from headway.target.loading import TargetConfig, load_target
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint
 
 EAGLE3 = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2")
@@ -392,7 +392,7 @@ def test_the_temp_sweep_removes_only_headway_temps(tmp_path: Path):
 
 def _tiny_head():
     from headway.heads.medusa import MedusaConfig
-    from headway.heads.registry import build_head
+    from headway.kinds.registry import build_head
 
     return build_head("medusa", MedusaConfig(num_heads=1, lm_head="own"), 8, 16)
 

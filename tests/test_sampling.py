@@ -20,13 +20,13 @@ from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.heads.registry import build_head
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import plain_generate, speculative_generate
 from headway.inference.sampling import Sampler, SamplingConfig, accept_exact, target_distribution
 from headway.inference.tree import build_tree
+from headway.kinds.registry import build_head
 
 V, N_TOKENS, PROMPT = 5, 3, [1, 2, 3, 4, 0, 2]
 SAMPLES = 2000

@@ -10,10 +10,10 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree, chain_choices
+from headway.target.loading import TargetConfig, load_target
 
 WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from headway.errors import HeadwayError
-from headway.heads.target import (
+from headway.target.loading import (
     TargetConfig,
     compute_fingerprint,
     export_target,

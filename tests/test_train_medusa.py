@@ -12,12 +12,12 @@ from train_helpers import losses, small_run
 
 from headway.config import load_config
 from headway.errors import HeadwayError
-from headway.heads.checkpoint import load_head
-from headway.heads.target import TargetConfig, load_target
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
+from headway.kinds.checkpoint import load_head
 from headway.run_config import RunConfig
+from headway.target.loading import TargetConfig, load_target
 from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
 
 

@@ -174,8 +174,8 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
     from train_helpers import small_run
 
     from headway.errors import HeadwayError
-    from headway.heads.checkpoint import load_head
-    from headway.heads.target import TargetConfig, load_target
+    from headway.kinds.checkpoint import load_head
+    from headway.target.loading import TargetConfig, load_target
     from headway.train.loop import build_heads, train
 
     base = (

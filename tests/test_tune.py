@@ -14,18 +14,18 @@ from train_helpers import small_run
 from headway.config import load_config
 from headway.errors import HeadwayError
 from headway.inference.api import SpeculativeDecoder
+from headway.inference.config import TuneConfig
+from headway.inference.cost_model import interpolate
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import speculative_generate
-from headway.inference.tree import build_tree
-from headway.inference.tune import (
-    TuneConfig,
+from headway.inference.replay import (
     best_medusa_trees,
     eagle_accepted_along,
-    interpolate,
     medusa_matches_along,
     replay_answers,
 )
+from headway.inference.tree import build_tree
 from headway.run_config import RunConfig
 
 PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell me a story about it."]

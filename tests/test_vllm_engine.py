@@ -21,8 +21,8 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     from headway.config import load_config
     from headway.data_scripts.chat import ChatFormat
     from headway.data_scripts.distill import distill, load_distilled
-    from headway.heads.target import TargetConfig, load_target
     from headway.run_config import RunConfig
+    from headway.target.loading import TargetConfig, load_target
 
     prompts = tmp_path / "p.jsonl"
     rows = [{"question": "What is 12 times 3?"}, {"turns": ["Name a colour.", "Name another one."]}]

@@ -1,4 +1,5 @@
-"""The training run's config: target, head, train and logging sections."""
+"""The train package's config sections: train (with Medusa-2's LoRA), logging, and features (the offline
+feature cache `headway cache-features` writes and training reads)."""
 
 from __future__ import annotations
 
@@ -126,3 +127,22 @@ class LoggingConfig:
     # wandb project; null = no wandb. WANDB_MODE=offline works without a network.
     wandb_project: Optional[str] = None
     wandb_run_name: Optional[str] = None
+
+
+@dataclass
+class FeaturesConfig:
+    # Where `headway cache-features` writes the shards; train.features_dir lists such directories.
+    output_dir: str = "outputs/features"
+    # Target hidden-state indices (HF output_hidden_states) to keep; empty = what head.kind reads, plus the
+    # last one (the target's logits are recomputed from it). Cache (2, L//2, L-3, L) to serve every kind.
+    layers: list[int] = field(default_factory=list)
+    # Storage dtype: bfloat16 halves the disk; float32 gives bit-identical losses to online training.
+    dtype: str = "bfloat16"
+    # Sequences per shard (the unit of resumption) and per target forward.
+    shard_size: int = 256
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        check_choice("features", "dtype", self.dtype, ["bfloat16", "float16", "float32"])
+        if self.shard_size < 1 or self.batch_size < 1:
+            raise HeadwayError("features.shard_size and features.batch_size must be >= 1")

@@ -14,7 +14,7 @@ import torch
 
 from headway.data_scripts.distill import load_distilled
 from headway.errors import HeadwayError
-from headway.heads.target import fingerprint_mismatch
+from headway.target.loading import fingerprint_mismatch
 from headway.train.dedup import answer_tokens, duplicates
 
 

@@ -20,18 +20,16 @@ import torch
 from tqdm import tqdm
 
 from headway.config import CONFIG_FILENAME, save_config
-from headway.data_scripts.cache_features import FeatureCache
 from headway.errors import HeadwayError
 from headway.faults import fault_point
-from headway.heads.checkpoint import load_head, read_head_config, save_head
 from headway.heads.draft_layer import draft_layer_config, text_config
-from headway.heads.eagle3 import Eagle3Head
-from headway.heads.registry import LAYERED, build_head
-from headway.heads.target import load_target
+from headway.kinds.checkpoint import load_head, read_head_config, save_head
+from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.runtime import autocast_dtype
+from headway.target.loading import load_target
+from headway.target.packed_linear import linear_weights
 from headway.train import deepspeed_engine
-from headway.train.calibration import rank_accuracy
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
 from headway.train.data import (
     Sample,
@@ -52,9 +50,10 @@ from headway.train.distributed import (
     start,
     wrap,
 )
+from headway.train.feature_cache import FeatureCache
 from headway.train.logging import RunLogger
 from headway.train.losses import distill_kl, target_to_draft
-from headway.train.objectives import OBJECTIVES, Features
+from headway.train.objectives import Features
 
 log = logging.getLogger("headway")
 
@@ -63,8 +62,6 @@ def add_lora(model: Any, lora: Any) -> Any:
     """Wrap the frozen target with trainable LoRA adapters (peft)."""
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
-
-    from headway.heads.packed_linear import linear_weights
 
     if linear_weights(model) != "native":
         raise HeadwayError(
@@ -109,11 +106,7 @@ def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -
 def kind_config(cfg: RunConfig, num_layers: int) -> Any:
     """The head kind's config with defaults resolved for this target (EAGLE-3's feature layers: they
     are saved with the head)."""
-    kind_cfg = cfg.head.kind_config()
-    if cfg.head.kind == "eagle3":
-        kind_cfg = replace(kind_cfg, feature_layers=Eagle3Head.feature_layers(kind_cfg, num_layers))
-        Eagle3Head.check_servable(kind_cfg.feature_layers, num_layers)
-    return kind_cfg
+    return head_kind(cfg.head.kind).for_target(cfg.head.kind_config(), num_layers)
 
 
 def heads_from(cfg: RunConfig, target: Any) -> Any:
@@ -151,12 +144,12 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     target wrote."""
     if cfg.train.init_from:
         return heads_from(cfg, target)
-    kind = cfg.head.kind
+    kind, spec = cfg.head.kind, head_kind(cfg.head.kind)
     text = text_config(target.config)
     hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
     kind_cfg = kind_config(cfg, num_layers)
     d2t = None
-    if kind == "eagle3" or getattr(kind_cfg, "lm_head", None) == "reduced":
+    if spec.reduced_vocab(kind_cfg):
         size = kind_cfg.draft_vocab_size
         if size > vocab:
             if (
@@ -173,8 +166,8 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
         log.info(
             "draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered
         )
-    layer_config = draft_layer_config(target.config, kind_cfg.draft_layer) if kind in LAYERED else None
-    heads = build_head(kind, kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
+    layer_config = draft_layer_config(target.config, kind_cfg.draft_layer) if spec.layered else None
+    heads = spec.build(kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
     heads.init_from_target(target.model)
     heads.attach_target(target.model)
     return heads
@@ -183,12 +176,9 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
 def feature_layers(cfg: RunConfig, target: Any) -> list[int]:
     """The target hidden states a step needs: the head's own (from the config, as build_heads resolves
     them), plus the last one (the target's logits)."""
-    from headway.heads.registry import KINDS
-
     num_layers = int(text_config(target.config).num_hidden_layers)
-    return sorted(
-        set(KINDS[cfg.head.kind][1].feature_layers(kind_config(cfg, num_layers), num_layers)) | {num_layers}
-    )
+    module = head_kind(cfg.head.kind).module
+    return sorted(set(module.feature_layers(kind_config(cfg, num_layers), num_layers)) | {num_layers})
 
 
 def _gather_state(
@@ -452,7 +442,7 @@ def train(cfg: RunConfig) -> Path:
         )
         log.info("offline: the target's features come from %s", tc.features_dir)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
-    objective = wrap(HeadObjective(heads, OBJECTIVES[cfg.head.kind], cfg), par, device)
+    objective = wrap(HeadObjective(heads, head_kind(cfg.head.kind).objective, cfg), par, device)
     params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
     lora_params: list = []
@@ -592,17 +582,19 @@ def _final_heads(
 
 
 def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: Path) -> Path:
-    """Write the native head (rank 0), with Medusa's per-rank calibration for the tree builder."""
+    """Write the native head (rank 0), with the kind's calibration on the held-out split (Medusa's per-rank
+    accuracy, for the tree builder)."""
     tc = cfg.train
     extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
-    if held and cfg.head.kind == "medusa" and tc.shard_target:
+    calibrate = head_kind(cfg.head.kind).calibrate
+    if held and calibrate and tc.shard_target:
         log.warning(
             "train.shard_target: the target is sharded, so rank 0 cannot measure the heads' per-rank accuracy "
             "alone; the head is saved without it (generate uses inference.tree)"
         )
-    elif held and cfg.head.kind == "medusa":
+    elif held and calibrate:
         calib = held[: tc.eval_max_samples]
-        extra["rank_accuracy"] = rank_accuracy(target, heads, calib, tc.micro_batch_size, t2d)
+        extra["rank_accuracy"] = calibrate(target, heads, calib, tc.micro_batch_size, t2d)
         log.info(
             "measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)",
             len(calib),

@@ -7,7 +7,7 @@ tell which, so both modes give the same loss on the same batch.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -159,10 +159,3 @@ def eagle3_objective(
         correct.append(hit)
     metrics["tau/chain"] = float(chain_acceptance(correct, valid[0]))
     return total, metrics
-
-
-OBJECTIVES: dict[str, Callable[..., tuple[torch.Tensor, dict]]] = {
-    "medusa": medusa_objective,
-    "eagle": eagle_objective,
-    "eagle3": eagle3_objective,
-}

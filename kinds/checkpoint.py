@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 import headway
 from headway.errors import HeadwayError
-from headway.heads.registry import KINDS, LAYERED, build_head
-from headway.heads.target import fingerprint_mismatch
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
+from headway.kinds.registry import KINDS, head_kind
+from headway.target.loading import fingerprint_mismatch
 
 
 def save_head(
@@ -70,12 +70,11 @@ def read_head_config(path: str | os.PathLike) -> dict:
 
 def saved_head_config(kind: str, saved: dict, state: dict) -> Any:
     """The kind's config from a saved `head` section, with the values older heads had before a setting existed."""
-    head_cfg = dict(saved)
-    if kind == "eagle" and "fc_bias" not in head_cfg:  # heads written before fc_bias was a setting had one
-        head_cfg["fc_bias"] = "fc.bias" in state
-    if kind in LAYERED:  # heads written before draft_layer was a setting have the target's own layer
-        head_cfg.setdefault("draft_layer", "target")
-    return KINDS[kind][0](**head_cfg)
+    spec = head_kind(kind)
+    head_cfg = spec.upgrade(dict(saved), state)
+    if spec.layered:  # heads written before draft_layer was a setting have the target's own layer
+        head_cfg = {"draft_layer": "target", **head_cfg}
+    return spec.config(**head_cfg)
 
 
 def load_head(
@@ -101,12 +100,11 @@ def load_head(
         raise HeadwayError(
             f"cannot read {p / 'model.safetensors'} ({e}): the file is damaged; re-export the head"
         ) from None
-    if kind in LAYERED and not isinstance(config.get("draft_layer"), dict):
+    if KINDS[kind].layered and not isinstance(config.get("draft_layer"), dict):
         raise HeadwayError(
             f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it"
         )
-    heads = build_head(
-        kind,
+    heads = KINDS[kind].build(
         saved_head_config(kind, config["head"], state),
         config["hidden_size"],
         config["vocab_size"],

@@ -1,0 +1,160 @@
+"""The runtime cost model: what one verification step costs on this machine, measured on the decoding engine.
+
+The hybrid drafter sizes its tree from these curves each step, and `headway tune` prices candidate trees
+with them. A row-exact engine's cost also depends on the tree's depth (`depth_matters`): there the model
+interpolates between a chain and a flat tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from headway.inference.engine import engine_name, make_runner
+from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
+from headway.inference.tree import build_tree
+from headway.target.packed_linear import linear_weights
+
+log = logging.getLogger("headway")
+
+
+def machine_key(model: Any, engine: str = "auto") -> dict:
+    """What a tuned setting is only valid for: the device, the processor, the thread count, the dtype (and the
+    linear weights' format, when packed) and the decoding engine."""
+    p = next(model.parameters())
+    if p.device.type == "cuda":
+        name = torch.cuda.get_device_name(p.device)
+    else:
+        name = _cpu_name()
+    key = {
+        "device": p.device.type,
+        "processor": name,
+        "threads": torch.get_num_threads(),
+        "dtype": str(p.dtype),
+        "engine": engine_name(model, engine),
+    }
+    if linear_weights(model) != "native":
+        key["linear_weights"] = linear_weights(model)
+    return key
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------- cost on this machine
+
+
+@torch.inference_mode()
+def verify_cost(
+    model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto", shape: str = "chain"
+) -> dict[int, float]:
+    """Median seconds of one verification step over n tree tokens after a cache of prefix_len tokens, for
+    each n in sizes: the target forward (with hidden states) on the decoding engine, the greedy acceptance
+    walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step. The tree is
+    a chain (`shape` chain: the deepest) or the root's children (flat): only a row-exact engine's cost depends on
+    which (`depth_matters`)."""
+    device = next(model.parameters()).device
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    gen = torch.Generator().manual_seed(0)
+    runner = make_runner(model, prefix_len + max(sizes) + 1, engine)
+    runner.forward(torch.randint(vocab, (prefix_len,), generator=gen))
+    greedy, rule = Sampler(SamplingConfig()), acceptance_rule(SamplingConfig())
+    out: dict[int, float] = {}
+    for n in sorted(set(sizes)):
+        tree = build_tree([[0] * d for d in range(1, n)] if shape == "chain" else [[i] for i in range(n - 1)])
+        ids = torch.randint(vocab, (n,), generator=gen)
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            if n == 1:
+                runner.forward(ids)[0][-1].argmax().item()
+            else:
+                logits, _ = runner.forward(ids, tree, hidden=True)
+                path, _ = rule(tree, ids.tolist(), logits, greedy)
+                runner.keep(n, path)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            runner.truncate(prefix_len)
+        out[n] = statistics.median(times[1:])
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def interpolate(costs: dict[int, float], n: int) -> float:
+    """Linear interpolation of the measured cost curve (extrapolated from the last two points past the end)."""
+    xs = sorted(costs)
+    if n in costs:
+        return costs[n]
+    if n < xs[0]:
+        return costs[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if a < n < b:
+            return costs[a] + (costs[b] - costs[a]) * (n - a) / (b - a)
+    a, b = (xs[-2], xs[-1]) if len(xs) > 1 else (xs[-1], xs[-1])
+    slope = (costs[b] - costs[a]) / (b - a) if b > a else 0.0
+    return costs[b] + slope * (n - b)
+
+
+def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: int) -> float:
+    """The verify cost of n tokens in a tree `depth` levels deep, linear in depth between the flat tree (depth 1) and
+    the chain (depth n - 1): on a row-exact engine each level is one more attention call per layer."""
+    c = interpolate(chain, n)
+    if n <= 2:
+        return c
+    f = min(interpolate(flat, n), c)  # a flat tree never costs more than a chain; a noisy measure can say so
+    return f + (c - f) * (min(max(depth, 1), n - 1) - 1) / (n - 2)
+
+
+def verify_costs(
+    chain: dict[int, float], flat: Optional[dict[int, float]] = None
+) -> Callable[[int, int], float]:
+    """cost(n, depth) from the measured curves: the chain's alone where depth does not matter (flat None), else
+    `tree_cost` between the two."""
+    if flat is None:
+        return lambda n, depth: interpolate(chain, n)
+    return lambda n, depth: tree_cost(chain, flat, n, depth)
+
+
+_measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def verify_cost_curve(
+    model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None, shape: str = "chain"
+) -> dict[int, float]:
+    """Seconds to verify n tokens (a chain, or a flat tree) on this machine: the chain's curve `headway tune` saved
+    (verify_ms of a tuned.json entry) when it reaches max_tokens, else measured now (a few seconds, once per model
+    and engine)."""
+    if shape == "chain" and saved and max(int(n) for n in saved) >= max_tokens:
+        return {int(n): ms / 1e3 for n, ms in saved.items()}
+    cache = _measured_costs.setdefault(model, {})
+    key = (engine_name(model, engine), torch.get_num_threads(), max_tokens, shape)
+    if key not in cache:
+        sizes = sorted(
+            {n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64) if n < max_tokens} | {max_tokens}
+        )
+        log.info(
+            "measuring the target's verification time over 1..%d tokens in a %s tree (once)",
+            max_tokens,
+            shape,
+        )
+        cache[key] = verify_cost(model, sizes, prefix_len=256, repeats=3, engine=engine, shape=shape)
+    return cache[key]

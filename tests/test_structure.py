@@ -1,0 +1,111 @@
+"""The code's shape: imports run one way, and head kinds are looked up, never branched on by name."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from headway.export.exporter import FORMATS
+from headway.kinds.config import HeadConfig
+from headway.kinds.registry import KINDS
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "headway": "headway",
+    "heads": "headway.heads",
+    "target": "headway.target",
+    "train": "headway.train",
+    "inference": "headway.inference",
+    "export": "headway.export",
+    "data_scripts": "headway.data_scripts",
+    "kinds": "headway.kinds",
+}
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            out[name] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.Module) -> set[str]:
+    """The Headway modules a module imports when it runs (TYPE_CHECKING blocks aside)."""
+    found: set[str] = set()
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if _is_type_checking(node):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        stack.extend(ast.iter_child_nodes(node))
+    return {m for m in found if m in MODULES}
+
+
+def test_no_import_cycles():
+    graph = {name: _imports(tree) - {name} for name, tree in MODULES.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            pytest.fail("import cycle: " + " -> ".join(path[path.index(name) :] + [name]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, path + [name])
+        done.add(name)
+
+    for name in graph:
+        visit(name, [])
+
+
+def test_no_headway_imports_inside_functions():
+    """A function-level import hides a cycle; every Headway import sits at the top of its module."""
+    hidden = []
+    for name, tree in MODULES.items():
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("headway"):
+                        hidden.append(f"{name}.{fn.name} imports {node.module}")
+    assert not hidden, hidden
+
+
+def test_no_stage_branches_on_a_kind_name():
+    """Callers look the kind's spec up (kinds/registry.py); only a kind's own modules name it."""
+    branches = []
+    for name, tree in MODULES.items():
+        if name.startswith(("headway.kinds", "headway.heads")):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                sides = [node.left, *node.comparators]
+                names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in KINDS]
+                if names and any("kind" in ast.unparse(s) for s in sides if not isinstance(s, ast.Constant)):
+                    branches.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+    assert not branches, branches
+
+
+def test_every_registered_kind_is_complete():
+    sections = {f.name for f in fields(HeadConfig)}
+    for name, spec in KINDS.items():
+        assert spec.name == name and name in sections
+        assert isinstance(getattr(HeadConfig(), name), spec.config)
+        assert set(spec.exports) | set(spec.refused_exports) <= set(FORMATS) - {"native"}
+        assert not set(spec.exports) & set(spec.refused_exports)
+        assert callable(spec.objective) and callable(spec.drafter)
