@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Optional
 from tqdm import tqdm
 
 import headway
-from headway.config import check_choice, save_config
+from headway.config import save_config
 from headway.data_scripts.chat import ChatFormat
+from headway.data_scripts.config import DistillConfig
 from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLLMEngine, vllm_available
 from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
@@ -39,46 +40,6 @@ log = logging.getLogger("headway")
 MANIFEST = "manifest.json"
 RUN_STATE = "run.json"
 CHUNK_DIR = "chunks"
-
-
-@dataclass
-class DistillConfig:
-    # Where the dataset, manifest.json, the resolved config and the resumable chunks are written.
-    output_dir: str = "outputs/distill"
-    # auto (vllm when installed, else hf), hf, vllm.
-    engine: str = "auto"
-    # hf engine: sequences per generate call (batched with left padding).
-    batch_size: int = 32
-    # Prompts per chunk file: the unit of resume and of the split between ranks.
-    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf.
-    chunk_size: int = 0
-    # Tokens the target may write per assistant turn.
-    max_new_tokens: int = 256
-    # 0 = greedy; > 0 samples with top_p / top_k.
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    # Seed for sampling and Magpie prompts; chunk k uses seed + 1000 * k, so resumed chunks are identical.
-    seed: int = 0
-    # Longest sample (prompt + answers) in tokens, capped at the target's max_position_embeddings; 0 = that cap.
-    max_length: int = 2048
-    # A first prompt that does not fit max_length with max_new_tokens: skip (and count) or error.
-    on_too_long: str = "skip"
-    # System prompt for every conversation; null = the chat template's default (or the record's own).
-    system_prompt: Optional[str] = None
-    # vllm engine: weights dtype (auto = bfloat16 on GPUs and bf16-capable CPUs, else float32) and concurrent sequences.
-    vllm_dtype: str = "auto"
-    vllm_max_num_seqs: int = 256
-
-    def __post_init__(self) -> None:
-        check_choice("distill", "engine", self.engine, ["auto", "hf", "vllm"])
-        if self.chunk_size < 0:
-            raise HeadwayError(f"distill.chunk_size must be 0 (auto) or positive, got {self.chunk_size}")
-        check_choice("distill", "on_too_long", self.on_too_long, ["skip", "error"])
-        check_choice("distill", "vllm_dtype", self.vllm_dtype, ["auto", "bfloat16", "float16", "float32"])
-        for key in ("batch_size", "max_new_tokens", "vllm_max_num_seqs"):
-            if getattr(self, key) < 1:
-                raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
 
 
 @dataclass

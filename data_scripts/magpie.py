@@ -6,25 +6,11 @@ plausible user request. Those requests, answered by the same target, are in its 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 from headway.data_scripts.chat import ChatFormat
+from headway.data_scripts.config import MagpieConfig
 from headway.data_scripts.engines import Engine, ProgressFn, SamplingSettings
-
-
-@dataclass
-class MagpieConfig:
-    # How many user prompts the target writes itself; used when prompts.path is null.
-    num_prompts: int = 0
-    # Sampling for the questions: high temperature gives varied requests.
-    temperature: float = 1.0
-    top_p: float = 0.95
-    top_k: int = 0
-    # A question longer than this is unfinished and dropped.
-    max_prompt_tokens: int = 128
-    # Drop questions shorter than this many characters (fragments, greetings).
-    min_chars: int = 12
 
 
 def write_prompts(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from headway.data_scripts.config import PromptConfig
 from headway.errors import HeadwayError
 
 # Field names tried in order when a mapping field is "auto".
@@ -22,30 +23,6 @@ AUTO_CONVERSATION_FIELDS = ("conversations", "messages")
 USER_ROLES = {"user", "human"}
 SYSTEM_ROLES = {"system"}
 ASSISTANT_ROLES = {"assistant", "gpt", "bot", "model", "chatgpt"}
-
-
-@dataclass
-class PromptConfig:
-    # Prompt file: .jsonl, .json (a list of records), .parquet, or a directory saved with datasets.save_to_disk.
-    # null with magpie.num_prompts > 0: the target writes its own prompts.
-    path: Optional[str] = None
-    # Record field holding the instruction; "auto" tries instruction, prompt, question, query, text.
-    # Dotted paths reach into nested records: instances.0.input.
-    instruction_field: str = "auto"
-    # Optional field appended to the instruction on a new paragraph (Alpaca's `input`); "auto" tries input, context;
-    # "none" disables it.
-    input_field: str = "auto"
-    # Field with a list of user turns (MT-bench style); "auto" tries turns.
-    turns_field: str = "auto"
-    # Field with a ShareGPT/OpenAI-style list of messages; "auto" tries conversations, messages.
-    conversations_field: str = "auto"
-    # Field with a per-record system prompt; "none" ignores it.
-    system_field: str = "none"
-    # Use records [offset, offset + limit); limit null = all.
-    offset: int = 0
-    limit: Optional[int] = None
-    # Keep only the first `max_turns` user turns of each conversation; 0 = all.
-    max_turns: int = 0
 
 
 @dataclass

@@ -213,7 +213,13 @@ def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
 
 
 def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None) -> Any:
-    """Rebuild the native head from an engine export (float32 unless the export's dtype is kept)."""
+    """Rebuild the native head from an engine export (float32 unless the export's dtype is kept).
+
+    Args:
+        directory: an export written by `export_head` (any format), or a native head directory.
+        fingerprint: refuse an export made for another target than this one.
+    Returns:
+        The head module (eval mode), its weights equal to the export's."""
     d = Path(directory)
     if (d / "config.json").is_file() and "headway" not in json.loads((d / "config.json").read_text() or "{}"):
         return load_head(d, fingerprint)  # a native head directory

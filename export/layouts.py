@@ -18,6 +18,7 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.export.schema import Layout, Spec
+from headway.heads.dflash import mask_token
 
 # Draft-layer families the engines' Llama draft layers can represent exactly (same modules and keys).
 LLAMA_LIKE = ("llama", "mistral")
@@ -626,6 +627,75 @@ def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     )
 
 
+# ---------------------------------------------------------------- DFlash (vLLM)
+
+
+def _dflash_specs(config: dict) -> dict[str, Spec]:
+    """vLLM's DFlashQwen3ForCausalLM: Qwen3-style layers (per-head q/k norms), fc over the fused target layers,
+    the shared hidden_norm, the final norm and a draft-vocabulary lm_head; embed_tokens comes from the target."""
+    h, _, _, _, hd = _layer_shape(config)
+    target_h = int(config.get("target_hidden_size") or h)
+    fused = len(config["dflash_config"]["target_layer_ids"])
+    specs: dict[str, Spec] = {}
+    for i in range(int(config["num_hidden_layers"])):
+        specs.update(_layer_specs(config, f"layers.{i}.", h, input_norm=True))
+        specs[f"layers.{i}.self_attn.q_norm.weight"] = Spec((hd,))
+        specs[f"layers.{i}.self_attn.k_norm.weight"] = Spec((hd,))
+    specs.update(
+        {
+            "fc.weight": Spec((h, fused * target_h)),
+            "hidden_norm.weight": Spec((h,)),
+            "norm.weight": Spec((h,)),
+            "lm_head.weight": Spec((int(config["draft_vocab_size"]), h)),
+            "d2t": Spec((int(config["draft_vocab_size"]),), "int64"),
+            "t2d": Spec((int(config["vocab_size"]),), "bool"),
+        }
+    )
+    return specs
+
+
+def _dflash_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
+    head = native["head"]
+    state = dict(state)
+    d2t = state.pop("d2t").long()
+    tensors = dict(state)  # Headway's DFlash keys are vLLM's
+    tensors["d2t"] = d2t - torch.arange(len(d2t))
+    t2d = torch.zeros(int(native["vocab_size"]), dtype=torch.bool)
+    t2d[d2t] = True
+    tensors["t2d"] = t2d  # vLLM skips it; it keeps the draft vocabulary checkable
+    config = {
+        **llama_config(native, "vllm"),
+        "model_type": "qwen3",
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": int(head["num_layers"]),
+        "draft_vocab_size": len(d2t),
+        "target_hidden_size": int(native["hidden_size"]),
+        "block_size": int(head["block_size"]),
+        # vLLM reads the context layers as 0-based decoder layer indices (HF output_hidden_states index - 1);
+        # no `causal` key: the block attends within itself both ways, as it was trained
+        "dflash_config": {
+            "mask_token_id": mask_token(int(head["mask_token_id"]), int(native["vocab_size"])),
+            "target_layer_ids": [k - 1 for k in head["feature_layers"]],
+        },
+    }
+    return config, tensors
+
+
+def _dflash_from_engine(config: dict, tensors: dict) -> dict:
+    state = {k: v for k, v in tensors.items() if k != "t2d"}
+    offset = state.pop("d2t")
+    state["d2t"] = offset.long() + torch.arange(len(offset))
+    return state
+
+
+def _dflash_settings(config: dict) -> dict:
+    dc = config["dflash_config"]
+    return {
+        "feature_layers": [k + 1 for k in dc["target_layer_ids"]],
+        "mask_token_id": int(dc["mask_token_id"]),
+    }
+
+
 # ---------------------------------------------------------------- how each export is served
 
 
@@ -775,6 +845,28 @@ MEDUSA_EXPORTS: dict[str, Converter] = {
         _serve_trtllm_medusa,
     ),
 }
+DFLASH_EXPORTS: dict[str, Converter] = {
+    "vllm": Converter(
+        Layout(
+            "vllm/dflash",
+            "vLLM's DFlash (DFlashQwen3ForCausalLM; needs a non-causal attention backend, e.g. FlashAttention)",
+            LLAMA_KEYS + ("architectures", "dflash_config", "draft_vocab_size", "block_size"),
+            {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"},
+            _dflash_specs,
+            _check_d2t,
+        ),
+        _dflash_to_engine,
+        _dflash_from_engine,
+        _serve_vllm("dflash", "  (vLLM's DFlash runs on GPUs with FlashAttention)"),
+        _dflash_settings,
+    ),
+}
+DFLASH_REFUSED = {
+    "sglang": "this exporter writes DFlash for vLLM: use --format vllm",
+    "trtllm": "this exporter writes DFlash for vLLM: use --format vllm",
+    "speculators": "vLLM reads DFlash's own config: export with --format vllm",
+}
+
 MEDUSA_REFUSED = {
     "sglang": "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
     "speculators": "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "

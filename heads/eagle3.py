@@ -25,6 +25,48 @@ from headway.heads.eagle import EagleBase
 DRAFT_LOSSES = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
 
 
+def check_fused_layers(section: str, layers: list[int]) -> None:
+    """Fused feature layers as a config gives them: 3 distinct ascending layer outputs (>= 1), or [] (default)."""
+    if layers and (len(layers) != 3 or layers != sorted(set(layers)) or layers[0] < 1):
+        raise HeadwayError(
+            f"{section}.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, each "
+            "from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the last layer's "
+            "index minus one (engines capture layer outputs in ascending order, before the final norm), e.g. [2, 15, 27] "
+            "on a 30-layer target; or [] for the default"
+        )
+
+
+def fused_layers(section: str, layers: list[int], num_target_layers: int) -> list[int]:
+    """The fused target layers: the config's, or the low/middle/high default (2, L//2, L-3) that vLLM and SGLang
+    feed by default (1, L//2, L-1 on targets too shallow for it)."""
+    L = num_target_layers
+    if layers:
+        bad = [i for i in layers if not 0 <= i <= L]
+        if bad:
+            raise HeadwayError(f"{section}.feature_layers {bad} outside the target's 0..{L}")
+        return list(layers)
+    if L < 4:
+        raise HeadwayError(
+            f"{section} fuses three distinct layer outputs before the last of the target's layers, "
+            f"and this target has {L}: use head.kind=eagle"
+        )
+    default = [2, L // 2, L - 3]
+    return default if default == sorted(set(default)) else [1, L // 2, L - 1]
+
+
+def check_servable_layers(section: str, layers: list[int], num_target_layers: int) -> None:
+    """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the last
+    one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
+    L = num_target_layers
+    bad = [i for i in layers if not 1 <= i <= L - 1]
+    if bad:
+        raise HeadwayError(
+            f"{section}.feature_layers {bad} outside this {L}-layer target's 1..{L - 1} (the last "
+            f"layer's output, {L}, is post-norm in HF and not what engines capture): choose from "
+            f"1..{L - 1}"
+        )
+
+
 @dataclass
 class Eagle3Config:
     # Target hidden-state indices (HF output_hidden_states) fused as features; empty = (2, L//2, L-3),
@@ -51,14 +93,7 @@ class Eagle3Config:
     training_fields: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "loss", "init_layer")
 
     def __post_init__(self) -> None:
-        layers = list(self.feature_layers)
-        if layers and (len(layers) != 3 or layers != sorted(set(layers)) or layers[0] < 1):
-            raise HeadwayError(
-                f"head.eagle3.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, each "
-                "from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the last layer's "
-                "index minus one (engines capture layer outputs in ascending order, before the final norm), e.g. [2, 15, 27] "
-                "on a 30-layer target; or [] for the default"
-            )
+        check_fused_layers("head.eagle3", list(self.feature_layers))
         check_choice("head.eagle3", "draft_layer", self.draft_layer, list(DRAFT_LAYERS))
         if self.draft_vocab_size < 2 or self.ttt_steps < 1:
             raise HeadwayError("head.eagle3: draft_vocab_size must be >= 2 and ttt_steps >= 1")
@@ -128,32 +163,13 @@ class Eagle3Head(EagleBase):
     def feature_layers(cfg: Eagle3Config, num_target_layers: int) -> list[int]:
         """The fused target layers: cfg's, or the low/middle/high default (2, L//2, L-3) that vLLM and SGLang
         feed by default (1, L//2, L-1 on targets too shallow for it)."""
-        L = num_target_layers
-        if cfg.feature_layers:
-            bad = [i for i in cfg.feature_layers if not 0 <= i <= L]
-            if bad:
-                raise HeadwayError(f"head.eagle3.feature_layers {bad} outside the target's 0..{L}")
-            return list(cfg.feature_layers)
-        if L < 4:
-            raise HeadwayError(
-                f"EAGLE-3 fuses three distinct layer outputs before the last of the target's layers, "
-                f"and this target has {L}: use head.kind=eagle"
-            )
-        default = [2, L // 2, L - 3]
-        return default if default == sorted(set(default)) else [1, L // 2, L - 1]
+        return fused_layers("head.eagle3", list(cfg.feature_layers), num_target_layers)
 
     @staticmethod
     def check_servable(layers: list[int], num_target_layers: int) -> None:
         """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the
         last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
-        L = num_target_layers
-        bad = [i for i in layers if not 1 <= i <= L - 1]
-        if bad:
-            raise HeadwayError(
-                f"head.eagle3.feature_layers {bad} outside this {L}-layer target's 1..{L - 1} (the last "
-                f"layer's output, {L}, is post-norm in HF and not what engines capture): choose from "
-                f"1..{L - 1}"
-            )
+        check_servable_layers("head.eagle3", layers, num_target_layers)
 
     def init_from_target(self, target_model: Any) -> None:
         """Start the read-out where the target's is: its final norm and its lm_head rows for the draft vocabulary."""

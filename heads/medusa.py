@@ -80,6 +80,11 @@ class MedusaHeads(nn.Module):
         self.shared_lm_head: Optional[torch.Tensor] = None  # set by attach_target for lm_head=shared
 
     @property
+    def draft_depth(self) -> int:
+        """Tokens ahead of the root the heads guess: one per head."""
+        return self.cfg.num_heads
+
+    @property
     def draft_vocab_size(self) -> int:
         return len(self.d2t) if self.d2t is not None else self.vocab_size
 

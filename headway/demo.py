@@ -19,8 +19,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from headway.data_scripts.distill import DistillConfig, distill, load_distilled
-from headway.data_scripts.magpie import MagpieConfig
+from headway.data_scripts.config import DistillConfig, MagpieConfig
+from headway.data_scripts.distill import distill, load_distilled
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head
 from headway.heads.eagle3 import Eagle3Config
@@ -31,7 +31,8 @@ from headway.io import atomic_write_json
 from headway.kinds.config import HeadConfig
 from headway.run_config import RunConfig
 from headway.runtime import resolve_device
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 from headway.target.packed_linear import kernels_missing
 from headway.train.config import TrainConfig
 from headway.train.loop import train

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from headway.data_scripts.distill import DistillConfig
-from headway.data_scripts.magpie import MagpieConfig
-from headway.data_scripts.prompts import PromptConfig
+from headway.data_scripts.config import DistillConfig, MagpieConfig, PromptConfig
 from headway.inference.config import BenchConfig, InferenceConfig, TuneConfig
 from headway.kinds.config import HeadConfig
-from headway.target.loading import TargetConfig
+from headway.target.config import TargetConfig
 from headway.train.config import FeaturesConfig, LoggingConfig, TrainConfig
 
 

@@ -61,8 +61,12 @@ class SpeculativeDecoder:
         head_config: Optional[dict] = None,
         saved_costs: Optional[dict] = None,
     ):
-        """saved_costs: verify_ms from the head's tuned.json for this machine (hybrid and n-gram trees size
-        themselves with it; measured when absent)."""
+        """Args:
+        target: the loaded target (`load_target`); heads: a head of a registered kind, attached to it.
+        cfg: the run config; its inference section picks the drafter (neural, ngram, hybrid) and the tree.
+        head_config: the head's config.json (Medusa's tree_nodes read its rank_accuracy).
+        saved_costs: verify_ms from the head's tuned.json for this machine (hybrid and n-gram trees size
+            themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
         self.head_config, self.saved_costs = head_config or {}, saved_costs
         kind = cfg.inference.drafter
@@ -72,6 +76,13 @@ class SpeculativeDecoder:
 
     @classmethod
     def load(cls, head_dir: str | Path, cfg: Optional[RunConfig] = None) -> "SpeculativeDecoder":
+        """Load the target (cfg.target) and the head it was trained for, refusing a head of another target.
+
+        Args:
+            head_dir: a native head directory (or an export `headway export` wrote).
+            cfg: target and inference settings; None = the defaults (the default target).
+        Returns:
+            The decoder, with the tree `headway tune` chose for this machine unless inference.use_tuned=false."""
         cfg = cfg or RunConfig()
         head_config = read_head_config(head_dir)
         lora_dir = Path(head_dir) / "lora"
@@ -103,6 +114,8 @@ class SpeculativeDecoder:
         return SpeculativeDecoder(self.target, self.heads, cfg, self.head_config, self.saved_costs)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
+        """Decode speculatively after prompt_ids (token ids, chat template applied: `fmt.first_turn`); exactly the
+        tokens `generate_plain` gives (greedy). max_new_tokens: None = inference.max_new_tokens."""
         n = max_new_tokens or self.cfg.inference.max_new_tokens
         return speculative_generate(
             self.target.model,
@@ -127,6 +140,8 @@ class SpeculativeDecoder:
         )
 
     def chat(self, message: str, max_new_tokens: Optional[int] = None) -> ChatResult:
+        """One user message through the chat template: the answer's text, the speculative result, and plain
+        decoding's beside it when inference.compare_plain (for the speedup)."""
         ids = self.fmt.first_turn(message)
         n = max_new_tokens or self.cfg.inference.max_new_tokens
         spec = self.generate(ids, n)

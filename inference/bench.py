@@ -22,7 +22,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from headway.data_scripts.prompts import PromptConfig, load_conversations
+from headway.data_scripts.config import PromptConfig
+from headway.data_scripts.prompts import load_conversations
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.baselines import hf_generate
 from headway.inference.bench_plot import plot_results

@@ -34,8 +34,9 @@ DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 
 
 @dataclass
 class InferenceConfig:
-    # Medusa choices: each node is a path of top-k indices, one per head.
-    tree: list[list[int]] = field(default_factory=lambda: [list(c) for c in DEFAULT_MEDUSA_TREE])
+    # Static trees (Medusa, DFlash): each node is a path of top-k indices, one per position ahead of the root;
+    # null = the head kind's default (Medusa: DEFAULT_MEDUSA_TREE; DFlash: the chain of its whole block).
+    tree: Optional[list[list[int]]] = None
     # > 0: build the best tree of this many nodes from the head's measured per-rank accuracy
     # (saved at the end of training), instead of `tree`.
     tree_nodes: int = 0

@@ -668,6 +668,12 @@ def depth_matters(model: Any, engine: str = "auto") -> bool:
 
 
 def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
-    """A fresh runner (empty cache) for sequences of up to `max_len` tokens."""
+    """A fresh runner (empty cache) for sequences of up to `max_len` tokens.
+
+    Args:
+        model: the target; engine: auto (static where the family supports it, else hf), static, compiled, hf.
+    Returns:
+        A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(), truncate().
+        Static runners of one model share its KV buffers (`ModelEngine`): one sequence at a time."""
     name = engine_name(model, engine)
     return HFRunner(model) if name == "hf" else StaticRunner(model, max_len, compiled=name == "compiled")

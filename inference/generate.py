@@ -121,7 +121,12 @@ def plain_generate(
     sampling: SamplingConfig = GREEDY,
     engine: str = "auto",
 ) -> GenerationResult:
-    """Plain decoding with the same engine (one target forward per token): greedy, or sampled."""
+    """Plain decoding with the same engine (one target forward per token): greedy, or sampled.
+
+    Args:
+        model, prompt, max_new_tokens, stop_ids, sampling, engine: as in `speculative_generate`.
+    Returns:
+        GenerationResult with `target_forwards` = tokens - 1: the reference speculative decoding must equal."""
     _check_length(model, len(prompt), max_new_tokens, 1)
     sampler = Sampler(sampling)
     start = time.perf_counter()
@@ -156,7 +161,20 @@ def speculative_generate(
     engine: str = "auto",
 ) -> GenerationResult:
     """Speculative decoding over the drafter's trees: greedy gives exactly plain_generate's tokens, sampling
-    exactly its distribution (with acceptance=exact). `rule` overrides the acceptance rule (tests)."""
+    exactly its distribution (with acceptance=exact).
+
+    Args:
+        model: the target (a transformers causal LM, eval mode).
+        drafter: proposes a tree each step (`draft(root) -> (node ids [n], Tree)`) and reads what was accepted
+            (`accept(tokens, features [k, F])`); its `feature_layers` name the target hidden states it reads.
+        prompt: the prompt's token ids.
+        max_new_tokens: the most tokens to write; stop_ids: tokens that end the answer (kept in it).
+        sampling: temperature 0 (greedy) or a sampling config; the same one plain decoding uses.
+        rule: overrides the acceptance rule (tests).
+        engine: the target's forward (auto, static, compiled, hf); plain decoding must use the same one.
+    Returns:
+        GenerationResult: the new tokens, target forwards after the prefill, seconds, and the accepted drafts
+        per step."""
     _check_length(model, len(prompt), max_new_tokens, drafter.max_nodes)
     stops = set(stop_ids)
     layers = drafter.feature_layers

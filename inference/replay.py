@@ -133,12 +133,13 @@ def _matching_chain(
     return chain
 
 
-def medusa_node_rates(heads: Any, replays: list[Replay], top_k: int) -> dict[tuple[int, ...], float]:
-    """How often each Medusa tree node (a path of per-head ranks) matches the target's next tokens, per position."""
+def static_node_rates(drafter: Any, replays: list[Replay], top_k: int) -> dict[tuple[int, ...], float]:
+    """How often each static tree node (a path of per-position ranks) matches the target's next tokens, per
+    position; `drafter` is a static-tree drafter (Medusa, DFlash) whose tree reaches the head's full depth."""
     counts: dict[tuple[int, ...], int] = {}
     steps = 0
     for r in replays:
-        for _, path in medusa_matches_along(heads, r, top_k):
+        for _, path in static_matches_along(drafter, r, top_k):
             steps += 1
             for d in range(1, len(path) + 1):
                 counts[path[:d]] = counts.get(path[:d], 0) + 1
@@ -146,23 +147,25 @@ def medusa_node_rates(heads: Any, replays: list[Replay], top_k: int) -> dict[tup
 
 
 @torch.no_grad()
-def medusa_matches_along(heads: Any, r: Replay, top_k: int) -> Any:
-    """For each answer position p: p and the ranks of the target's next tokens among the heads' guesses, as far
-    as they are among the top_k (every tree node that is a prefix of this path is accepted there)."""
+def static_matches_along(drafter: Any, r: Replay, top_k: int) -> Any:
+    """For each answer position p: p and the ranks of the target's next tokens among the drafter's guesses for
+    each position ahead of the root, as far as they are among the top_k (every tree node that is a prefix of this
+    path is accepted there)."""
     n_prompt = len(r.prompt)
-    hidden = r.features[n_prompt - 1 :].to(next(heads.parameters()).dtype)  # the feature at each root
-    logits = heads(hidden)  # [heads, positions, vocab]
-    top = heads.to_target_ids(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices).tolist()
+    drafter.begin(r.prompt, r.answer[0], r.features[:n_prompt])
     for p in range(len(r.answer) - 1):
+        logits = drafter.offset_logits(r.answer[p])  # [depth, draft vocab]
+        top = drafter.heads.to_target_ids(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices).tolist()
         path: tuple[int, ...] = ()
         for d in range(len(top)):
-            if p + 1 + d >= len(r.answer) or r.answer[p + 1 + d] not in top[d][p]:
+            if p + 1 + d >= len(r.answer) or r.answer[p + 1 + d] not in top[d]:
                 break
-            path = path + (top[d][p].index(r.answer[p + 1 + d]),)
+            path = path + (top[d].index(r.answer[p + 1 + d]),)
         yield p, path
+        drafter.accept([r.answer[p + 1]], r.features[n_prompt + p : n_prompt + p + 1])
 
 
-def best_medusa_trees(
+def best_static_trees(
     rates: dict[tuple[int, ...], float], sizes: list[int]
 ) -> dict[int, tuple[list[list[int]], float]]:
     """For each size, the nodes with the highest match rates (a child never beats its parent, so they form a

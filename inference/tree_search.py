@@ -7,15 +7,14 @@ from typing import Any, Callable
 
 from headway.inference.config import TuneConfig
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.replay import (
     Replay,
-    best_medusa_trees,
+    best_static_trees,
     draft_cost,
     eagle_acceptance,
-    medusa_node_rates,
+    static_node_rates,
 )
-from headway.inference.tree import build_tree
+from headway.inference.tree import build_tree, chain_choices
 
 Cost = Callable[[int, int], float]  # (verified tokens, tree depth) -> seconds
 
@@ -33,9 +32,9 @@ def candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draf
     }
 
 
-class MedusaTrees:
-    """Static trees: for each size in tune.medusa_nodes, the nodes (paths of per-head ranks) that matched the
-    target's next tokens most often."""
+class StaticTrees:
+    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.medusa_nodes, the nodes (paths
+    of per-position ranks) that matched the target's next tokens most often."""
 
     def verify_sizes(self, tc: TuneConfig) -> list[int]:
         return [n + 1 for n in tc.medusa_nodes]
@@ -43,11 +42,12 @@ class MedusaTrees:
     def candidates(
         self, heads: Any, drafter: Any, replays: list[Replay], cost: Cost, tc: TuneConfig, num_layers: int
     ) -> list[dict]:
-        """Every tree size's best tree, scored; `drafter` (the decoder's own) is not needed for static trees."""
-        trees = best_medusa_trees(medusa_node_rates(heads, replays, tc.medusa_top_k), tc.medusa_nodes)
+        """Every tree size's best tree, scored; `drafter` (the decoder's own) gives the drafter class."""
+        deep = type(drafter)(heads, build_tree(chain_choices(heads.draft_depth)), num_layers)
+        trees = best_static_trees(static_node_rates(deep, replays, tc.medusa_top_k), tc.medusa_nodes)
         out = []
         for n, (choices, acc) in trees.items():
-            d_cost = draft_cost(MedusaDrafter(heads, build_tree(choices), num_layers), replays[0])
+            d_cost = draft_cost(type(drafter)(heads, build_tree(choices), num_layers), replays[0])
             depth = max((len(c) for c in choices), default=0)
             out.append(candidate({"tree": choices, "tree_nodes": 0}, n, acc, cost(n + 1, depth), d_cost))
         return out

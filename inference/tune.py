@@ -31,7 +31,8 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from headway.data_scripts.prompts import PromptConfig, load_conversations
+from headway.data_scripts.config import PromptConfig
+from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.api import SpeculativeDecoder, make_drafter

@@ -5,7 +5,7 @@ from __future__ import annotations
 from headway.export.layouts import MEDUSA_EXPORTS, MEDUSA_REFUSED
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.draft_medusa import MedusaDrafter
-from headway.inference.tree_search import MedusaTrees
+from headway.inference.tree_search import StaticTrees
 from headway.kinds.spec import HeadKind
 from headway.train.calibration import rank_accuracy
 from headway.train.objectives import medusa_objective
@@ -18,7 +18,7 @@ MEDUSA = HeadKind(
     layered=False,
     objective=medusa_objective,
     drafter=MedusaDrafter.from_config,
-    tree_space=MedusaTrees(),
+    tree_space=StaticTrees(),
     exports=MEDUSA_EXPORTS,
     refused_exports=MEDUSA_REFUSED,
     draft_tokens=lambda head: int(head.get("num_heads", 3)),  # one draft token per head

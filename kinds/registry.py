@@ -7,12 +7,13 @@ from typing import Any, Optional
 import torch
 
 from headway.errors import HeadwayError
+from headway.kinds.dflash import DFLASH
 from headway.kinds.eagle import EAGLE
 from headway.kinds.eagle3 import EAGLE3
 from headway.kinds.medusa import MEDUSA
 from headway.kinds.spec import HeadKind
 
-KINDS: dict[str, HeadKind] = {kind.name: kind for kind in (MEDUSA, EAGLE, EAGLE3)}
+KINDS: dict[str, HeadKind] = {kind.name: kind for kind in (MEDUSA, EAGLE, EAGLE3, DFLASH)}
 
 
 def head_kind(name: str) -> HeadKind:

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from headway.config import load_config
-from headway.data_scripts.prompts import PromptConfig, load_conversations
+from headway.data_scripts.config import PromptConfig
+from headway.data_scripts.prompts import load_conversations
 from headway.demo import reference_head
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.engine import engine_name

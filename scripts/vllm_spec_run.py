@@ -20,7 +20,8 @@ def prompt_ids(target: str, prompts: str, limit: int, per_category: int) -> list
     from transformers import AutoTokenizer, GenerationConfig
 
     from headway.data_scripts.chat import ChatFormat
-    from headway.data_scripts.prompts import PromptConfig, load_conversations
+    from headway.data_scripts.config import PromptConfig
+    from headway.data_scripts.prompts import load_conversations
     from headway.inference.bench import per_category as balanced
 
     tok = AutoTokenizer.from_pretrained(target)

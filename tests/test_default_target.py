@@ -13,7 +13,8 @@ from headway.config import load_config
 from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.distill import distill, load_distilled
 from headway.run_config import RunConfig
-from headway.target.loading import TargetConfig, export_target, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import export_target, load_target
 
 pytestmark = pytest.mark.slow
 

@@ -73,7 +73,7 @@ def test_demo_without_a_head_names_the_fix(tmp_path: Path):
 @pytest.mark.slow
 def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path: Path):
     from headway.demo import DemoConfig, reference_head, run_demo
-    from headway.target.loading import TargetConfig
+    from headway.target.config import TargetConfig
 
     head = reference_head()
     assert (head / "model.safetensors").stat().st_size < 25e6  # ~20 MB in bf16
@@ -96,7 +96,7 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
 
 def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
     from headway.demo import DemoConfig, decoding_target
-    from headway.target.loading import TargetConfig
+    from headway.target.config import TargetConfig
 
     fast = kernels_missing("onednn") is None
     t = decoding_target(DemoConfig(target=TargetConfig(device="cpu")))

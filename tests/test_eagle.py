@@ -18,7 +18,8 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.generate import features_at, greedy_generate, speculative_generate
 from headway.kinds.checkpoint import load_head
 from headway.kinds.registry import build_head
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 from headway.train.objectives import ttt_unroll
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
@@ -225,7 +226,7 @@ def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(
         load_head(head_dir, other.fingerprint)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "dflash"])
 def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: Path, kind: str):
     """Features cached once (float32) give the same loss on the same batch as running the target."""
     import subprocess
@@ -237,6 +238,7 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
         f"head.kind={kind}",
         "head.eagle3.draft_vocab_size=64",
         "head.eagle3.ttt_steps=2",
+        "head.dflash.draft_vocab_size=64",
         "head.medusa.num_heads=2",
         "head.eagle.feature_noise=0",
         "train.max_steps=3",

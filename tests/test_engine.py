@@ -12,7 +12,8 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 from headway.target.packed_linear import rows_for_one
 
 STATIC = ["llama", "qwen2", "mistral"]

@@ -13,17 +13,20 @@ from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
+from headway.heads.dflash import DFlashConfig, DFlashHead
 from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
 from headway.heads.medusa import MedusaConfig
+from headway.inference.draft_dflash import DFlashDrafter
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import speculative_generate
 from headway.inference.tree import build_tree
 from headway.kinds.checkpoint import save_head
 from headway.kinds.registry import KINDS, build_head
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -49,6 +52,13 @@ def random_head(
         heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=layer_config)
     elif kind == "eagle":
         heads = build_head(kind, EagleConfig(draft_layer=draft_layer), h, V, layer_config=layer_config)
+    elif kind == "dflash":
+        cfg = DFlashConfig(
+            draft_vocab_size=64, block_size=4, num_layers=2, feature_layers=list(feature_layers)
+        )
+        cfg.feature_layers = DFlashHead.feature_layers(cfg, L)
+        llama_layer = draft_layer_config(t.model.config, "llama")
+        heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=llama_layer)
     else:
         heads = build_head(
             kind,
@@ -69,6 +79,8 @@ def drafter_for(t, heads):
     heads.attach_target(t.model)
     if heads.kind == "medusa":
         return MedusaDrafter(heads, build_tree(TREE), t.config.num_hidden_layers)
+    if heads.kind == "dflash":
+        return DFlashDrafter(heads, build_tree(TREE), t.config.num_hidden_layers)
     return EagleDrafter(heads, t.config.num_hidden_layers, 3, 2, 6)
 
 
@@ -143,6 +155,52 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(
         for v in written.values()
     )
     load_export(tmp_path / "bf16", t.fingerprint)
+
+
+def test_dflash_layout_is_what_vllm_reads(llama, tmp_path: Path):
+    """The keys and shapes vLLM's DFlashQwen3ForCausalLM.load_weights reads (no `model.` prefix; embed_tokens
+    comes from the target), and the dflash_config its proposer reads."""
+    t = llama
+    heads = random_head(t, "dflash")
+    export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "v" / "model.safetensors"))
+    h, n, kv, hd, inter = (
+        64,
+        t.config.num_attention_heads,
+        t.config.num_key_value_heads,
+        16,
+        t.config.intermediate_size,
+    )
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["num_hidden_layers"] == 2 and config["block_size"] == 4 and config["draft_vocab_size"] == 64
+    assert config["dflash_config"] == {
+        "mask_token_id": t.config.vocab_size - 1,
+        "target_layer_ids": [k - 1 for k in heads.cfg.feature_layers],  # 0-based decoder layers
+    }
+    layer = {
+        "input_layernorm.weight": [h],
+        "post_attention_layernorm.weight": [h],
+        "self_attn.q_proj.weight": [n * hd, h],
+        "self_attn.k_proj.weight": [kv * hd, h],
+        "self_attn.v_proj.weight": [kv * hd, h],
+        "self_attn.o_proj.weight": [h, n * hd],
+        "self_attn.q_norm.weight": [hd],
+        "self_attn.k_norm.weight": [hd],
+        "mlp.gate_proj.weight": [inter, h],
+        "mlp.up_proj.weight": [inter, h],
+        "mlp.down_proj.weight": [h, inter],
+    }
+    assert {k: list(v.shape) for k, v in tensors.items()} == {
+        "fc.weight": [h, 3 * h],
+        "hidden_norm.weight": [h],
+        "norm.weight": [h],
+        "lm_head.weight": [64, h],
+        "d2t": [64],
+        "t2d": [t.config.vocab_size],
+        **{f"layers.{i}.{k}": s for i in range(2) for k, s in layer.items()},
+    }
+    assert torch.equal(tensors["d2t"] + torch.arange(64), heads.d2t)  # offsets, as vLLM adds them
 
 
 def test_eagle3_layout_is_what_vllm_reads(llama, tmp_path: Path):

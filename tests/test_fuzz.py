@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from headway.config import load_config
-from headway.data_scripts.prompts import Conversation, PromptConfig, load_conversations
+from headway.data_scripts.config import PromptConfig
+from headway.data_scripts.prompts import Conversation, load_conversations
 from headway.errors import HeadwayError
 from headway.run_config import RunConfig
 

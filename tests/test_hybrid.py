@@ -265,7 +265,8 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkey
     from headway.inference import api
     from headway.inference.engine import depth_matters
     from headway.run_config import RunConfig
-    from headway.target.loading import TargetConfig, load_target
+    from headway.target.config import TargetConfig
+    from headway.target.loading import load_target
 
     asked = []
 

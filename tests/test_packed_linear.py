@@ -15,7 +15,8 @@ from headway.errors import HeadwayError
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.target.loading import TargetConfig, export_target, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import export_target, load_target
 from headway.target.packed_linear import Float16Linear, OneDNNLinear, linear_weights, pack_head_linear_weights
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from headway.data_scripts.prompts import PromptConfig, load_conversations, source_hash
+from headway.data_scripts.config import PromptConfig
+from headway.data_scripts.prompts import load_conversations, source_hash
 from headway.errors import HeadwayError
 
 RECORDS = [

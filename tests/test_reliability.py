@@ -22,15 +22,17 @@ from test_eagle import chat_ids, random_head
 from train_helpers import losses, small_run
 
 from headway.config import load_config
+from headway.data_scripts.config import PromptConfig
 from headway.data_scripts.distill import distill, load_distilled
-from headway.data_scripts.prompts import PromptConfig, load_conversations
+from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.generate import speculative_generate
 from headway.io import atomic_write_json, atomic_write_text
 from headway.kinds.checkpoint import load_head, save_head
 from headway.run_config import RunConfig
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint
 
 EAGLE3 = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2")

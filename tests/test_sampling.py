@@ -16,10 +16,12 @@ import pytest
 import torch
 
 from headway.errors import HeadwayError
+from headway.heads.dflash import DFlashConfig
 from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.inference.draft_dflash import DFlashDrafter
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
@@ -84,6 +86,24 @@ def eagle_drafter(m, kind: str):
     heads.init_from_target(m)
     heads.attach_target(m)
     return EagleDrafter(heads.double().eval(), 2, 3, 3, 7)
+
+
+def dflash_drafter(m):
+    """A DFlash block over every hidden state of this 2-layer target, drafting a 3-deep tree from one forward."""
+    torch.manual_seed(3)
+    cfg = DFlashConfig(draft_vocab_size=4, block_size=4)
+    cfg.feature_layers = [0, 1, 2]  # too shallow a target for the engines' rule: set past the config's check
+    heads = build_head(
+        "dflash",
+        cfg,
+        32,
+        V,
+        d2t=torch.tensor([0, 1, 2, 4]),
+        layer_config=draft_layer_config(m.config, "llama"),
+    )
+    heads.init_from_target(m)
+    heads.attach_target(m)
+    return DFlashDrafter(heads.double().eval(), build_tree(TREE), 2)
 
 
 def exact_probabilities(m, cfg: SamplingConfig) -> dict[tuple, float]:
@@ -193,6 +213,7 @@ def test_plain_sampling_has_the_target_distribution(model):
         ("medusa", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
         ("eagle", SamplingConfig(temperature=1.0)),
         ("eagle3", SamplingConfig(temperature=1.0)),
+        ("dflash", SamplingConfig(temperature=1.0)),
         ("hybrid", SamplingConfig(temperature=1.0)),
         ("ngram", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
     ],
@@ -206,7 +227,8 @@ def test_speculative_sampling_is_lossless(model, kind: str, cfg: SamplingConfig)
         hc = HybridConfig(node_cost=0.0, max_tokens=3, min_ngram=1)  # 5-token vocabulary: 1-grams match often
         drafter = HybridDrafter(neural, hc, lambda n, depth: 1.0, timed=False)
     else:
-        drafter = medusa_drafter(model) if kind == "medusa" else eagle_drafter(model, kind)
+        makers = {"medusa": medusa_drafter, "dflash": dflash_drafter}
+        drafter = makers[kind](model) if kind in makers else eagle_drafter(model, kind)
     p, mean_accepted = spec_p_value(model, drafter, cfg)
     assert p > ALPHA, (kind, cfg, p)
     assert mean_accepted > 0.3, "the drafts must often be accepted for the test to mean anything"

@@ -13,7 +13,8 @@ from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree, chain_choices
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 
 WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 

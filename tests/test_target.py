@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from headway.errors import HeadwayError
-from headway.target.loading import (
-    TargetConfig,
-    compute_fingerprint,
-    export_target,
-    fingerprint_mismatch,
-    load_target,
-)
+from headway.target.config import TargetConfig
+from headway.target.loading import compute_fingerprint, export_target, fingerprint_mismatch, load_target
 
 
 def cfg_for(path: Path, **kw) -> TargetConfig:

@@ -17,7 +17,8 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
 from headway.kinds.checkpoint import load_head
 from headway.run_config import RunConfig
-from headway.target.loading import TargetConfig, load_target
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
 
 

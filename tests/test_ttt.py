@@ -175,7 +175,8 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
 
     from headway.errors import HeadwayError
     from headway.kinds.checkpoint import load_head
-    from headway.target.loading import TargetConfig, load_target
+    from headway.target.config import TargetConfig
+    from headway.target.loading import load_target
     from headway.train.loop import build_heads, train
 
     base = (

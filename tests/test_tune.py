@@ -20,12 +20,12 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import speculative_generate
 from headway.inference.replay import (
-    best_medusa_trees,
+    best_static_trees,
     eagle_accepted_along,
-    medusa_matches_along,
     replay_answers,
+    static_matches_along,
 )
-from headway.inference.tree import build_tree
+from headway.inference.tree import build_tree, chain_choices
 from headway.run_config import RunConfig
 
 PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell me a story about it."]
@@ -117,7 +117,10 @@ def test_replayed_medusa_matches_equal_real_verification(tiny_dirs, trained_head
     nodes = {tuple(c) for c in tree_choices}
     seen = 0
     for r in replays:
-        along = dict(medusa_matches_along(d.heads, r, 8))
+        deep = MedusaDrafter(
+            d.heads, build_tree(chain_choices(d.heads.draft_depth)), d.target.config.num_hidden_layers
+        )
+        along = dict(static_matches_along(deep, r, 8))
         real = speculative_generate(d.target.model, drafter, r.prompt, 24, d.fmt.stop_ids)
         for p, acc in zip(_root_positions(real.accepted), real.accepted):
             assert sum(1 for k in range(1, len(along[p]) + 1) if along[p][:k] in nodes) == acc
@@ -125,9 +128,9 @@ def test_replayed_medusa_matches_equal_real_verification(tiny_dirs, trained_head
     assert seen > 0
 
 
-def test_best_medusa_trees_take_the_most_frequent_matches():
+def test_best_static_trees_take_the_most_frequent_matches():
     rates = {(0,): 0.5, (1,): 0.2, (0, 0): 0.3, (0, 1): 0.1, (0, 0, 0): 0.25, (2,): 0.05}
-    trees = best_medusa_trees(rates, [1, 3, 5, 9])
+    trees = best_static_trees(rates, [1, 3, 5, 9])
     assert trees[1] == ([[0]], 0.5)
     assert trees[3][0] == [[0], [0, 0], [0, 0, 0]] and trees[3][1] == pytest.approx(1.05)
     assert trees[5][0] == [[0], [0, 0], [0, 0, 0], [1], [0, 1]]

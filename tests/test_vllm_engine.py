@@ -22,7 +22,8 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     from headway.data_scripts.chat import ChatFormat
     from headway.data_scripts.distill import distill, load_distilled
     from headway.run_config import RunConfig
-    from headway.target.loading import TargetConfig, load_target
+    from headway.target.config import TargetConfig
+    from headway.target.loading import load_target
 
     prompts = tmp_path / "p.jsonl"
     rows = [{"question": "What is 12 times 3?"}, {"turns": ["Name a colour.", "Name another one."]}]

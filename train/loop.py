@@ -389,7 +389,12 @@ def evaluate(
 
 
 def train(cfg: RunConfig) -> Path:
-    """Train a head on a frozen target; returns the directory of the exported native head."""
+    """Train a head on a frozen target, resuming from the run's latest checkpoint when there is one.
+
+    Args:
+        cfg: the run config; its target, head, train and logging sections (and features, offline) are read.
+    Returns:
+        The native head directory written at the end (`<train.output_dir>/head`; rank 0's path on every rank)."""
     tc = cfg.train
     out = Path(tc.output_dir).expanduser()
     if tc.init_from:

@@ -1,0 +1,61 @@
+"""DFlash drafting: one block forward guesses every position ahead of the root; the guesses fill a static tree.
+
+The drafter keeps each layer's context keys and values for the positions the target has verified, so a step
+runs the block alone ([root, mask, ...]) against that cache: its cost does not grow with the draft's depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from headway.heads.dflash import DFlashHead
+from headway.inference.draft_medusa import MedusaDrafter, choose_tree
+from headway.inference.tree import Tree, build_tree, chain_choices
+
+
+class DFlashDrafter(MedusaDrafter):
+    """A static tree over the block's slots (inference.tree; a chain as deep as the block by default)."""
+
+    @classmethod
+    def from_config(
+        cls, heads: DFlashHead, ic: Any, head_config: dict, num_target_layers: int
+    ) -> "DFlashDrafter":
+        """The tree the inference section asks for (inference.tree / tree_nodes); by default the chain of every
+        block slot, which one forward drafts."""
+        choices = choose_tree(ic, head_config, chain_choices(heads.draft_depth))
+        return cls(heads, build_tree(choices), num_target_layers)
+
+    def __init__(self, heads: DFlashHead, tree: Tree, num_target_layers: int):
+        super().__init__(heads, tree, num_target_layers)
+        self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.length = 0  # context positions cached: the root's position
+
+    def _extend(self, features: torch.Tensor) -> None:
+        """Add the context keys and values of the next positions' features [n, F]."""
+        n = features.shape[0]
+        positions = torch.arange(self.length, self.length + n, device=features.device).view(1, -1)
+        new = self.heads.context(features.unsqueeze(0), positions)
+        self.context = (
+            new
+            if not self.context
+            else [
+                (torch.cat((k, nk), 2), torch.cat((v, nv), 2)) for (k, v), (nk, nv) in zip(self.context, new)
+            ]
+        )
+        self.length += n
+
+    @torch.no_grad()
+    def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
+        self.context, self.length = [], 0
+        self._extend(features)
+
+    @torch.no_grad()
+    def accept(self, tokens: list[int], features: torch.Tensor) -> None:
+        """features [k, F]: the verified positions' (the old root and the accepted drafts); tokens end with the
+        new root."""
+        self._extend(features)
+
+    def offset_logits(self, root: int) -> torch.Tensor:
+        return self.heads.draft_logits(self.context, root, self.length)[: len(self.ks)]

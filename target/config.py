@@ -1,0 +1,44 @@
+"""The `target` config section: which model is the frozen target, and how it loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from headway.config import check_choice
+from headway.runtime import DTYPES
+from headway.target.packed_linear import LINEAR_WEIGHTS
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+@dataclass
+class TargetConfig:
+    # Alias (smollm2-135m-instruct), local HF directory, .gguf file, or a hub id already in the local HF cache.
+    name_or_path: str = DEFAULT_TARGET
+    # GGUF file name inside `name_or_path` when that is a directory holding several .gguf files.
+    gguf_file: Optional[str] = None
+    # Weights dtype for the target: float32, bfloat16, float16 or float64 (exact checks use float64).
+    dtype: str = "float32"
+    # auto (CUDA when present, else CPU), cpu, cuda, cuda:N.
+    device: str = "auto"
+    # torch intra-op threads for this process; 0 = this machine's cores divided by local processes.
+    num_threads: int = 0
+    # Where fetched wheels and dequantised GGUF targets are cached; null = $HEADWAY_CACHE or ~/.cache/headway.
+    cache_dir: Optional[str] = None
+    # Attention kernel passed to transformers: sdpa, eager.
+    attn_implementation: str = "sdpa"
+    # Run Python code shipped inside the model directory (auto_map). Off: a model directory is data, not code.
+    trust_remote_code: bool = False
+    # CPU inference format of the linear weights (decoder layers, lm_head): native (as `dtype`), or float16
+    # (weights packed as fp16 for fbgemm, float32 accumulation. float32 targets: half the memory traffic, outputs
+    # equal this format's plain decoding, which can differ from float32's where two tokens nearly tie. bfloat16
+    # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 CPU targets: the same
+    # bf16 weights prepacked for oneDNN's kernels; cheaper than float16 for trees of 8+ nodes).
+    # See target/packed_linear.py.
+    linear_weights: str = "native"
+
+    def __post_init__(self) -> None:
+        check_choice("target", "dtype", self.dtype, list(DTYPES))
+        check_choice("target", "linear_weights", self.linear_weights, list(LINEAR_WEIGHTS))
+        check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])
