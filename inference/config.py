@@ -28,7 +28,7 @@ LABELS = {
 
 
 # A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
-# than it gains (8 tokens ~1.5x one token, 32 tokens ~2.3x), so the default stays small.
+# than it gains (the verify cost grows with the node count, docs/benchmarks.md), so the default stays small.
 DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
@@ -48,8 +48,8 @@ class InferenceConfig:
     max_new_tokens: int = 256
     # The target's forward: auto (static for llama, qwen2 and mistral targets with full attention, else hf),
     # static (a preallocated KV cache and Headway's own attention around the model's modules), hf (the
-    # model's own forward and transformers cache), compiled (static, its decoder layers under torch.compile: 1.12x
-    # plain decoding in float32 on this project's CPU, after ~2.5 min of compiling on first use; in bf16 only the
+    # model's own forward and transformers cache), compiled (static, its decoder layers under torch.compile: faster
+    # plain decoding in float32 after minutes of compiling on first use, docs/benchmarks.md; in bf16 only the
     # static engine is exact). Plain and speculative decoding use the same one.
     engine: str = "auto"
     # What proposes the draft tree: hybrid (the head's branches and prompt-lookup branches in one tree, its size

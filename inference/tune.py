@@ -1,8 +1,8 @@
 """`headway tune`: pick the draft tree that is fastest on this machine for this head.
 
 The best tree is a trade: a larger tree accepts more tokens per step, but verifying it costs more,
-and how much more depends on the hardware (on a 2-core CPU 8 tokens cost ~1.5x one token; on a GPU
-the curve is nearly flat). Tune measures the two sides separately and multiplies them out:
+and how much more depends on the hardware (on a CPU the cost grows with the tokens verified; on a GPU
+the curve is nearly flat; docs/benchmarks.md). Tune measures the two sides separately and multiplies them out:
 
 - cost: the target's forward time against the number of verified tokens, over a cache of typical
   length, and the drafter's time for each tree setting, all on this machine with these threads;

@@ -112,7 +112,7 @@ class Float16Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             y = torch.ops.headway.linear_fp16(x2, self.key, self.out_features)
-        else:  # eager: the op itself (a custom op's dispatch adds ~5 us a call, 211 calls a step)
+        else:  # eager: the op itself (a custom op's dispatch costs a little on every call, and a step makes hundreds)
             y = _fp16_linear(x2, self.packed, self.scale)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -177,8 +177,8 @@ PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear}
 
 def row_linear(module: nn.Module) -> Any:
     """The linear `module` (nn.Linear or a packed format's) as a plain function of rows [n, in]: its kernel called
-    directly, without nn.Module dispatch and the reshapes a module does for any input (~14 us a call on one CPU core,
-    ~120 calls a decoding step of the default target). Under torch.compile, the module itself (which it traces)."""
+    directly, without nn.Module dispatch and the reshapes a module does for any input (a decoding step makes
+    about a hundred such calls, so per-call overhead shows). Under torch.compile, the module itself (which it traces)."""
     if isinstance(module, OneDNNLinear):
         packed, bias = module.packed, module.bias
         return lambda x: module(x) if torch.compiler.is_compiling() else _onednn_linear(x, packed, bias)
