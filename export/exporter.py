@@ -25,7 +25,7 @@ from headway.export.layouts import Converter
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
-from headway.kinds.checkpoint import load_head, read_head_config, saved_head_config, write_head_config
+from headway.kinds.checkpoint import load_head, read_head_config, rebuild_head, write_head_config
 from headway.kinds.registry import head_kind
 from headway.runtime import parse_dtype
 from headway.target.loading import fingerprint_mismatch
@@ -235,17 +235,7 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     conv = converter(fmt, kind)
     state = conv.from_engine(config, tensors)
     head_cfg = {**meta["head"], **conv.head_settings(config)}
-    heads = head_kind(kind).build(
-        saved_head_config(kind, head_cfg, state),
-        meta["hidden_size"],
-        meta["vocab_size"],
-        d2t=state.get("d2t"),
-        layer_config=meta.get("draft_layer"),
-    )
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise HeadwayError(f"{d} does not rebuild its head: missing {missing}, unexpected {unexpected}")
-    return heads.eval()
+    return rebuild_head(meta, head_cfg, state, f"{d} does not rebuild its head").eval()
 
 
 def serve_hint(fmt: str, config: dict, out: Path) -> str:

@@ -77,6 +77,23 @@ def saved_head_config(kind: str, saved: dict, state: dict) -> Any:
     return spec.config(**head_cfg)
 
 
+def rebuild_head(config: dict, head_section: dict, state: dict, mismatch: str) -> Any:
+    """The head a saved config (kind, sizes, draft_layer) and its `head` section describe, holding `state`; a
+    state that does not fit is an error that starts with `mismatch` and names the keys."""
+    kind = config["kind"]
+    heads = head_kind(kind).build(
+        saved_head_config(kind, head_section, state),
+        config["hidden_size"],
+        config["vocab_size"],
+        d2t=state.get("d2t"),
+        layer_config=config.get("draft_layer"),
+    )
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise HeadwayError(f"{mismatch}: missing {missing}, unexpected {unexpected}")
+    return heads
+
+
 def load_head(
     path: str | os.PathLike, fingerprint: Optional[dict] = None, device: Any = "cpu", dtype: Any = None
 ) -> Any:
@@ -104,16 +121,7 @@ def load_head(
         raise HeadwayError(
             f"{p / 'config.json'} has no draft_layer section, which a '{kind}' head needs: re-export it"
         )
-    heads = KINDS[kind].build(
-        saved_head_config(kind, config["head"], state),
-        config["hidden_size"],
-        config["vocab_size"],
-        d2t=state.get("d2t"),
-        layer_config=config.get("draft_layer"),
+    heads = rebuild_head(
+        config, config["head"], state, f"{p / 'model.safetensors'} does not match its config"
     )
-    missing, unexpected = heads.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise HeadwayError(
-            f"{p / 'model.safetensors'} does not match its config: missing {missing}, unexpected {unexpected}"
-        )
     return heads.to(device=device, dtype=dtype).eval()  # dtype casts floating tensors only: d2t stays int64

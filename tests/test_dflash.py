@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import chat_ids, load64
 from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
@@ -20,16 +21,10 @@ from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
 from headway.inference.generate import features_at, greedy_generate, speculative_generate
 from headway.inference.tree import build_tree, chain_choices
 from headway.kinds.registry import build_head
-from headway.target.config import TargetConfig
-from headway.target.loading import load_target
 from headway.train.losses import draft_loss
 from headway.train.objectives import Features, dflash_anchors, dflash_objective
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
-
-
-def load64(path: Path):
-    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
 
 
 def random_head(t, seed: int = 0, **settings) -> DFlashHead:
@@ -43,13 +38,6 @@ def random_head(t, seed: int = 0, **settings) -> DFlashHead:
     heads.init_from_target(t.model)
     heads.attach_target(t.model)
     return heads.double().eval()
-
-
-def chat_ids(t, text: str) -> list[int]:
-    prompt = t.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-    return t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import chat_ids, load64
 from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
@@ -25,10 +26,6 @@ from headway.train.objectives import ttt_unroll
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
 
-def load64(path: Path):
-    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
-
-
 def random_head(t, kind: str, seed: int = 0, draft_layer: str = "target"):
     """An untrained head of `kind` for target `t`, float64, with random (not zero) weights; its draft layer is
     the target's own class unless draft_layer=llama."""
@@ -44,13 +41,6 @@ def random_head(t, kind: str, seed: int = 0, draft_layer: str = "target"):
     heads.init_from_target(t.model)
     heads.attach_target(t.model)
     return heads.double().eval()
-
-
-def chat_ids(t, text: str) -> list[int]:
-    prompt = t.tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-    )
-    return t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eagle import chat_ids, random_head
+from decode_helpers import chat_ids, load64
+from test_eagle import random_head
 
 from headway.errors import HeadwayError
 from headway.inference.draft_eagle import EagleDrafter
@@ -17,10 +18,6 @@ from headway.target.loading import load_target
 from headway.target.packed_linear import rows_for_one
 
 STATIC = ["llama", "qwen2", "mistral"]
-
-
-def load64(path):
-    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
 
 
 @pytest.mark.parametrize("arch,compiled", [(a, False) for a in STATIC] + [("qwen2", True)])

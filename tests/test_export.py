@@ -157,21 +157,26 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(
     load_export(tmp_path / "bf16", t.fingerprint)
 
 
+def vllm_export(t, heads, tmp_path: Path) -> tuple[dict, dict]:
+    """The head exported for vLLM in float32: its config.json and tensors as written."""
+    export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    return config, load_file(str(tmp_path / "v" / "model.safetensors"))
+
+
+def sizes(t) -> tuple[int, int, int, int, int]:
+    """The tiny Llama's hidden size, heads, key/value heads, head dim and MLP width."""
+    c = t.config
+    return 64, c.num_attention_heads, c.num_key_value_heads, 16, c.intermediate_size
+
+
 def test_dflash_layout_is_what_vllm_reads(llama, tmp_path: Path):
     """The keys and shapes vLLM's DFlashQwen3ForCausalLM.load_weights reads (no `model.` prefix; embed_tokens
     comes from the target), and the dflash_config its proposer reads."""
     t = llama
     heads = random_head(t, "dflash")
-    export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
-    config = json.loads((tmp_path / "v" / "config.json").read_text())
-    tensors = load_file(str(tmp_path / "v" / "model.safetensors"))
-    h, n, kv, hd, inter = (
-        64,
-        t.config.num_attention_heads,
-        t.config.num_key_value_heads,
-        16,
-        t.config.intermediate_size,
-    )
+    config, tensors = vllm_export(t, heads, tmp_path)
+    h, n, kv, hd, inter = sizes(t)
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["num_hidden_layers"] == 2 and config["block_size"] == 4 and config["draft_vocab_size"] == 64
     assert config["dflash_config"] == {
@@ -206,16 +211,8 @@ def test_dflash_layout_is_what_vllm_reads(llama, tmp_path: Path):
 def test_eagle3_layout_is_what_vllm_reads(llama, tmp_path: Path):
     t = llama
     heads = random_head(t, "eagle3")
-    export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
-    config = json.loads((tmp_path / "v" / "config.json").read_text())
-    tensors = load_file(str(tmp_path / "v" / "model.safetensors"))
-    h, n, kv, hd, inter = (
-        64,
-        t.config.num_attention_heads,
-        t.config.num_key_value_heads,
-        16,
-        t.config.intermediate_size,
-    )
+    config, tensors = vllm_export(t, heads, tmp_path)
+    h, n, kv, hd, inter = sizes(t)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert (
         config["eagle_aux_hidden_state_layer_ids"] == heads.cfg.feature_layers

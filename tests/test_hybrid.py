@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_eagle import ARCHS, chat_ids, load64, random_head
+from decode_helpers import chat_ids, load64
+from test_eagle import ARCHS, random_head
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_eagle import chat_ids, random_head
+from decode_helpers import chat_ids
+from test_eagle import random_head
 from test_hybrid import ngram_only
 from torch import nn
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_eagle import chat_ids, random_head
+from decode_helpers import chat_ids
+from test_eagle import random_head
 from train_helpers import losses, small_run
 
 from headway.config import load_config

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import load64
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import best_tree, build_tree, chain_choices
-from headway.target.config import TargetConfig
-from headway.target.loading import load_target
 
 WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
-
-
-def load64(path: Path):
-    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
 
 
 def prompts_for(tok) -> list[list[int]]:

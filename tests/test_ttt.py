@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_eagle import ARCHS, load64, random_head
+from decode_helpers import load64
+from test_eagle import ARCHS, random_head
 from transformers import DynamicCache
 
 from headway.heads.draft_layer import drafter_mask
