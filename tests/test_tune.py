@@ -17,7 +17,6 @@ from headway.inference.api import SpeculativeDecoder
 from headway.inference.config import TuneConfig
 from headway.inference.cost_model import interpolate
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import speculative_generate
 from headway.inference.replay import (
     best_static_trees,
@@ -26,6 +25,7 @@ from headway.inference.replay import (
     static_matches_along,
 )
 from headway.inference.tree import build_tree, chain_choices
+from headway.inference.tune import search
 from headway.run_config import RunConfig
 
 PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell me a story about it."]
@@ -33,7 +33,7 @@ PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell 
 
 @pytest.fixture(scope="module")
 def trained_heads(tiny_dirs, tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """Small EAGLE-3 and Medusa heads for the tiny Llama: trained enough to accept drafts on its answers."""
+    """Small EAGLE-3, DFlash and Medusa heads for the tiny Llama: trained enough to accept drafts on its answers."""
     from headway.train.loop import train
 
     root = tmp_path_factory.mktemp("tune-heads")
@@ -46,6 +46,17 @@ def trained_heads(tiny_dirs, tiny_data, tmp_path_factory) -> dict[str, Path]:
                 "head.kind=eagle3",
                 "head.eagle3.draft_vocab_size=64",
                 "head.eagle3.ttt_steps=3",
+                "train.max_steps=12",
+            )
+        ),
+        "dflash": train(
+            small_run(
+                tiny_dirs["llama"],
+                tiny_data,
+                root / "d",
+                "head.kind=dflash",
+                "head.dflash.draft_vocab_size=64",
+                "head.dflash.block_size=4",
                 "train.max_steps=12",
             )
         ),
@@ -107,25 +118,37 @@ def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_h
     assert seen_accepts > 0  # the trained head accepts drafts here, so the comparison is not vacuous
 
 
-def test_replayed_medusa_matches_equal_real_verification(tiny_dirs, trained_heads):
+@pytest.mark.parametrize("kind", ["medusa", "dflash"])
+def test_replayed_static_tree_matches_equal_real_verification(tiny_dirs, trained_heads, kind: str):
+    """Static trees (Medusa's heads, DFlash's block slots): the ranks replayed along the target's answers accept
+    exactly what real verification accepts, for any tree; and the tune search's best tree decodes exactly."""
     d = _decoder(
-        tiny_dirs, trained_heads["medusa"], "inference.use_tuned=false", "inference.tree=[[0],[1],[0,0]]"
+        tiny_dirs,
+        trained_heads[kind],
+        "inference.use_tuned=false",
+        "inference.tree=[[0],[1],[0,0]]",
+        "inference.drafter=neural",
     )
+    L = d.target.config.num_hidden_layers
+    Drafter = type(d.drafter)
     replays = replay_answers(d, [d.fmt.first_turn(p) for p in PROMPTS], 24)
     tree_choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-    drafter = MedusaDrafter(d.heads, build_tree(tree_choices), d.target.config.num_hidden_layers)
+    drafter = Drafter(d.heads, build_tree(tree_choices), L)
     nodes = {tuple(c) for c in tree_choices}
     seen = 0
     for r in replays:
-        deep = MedusaDrafter(
-            d.heads, build_tree(chain_choices(d.heads.draft_depth)), d.target.config.num_hidden_layers
+        along = dict(
+            static_matches_along(Drafter(d.heads, build_tree(chain_choices(d.heads.draft_depth)), L), r, 8)
         )
-        along = dict(static_matches_along(deep, r, 8))
         real = speculative_generate(d.target.model, drafter, r.prompt, 24, d.fmt.stop_ids)
         for p, acc in zip(_root_positions(real.accepted), real.accepted):
             assert sum(1 for k in range(1, len(along[p]) + 1) if along[p][:k] in nodes) == acc
             seen += acc
     assert seen > 0
+    best = search(d, replays, lambda n, depth: 1e-3 * (1 + 0.1 * n), TuneConfig(medusa_nodes=[1, 3, 6]))[0]
+    tuned = Drafter(d.heads, build_tree(best["inference"]["tree"]), L)
+    for r in replays:
+        assert speculative_generate(d.target.model, tuned, r.prompt, 24, d.fmt.stop_ids).tokens == r.answer
 
 
 def test_best_static_trees_take_the_most_frequent_matches():
