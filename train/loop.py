@@ -7,6 +7,7 @@ the same curve.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import random
@@ -567,6 +568,10 @@ def train(cfg: RunConfig) -> Path:
     if par.is_main:
         logger.close()
         head_dir = _export(cfg, target, final, held, t2d, out)
+    # the wrapped objective (DDP's reducer, FSDP, DeepSpeed) and its optimizer go before the process group: freed
+    # only at interpreter exit, work they still hold on gloo can abort the process after the run succeeded
+    del objective, optimizer, scheduler
+    gc.collect()
     par.close()
     return head_dir
 
