@@ -29,26 +29,43 @@ class DFlashDrafter(MedusaDrafter):
 
     def __init__(self, heads: DFlashHead, tree: Tree, num_target_layers: int):
         super().__init__(heads, tree, num_target_layers)
-        self.context: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, [1, kv_heads, capacity, head_dim]
         self.length = 0  # context positions cached: the root's position
 
+    @property
+    def context(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cached context keys and values, [1, kv_heads, length, head_dim] (views)."""
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
+
     def _extend(self, features: torch.Tensor) -> None:
-        """Add the context keys and values of the next positions' features [n, F]."""
+        """Add the context keys and values of the next positions' features [n, F], in buffers that double when
+        full, so a step copies only its own positions."""
         n = features.shape[0]
         positions = torch.arange(self.length, self.length + n, device=features.device).view(1, -1)
         new = self.heads.context(features.unsqueeze(0), positions)
-        self.context = (
-            new
-            if not self.context
-            else [
-                (torch.cat((k, nk), 2), torch.cat((v, nv), 2)) for (k, v), (nk, nv) in zip(self.context, new)
+        end = self.length + n
+        if not self._kv or end > self._kv[0][0].shape[2]:
+            size = max(2 * end, 256)
+            grown = [
+                (
+                    nk.new_empty(*nk.shape[:2], size, nk.shape[3]),
+                    nv.new_empty(*nv.shape[:2], size, nv.shape[3]),
+                )
+                for nk, nv in new
             ]
-        )
-        self.length += n
+            for (k, v), (gk, gv) in zip(self._kv, grown):
+                gk[:, :, : self.length], gv[:, :, : self.length] = (
+                    k[:, :, : self.length],
+                    v[:, :, : self.length],
+                )
+            self._kv = grown
+        for (k, v), (nk, nv) in zip(self._kv, new):
+            k[:, :, self.length : end], v[:, :, self.length : end] = nk, nv
+        self.length = end
 
     @torch.no_grad()
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
-        self.context, self.length = [], 0
+        self.length = 0  # the buffers are reused; only the first `length` positions are read
         self._extend(features)
 
     @torch.no_grad()
