@@ -21,6 +21,7 @@ weights.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import weakref
@@ -49,12 +50,66 @@ def _register(registry: dict, value: Any, owner: Any) -> int:
     return key
 
 
+# fbgemm's float16 kernels on AVX2 CPUs (not on AVX512 ones) accumulate a block of 1 or 2 rows in another order than
+# a block of 3 to 6, and a call picks its blocks from its row count: a row's bits then depend on how many rows the
+# call has, and a verified tree's rows differ from the one-row steps of plain decoding. Row-exact (bf16) calls of up
+# to this many rows then go in chunks of 3 to 6 rows (a step of 1 or 2 rows padded with copies of its first), whose
+# rows agree with each other; longer inputs (a prompt's prefill, the same call in plain and speculative decoding) go
+# in one call. fbgemm's thread count never changes a row's bits.
+FBGEMM_CHUNKED_ROWS = 512
+FBGEMM_CHUNK = (3, 6)  # the fewest and most rows of a chunk
+
+
+def _fbgemm_fp16(x: torch.Tensor, packed: object) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
+
+
+def _fbgemm_chunked(x: torch.Tensor, packed: object) -> torch.Tensor:
+    """x [rows, in] (float32) through fbgemm in chunks of FBGEMM_CHUNK rows: every row's bits the same for any row
+    count, on every CPU."""
+    rows, (least, most) = x.shape[0], FBGEMM_CHUNK
+    if rows < least:
+        return _fbgemm_fp16(torch.cat([x, x[:1].expand(least - rows, -1)]), packed)[:rows]
+    if rows <= most:
+        return _fbgemm_fp16(x, packed)
+    chunks = -(-rows // most)  # as even as possible: each has rows // chunks >= least rows
+    sizes = [rows // chunks + (i < rows % chunks) for i in range(chunks)]
+    return torch.cat([_fbgemm_fp16(part, packed) for part in x.split(sizes)])
+
+
+@functools.cache
+def _fbgemm_probe() -> tuple[bool, bool]:
+    """Probed once on a small random weight: whether fbgemm's float16 kernel gives a row other bits in calls of other
+    row counts on this CPU (AVX2: yes), and whether `_fbgemm_chunked` gives it the same bits for every count."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(64, 512, generator=gen) / 16).half().float()
+    x = torch.randn(16, 512, generator=gen)
+    packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+
+    def agree(call: Any) -> bool:
+        alone = torch.cat([call(x[i : i + 1], packed) for i in range(16)])
+        return all(torch.equal(call(x[:n], packed), alone[:n]) for n in range(2, 17))
+
+    return not agree(_fbgemm_fp16), agree(_fbgemm_chunked)
+
+
+def fbgemm_rows_vary() -> bool:
+    """Whether this CPU's fbgemm float16 kernels give a row bits that depend on the call's row count (AVX2: yes);
+    Float16Linear then chunks row-exact calls (`_fbgemm_chunked`)."""
+    return _fbgemm_probe()[0]
+
+
 def _fp16_linear(x: torch.Tensor, packed: object, scale: float) -> torch.Tensor:
     """x [rows, in] times a weight packed as float16 (fbgemm), in float32; a bf16 x is converted in and out (exactly
-    in: bf16 values are float32 values). `scale`: the power of two the packed weight was multiplied by."""
+    in: bf16 values are float32 values), in row-count-independent chunks where this CPU's kernels need them.
+    `scale`: the power of two the packed weight was multiplied by."""
     if x.dtype == torch.float32:
-        return torch.ops.quantized.linear_dynamic_fp16.default(x, packed)
-    y = torch.ops.quantized.linear_dynamic_fp16.default(x.float(), packed)
+        return _fbgemm_fp16(x, packed)
+    xf = x.float()
+    if x.shape[0] <= FBGEMM_CHUNKED_ROWS and fbgemm_rows_vary():
+        y = _fbgemm_chunked(xf, packed)
+    else:
+        y = _fbgemm_fp16(xf, packed)
     return (y if scale == 1.0 else y.mul_(scale)).to(x.dtype)
 
 
@@ -285,8 +340,8 @@ def pack_head_linear_weights(heads: nn.Module, fmt: str = "float16") -> int:
 def fewest_rows(model: Any) -> int:
     """The fewest rows a row-exact (bf16/fp16 CPU) decoding step of this model runs. torch's bf16 linear over one row
     takes another kernel than over two or more (which agree with each other, row by row), so a one-token step pads
-    to 2 rows to get the bits a tree's row gets; OneDNNLinear pads its input itself (ONEDNN_PAD_ROWS), and fbgemm's
-    float16 kernel gives a row the same bits for any row count."""
+    to 2 rows to get the bits a tree's row gets; OneDNNLinear pads its input itself (ONEDNN_PAD_ROWS), and Float16Linear
+    gives a bf16 row the same bits for any row count (chunked on CPUs whose fbgemm kernels would not)."""
     return 2 if linear_weights(model) == "native" else 1
 
 
@@ -323,6 +378,12 @@ def _check_format(model: Any, fmt: str) -> None:
         raise HeadwayError(
             f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
             "use target.linear_weights=native"
+        )
+    if fmt == "float16" and p.dtype == torch.bfloat16 and not _fbgemm_probe()[1]:
+        raise HeadwayError(
+            "target.linear_weights=float16 with a bfloat16 target: this CPU's fbgemm float16 kernels give a row "
+            "bits that depend on how many rows a call has, so speculative decoding would not equal plain "
+            "decoding: use target.linear_weights=native, or target.dtype=float32 with float16 weights"
         )
 
 

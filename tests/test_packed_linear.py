@@ -4,6 +4,10 @@ engine for float16; the row-exact static engine for bf16), and the settings a fo
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,8 +114,7 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
 def test_float16_linear_is_exact_bf16_math_for_bf16_weights():
     """A bf16 target's weights are float16 values (same mantissa, smaller exponent range): the float16 format runs
     its linears as bf16 math (exact products, float32 sums, bf16 out), scaling a matrix of tiny weights by a power
-    of two into float16's range, and refusing one that no single scale fits. A row's bits never depend on the row
-    count (fbgemm), so one-token steps need no padding."""
+    of two into float16's range, and refusing one that no single scale fits."""
     torch.manual_seed(0)
     for scale in (1.0, 1e-6):  # 1e-6: below float16's normal range, held exactly only once scaled
         lin = nn.Linear(96, 40, bias=True).bfloat16()
@@ -141,6 +144,48 @@ def test_float16_linear_is_exact_bf16_math_for_bf16_weights():
     ):
         Float16Linear(wide)
     Float16Linear(wide, exact=False)  # a draft head's weights may round: drafts only steer speed
+
+
+# fbgemm's kernels by instruction set: AVX2 is what AVX2-only CPUs run, forced here on any x86 CPU (fbgemm and ATen
+# read these variables at start); "native" is this CPU's own.
+FBGEMM_ISAS = {
+    "native": {},
+    "avx2": {
+        "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    },
+}
+
+ROW_COUNTS = """
+import torch
+from torch import nn
+from headway.target.packed_linear import Float16Linear, fbgemm_rows_vary
+torch.manual_seed(0)
+torch.set_num_threads({threads})
+for out_features, in_features in [(960, 576), (576, 1536), (4096, 576)]:  # the default target's sizes
+    packed = Float16Linear(nn.Linear(in_features, out_features, bias=False).bfloat16())
+    x = torch.randn(40, in_features).bfloat16()
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(40)])
+    bad = [n for n in range(2, 41) if not torch.equal(packed(x[:n]), alone[:n])]
+    assert not bad, (out_features, in_features, bad)
+print("kernels:", torch.backends.cpu.get_cpu_capability(), "fbgemm rows vary:", fbgemm_rows_vary())
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("isa", list(FBGEMM_ISAS))
+def test_float16_linear_gives_a_bf16_row_the_same_bits_for_any_row_count(isa: str, threads: int):
+    """fbgemm's AVX2 float16 kernels give a row other bits in a call of 1 or 2 rows than in one of 3 to 6 (AVX512's
+    do not): bf16 speculative decoding then left plain decoding on AVX2 CPUs. Float16Linear chunks its calls there, so
+    a row's bits never depend on the row count or the thread count, under either instruction set's kernels."""
+    env = {**os.environ, **FBGEMM_ISAS[isa]}
+    res = subprocess.run(
+        [sys.executable, "-c", ROW_COUNTS.format(threads=threads)], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    if isa == "avx2":  # the chunked path ran
+        assert "kernels: AVX2 fbgemm rows vary: True" in res.stdout, res.stdout
 
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
