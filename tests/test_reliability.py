@@ -161,7 +161,19 @@ def test_train_killed_at_a_checkpoint_resumes_the_same_curve(
     assert [v for _, v in losses(tmp_path / "run")] == pytest.approx(
         [v for _, v in losses(clean_run)], rel=1e-6
     )
+    # the totals carry over the resume: the same answer tokens at every step, and wall time that only grows
+    resumed, clean = training_rows(tmp_path / "run"), training_rows(clean_run)
+    assert [r["answer_tokens"] for r in resumed] == [r["answer_tokens"] for r in clean]
+    assert resumed[0]["answer_tokens"] > 0
+    walls = [r["wall_seconds"] for r in resumed]
+    assert walls == sorted(walls) and walls[3] >= walls[2]
     assert leftovers(tmp_path / "run") == []
+
+
+def training_rows(run: Path) -> list[dict]:
+    """The log's training records (evaluations are logged under the same step), in order."""
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
 
 
 def test_train_killed_at_a_random_moment_resumes_the_same_curve(

@@ -36,12 +36,14 @@ def save_checkpoint(
     rng_states: Optional[list] = None,
     optimizer_format: str = "index",
     shards: Optional[dict[str, Path]] = None,
+    progress: Optional[dict] = None,
 ) -> Path:
     """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the target's
     trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state, in rank order;
     `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter name,
     loadable under any backend and world size) or "deepspeed" (DeepSpeed's per-rank files, in `shards`:
-    directories written by every rank, moved into the checkpoint under their names)."""
+    directories written by every rank, moved into the checkpoint under their names); `progress`: the run's
+    totals so far (answer tokens trained on, training seconds), carried across resumes."""
     out = root / f"step-{step:08d}"
     with atomic_dir(out) as tmp:
         save_file(safetensors_of(model_state), str(tmp / "heads.safetensors"))
@@ -61,6 +63,7 @@ def save_checkpoint(
             "python_rng": _jsonable(random.getstate()),
             "optimizer_format": optimizer_format,
             "world_size": len(rng_states or [None]),
+            "progress": progress or {},
         }
         for name, src in (shards or {}).items():
             os.replace(src, tmp / name)
@@ -112,6 +115,7 @@ class Checkpoint:
     optimizer_format: str
     rng_states: list
     adapters: Optional[dict]
+    progress: dict
 
 
 def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoint:
@@ -148,4 +152,5 @@ def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoi
         trainer.get("optimizer_format", "index"),
         rng if isinstance(rng, list) else [rng],
         adapters,
+        dict(trainer.get("progress", {})),  # older checkpoints: totals restart from this resume
     )

@@ -208,6 +208,7 @@ def _checkpoint(
     target: Any,
     tc: Any,
     par: Parallel,
+    progress: dict,
 ) -> None:
     model_state, optim_state, fmt = _gather_state(objective, heads, optimizer, par, tc.lora.enabled)
     rngs = par.gather_objects(torch.get_rng_state())
@@ -232,6 +233,7 @@ def _checkpoint(
             rngs,
             fmt,
             shards,
+            progress,
         )
         if shards:
             shutil.rmtree(root / f".shards-step-{step:08d}", ignore_errors=True)
@@ -281,7 +283,7 @@ def _resume(
     target: Any,
     tc: Any,
     par: Parallel,
-) -> tuple[int, int]:
+) -> tuple[int, int, dict]:
     ck = read_checkpoint(path, scheduler, tc.lora.enabled)
     if par.backend == "deepspeed":
         deepspeed_engine.load_shards(objective, path, par.world_size, len(ck.rng_states))
@@ -315,7 +317,7 @@ def _resume(
             par.world_size,
         )
         torch.manual_seed(tc.seed + 1000 * ck.step + par.rank)
-    return ck.step, ck.consumed
+    return ck.step, ck.consumed, ck.progress
 
 
 def _step_loss(
@@ -478,7 +480,7 @@ def train(cfg: RunConfig) -> Path:
         stepper = TorchStep(optimizer, scheduler, params, lora_params, tc.grad_clip, tc.grad_accum, par)
     objective.train()
     torch.manual_seed(tc.seed + par.rank)  # each rank's own random stream (feature noise)
-    step, consumed = 0, 0
+    step, consumed, progress = 0, 0, {}
     ckpt_root = out / "checkpoints"
     if tc.resume_from:
         path = par.broadcast_object(
@@ -489,7 +491,7 @@ def train(cfg: RunConfig) -> Path:
         if path is None:
             log.info("resume_from=auto: no checkpoint in %s yet, starting fresh", ckpt_root)
         else:
-            step, consumed = _resume(path, objective, heads, optimizer, scheduler, target, tc, par)
+            step, consumed, progress = _resume(path, objective, heads, optimizer, scheduler, target, tc, par)
             log.info("resumed from %s at step %d", path, step)
     logger = None
     if par.is_main:
@@ -504,6 +506,8 @@ def train(cfg: RunConfig) -> Path:
         par.world_size,
     )
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
+    # the run's totals over all its resumes: runs are compared by the answer tokens they trained on and their wall time
+    seen, earlier_s = int(progress.get("answer_tokens", 0)), float(progress.get("wall_seconds", 0.0))
     started, tokens = time.time(), 0
     while step < tc.max_steps:
         stepper.zero_grad()
@@ -511,10 +515,11 @@ def train(cfg: RunConfig) -> Path:
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
         bad_batch = None
+        step_tokens = 0
         for _ in range(tc.grad_accum):
             batch = par.shard(batch_at(train_set, consumed, micro, tc.seed))
             consumed += micro
-            tokens += sum(sum(s.loss_mask) for s in batch)
+            step_tokens += sum(sum(s.loss_mask) for s in batch)
             loss, metrics = _step_loss(cfg, target, objective, batch, t2d, device, adapt, cache)
             micro_loss = float(loss.detach())
             if not math.isfinite(micro_loss) and bad_batch is None:
@@ -525,8 +530,10 @@ def train(cfg: RunConfig) -> Path:
             loss_sum += micro_loss / tc.grad_accum
             for k, v in metrics.items():
                 metrics_sum[k] = metrics_sum.get(k, 0.0) + v / tc.grad_accum
-        averaged = par.mean({"loss": loss_sum, **metrics_sum})
+        tokens += step_tokens
+        averaged = par.mean({"loss": loss_sum, "tokens": step_tokens, **metrics_sum})
         loss_sum = averaged.pop("loss")
+        seen += round(averaged.pop("tokens") * par.world_size)
         if not math.isfinite(loss_sum):
             kept = latest_checkpoint(ckpt_root) if par.is_main else None
             raise HeadwayError(
@@ -539,8 +546,10 @@ def train(cfg: RunConfig) -> Path:
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
+        progress = {"answer_tokens": seen, "wall_seconds": round(earlier_s + time.time() - started, 1)}
         record = {
             "step": step,
+            **progress,
             "loss": loss_sum,
             "lr": scheduler.get_last_lr()[0],
             "grad_norm": grad_norm,
@@ -552,7 +561,7 @@ def train(cfg: RunConfig) -> Path:
         if tc.eval_every and (step % tc.eval_every == 0 or step == tc.max_steps) and held:
             result = evaluate(cfg, target, objective, held, t2d, device, cache, par)
             if logger:
-                logger.log({"step": step, **result})
+                logger.log({"step": step, **progress, **result})
             log.info(
                 "step %d eval: %s",
                 step,
@@ -561,7 +570,9 @@ def train(cfg: RunConfig) -> Path:
                 ),
             )
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
-            _checkpoint(ckpt_root, step, consumed, objective, heads, optimizer, scheduler, target, tc, par)
+            _checkpoint(
+                ckpt_root, step, consumed, objective, heads, optimizer, scheduler, target, tc, par, progress
+            )
     bar.close()
     head_dir = out / "head"
     final = _final_heads(cfg, target, train_set, objective, heads, optimizer, par)
