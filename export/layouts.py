@@ -862,7 +862,11 @@ DFLASH_EXPORTS: dict[str, Converter] = {
     ),
 }
 DFLASH_REFUSED = {
-    "sglang": "this exporter writes DFlash for vLLM: use --format vllm",
+    # SGLang 0.5.23's DFlashDraftModel reads out with the target's own full-vocabulary lm_head: it skips a draft's
+    # lm_head, d2t and draft_vocab_size without a word, and sizes fc by the draft's hidden size alone
+    "sglang": "SGLang's DFlash (0.5.23) drafts through the target's own full-vocabulary lm_head and silently drops a "
+    "draft's lm_head and d2t, while Headway's DFlash head reads out through its own reduced-vocabulary lm_head: "
+    "SGLang would serve it with the wrong read-out. Export with --format vllm",
     "trtllm": "this exporter writes DFlash for vLLM: use --format vllm",
     "speculators": "vLLM reads DFlash's own config: export with --format vllm",
 }
