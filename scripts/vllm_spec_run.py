@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -92,6 +93,21 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         seconds += time.perf_counter() - start
         tokens += len(out.token_ids)
         outputs.append(list(out.token_ids))
+    if (
+        mode == "plain" and args.prefill
+    ):  # a prompt of random ids, one new token: the prefill's cost, best of 3
+        gen = random.Random(0)
+        times = []
+        for _ in range(3):
+            prompt = [gen.randrange(1000, 20000) for _ in range(args.prefill)]
+            start = time.perf_counter()
+            llm.generate(
+                [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+            )
+            times.append(time.perf_counter() - start)
+        prefill = {"prefill_tokens": args.prefill, "prefill_ms": 1e3 * min(times)}
+    else:
+        prefill = {}
     stats = spec_stats(llm)
     if before and stats:  # leave out the warm-up's drafts
         d = stats["drafts"] - before["drafts"]
@@ -113,6 +129,7 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         "tokens": tokens,
         "seconds": seconds,
         "tok_s": tokens / seconds,
+        **prefill,
         **stats,
         "outputs": outputs,
     }
@@ -131,6 +148,9 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--prefill", type=int, default=0, help="also time a prefill of this many tokens (plain run)"
+    )
     p.add_argument("--speculators", help="also run this speculators-format export with no speculative config")
     p.add_argument(
         "--mode",
@@ -153,7 +173,12 @@ def main() -> None:
         r["matches_plain"] = sum(o == q for o, q in zip(r.pop("outputs"), plain)) / len(plain)
         print(
             f"vllm {r['mode']:6s} tok/s {r['tok_s']:7.1f}  acceptance length {r.get('acceptance_length') or 1.0:.2f}  "
-            f"per position {r.get('per_position', [])}  matches plain {100 * r['matches_plain']:.0f}%",
+            f"per position {r.get('per_position', [])}  matches plain {100 * r['matches_plain']:.0f}%"
+            + (
+                f"  prefill of {r['prefill_tokens']} tokens {r['prefill_ms']:.0f} ms"
+                if "prefill_ms" in r
+                else ""
+            ),
             flush=True,
         )
     with open(args.out, "w") as f:
