@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
 from tqdm import tqdm
 
 from headway.data_scripts.config import DistillConfig, MagpieConfig
@@ -65,8 +66,9 @@ class DemoConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     # Decode in bf16 with the weights prepacked for oneDNN (target.dtype=bfloat16, target.linear_weights=onednn) where
     # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: exact,
-    # and the format whose trees are cheapest, so the head's branches pay most (docs/benchmarks.md). --train still
-    # distils and trains in target.dtype. false: decode as target.* says.
+    # and the format whose trees are cheapest, so the head's branches pay most (docs/benchmarks.md); on other CPUs
+    # (AVX2) float32 with oneDNN-packed weights, whose one-row steps use every thread. --train still distils and
+    # trains in target.dtype. false: decode as target.* says.
     fast_cpu_format: bool = True
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
     head_dir: Optional[str] = None
@@ -139,7 +141,9 @@ def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
 
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
-    """The target settings the demo decodes with: bf16 with oneDNN-packed weights where `fast_cpu_format` applies."""
+    """The target settings the demo decodes with where `fast_cpu_format` applies: bf16 with oneDNN-packed weights
+    on CPUs with oneDNN's bf16 kernels, else float32 with oneDNN-packed weights (the same float32 math, one-row
+    steps that use every thread)."""
 
     t = cfg.target
     if (
@@ -147,9 +151,15 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
         or t.dtype != "float32"
         or t.linear_weights != "native"
         or resolve_device(t.device).type != "cpu"
-        or kernels_missing("onednn")
+        or kernels_missing("onednn", torch.float32)
     ):
         return t
+    if kernels_missing("onednn", torch.bfloat16):
+        print(
+            "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked for "
+            "oneDNN (fast_cpu_format=false: torch's own float32 linears)"
+        )
+        return dataclasses.replace(t, linear_weights="onednn")
     print(
         "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
         "(fast_cpu_format=false: float32)"

@@ -33,8 +33,9 @@ class TargetConfig:
     # CPU inference format of the linear weights (decoder layers, lm_head): native (as `dtype`), or float16
     # (weights packed as fp16 for fbgemm, float32 accumulation. float32 targets: half the memory traffic, outputs
     # equal this format's plain decoding, which can differ from float32's where two tokens nearly tie. bfloat16
-    # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 CPU targets: the same
-    # bf16 weights prepacked for oneDNN's kernels; cheaper than float16 for trees of 8+ nodes).
+    # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 and float32 CPU targets: the
+    # same weights prepacked for oneDNN's kernels; bf16: cheaper than float16 for trees of 8+ nodes; float32: one-row
+    # steps that use every thread).
     # See target/packed_linear.py.
     linear_weights: str = "native"
 

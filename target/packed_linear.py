@@ -10,8 +10,9 @@ and the kernels cost. Two formats replace every nn.Linear by a module over a pre
   power-of-two scale brings tiny ones into range; a matrix no scale fits is refused), bf16 inputs convert exactly
   to float32, and the output rounds to bf16: bf16 math, through fbgemm's fast one-row kernel (faster than oneDNN's
   for one-token steps; verifying 8 or more rows costs more than with oneDNN).
-- `onednn` (bfloat16 targets): the same bf16 weights and math, prepacked for oneDNN's bf16 kernels, which
-  torch's own bf16 linear does not use for a few rows (much faster bf16 steps on AVX512-BF16 CPUs).
+- `onednn` (bfloat16 and float32 targets): the same weights and math, prepacked for oneDNN's kernels, which torch's
+  own linear does not use for a few rows: much faster bf16 steps on AVX512-BF16 CPUs, and float32 one-row steps that
+  use every thread (torch's float32 one-row product runs on one thread whatever the thread count).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
@@ -38,7 +39,7 @@ LINEAR_WEIGHTS = ("native", "float16", "onednn")
 # in two, and inductor cannot lower oneDNN's prepacked op. Under compile each layer calls an opaque custom op instead,
 # which finds its packed weight by a number.
 _PACKED_FP16: dict[int, object] = {}
-_PACKED_ONEDNN: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+_PACKED_ONEDNN: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
 _KEYS = itertools.count()
 
 
@@ -181,13 +182,15 @@ class Float16Linear(nn.Module):
 ONEDNN_PAD_ROWS = 4
 
 
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] times a prepacked bf16 weight, fewer rows than ONEDNN_PAD_ROWS padded with copies of the first."""
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, pad: int
+) -> torch.Tensor:
+    """x [rows, in] times a prepacked weight, fewer rows than `pad` padded with copies of the first."""
     rows = x.shape[0]
-    if rows == 1:
-        x = x.expand(ONEDNN_PAD_ROWS, -1)
-    elif rows < ONEDNN_PAD_ROWS:
-        x = torch.cat([x, x[:1].expand(ONEDNN_PAD_ROWS - rows, -1)])
+    if rows == 1 and pad > 1:
+        x = x.expand(pad, -1)
+    elif rows < pad:
+        x = torch.cat([x, x[:1].expand(pad - rows, -1)])
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")[:rows]
 
 
@@ -202,7 +205,8 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 
 class OneDNNLinear(nn.Module):
-    """nn.Linear's forward, bf16 in and out, over a copy of its bf16 weight prepacked for oneDNN's kernels."""
+    """nn.Linear's forward, in the weight's dtype (bf16 or float32), over a copy of its weight prepacked for oneDNN's
+    kernels."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
         """keep_weight: keep the weight as `.weight` too (see Float16Linear). exact: always (the bf16 weight as is)."""
@@ -211,7 +215,10 @@ class OneDNNLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
         # the batch-size hint only picks the packed layout; 1..16 rows measured the same with any hint
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.key = _register(_PACKED_ONEDNN, (self.packed, self.bias), self)
+        # bf16 pads few rows (row-exact decoding, and faster); float32 runs one row as one (padding it to 4 rows made
+        # the default target's float32 step 1.4x slower), and its decoding is not row-exact in any format
+        self.pad = ONEDNN_PAD_ROWS if linear.weight.dtype == torch.bfloat16 else 1
+        self.key = _register(_PACKED_ONEDNN, (self.packed, self.bias, self.pad), self)
         if keep_weight:
             self.weight = linear.weight
 
@@ -220,7 +227,7 @@ class OneDNNLinear(nn.Module):
         if torch.compiler.is_compiling():
             y = torch.ops.headway.linear_onednn(x2, self.key, self.out_features)
         else:
-            y = _onednn_linear(x2, self.packed, self.bias)
+            y = _onednn_linear(x2, self.packed, self.bias, self.pad)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -235,8 +242,8 @@ def row_linear(module: nn.Module) -> Any:
     directly, without nn.Module dispatch and the reshapes a module does for any input (a decoding step makes
     about a hundred such calls, so per-call overhead shows). Under torch.compile, the module itself (which it traces)."""
     if isinstance(module, OneDNNLinear):
-        packed, bias = module.packed, module.bias
-        return lambda x: module(x) if torch.compiler.is_compiling() else _onednn_linear(x, packed, bias)
+        packed, bias, pad = module.packed, module.bias, module.pad
+        return lambda x: module(x) if torch.compiler.is_compiling() else _onednn_linear(x, packed, bias, pad)
     if isinstance(module, Float16Linear):
         packed, scale = module.packed, module.scale
         return lambda x: module(x) if torch.compiler.is_compiling() else _fp16_linear(x, packed, scale)
@@ -346,10 +353,13 @@ def fewest_rows(model: Any) -> int:
 
 
 def rows_for_one(model: Any) -> int:
-    """How many rows the model's packed lm_head computes for about the price of one: oneDNN pads to
-    ONEDNN_PAD_ROWS anyway; fbgemm's float16 kernel runs 1-3 rows of the default target's lm_head in about the
+    """How many rows the model's packed lm_head computes for about the price of one: bf16 oneDNN pads to
+    ONEDNN_PAD_ROWS anyway (float32 oneDNN, one); fbgemm's float16 kernel runs 1-3 rows of the default target's lm_head in about the
     time of one; a native weight, one."""
-    return {"onednn": ONEDNN_PAD_ROWS, "float16": 3}.get(linear_weights(model), 1)
+    fmt = linear_weights(model)
+    if fmt == "onednn":
+        return ONEDNN_PAD_ROWS if next(model.parameters()).dtype == torch.bfloat16 else 1
+    return {"float16": 3}.get(fmt, 1)
 
 
 def linear_weights(model: Any) -> str:
@@ -360,7 +370,7 @@ def linear_weights(model: Any) -> str:
 def _check_format(model: Any, fmt: str) -> None:
     """One message for a target the format cannot serve."""
     p = next(model.parameters())
-    want = {"float16": (torch.float32, torch.bfloat16), "onednn": (torch.bfloat16,)}[fmt]
+    want = {"float16": (torch.float32, torch.bfloat16), "onednn": (torch.bfloat16, torch.float32)}[fmt]
     names = " or ".join(str(d).removeprefix("torch.") for d in want)
     if p.device.type != "cpu" or p.dtype not in want:
         raise HeadwayError(
@@ -373,7 +383,7 @@ def _check_format(model: Any, fmt: str) -> None:
             f"target.linear_weights={fmt} needs a decoder with `model.layers` ({type(model).__name__} "
             "has none): use target.linear_weights=native"
         )
-    reason = kernels_missing(fmt)
+    reason = kernels_missing(fmt, p.dtype)
     if reason:
         raise HeadwayError(
             f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
@@ -387,11 +397,14 @@ def _check_format(model: Any, fmt: str) -> None:
         )
 
 
-def kernels_missing(fmt: str) -> str | None:
-    """Why this torch build or CPU cannot run the format's kernels; None when it can."""
+def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why this torch build or CPU cannot run the format's kernels for a target of `dtype`; None when it can."""
     if fmt == "onednn":
-        ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        return None if ok else "oneDNN has no bf16 kernels for this CPU"
+        if not torch.backends.mkldnn.is_available():
+            return "this torch build has no oneDNN"
+        if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return "oneDNN has no bf16 kernels for this CPU"
+        return None
     try:
         torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # a build without fbgemm

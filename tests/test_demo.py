@@ -88,9 +88,9 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
     fast = (
         kernels_missing("onednn") is None
-    )  # decoded in bf16 with oneDNN-packed weights where the CPU has them
+    )  # decoded in bf16 with oneDNN-packed weights where the CPU has them, else float32 with oneDNN-packed weights
     assert (result["dtype"], result["linear_weights"]) == (
-        ("bfloat16", "onednn") if fast else ("float32", "native")
+        ("bfloat16", "onednn") if fast else ("float32", "onednn")
     )
 
 
@@ -100,7 +100,7 @@ def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
 
     fast = kernels_missing("onednn") is None
     t = decoding_target(DemoConfig(target=TargetConfig(device="cpu")))
-    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "native"))
+    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "onednn"))
     for cfg in (
         DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
         DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),

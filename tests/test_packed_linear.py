@@ -298,10 +298,32 @@ def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_
     assert_speculative_equals_plain(t, heads, "static")
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_onednn_weights_are_float32_math_and_decode_exactly(tiny_dirs, arch: str):
+    """float32 weights prepacked for oneDNN (one-row steps that use every thread): the layers give float32's products
+    on the same weights, and speculative decoding equals this format's plain decoding on every engine."""
+    t = load_target(
+        TargetConfig(
+            name_or_path=str(tiny_dirs[arch]),
+            device="cpu",
+            num_threads=1,
+            dtype="float32",
+            linear_weights="onednn",
+        )
+    )
+    assert linear_weights(t.model) == "onednn" and isinstance(t.model.lm_head, OneDNNLinear)
+    lin = nn.Linear(96, 40, bias=True)
+    x = torch.randn(5, 96)
+    torch.testing.assert_close(OneDNNLinear(lin)(x), lin(x), rtol=1e-5, atol=1e-5)
+    heads = random_head(t, "eagle3")
+    for engine in ("hf", "static"):
+        assert_speculative_equals_plain(t, heads, engine)
+
+
 def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
     with pytest.raises(
         HeadwayError,
-        match="target.linear_weights=onednn is a CPU format for bfloat16 targets .* set "
+        match="target.linear_weights=onednn is a CPU format for bfloat16 or float32 targets .* set "
         "target.dtype=bfloat16",
     ):
         load_target(
@@ -309,13 +331,11 @@ def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
                 name_or_path=str(tiny_dirs["llama"]),
                 device="cpu",
                 num_threads=1,
-                dtype="float32",
+                dtype="float64",
                 linear_weights="onednn",
             )
         )
-    monkeypatch.setattr(
-        torch.backends.mkldnn, "is_available", lambda: False
-    )  # a CPU or build without oneDNN bf16
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a build without oneDNN
     with pytest.raises(
         HeadwayError, match="no onednn linear kernels for this CPU .* use target.linear_weights=native"
     ):
