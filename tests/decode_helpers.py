@@ -13,6 +13,15 @@ def load64(path: Path):
     return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
 
 
+def load_packed(path: Path, linear_weights: str = "float16", dtype: str = "float32"):
+    """A tiny target on one CPU thread with its linear weights in a packed CPU format (target/packed_linear.py)."""
+    return load_target(
+        TargetConfig(
+            name_or_path=str(path), device="cpu", num_threads=1, dtype=dtype, linear_weights=linear_weights
+        )
+    )
+
+
 def chat_ids(t, text: str) -> list[int]:
     """The prompt ids of one user turn through the target's chat template."""
     prompt = t.tokenizer.apply_chat_template(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_helpers import chat_ids, load64
+from decode_helpers import chat_ids, load64, load_packed
 from test_eagle import random_head
 
 from headway.errors import HeadwayError
@@ -13,8 +13,6 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
-from headway.target.config import TargetConfig
-from headway.target.loading import load_target
 from headway.target.packed_linear import rows_for_one
 
 STATIC = ["llama", "qwen2", "mistral"]
@@ -99,15 +97,7 @@ def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: st
     """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
     ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention, and the padding of
     few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
-    t = load_target(
-        TargetConfig(
-            name_or_path=str(tiny_dirs[arch]),
-            device="cpu",
-            num_threads=1,
-            dtype="bfloat16",
-            linear_weights=fmt,
-        )
-    )
+    t = load_packed(tiny_dirs[arch], fmt, "bfloat16")
     prompt = torch.arange(10, 50)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
     nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from decode_helpers import chat_ids
+from decode_helpers import chat_ids, load_packed
 from test_eagle import random_head
 from test_hybrid import ngram_only
 from torch import nn
@@ -43,19 +43,6 @@ def assert_speculative_equals_plain(t, heads, engine: str) -> None:
             ), engine
 
 
-def load16(path, **kw):
-    return load_target(
-        TargetConfig(
-            name_or_path=str(path),
-            device="cpu",
-            num_threads=1,
-            dtype="float32",
-            linear_weights="float16",
-            **kw,
-        )
-    )
-
-
 @pytest.mark.parametrize("bias", [False, True])
 def test_float16_linear_is_float32_math_on_rounded_weights(bias: bool):
     torch.manual_seed(0)
@@ -72,7 +59,7 @@ def test_float16_linear_is_float32_math_on_rounded_weights(bias: bool):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_speculative_decoding_equals_plain_decoding_with_float16_weights(tiny_dirs, arch: str):
-    t = load16(tiny_dirs[arch])
+    t = load_packed(tiny_dirs[arch])
     assert linear_weights(t.model) == "float16"
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
     assert isinstance(t.model.lm_head, Float16Linear) and t.model.lm_head.weight.shape == (
@@ -100,7 +87,7 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
         )
     with pytest.raises(HeadwayError, match="target.linear_weights=.int8. is not allowed"):
         TargetConfig(linear_weights="int8")
-    t = load16(tiny_dirs["llama"])
+    t = load_packed(tiny_dirs["llama"])
     with pytest.raises(HeadwayError, match="export with target.linear_weights=native"):
         export_target(t, tmp_path / "out", dtype="float32")
     from headway.train.config import LoraConfig
@@ -278,15 +265,7 @@ def test_fused_projections_compute_the_separate_linears(tiny_dirs, fmt: str):
     + ([("llama", "onednn"), ("qwen2", "onednn")] if ONEDNN_BF16 else []),
 )
 def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_dirs, arch: str, fmt: str):
-    t = load_target(
-        TargetConfig(
-            name_or_path=str(tiny_dirs[arch]),
-            device="cpu",
-            num_threads=1,
-            dtype="bfloat16",
-            linear_weights=fmt,
-        )
-    )
+    t = load_packed(tiny_dirs[arch], fmt, "bfloat16")
     assert linear_weights(t.model) == fmt
     assert all(not isinstance(m, nn.Linear) for m in t.model.model.layers.modules())
     assert (
@@ -302,15 +281,7 @@ def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_
 def test_float32_onednn_weights_are_float32_math_and_decode_exactly(tiny_dirs, arch: str):
     """float32 weights prepacked for oneDNN (one-row steps that use every thread): the layers give float32's products
     on the same weights, and speculative decoding equals this format's plain decoding on every engine."""
-    t = load_target(
-        TargetConfig(
-            name_or_path=str(tiny_dirs[arch]),
-            device="cpu",
-            num_threads=1,
-            dtype="float32",
-            linear_weights="onednn",
-        )
-    )
+    t = load_packed(tiny_dirs[arch], "onednn", "float32")
     assert linear_weights(t.model) == "onednn" and isinstance(t.model.lm_head, OneDNNLinear)
     lin = nn.Linear(96, 40, bias=True)
     x = torch.randn(5, 96)
@@ -355,7 +326,7 @@ def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
     decoder stack stays 2 graphs (one token, a tree), as with native weights."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    t = load16(tiny_dirs["llama"])
+    t = load_packed(tiny_dirs["llama"])
     ids = chat_ids(t, "Write a short poem about the sea.")
     ref = greedy_generate(t.model, ids, 16, [t.tokenizer.eos_token_id], engine="static")
     drafter = ngram_only(0.05, min_ngram=1)
