@@ -4,8 +4,9 @@ The block is the last accepted token followed by mask tokens, embedded with the 
 Each of its decoder layers attends bidirectionally within the block and to the context: the target's fused
 hidden states for every earlier position, projected by `fc`, normalised by `hidden_norm` and turned into
 keys and values by the layer's own k/v projections (with per-head q/k norms, as vLLM's and speculators'
-Qwen3-style DFlash layers). Slot j of the block predicts the token j positions after the anchor; a reduced
-draft vocabulary (d2t) keeps the read-out cheap, as in EAGLE-3.
+Qwen3-style DFlash layers). Slot j of the block predicts the token j positions after the anchor. The read-out is
+the head's own lm_head over a reduced draft vocabulary (d2t), cheap as in EAGLE-3, or (lm_head=target) the target's
+own frozen lm_head over its whole vocabulary, the read-out SGLang's DFlash serves.
 """
 
 from __future__ import annotations
@@ -36,7 +37,12 @@ class DFlashConfig:
     feature_layers: list[int] = field(default_factory=list)
     # The token the mask slots embed (through the target's embedding); -1 = the target's last vocabulary id.
     mask_token_id: int = -1
-    # Reduced draft vocabulary: the most frequent tokens of the training data (d2t maps it to the target's).
+    # The read-out: own (an lm_head of the head's own over a reduced draft vocabulary, started from the target's
+    # rows; vLLM serves it) or target (the target's frozen lm_head over its whole vocabulary, shared and never
+    # saved; SGLang and vLLM serve it).
+    lm_head: str = "own"
+    # Reduced draft vocabulary (lm_head=own): the most frequent tokens of the training data (d2t maps it to the
+    # target's).
     draft_vocab_size: int = 8192
     # Anchors drawn per training sequence (answer positions; each anchor trains one block).
     anchors: int = 32
@@ -58,6 +64,7 @@ class DFlashConfig:
         if self.mask_token_id < -1 or self.loss_gamma <= 0:
             raise HeadwayError("head.dflash: mask_token_id must be a token id or -1, and loss_gamma > 0")
         check_choice("head.dflash", "loss", self.loss, list(DRAFT_LOSSES))
+        check_choice("head.dflash", "lm_head", self.lm_head, ["own", "target"])
         check_choice("head.dflash", "draft_layer", self.draft_layer, ["llama"])
         check_fused_layers("head.dflash", list(self.feature_layers))
 
@@ -157,14 +164,17 @@ class DFlashHead(nn.Module):
         super().__init__()
         self.cfg, self.hidden_size, self.vocab_size = cfg, hidden_size, vocab_size
         self.layer_config = dict(layer_config)
-        size = min(cfg.draft_vocab_size, vocab_size)
-        self.register_buffer("d2t", d2t if d2t is not None else torch.arange(size), persistent=True)
+        own = cfg.lm_head == "own"
+        size = min(cfg.draft_vocab_size, vocab_size) if own else vocab_size
+        # lm_head=target drafts over the whole vocabulary: d2t is the identity, rebuilt rather than saved
+        self.register_buffer("d2t", d2t if d2t is not None and own else torch.arange(size), persistent=own)
         n_fused = len(cfg.feature_layers) or 3
         self.fc = nn.Linear(n_fused * hidden_size, hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=layer_config["rms_norm_eps"])
         self.layers = nn.ModuleList(DFlashLayer(layer_config) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(hidden_size, eps=layer_config["rms_norm_eps"])
-        self.lm_head = nn.Linear(hidden_size, len(self.d2t), bias=False)
+        self.lm_head = nn.Linear(hidden_size, len(self.d2t), bias=False) if own else None
+        self._target_lm_head: Optional[torch.Tensor] = None  # lm_head=target: set by attach_target
         rope_cfg = {k: v for k, v in layer_config.items() if k != "model_type"}
         self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope_cfg))  # its inverse frequencies are not saved
         self._embed: Optional[torch.Tensor] = None
@@ -188,15 +198,18 @@ class DFlashHead(nn.Module):
         return fused_layers("head.dflash", list(cfg.feature_layers), num_target_layers)
 
     def attach_target(self, target_model: Any) -> None:
-        """Share the target's embedding (frozen, never saved with the head)."""
+        """Share the target's embedding, and with lm_head=target its lm_head (frozen, never saved with the head)."""
         self._embed = target_model.get_input_embeddings().weight.detach()
+        if self.lm_head is None:
+            self._target_lm_head = target_model.get_output_embeddings().weight.detach()
 
     def init_from_target(self, target_model: Any) -> None:
         """Start the read-out where the target's is: its lm_head rows for the draft vocabulary, its final norm."""
         lm = target_model.get_output_embeddings().weight
         final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         with torch.no_grad():
-            self.lm_head.weight.copy_(lm[self.d2t.to(lm.device)].to(self.lm_head.weight.dtype))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(lm[self.d2t.to(lm.device)].to(self.lm_head.weight.dtype))
             if final_norm is not None and getattr(final_norm, "weight", None) is not None:
                 self.norm.weight.copy_(final_norm.weight.to(self.norm.weight.dtype))
 
@@ -230,7 +243,19 @@ class DFlashHead(nn.Module):
         cos, sin = self.rope_at(positions, x)
         for layer, kv in zip(self.layers, context):
             x = layer(x, cos, sin, kv, allowed)
-        return self.lm_head(self.norm(x))
+        return self.read_out(self.norm(x))
+
+    def read_out(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits [..., draft vocab] of normed block states x [..., hidden]: the head's lm_head, or the target's."""
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        weight = self._target_lm_head
+        if weight is None:
+            raise HeadwayError("a DFlash head with lm_head=target needs attach_target(target model) first")
+        if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
+            # a head decoding in another dtype than the target's: convert the shared weight once, not per draft
+            weight = self._target_lm_head = weight.to(x.dtype)
+        return F.linear(x, weight)
 
     def draft_logits(self, context: list, root: int, position: int) -> torch.Tensor:
         """One drafting forward: the block [root, mask, ...] at `position` after the context -> [block_size - 1,

@@ -34,5 +34,5 @@ DFLASH = HeadKind(
     refused_exports=DFLASH_REFUSED,
     draft_tokens=lambda head: int(head.get("block_size", 8)) - 1,  # the block's mask slots
     for_target=_for_target,
-    reduced_vocab=lambda cfg: True,
+    reduced_vocab=lambda cfg: cfg.lm_head == "own",
 )

@@ -158,6 +158,8 @@ def test_dflash_settings_are_checked():
         DFlashConfig(feature_layers=[3, 1, 2])
     with pytest.raises(HeadwayError, match="head.dflash.loss"):
         DFlashConfig(loss="mse")
+    with pytest.raises(HeadwayError, match="head.dflash.lm_head"):
+        DFlashConfig(lm_head="shared")
 
 
 def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
@@ -216,6 +218,72 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
         "vllm", engine_cfg, out
     ) and '"num_speculative_tokens": 3' in serve_hint("vllm", engine_cfg, out)
     with pytest.raises(
-        HeadwayError, match="silently drops a draft's lm_head and d2t.*Export with --format vllm"
+        HeadwayError,
+        match="silently drops a draft's lm_head and d2t.*--format vllm, or train a head for SGLang with "
+        "head.dflash.lm_head=target",
     ):
         export_head(head_dir, "sglang", tmp_path / "sglang")
+
+
+def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp_path: Path):
+    """lm_head=target: the head drafts over the whole vocabulary through the target's frozen lm_head, saves neither,
+    decodes exactly, and exports for SGLang and vLLM with no lm_head or d2t (both engines then read out through the
+    target's), round-tripping."""
+    from headway.config import load_config
+    from headway.inference.api import SpeculativeDecoder
+    from headway.run_config import RunConfig
+    from headway.train.loop import train
+
+    t = load64(tiny_dirs["qwen2"])
+    heads = random_head(t, lm_head="target")
+    assert heads.lm_head is None and heads.draft_vocab_size == t.config.vocab_size
+    assert "lm_head.weight" not in heads.state_dict() and "d2t" not in heads.state_dict()
+    x = torch.randn(3, t.config.hidden_size, dtype=torch.float64)
+    assert torch.equal(heads.read_out(x), x @ t.model.get_output_embeddings().weight.T)
+    drafter = DFlashDrafter(heads, build_tree(chain_choices(4)), t.config.num_hidden_layers)
+    ids = chat_ids(t, "What is two plus three?")
+    ref = greedy_generate(t.model, ids, 32, [t.tokenizer.eos_token_id])
+    assert speculative_generate(t.model, drafter, ids, 32, [t.tokenizer.eos_token_id]).tokens == ref.tokens
+
+    head_dir = train(
+        small_run(
+            tiny_dirs["llama"],
+            tiny_data,
+            tmp_path / "run",
+            "head.kind=dflash",
+            "head.dflash.lm_head=target",
+            "head.dflash.block_size=4",
+            "train.max_steps=12",
+        )
+    )
+    curve = losses(tmp_path / "run")
+    assert curve[-1][1] < curve[0][1]  # it learns through the frozen read-out
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["head"]["lm_head"] == "target" and config["draft_vocab_size"] == config["vocab_size"]
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.dtype=float64"],
+    )
+    decoder = SpeculativeDecoder.load(head_dir, cfg).with_drafter("neural")
+    result = decoder.chat("Question 3: what is 3 plus 4?", 24)
+    assert result.spec.tokens == result.plain.tokens
+
+    native = load_export(head_dir).state_dict()
+    for fmt in ("sglang", "vllm"):
+        out = export_head(head_dir, fmt, tmp_path / fmt)
+        _, engine_cfg, tensors = read_export(out)
+        assert engine_cfg["architectures"] == ["DFlashDraftModel"]
+        assert "draft_vocab_size" not in engine_cfg  # both engines then take the target's vocabulary
+        assert not {"lm_head.weight", "d2t", "t2d"} & set(tensors)
+        assert engine_cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+        assert engine_cfg["block_size"] == 4
+        back = load_export(out)
+        assert back.cfg.lm_head == "target" and set(back.state_dict()) == set(native)
+    assert engine_cfg["dflash_config"].get("num_target_layers") is None  # vLLM's export: its own keys only
+    _, sglang_cfg, _ = read_export(tmp_path / "sglang")
+    assert (
+        sglang_cfg["dflash_config"]["num_target_layers"] == config["target_fingerprint"]["num_hidden_layers"]
+    )
+    hint = serve_hint("sglang", sglang_cfg, tmp_path / "sglang")
+    assert "--speculative-algorithm DFLASH" in hint and "--speculative-num-draft-tokens 4" in hint

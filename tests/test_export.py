@@ -54,7 +54,11 @@ def random_head(
         heads = build_head(kind, EagleConfig(draft_layer=draft_layer), h, V, layer_config=layer_config)
     elif kind == "dflash":
         cfg = DFlashConfig(
-            draft_vocab_size=64, block_size=4, num_layers=2, feature_layers=list(feature_layers)
+            draft_vocab_size=64,
+            block_size=4,
+            num_layers=2,
+            feature_layers=list(feature_layers),
+            lm_head="target" if lm_head == "target" else "own",
         )
         cfg.feature_layers = DFlashHead.feature_layers(cfg, L)
         llama_layer = draft_layer_config(t.model.config, "llama")
@@ -100,7 +104,14 @@ def llama(tiny_dirs):
     return load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
 
 
-CASES = [(f, k, "reduced") for k in sorted(KINDS) for f in sorted(KINDS[k].exports) if k != "medusa"] + [
+# DFlash for SGLang reads out through the target's lm_head (lm_head=target); vLLM takes both read-outs
+CASES = [
+    (f, k, "target" if (k, f) == ("dflash", "sglang") else "reduced")
+    for k in sorted(KINDS)
+    for f in sorted(KINDS[k].exports)
+    if k != "medusa"
+] + [
+    ("vllm", "dflash", "target"),
     ("vllm", "medusa", "shared"),
     ("vllm", "medusa", "own"),
     ("trtllm", "medusa", "shared"),
