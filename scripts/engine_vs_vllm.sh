@@ -49,10 +49,10 @@ for T in $THREADS_LIST; do
         --per-category "$PER_CATEGORY" --max-tokens "$MAX_TOKENS" --dtype "$DT" --prefill "$PREFILL" \
         ${COMPILE:+--compile} --mode "$MODE" --out "$OUT/vllm-$DT-$T.json"
     done
-    FORMATS=$([ "$DT" = float32 ] && echo "float32:native float32:float16" || echo "bfloat16:onednn bfloat16:float16")
+    FORMATS=$([ "$DT" = float32 ] && echo "float32:native float32:onednn float32:float16" || echo "bfloat16:onednn bfloat16:float16")
     for F in $FORMATS; do
       D=${F%%:*}; W=${F##*:}
-      if [ "$W" = onednn ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 1)"; then
+      if [ "$D:$W" = bfloat16:onednn ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 1)"; then
         W=native
       fi
       echo "== Headway, $D with $W weights, $T thread(s)"
@@ -85,7 +85,8 @@ for path in sorted(glob.glob(f"{out}/vllm-*.json.plain")):
         if d != dt:
             continue
         s = json.load(open(h))["overall"]["tok_s"]
-        pre = open(h.replace("headway-", "prefill-").replace(".json", ".txt")).read().split(":")[-1].split()[0]
+        pre_file = os.path.join(out, os.path.basename(h).replace("headway-", "prefill-").replace(".json", ".txt"))
+        pre = open(pre_file).read().split(":")[-1].split()[0] if os.path.exists(pre_file) else "-"
         print(f"| {t} | Headway {d} {w} | {s['plain']:.1f} | {s.get('headway_ngram', 0):.1f} | "
               f"{s.get('headway_neural', 0):.1f} | {s.get('speculative', 0):.1f} | {pre} |")
 PY
