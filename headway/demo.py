@@ -31,7 +31,7 @@ from headway.inference.generate import alternate, pooled
 from headway.io import atomic_write_json
 from headway.kinds.config import HeadConfig
 from headway.run_config import RunConfig
-from headway.runtime import resolve_device
+from headway.runtime import resolve_device, resolve_threads
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 from headway.target.packed_linear import kernels_missing
@@ -67,8 +67,8 @@ class DemoConfig:
     # Decode in bf16 with the weights prepacked for oneDNN (target.dtype=bfloat16, target.linear_weights=onednn) where
     # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: exact,
     # and the format whose trees are cheapest, so the head's branches pay most (docs/benchmarks.md); on other CPUs
-    # (AVX2) float32 with oneDNN-packed weights, whose one-row steps use every thread. --train still distils and
-    # trains in target.dtype. false: decode as target.* says.
+    # (AVX2) float32 with oneDNN-packed weights, whose one-row steps use every thread (on one thread, MKL-packed
+    # ones, faster there). --train still distils and trains in target.dtype. false: decode as target.* says.
     fast_cpu_format: bool = True
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
     head_dir: Optional[str] = None
@@ -143,7 +143,7 @@ def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
     """The target settings the demo decodes with where `fast_cpu_format` applies: bf16 with oneDNN-packed weights
     on CPUs with oneDNN's bf16 kernels, else float32 with oneDNN-packed weights (the same float32 math, one-row
-    steps that use every thread)."""
+    steps that use every thread), or MKL-packed ones on one thread."""
 
     t = cfg.target
     if (
@@ -155,11 +155,13 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
     ):
         return t
     if kernels_missing("onednn", torch.bfloat16):
+        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses more threads
+        packed = "mkl" if resolve_threads(t.num_threads) == 1 and not kernels_missing("mkl") else "onednn"
         print(
             "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked for "
-            "oneDNN (fast_cpu_format=false: torch's own float32 linears)"
+            f"{'MKL' if packed == 'mkl' else 'oneDNN'} (fast_cpu_format=false: torch's own float32 linears)"
         )
-        return dataclasses.replace(t, linear_weights="onednn")
+        return dataclasses.replace(t, linear_weights=packed)
     print(
         "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
         "(fast_cpu_format=false: float32)"

@@ -81,14 +81,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def configure_threads(num_threads: int) -> int:
-    """Pin torch's intra-op threads; 0 means the machine's cores shared evenly by this node's processes.
-
-    On a small CPU, oversubscribed threads make every run many times slower, so this is always set.
-    """
+def resolve_threads(num_threads: int) -> int:
+    """The thread count a `target.num_threads` setting means: itself, or (0) the machine's cores shared evenly by
+    this node's processes."""
     if num_threads <= 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         num_threads = max(1, cores // max(1, dist_info().local_world_size))
+    return num_threads
+
+
+def configure_threads(num_threads: int) -> int:
+    """Pin torch's intra-op threads (`resolve_threads`) and return how many.
+
+    On a small CPU, oversubscribed threads make every run many times slower, so this is always set.
+    """
+    num_threads = resolve_threads(num_threads)
     torch.set_num_threads(num_threads)
     return num_threads
 

@@ -49,7 +49,7 @@ for T in $THREADS_LIST; do
         --per-category "$PER_CATEGORY" --max-tokens "$MAX_TOKENS" --dtype "$DT" --prefill "$PREFILL" \
         ${COMPILE:+--compile} --mode "$MODE" --out "$OUT/vllm-$DT-$T.json"
     done
-    FORMATS=$([ "$DT" = float32 ] && echo "float32:native float32:onednn float32:float16" || echo "bfloat16:onednn bfloat16:float16")
+    FORMATS=$([ "$DT" = float32 ] && echo "float32:native float32:onednn float32:mkl float32:float16" || echo "bfloat16:onednn bfloat16:float16")
     for F in $FORMATS; do
       D=${F%%:*}; W=${F##*:}
       if [ "$D:$W" = bfloat16:onednn ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 1)"; then

@@ -35,8 +35,8 @@ class TargetConfig:
     # equal this format's plain decoding, which can differ from float32's where two tokens nearly tie. bfloat16
     # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 and float32 CPU targets: the
     # same weights prepacked for oneDNN's kernels; bf16: cheaper than float16 for trees of 8+ nodes; float32: one-row
-    # steps that use every thread).
-    # See target/packed_linear.py.
+    # steps that use every thread), or mkl (float32 CPU targets: the same weights prepacked for MKL's sgemm, which
+    # one-token steps run through). See target/packed_linear.py.
     linear_weights: str = "native"
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """CPU inference formats for the frozen target's linear weights (decoder layers and lm_head).
 
 Decoding a small model on a CPU reads every weight once per step, so a step costs what the memory traffic
-and the kernels cost. Two formats replace every nn.Linear by a module over a prepacked weight:
+and the kernels cost. Three formats replace every nn.Linear by a module over a prepacked weight:
 
 - `float16`: the weight packed as float16 (fbgemm, the kernel behind torch's dynamic fp16 quantization), float32
   accumulation, a row's result that does not depend on the row count. For float32 targets the weights are rounded
@@ -13,6 +13,9 @@ and the kernels cost. Two formats replace every nn.Linear by a module over a pre
 - `onednn` (bfloat16 and float32 targets): the same weights and math, prepacked for oneDNN's kernels, which torch's
   own linear does not use for a few rows: much faster bf16 steps on AVX512-BF16 CPUs, and float32 one-row steps that
   use every thread (torch's float32 one-row product runs on one thread whatever the thread count).
+- `mkl` (float32 targets): the same float32 weights prepacked for MKL's packed sgemm, which one-row calls (a
+  one-token step) run through: it streams the weights closer to the memory's rate than torch's or oneDNN's float32
+  kernels. Calls of other row counts (trees, prompts) take torch's float32 linear over the weights as loaded.
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
@@ -33,13 +36,14 @@ from torch import nn
 
 from headway.errors import HeadwayError
 
-LINEAR_WEIGHTS = ("native", "float16", "onednn")
+LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl")
 
 # torch.compile cannot trace a packed fbgemm weight (a TorchScript object): every Float16Linear would break the graph
 # in two, and inductor cannot lower oneDNN's prepacked op. Under compile each layer calls an opaque custom op instead,
 # which finds its packed weight by a number.
 _PACKED_FP16: dict[int, object] = {}
 _PACKED_ONEDNN: dict[int, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
+_PACKED_MKL: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
 _KEYS = itertools.count()
 
 
@@ -234,7 +238,54 @@ class OneDNNLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=bf16 packed for oneDNN"
 
 
-PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear}
+# MKL's packed sgemm serves the row count the weight was packed for: one row, a one-token step
+MKL_PACKED_ROWS = 1
+
+
+def _mkl_linear(
+    x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [rows, in] (float32) times a weight packed for MKL: one row through the packed sgemm, any other row count
+    through torch's linear over `weight` (the op's own fallback)."""
+    return torch.ops.mkl._mkl_linear.default(x, packed, weight, bias, MKL_PACKED_ROWS)
+
+
+@torch.library.custom_op("headway::linear_mkl", mutates_args=())
+def _linear_mkl_op(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return _mkl_linear(x, *_PACKED_MKL[key])
+
+
+@_linear_mkl_op.register_fake
+def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out_features)
+
+
+class MKLLinear(nn.Module):
+    """nn.Linear's forward for a float32 weight, one-row calls through a copy of the weight packed for MKL's sgemm
+    (the weight as loaded stays, for other row counts)."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
+        """keep_weight: always (the other row counts read it). exact: always (the float32 weight as is)."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), MKL_PACKED_ROWS)
+        self.key = _register(_PACKED_MKL, (self.packed, self.weight.detach(), self.bias), self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.headway.linear_mkl(x2, self.key, self.out_features)
+        else:
+            y = _mkl_linear(x2, self.packed, self.weight.detach(), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=float32 packed for MKL"
+
+
+PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear, "mkl": MKLLinear}
 
 
 def row_linear(module: nn.Module) -> Any:
@@ -247,6 +298,9 @@ def row_linear(module: nn.Module) -> Any:
     if isinstance(module, Float16Linear):
         packed, scale = module.packed, module.scale
         return lambda x: module(x) if torch.compiler.is_compiling() else _fp16_linear(x, packed, scale)
+    if isinstance(module, MKLLinear):
+        packed, weight, bias = module.packed, module.weight.detach(), module.bias
+        return lambda x: module(x) if torch.compiler.is_compiling() else _mkl_linear(x, packed, weight, bias)
     if isinstance(module, nn.Linear):
         return lambda x: torch.nn.functional.linear(x, module.weight, module.bias)
     return module
@@ -363,14 +417,18 @@ def rows_for_one(model: Any) -> int:
 
 
 def linear_weights(model: Any) -> str:
-    """The format of the model's linear weights: native, float16 or onednn (packed by `pack_linear_weights`)."""
+    """The format of the model's linear weights: native, float16, onednn or mkl (packed by `pack_linear_weights`)."""
     return getattr(model, "headway_linear_weights", "native")
 
 
 def _check_format(model: Any, fmt: str) -> None:
     """One message for a target the format cannot serve."""
     p = next(model.parameters())
-    want = {"float16": (torch.float32, torch.bfloat16), "onednn": (torch.bfloat16, torch.float32)}[fmt]
+    want = {
+        "float16": (torch.float32, torch.bfloat16),
+        "onednn": (torch.bfloat16, torch.float32),
+        "mkl": (torch.float32,),
+    }[fmt]
     names = " or ".join(str(d).removeprefix("torch.") for d in want)
     if p.device.type != "cpu" or p.dtype not in want:
         raise HeadwayError(
@@ -405,6 +463,10 @@ def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None
         if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return "oneDNN has no bf16 kernels for this CPU"
         return None
+    if fmt == "mkl":
+        if not torch.backends.mkl.is_available() or not torch.backends.mkldnn.is_available():
+            return "this torch build has no MKL (or no oneDNN, whose tensors hold MKL's packed weights)"
+        return None
     try:
         torch.ops.quantized.linear_prepack_fp16(torch.zeros(1, 1), None)
     except (RuntimeError, AttributeError, NotImplementedError) as e:  # a build without fbgemm
@@ -414,7 +476,8 @@ def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None
 
 def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
     """Replace every nn.Linear inside the model's decoder layers, and its lm_head, by the packed module of format
-    `fmt` (float16: float32 or bfloat16 CPU targets; onednn: bfloat16 CPU targets); returns how many. On GPUs, load the target
+    `fmt` (float16: float32 or bfloat16 CPU targets; onednn: bfloat16 or float32 CPU targets; mkl: float32 CPU
+    targets); returns how many. On GPUs, load the target
     in bfloat16 or float16 instead."""
     _check_format(model, fmt)
     count = sum(_fuse_layer(layer, fmt) for layer in model.model.layers)

@@ -99,8 +99,11 @@ def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
     from headway.target.config import TargetConfig
 
     fast = kernels_missing("onednn") is None
-    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu")))
+    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
     assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "onednn"))
+    # on one thread, CPUs without oneDNN's bf16 kernels take MKL-packed float32 weights (faster there)
+    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=1)))
+    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "mkl"))
     for cfg in (
         DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
         DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),

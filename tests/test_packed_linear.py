@@ -22,7 +22,15 @@ from headway.inference.engine import make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.target.config import TargetConfig
 from headway.target.loading import export_target, load_target
-from headway.target.packed_linear import Float16Linear, OneDNNLinear, linear_weights, pack_head_linear_weights
+from headway.target.packed_linear import (
+    Float16Linear,
+    MKLLinear,
+    OneDNNLinear,
+    kernels_missing,
+    linear_weights,
+    pack_head_linear_weights,
+    row_linear,
+)
 
 
 def assert_speculative_equals_plain(t, heads, engine: str) -> None:
@@ -289,6 +297,32 @@ def test_float32_onednn_weights_are_float32_math_and_decode_exactly(tiny_dirs, a
     heads = random_head(t, "eagle3")
     for engine in ("hf", "static"):
         assert_speculative_equals_plain(t, heads, engine)
+
+
+needs_mkl = pytest.mark.skipif(
+    kernels_missing("mkl", torch.float32) is not None, reason="this torch build has no MKL"
+)
+
+
+@needs_mkl
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_mkl_weights_are_float32_math_and_decode_exactly(tiny_dirs, arch: str):
+    """float32 weights prepacked for MKL's sgemm (one-token steps through it, other row counts through torch's
+    linear): float32's products on the same weights for one row and for several, and speculative decoding equals
+    this format's plain decoding on every engine."""
+    t = load_packed(tiny_dirs[arch], "mkl", "float32")
+    assert linear_weights(t.model) == "mkl" and isinstance(t.model.lm_head, MKLLinear)
+    lin = nn.Linear(96, 40, bias=True)
+    packed = MKLLinear(lin)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row_linear(packed)(x), lin(x), rtol=1e-5, atol=1e-5)
+    heads = random_head(t, "eagle3")
+    for engine in ("hf", "static"):
+        assert_speculative_equals_plain(t, heads, engine)
+    with pytest.raises(HeadwayError, match="target.linear_weights=mkl is a CPU format for float32 targets"):
+        load_packed(tiny_dirs[arch], "mkl", "bfloat16")
 
 
 def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
