@@ -46,7 +46,11 @@ def main() -> None:
             elif tokens is not None:
                 tokens = f"{tokens:,}"
             wall = "" if r["wall_seconds"] is None else f"{r['wall_seconds'] / 60:.0f}"
-            top = " / ".join(f"{r.get(f'eval/top1/step{i}', float('nan')):.3f}" for i in range(args.steps))
+            # EAGLE's unrolled steps 0, 1, ... and DFlash's block slots 1, 2, ... are the same draft positions
+            top = " / ".join(
+                f"{r.get(f'eval/top1/step{i}', r.get(f'eval/top1/slot{i + 1}', float('nan'))):.3f}"
+                for i in range(args.steps)
+            )
             print(
                 f"| {run.name} | {r['step']} | {tokens or ''} | {wall} | {top} | {r['eval/tau/chain']:.3f} |"
             )
