@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
+from headway.inference import layer_loop
 from headway.inference.cache import (
     cache_kwarg,
     cache_length,
@@ -114,18 +115,24 @@ def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
     return cos[0, :, None], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
 
 
+class LeanRMSNorm:
+    """An RMSNorm as a plain callable, in transformers' own arithmetic for the static families (a `weight` and a
+    `variance_epsilon`), without the module's dispatch; its weight and eps are what the C++ layer loop reads."""
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        self.weight, self.eps = weight, eps
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 def _rms_norm_fn(norm: Any, lean: bool) -> Any:
-    """The layer's RMSNorm as a plain function (lean), in transformers' own arithmetic for the static families (a
-    `weight` and a `variance_epsilon`), without the module's dispatch; else the module."""
+    """The layer's RMSNorm as a `LeanRMSNorm` (lean), else the module."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
     if not lean or weight is None or eps is None:
         return norm
-
-    def rms_norm(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-    return rms_norm
+    return LeanRMSNorm(weight, eps)
 
 
 class LayerPlan:
@@ -154,6 +161,14 @@ class LayerPlan:
         self.mlp, self.gate_up = mlp, None if gate_up is None else fn(gate_up.linear)
         self.down, self.act = fn(mlp.down_proj), mlp.act_fn
         self.inter = 0 if gate_up is None else gate_up.sizes[0]
+        # the modules behind qkv (one fused or three), o, gate_up (one fused or gate and up) and down, for the C++
+        # layer loop
+        self.linears = (
+            [qkv.linear] if qkv is not None else [a.q_proj, a.k_proj, a.v_proj],
+            a.o_proj,
+            [gate_up.linear] if gate_up is not None else [mlp.gate_proj, mlp.up_proj],
+            mlp.down_proj,
+        )
 
 
 def layer_step(
@@ -439,6 +454,7 @@ class ModelEngine:
         self._compiled: Any = None
         self._lm_t: Optional[torch.Tensor] = None
         self._kv: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+        self._loops: dict[str, Any] = {}
 
     @classmethod
     def of(cls, model: Any) -> "ModelEngine":
@@ -474,6 +490,14 @@ class ModelEngine:
             self._compiled = run
         return self._compiled
 
+    def layer_loop(self, model: Any, mode: str) -> Any:
+        """The C++ layer loop over the model's lean LayerPlans (`layer_loop.build_loop`), once per mode; None where
+        the Python loop runs."""
+        if mode not in self._loops:
+            plans = self.layer_plans(model, lean=True)
+            self._loops[mode] = layer_loop.build_loop(plans, model.model.norm, mode)
+        return self._loops[mode]
+
     def lm_head_t(self, weight: torch.Tensor) -> torch.Tensor:
         """The lm_head weight [V, H] transposed to [H, V], contiguous, kept while its dtype holds."""
         if self._lm_t is None or self._lm_t.dtype != weight.dtype:
@@ -496,7 +520,7 @@ class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
     `compiled`, the decoder stack runs under torch.compile."""
 
-    def __init__(self, model: Any, max_len: int, compiled: bool = False):
+    def __init__(self, model: Any, max_len: int, compiled: bool = False, loop: Optional[str] = None):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
         self.layers = list(self.base.layers)
@@ -509,6 +533,12 @@ class StaticRunner:
         self.compiled = compiled
         state = ModelEngine.of(model)
         self._stack = state.compiled_stack() if compiled else decoder_stack
+        # eager steps: the decoder layers in one C++ call where it builds and covers them (same bits)
+        # (loop: auto, cpp or python; None = the model's target.layer_loop)
+        if compiled or self.device.type != "cpu":
+            self._loop = None
+        else:
+            self._loop = state.layer_loop(model, loop or layer_loop.loop_mode(model))
         # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`); compiled, a
         # single token pads to 2 rows too, so that every step runs the one graph of dynamic row count
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
@@ -552,12 +582,35 @@ class StaticRunner:
         # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
         # eagerly, and the graphs always give the hidden states (free inside them) rather than compiling twice.
         compiled = self.compiled and (n == 1 or tree is not None)
-        stack, plans = (self._stack, self.compiled_plans) if compiled else (decoder_stack, self.plans)
-        x, states = stack(
-            plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, hidden or compiled
-        )
+        if compiled:
+            x, states = self._stack(
+                self.compiled_plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, True
+            )
+        else:
+            x, states = self._eager(x, cos, sin, slots, start + n, mask, hidden)
         self.length = start + n
         return self._logits(x[0], tree), tuple(states) if hidden else None
+
+    def _eager(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        end: int,
+        mask: Optional[torch.Tensor],
+        hidden: bool,
+        attend: Optional[RowAttention] = None,
+    ) -> tuple[torch.Tensor, list]:
+        """`decoder_stack` over x [1, n, hidden], eagerly: in the C++ layer loop where there is one, else in Python."""
+        if self._loop is None:
+            return decoder_stack(
+                self.plans, self.base.norm, x, cos, sin, self.k, self.v, slots, end, mask, hidden, attend
+            )
+        cos, sin = rope_tables(cos, sin)
+        plan = None if attend is None else layer_loop.row_plan(attend)
+        x, states = self._loop.run(x[0], cos, sin, self.k, self.v, slots, end, mask, plan, hidden)
+        return x[None], [h[None] for h in states]
 
     def _logits(self, hidden: torch.Tensor, tree: Optional[Tree]) -> LazyLogits:
         """The step's logits, by row; where the lm_head computes a few rows for the price of one (`rows_for_one`), a
@@ -592,25 +645,27 @@ class StaticRunner:
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
         attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device)
-        _ACTIVE[0] = attend
-        try:
-            plans = self.compiled_plans if self.compiled else self.plans
-            x, states = self._stack(
-                plans,
-                self.base.norm,
-                x,
-                cos,
-                sin,
-                self.k,
-                self.v,
-                slots,
-                start + n,
-                None,
-                hidden or self.compiled,
-                attend,
-            )
-        finally:
-            _ACTIVE[0] = None
+        if not self.compiled:
+            x, states = self._eager(x, cos, sin, slots, start + n, None, hidden, attend)
+        else:
+            _ACTIVE[0] = attend
+            try:
+                x, states = self._stack(
+                    self.compiled_plans,
+                    self.base.norm,
+                    x,
+                    cos,
+                    sin,
+                    self.k,
+                    self.v,
+                    slots,
+                    start + n,
+                    None,
+                    True,
+                    attend,
+                )
+            finally:
+                _ACTIVE[0] = None
         self.length = start + n
         x, states = x[:, :n], [h[:, :n] for h in states]
         return self._logits(x[0], tree), tuple(states) if hidden else None
@@ -676,4 +731,6 @@ def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
         A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(), truncate().
         Static runners of one model share its KV buffers (`ModelEngine`): one sequence at a time."""
     name = engine_name(model, engine)
-    return HFRunner(model) if name == "hf" else StaticRunner(model, max_len, compiled=name == "compiled")
+    if name == "hf":
+        return HFRunner(model)
+    return StaticRunner(model, max_len, compiled=name == "compiled")

@@ -10,6 +10,7 @@ from headway.runtime import DTYPES
 from headway.target.packed_linear import LINEAR_WEIGHTS
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
+LAYER_LOOPS = ("auto", "cpp", "python")
 
 
 @dataclass
@@ -38,8 +39,14 @@ class TargetConfig:
     # steps that use every thread), or mkl (float32 CPU targets: the same weights prepacked for MKL's sgemm, which
     # one-token steps run through). See target/packed_linear.py.
     linear_weights: str = "native"
+    # How the static engine runs the decoder layers of a CPU decoding step: cpp (one C++ call per step, built with
+    # this machine's compiler on first use and cached; the same kernels in the same order as python, so the same
+    # output bits, without the interpreter between them), python, or auto (cpp where it builds and covers the
+    # target's layers and weight format, else python). See inference/layer_loop.py.
+    layer_loop: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("target", "dtype", self.dtype, list(DTYPES))
         check_choice("target", "linear_weights", self.linear_weights, list(LINEAR_WEIGHTS))
+        check_choice("target", "layer_loop", self.layer_loop, list(LAYER_LOOPS))
         check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])

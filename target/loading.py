@@ -191,6 +191,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         model.to(device)
         model.eval()
         model.requires_grad_(False)
+        model.headway_layer_loop = cfg.layer_loop  # read by the static engine (inference/layer_loop.py)
         if cfg.linear_weights != "native":
             log.info(
                 "target: %d linear layers use %s-packed weights",

@@ -1,0 +1,230 @@
+// The static engine's decoder stack as one C++ call: the ATen ops `engine.layer_step` and `engine.decoder_stack`
+// run, in the same order with the same arguments (so the same bits), without Python between them. A decoding
+// step of the default target makes about a thousand small calls, and the Python around each costs more than the
+// kernel on a CPU. Built on first use by `inference/layer_loop.py`.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+using at::Tensor;
+
+namespace {
+
+// How a linear's weights run (the formats of `target.linear_weights` the loop supports).
+enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2 };
+
+struct Linear {
+  int64_t kind;
+  Tensor weight;  // native and MKL (its fallback for other row counts): [out, in]
+  Tensor packed;  // oneDNN and MKL: the prepacked weight
+  std::optional<Tensor> bias;
+  int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for
+};
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+Tensor boxed(const c10::OperatorHandle& handle, torch::jit::Stack stack) {
+  handle.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// packed_linear._onednn_linear
+Tensor onednn(const Linear& l, Tensor x) {
+  static const c10::OperatorHandle handle = op("mkldnn::_linear_pointwise");
+  const int64_t rows = x.size(0);
+  if (rows == 1 && l.rows > 1) {
+    x = x.expand({l.rows, -1});
+  } else if (rows < l.rows) {
+    x = at::cat({x, x.slice(0, 0, 1).expand({l.rows - rows, -1})});
+  }
+  c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
+  Tensor y = boxed(handle, {x, l.packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                            std::string("")});
+  return y.slice(0, 0, rows);
+}
+
+// packed_linear._mkl_linear
+Tensor mkl(const Linear& l, const Tensor& x) {
+  static const c10::OperatorHandle handle = op("mkl::_mkl_linear");
+  c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
+  return boxed(handle, {x, l.packed, l.weight, bias, l.rows});
+}
+
+Tensor linear(const Linear& l, const Tensor& x) {
+  switch (l.kind) {
+    case kOneDNN:
+      return onednn(l, x);
+    case kMKL:
+      return mkl(l, x);
+    default:
+      return at::linear(x, l.weight, l.bias);
+  }
+}
+
+// engine._rms_norm_fn's lean norm (transformers' arithmetic)
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  Tensor xf = x.to(at::kFloat);
+  return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
+}
+
+// RowAttention's plan: the rows' order, whether it is 0..n-1, the gathered slots, and the groups of rows
+// (count, key length, read in place).
+struct RowPlan {
+  Tensor order;
+  bool in_order;
+  std::optional<Tensor> slots;
+  std::vector<std::tuple<int64_t, int64_t, bool>> groups;
+};
+
+// engine._row_attention
+Tensor row_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const RowPlan& plan,
+                     double scale) {
+  const int64_t kv_heads = k_cache.size(0), head_dim = k_cache.size(-1);
+  Tensor k_all, v_all;
+  if (plan.slots.has_value()) {
+    k_all = k_cache.index_select(1, *plan.slots).to(at::kFloat);
+    v_all = v_cache.index_select(1, *plan.slots).to(at::kFloat);
+  }
+  Tensor q_all = (plan.in_order ? q : q.index_select(0, plan.order)).unsqueeze(2).to(at::kFloat);
+  std::vector<Tensor> outs;
+  int64_t slot = 0, row = 0;
+  for (const auto& [b, length, in_place] : plan.groups) {
+    Tensor k, v;
+    if (in_place) {
+      k = k_cache.slice(1, 0, length).unsqueeze(0).to(at::kFloat);
+      v = v_cache.slice(1, 0, length).unsqueeze(0).to(at::kFloat);
+    } else {
+      k = k_all.slice(1, slot, slot + b * length).view({kv_heads, b, length, head_dim}).transpose(0, 1);
+      v = v_all.slice(1, slot, slot + b * length).view({kv_heads, b, length, head_dim}).transpose(0, 1);
+      slot += b * length;
+    }
+    outs.push_back(at::scaled_dot_product_attention(q_all.slice(0, row, row + b), k, v, {}, 0.0, false, scale,
+                                                    true));
+    row += b;
+  }
+  Tensor out = (outs.size() == 1 ? outs[0] : at::cat(outs)).view({q.size(0), -1});
+  if (!plan.in_order) {
+    out = at::empty_like(out).index_copy_(0, plan.order, out);
+  }
+  return out.to(q.scalar_type());
+}
+
+using Spec = std::tuple<int64_t, Tensor, Tensor, std::optional<Tensor>, int64_t>;
+// A layer's projections: qkv (one fused linear, or q, k, v), o, the MLP's (one fused gate_up, or gate and up), down.
+using LayerSpec = std::tuple<std::vector<Spec>, Spec, std::vector<Spec>, Spec>;
+
+Linear to_linear(const Spec& s) {
+  const auto& [kind, weight, packed, bias, rows] = s;
+  return Linear{kind, weight, packed, bias, rows};
+}
+
+struct Layer {
+  std::vector<Linear> qkv;
+  Linear o;
+  std::vector<Linear> mlp;
+  Linear down;
+};
+
+class LayerLoop {
+ public:
+  // Per layer: its two norm weights and eps, and its linears (LayerSpec, each as (kind, weight, packed, bias, rows)).
+  LayerLoop(std::vector<Tensor> norms1, std::vector<Tensor> norms2, std::vector<double> eps1,
+            std::vector<double> eps2,
+            std::vector<LayerSpec> layers, Tensor final_norm, double final_eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
+            int64_t inter, double scale)
+      : norms1_(std::move(norms1)),
+        norms2_(std::move(norms2)),
+        eps1_(std::move(eps1)),
+        eps2_(std::move(eps2)),
+        final_norm_(std::move(final_norm)),
+        final_eps_(final_eps),
+        heads_(heads),
+        kv_(kv_heads),
+        hd_(head_dim),
+        inter_(inter),
+        scale_(scale) {
+    TORCH_CHECK(layers.size() == norms1_.size(), "layer loop: one LayerSpec per layer");
+    for (const auto& [qkv, o, mlp, down] : layers) {
+      Layer layer{{}, to_linear(o), {}, to_linear(down)};
+      for (const auto& s : qkv) layer.qkv.push_back(to_linear(s));
+      for (const auto& s : mlp) layer.mlp.push_back(to_linear(s));
+      TORCH_CHECK((layer.qkv.size() == 1 || layer.qkv.size() == 3) && (layer.mlp.size() == 1 || layer.mlp.size() == 2),
+                  "layer loop: qkv is 1 or 3 linears, the MLP 1 or 2");
+      layers_.push_back(std::move(layer));
+    }
+  }
+
+  // engine.decoder_stack over rows x [n, hidden]: the normed output [n, hidden] and, with `hidden`, the layers'
+  // inputs and output (the last one normed). Attention reads slots [0, end) under `mask`, or by the RowAttention
+  // plan when `row_plan` is set.
+  std::tuple<Tensor, std::vector<Tensor>> run(Tensor x, const Tensor& cos, const Tensor& sin,
+                                              const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
+                                              const Tensor& slots, int64_t end, const std::optional<Tensor>& mask,
+                                              const std::optional<RowPlan>& row_plan, bool hidden) const {
+    const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
+    std::vector<Tensor> states;
+    if (hidden) states.push_back(x);
+    for (size_t i = 0; i < norms1_.size(); ++i) {
+      const Layer& l = layers_[i];
+      Tensor h = rms_norm(x, norms1_[i], eps1_[i]);
+      Tensor qkv = l.qkv.size() == 1
+                       ? linear(l.qkv[0], h)
+                       : at::cat({linear(l.qkv[0], h), linear(l.qkv[1], h), linear(l.qkv[2], h)}, -1);
+      Tensor qk = qkv.slice(1, 0, qk_width).view({n, heads_ + kv_, hd_});
+      qk = qk * cos + qk.view({n, heads_ + kv_, 2, hd_ / 2}).flip(2).view({n, heads_ + kv_, hd_}) * sin;
+      Tensor q = qk.slice(1, 0, heads_), k = qk.slice(1, heads_);
+      Tensor v = qkv.slice(1, qk_width).view({n, kv_, hd_});
+      const Tensor &k_cache = ks[i], &v_cache = vs[i];
+      k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.scalar_type()));
+      v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.scalar_type()));
+      Tensor o;
+      if (row_plan.has_value()) {
+        o = row_attention(q, k_cache, v_cache, *row_plan, scale_);
+      } else {
+        o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(k_cache.scalar_type()),
+                                             k_cache.slice(1, 0, end).unsqueeze(0),
+                                             v_cache.slice(1, 0, end).unsqueeze(0), mask, 0.0, false, scale_, true);
+        o = o.select(0, 0).transpose(0, 1).reshape({n, -1}).to(x.scalar_type());
+      }
+      x = x + linear(l.o, o);
+      h = rms_norm(x, norms2_[i], eps2_[i]);
+      if (l.mlp.size() == 1) {
+        Tensor gate_up = linear(l.mlp[0], h);
+        x = x + linear(l.down, at::silu(gate_up.slice(1, 0, inter_)) * gate_up.slice(1, inter_));
+      } else {  // transformers' MLP forward: down(act(gate(h)) * up(h))
+        x = x + linear(l.down, at::silu(linear(l.mlp[0], h)) * linear(l.mlp[1], h));
+      }
+      if (hidden) states.push_back(x);
+    }
+    x = rms_norm(x, final_norm_, final_eps_);
+    if (hidden) states.back() = x;
+    return {x, states};
+  }
+
+ private:
+  std::vector<Tensor> norms1_, norms2_;
+  std::vector<double> eps1_, eps2_;
+  std::vector<Layer> layers_;
+  Tensor final_norm_;
+  double final_eps_;
+  int64_t heads_, kv_, hd_, inter_;
+  double scale_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<RowPlan>(m, "RowPlan")
+      .def(py::init<Tensor, bool, std::optional<Tensor>, std::vector<std::tuple<int64_t, int64_t, bool>>>());
+  py::class_<LayerLoop>(m, "LayerLoop")
+      .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
+                    std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("run", &LayerLoop::run);
+}

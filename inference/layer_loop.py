@@ -1,0 +1,136 @@
+"""The static engine's decoder layers as one C++ call (csrc/layer_loop.cpp), built on first use.
+
+A decoding step of a small target makes about a thousand small ATen calls (norms, rotary, cache writes,
+attention, residuals, projections), and on a CPU the Python between them costs about as much as the kernels
+(docs/benchmarks.md). The C++ loop makes the same calls in the same order with the same arguments, so every
+output bit is the Python loop's (tests compare them); only the interpreter leaves the step. It needs a C++
+compiler the first time (torch's extension builder, cached under TORCH_EXTENSIONS_DIR); without one, or for a
+layer it does not cover, the engine keeps its Python loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils import cpp_extension
+from transformers import activations
+
+from headway.errors import HeadwayError
+from headway.target.config import LAYER_LOOPS
+from headway.target.packed_linear import MKL_PACKED_ROWS, MKLLinear, OneDNNLinear
+
+log = logging.getLogger("headway")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "layer_loop.cpp")
+# the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
+_NATIVE, _ONEDNN, _MKL = 0, 1, 2
+# the activations that are F.silu (transformers 5 has its own module for it)
+_SILU = tuple(c for c in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
+_BUILT: list[Any] = []  # [module] once built, [None] once a build failed
+
+
+def extension() -> Optional[Any]:
+    """The compiled extension module, built once per process (and cached on disk by torch); None where it cannot
+    be built here, with one warning that says why."""
+    if not _BUILT:
+        log.info("building the static engine's C++ layer loop (once; cached by torch's extension builder)")
+        try:
+            _BUILT.append(
+                cpp_extension.load("headway_layer_loop", [SOURCE], extra_cflags=["-O2"], verbose=False)
+            )
+        except Exception as e:  # no compiler, no headers: decoding still works, in the Python loop
+            log.warning(
+                "the C++ layer loop did not build (%s); the static engine runs its Python loop "
+                "(set target.layer_loop=python to skip the attempt)",
+                str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__,
+            )
+            _BUILT.append(None)
+    return _BUILT[0]
+
+
+def _linear_spec(module: nn.Module) -> Optional[tuple]:
+    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows), or None for a format it lacks."""
+    if isinstance(module, OneDNNLinear):
+        return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad)
+    if isinstance(module, MKLLinear):
+        return (_MKL, module.weight.detach(), module.packed, module.bias, MKL_PACKED_ROWS)
+    if type(module) is nn.Linear:
+        bias = None if module.bias is None else module.bias.detach()
+        return (_NATIVE, module.weight.detach(), torch.empty(0), bias, 1)
+    return None
+
+
+def _modules(plan: Any) -> list:
+    qkv, o, mlp, down = plan.linears
+    return [*qkv, o, *mlp, down]
+
+
+def unsupported(plans: list, final_norm: Any) -> Optional[str]:
+    """Why the C++ loop cannot run these LayerPlans (a format, a norm or an activation it lacks), or None."""
+    for plan in plans:
+        if any(getattr(norm, "eps", None) is None for norm in (plan.norm1, plan.norm2)):
+            return "a norm other than the lean RMSNorm"
+        if not isinstance(plan.mlp.act_fn, _SILU):
+            return f"the activation {type(plan.mlp.act_fn).__name__}"
+        for module in _modules(plan):
+            if _linear_spec(module) is None:
+                return f"{type(module).__name__} weights"
+    if getattr(final_norm, "weight", None) is None or getattr(final_norm, "variance_epsilon", None) is None:
+        return "a final norm other than RMSNorm"
+    return None
+
+
+def loop_mode(model: Any) -> str:
+    """The model's `target.layer_loop` (auto for a model `load_target` did not load)."""
+    mode = getattr(model, "headway_layer_loop", "auto")
+    return mode if mode in LAYER_LOOPS else "auto"
+
+
+def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any]:
+    """The C++ loop over `plans` (engine.LayerPlan, lean) and the model's final norm; None when `mode` is python,
+    or (auto) when it cannot build or cover these layers. mode=cpp makes either of those an error."""
+    if mode == "python":
+        return None
+    reason = unsupported(plans, final_norm)
+    ext = None if reason else extension()
+    if ext is None:
+        if mode == "cpp":
+            raise HeadwayError(
+                f"target.layer_loop=cpp: the C++ layer loop cannot run this target ({reason or 'it did not build'}); "
+                "use target.layer_loop=auto or python"
+            )
+        if reason:
+            log.info("the static engine runs its Python loop: the C++ loop does not cover %s", reason)
+        return None
+    p = plans[0]
+    return ext.LayerLoop(
+        [plan.norm1.weight for plan in plans],
+        [plan.norm2.weight for plan in plans],
+        [float(plan.norm1.eps) for plan in plans],
+        [float(plan.norm2.eps) for plan in plans],
+        [
+            (
+                [_linear_spec(m) for m in plan.linears[0]],
+                _linear_spec(plan.linears[1]),
+                [_linear_spec(m) for m in plan.linears[2]],
+                _linear_spec(plan.linears[3]),
+            )
+            for plan in plans
+        ],
+        final_norm.weight.detach(),
+        float(final_norm.variance_epsilon),
+        p.heads,
+        p.kv_heads,
+        p.head_dim,
+        p.inter,
+        p.scaling,
+    )
+
+
+def row_plan(attend: Any) -> Any:
+    """engine.RowAttention's plan for the C++ loop."""
+    return extension().RowPlan(attend.order, attend.in_order, attend.slots, attend.groups)

@@ -1,0 +1,102 @@
+"""The static engine's C++ layer loop: the Python loop's bits for every step kind, format and family it covers, and
+the Python loop (with one clear message where asked for) where it does not apply or does not build."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from decode_helpers import load_packed
+
+from headway.errors import HeadwayError
+from headway.inference import layer_loop
+from headway.inference.engine import StaticRunner
+from headway.inference.tree import build_tree
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
+from headway.target.packed_linear import kernels_missing
+
+FORMATS = [
+    ("float64", "native"),
+    ("float32", "native"),
+    ("float32", "onednn"),
+    ("float32", "mkl"),
+    ("bfloat16", "native"),
+    ("bfloat16", "onednn"),
+]
+
+
+def _steps(runner: StaticRunner) -> list[torch.Tensor]:
+    """A prompt, one-token steps, tree steps (with compaction) and hidden states, as one list of tensors."""
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    out = []
+    for ids, t, keep in [
+        (torch.arange(10, 40), None, None),
+        (torch.tensor([11]), None, None),
+        (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
+        (torch.tensor([12]), None, None),
+        (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
+        (torch.tensor([13, 14]), None, None),
+    ]:
+        logits, hidden = runner.forward(ids, t, hidden=True)
+        out += [torch.stack([logits[i] for i in range(len(logits))]), *hidden]
+        if keep:
+            runner.keep(t.size, keep)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype,fmt", FORMATS)
+@torch.inference_mode()
+def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, fmt: str):
+    if fmt != "native" and kernels_missing(fmt, getattr(torch, dtype)):
+        pytest.skip(kernels_missing(fmt, getattr(torch, dtype)))
+    t = load_packed(tiny_dirs[arch], fmt, dtype)
+    python, cpp = StaticRunner(t.model, 64, loop="python"), StaticRunner(t.model, 64, loop="cpp")
+    assert python._loop is None and cpp._loop is not None
+    a = _steps(python)
+    b = _steps(cpp)
+    assert len(a) == len(b)
+    # bit for bit: the loop makes the same kernel calls in the same order
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@torch.inference_mode()
+def test_a_format_the_loop_lacks_keeps_the_python_loop(tiny_dirs, caplog):
+    t = load_packed(tiny_dirs["llama"], "float16", "float32")
+    with caplog.at_level(logging.INFO, logger="headway"):
+        assert StaticRunner(t.model, 32)._loop is None
+    assert "does not cover Float16Linear weights" in caplog.text
+    with pytest.raises(
+        HeadwayError, match=r"target.layer_loop=cpp: .*Float16Linear weights.*layer_loop=auto or python"
+    ):
+        StaticRunner(t.model, 32, loop="cpp")
+
+
+@torch.inference_mode()
+def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'headway_layer_loop'\ng++: command not found")
+
+    monkeypatch.setattr(layer_loop, "_BUILT", [])
+    monkeypatch.setattr(layer_loop.cpp_extension, "load", no_compiler)
+    t = load_packed(tiny_dirs["qwen2"], "native", "float32")
+    with caplog.at_level(logging.WARNING, logger="headway"):
+        assert StaticRunner(t.model, 32, loop="auto")._loop is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "the C++ layer loop did not build (g++: command not found); the static engine runs its Python loop "
+        "(set target.layer_loop=python to skip the attempt)"
+    ]
+    with pytest.raises(HeadwayError, match="it did not build"):
+        StaticRunner(t.model, 32, loop="cpp")
+
+
+def test_the_target_setting_reaches_the_engine(tiny_dirs):
+    t = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, layer_loop="python")
+    )
+    assert StaticRunner(t.model, 32)._loop is None
+    with pytest.raises(HeadwayError, match="target.layer_loop"):
+        TargetConfig(layer_loop="c++")
