@@ -182,10 +182,12 @@ def layer_step(
     end: int,
     mask: Optional[torch.Tensor],
     attend: Optional["RowAttention"] = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """One Llama-style decoder layer over rows x [n, hidden]: its keys and values go into cache slots `slots` [n] of
     k_cache/v_cache [kv_heads, max_len, head_dim] (in place, in the cache's dtype), and its queries attend to slots
-    [0, end) under `mask` (bool or additive, [n, end] or broadcastable; None: every slot), or by `attend`.
+    [0, end) under `mask` (bool or additive, [n, end] or broadcastable; None: every slot), or by `attend`; `causal`
+    (a prompt at the cache's start, no mask): row i sees slots [0, i], through the kernel's causal path.
     cos/sin: `rope_tables`. The layer's own weights do the projections, norms and MLP; only the cache and the
     attention are Headway's. (index_copy_ at a slot tensor, not a slice assignment at a Python offset:
     torch.compile then updates the cache in place.)"""
@@ -204,6 +206,7 @@ def layer_step(
             k_cache[None, :, :end],
             v_cache[None, :, :end],
             attn_mask=mask,
+            is_causal=causal,
             scale=plan.scaling,
             enable_gqa=True,
         )
@@ -231,6 +234,7 @@ def decoder_stack(
     mask: Optional[torch.Tensor],
     hidden: bool,
     attend: Optional["RowAttention"] = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, list]:
     """Every decoder layer (`layer_step`, plans[i] on caches ks[i]/vs[i]) over x [1, n, hidden] and the final norm:
     the normed output [1, n, hidden] and, with `hidden`, the hidden states as transformers' output_hidden_states
@@ -240,7 +244,7 @@ def decoder_stack(
     x = x[0]
     states = [x] if hidden else []
     for plan, k, v in zip(plans, ks, vs):
-        x = layer_step(plan, x, cos, sin, k, v, slots, end, mask, attend)
+        x = layer_step(plan, x, cos, sin, k, v, slots, end, mask, attend, causal)
         if hidden:
             states.append(x)
     x = norm(x)
@@ -568,9 +572,11 @@ class StaticRunner:
             return self._row_exact(ids, tree, hidden)
         slots = torch.arange(start, start + n, device=self.device)
         mask = None  # one token (a chain step, or a tree that is only its root) sees every slot
+        # a prompt at the cache's start: the attention kernel's causal path, cheaper than a dense mask
+        causal = tree is None and n > 1 and start == 0
         if tree is None:
             positions = slots
-            if n > 1:
+            if n > 1 and not causal:
                 mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(start)
         else:
             positions = start + tree.depth.to(self.device)
@@ -587,7 +593,7 @@ class StaticRunner:
                 self.compiled_plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, True
             )
         else:
-            x, states = self._eager(x, cos, sin, slots, start + n, mask, hidden)
+            x, states = self._eager(x, cos, sin, slots, start + n, mask, hidden, causal=causal)
         self.length = start + n
         return self._logits(x[0], tree), tuple(states) if hidden else None
 
@@ -601,15 +607,28 @@ class StaticRunner:
         mask: Optional[torch.Tensor],
         hidden: bool,
         attend: Optional[RowAttention] = None,
+        causal: bool = False,
     ) -> tuple[torch.Tensor, list]:
         """`decoder_stack` over x [1, n, hidden], eagerly: in the C++ layer loop where there is one, else in Python."""
         if self._loop is None:
             return decoder_stack(
-                self.plans, self.base.norm, x, cos, sin, self.k, self.v, slots, end, mask, hidden, attend
+                self.plans,
+                self.base.norm,
+                x,
+                cos,
+                sin,
+                self.k,
+                self.v,
+                slots,
+                end,
+                mask,
+                hidden,
+                attend,
+                causal,
             )
         cos, sin = rope_tables(cos, sin)
         plan = None if attend is None else layer_loop.row_plan(attend)
-        x, states = self._loop.run(x[0], cos, sin, self.k, self.v, slots, end, mask, plan, hidden)
+        x, states = self._loop.run(x[0], cos, sin, self.k, self.v, slots, end, mask, causal, plan, hidden)
         return x[None], [h[None] for h in states]
 
     def _logits(self, hidden: torch.Tensor, tree: Optional[Tree]) -> LazyLogits:

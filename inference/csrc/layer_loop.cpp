@@ -163,11 +163,12 @@ class LayerLoop {
 
   // engine.decoder_stack over rows x [n, hidden]: the normed output [n, hidden] and, with `hidden`, the layers'
   // inputs and output (the last one normed). Attention reads slots [0, end) under `mask`, or by the RowAttention
-  // plan when `row_plan` is set.
+  // plan when `row_plan` is set; `causal`: through the kernel's causal path (a prompt at the cache's start).
   std::tuple<Tensor, std::vector<Tensor>> run(Tensor x, const Tensor& cos, const Tensor& sin,
                                               const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
                                               const Tensor& slots, int64_t end, const std::optional<Tensor>& mask,
-                                              const std::optional<RowPlan>& row_plan, bool hidden) const {
+                                              bool causal, const std::optional<RowPlan>& row_plan,
+                                              bool hidden) const {
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
     std::vector<Tensor> states;
     if (hidden) states.push_back(x);
@@ -190,7 +191,7 @@ class LayerLoop {
       } else {
         o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(k_cache.scalar_type()),
                                              k_cache.slice(1, 0, end).unsqueeze(0),
-                                             v_cache.slice(1, 0, end).unsqueeze(0), mask, 0.0, false, scale_, true);
+                                             v_cache.slice(1, 0, end).unsqueeze(0), mask, 0.0, causal, scale_, true);
         o = o.select(0, 0).transpose(0, 1).reshape({n, -1}).to(x.scalar_type());
       }
       x = x + linear(l.o, o);
