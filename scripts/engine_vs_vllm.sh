@@ -8,7 +8,8 @@
 # inference/bench_prompts_long.jsonl (summaries and passages of 530-740 tokens). Run it on a quiet machine.
 # Env: VLLM_VENV (default .venv-vllm; made by scripts/check_vllm.sh), THREADS_LIST ("1 2"), DTYPES
 #      ("float32 bfloat16"), MODES (vLLM's runs: "plain,ngram,head"), PER_CATEGORY (1), MAX_TOKENS (128),
-#      PREFILL (1000), COMPILE (1: vLLM compiled), OUT (outputs/engine-vs-vllm).
+#      PREFILL (1000), COMPILE (1: vLLM compiled), OUT (outputs/engine-vs-vllm), F32_FORMATS ("native onednn mkl
+#      float16": Headway's float32 weight formats), BF16_FORMATS ("onednn float16").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MT=${1:?usage: scripts/engine_vs_vllm.sh MT_BENCH.jsonl [HEAD_DIR] [overrides]}
@@ -49,9 +50,9 @@ for T in $THREADS_LIST; do
         --per-category "$PER_CATEGORY" --max-tokens "$MAX_TOKENS" --dtype "$DT" --prefill "$PREFILL" \
         ${COMPILE:+--compile} --mode "$MODE" --out "$OUT/vllm-$DT-$T.json"
     done
-    FORMATS=$([ "$DT" = float32 ] && echo "float32:native float32:onednn float32:mkl float32:float16" || echo "bfloat16:onednn bfloat16:float16")
-    for F in $FORMATS; do
-      D=${F%%:*}; W=${F##*:}
+    FORMATS=$([ "$DT" = float32 ] && echo "${F32_FORMATS:-native onednn mkl float16}" || echo "${BF16_FORMATS:-onednn float16}")
+    for W in $FORMATS; do
+      D=$DT
       if [ "$D:$W" = bfloat16:onednn ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 1)"; then
         W=native
       fi
