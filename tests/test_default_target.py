@@ -156,6 +156,41 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     assert spec.tokens == ref.tokens
 
 
+def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache):
+    """An untrained DFlash head on SmolLM2 in float64 (its block's chain, and a branching tree over its slots):
+    speculative output equals plain greedy output."""
+    from headway.heads.dflash import DFlashConfig, DFlashHead
+    from headway.heads.draft_layer import draft_layer_config
+    from headway.inference.draft_dflash import DFlashDrafter
+    from headway.inference.generate import greedy_generate, speculative_generate
+    from headway.inference.tree import build_tree, chain_choices
+    from headway.kinds.registry import build_head
+
+    t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
+    torch.manual_seed(0)
+    cfg = DFlashConfig(draft_vocab_size=2048, block_size=5)
+    cfg.feature_layers = DFlashHead.feature_layers(cfg, 30)
+    heads = build_head(
+        "dflash",
+        cfg,
+        576,
+        49152,
+        d2t=torch.arange(2048),
+        layer_config=draft_layer_config(t.model.config, "llama"),
+    )
+    heads.init_from_target(t.model)
+    heads.attach_target(t.model)
+    heads = heads.double().eval()
+    fmt = ChatFormat(t.tokenizer, None, t.generation_config)
+    ids = fmt.first_turn("Count from one to ten in words.")
+    ref = greedy_generate(t.model, ids, 16, fmt.stop_ids)
+    for choices in (chain_choices(4), [[0], [1], [0, 0], [0, 1], [0, 0, 0]]):
+        spec = speculative_generate(
+            t.model, DFlashDrafter(heads, build_tree(choices), 30), ids, 16, fmt.stop_ids
+        )
+        assert spec.tokens == ref.tokens, choices
+
+
 @pytest.mark.parametrize(
     "linear_weights",
     [
