@@ -588,16 +588,13 @@ class StaticRunner:
         # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
         # eagerly, and the graphs always give the hidden states (free inside them) rather than compiling twice.
         compiled = self.compiled and (n == 1 or tree is not None)
-        if compiled:
-            x, states = self._stack(
-                self.compiled_plans, self.base.norm, x, cos, sin, self.k, self.v, slots, start + n, mask, True
-            )
-        else:
-            x, states = self._eager(x, cos, sin, slots, start + n, mask, hidden, causal=causal)
+        x, states = self._run_stack(
+            x, cos, sin, slots, start + n, mask, hidden, causal=causal, compiled=compiled
+        )
         self.length = start + n
         return self._logits(x[0], tree), tuple(states) if hidden else None
 
-    def _eager(
+    def _run_stack(
         self,
         x: torch.Tensor,
         cos: torch.Tensor,
@@ -608,27 +605,23 @@ class StaticRunner:
         hidden: bool,
         attend: Optional[RowAttention] = None,
         causal: bool = False,
+        compiled: bool = False,
     ) -> tuple[torch.Tensor, list]:
-        """`decoder_stack` over x [1, n, hidden], eagerly: in the C++ layer loop where there is one, else in Python."""
+        """`decoder_stack` over x [1, n, hidden]: under torch.compile (`compiled`; its graphs always give the hidden
+        states, and read `attend` from _ACTIVE), else in the C++ layer loop where there is one, else in Python."""
+        args = (x, cos, sin, self.k, self.v, slots, end, mask)
+        if compiled:
+            _ACTIVE[0] = attend
+            try:
+                return self._stack(self.compiled_plans, self.base.norm, *args, True, attend)
+            finally:
+                _ACTIVE[0] = None
         if self._loop is None:
-            return decoder_stack(
-                self.plans,
-                self.base.norm,
-                x,
-                cos,
-                sin,
-                self.k,
-                self.v,
-                slots,
-                end,
-                mask,
-                hidden,
-                attend,
-                causal,
-            )
-        cos, sin = rope_tables(cos, sin)
+            return decoder_stack(self.plans, self.base.norm, *args, hidden, attend, causal)
         plan = None if attend is None else layer_loop.row_plan(attend)
-        x, states = self._loop.run(x[0], cos, sin, self.k, self.v, slots, end, mask, causal, plan, hidden)
+        x, states = self._loop.run(
+            x[0], *rope_tables(cos, sin), self.k, self.v, slots, end, mask, causal, plan, hidden
+        )
         return x[None], [h[None] for h in states]
 
     def _logits(self, hidden: torch.Tensor, tree: Optional[Tree]) -> LazyLogits:
@@ -664,27 +657,9 @@ class StaticRunner:
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
         attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device)
-        if not self.compiled:
-            x, states = self._eager(x, cos, sin, slots, start + n, None, hidden, attend)
-        else:
-            _ACTIVE[0] = attend
-            try:
-                x, states = self._stack(
-                    self.compiled_plans,
-                    self.base.norm,
-                    x,
-                    cos,
-                    sin,
-                    self.k,
-                    self.v,
-                    slots,
-                    start + n,
-                    None,
-                    True,
-                    attend,
-                )
-            finally:
-                _ACTIVE[0] = None
+        x, states = self._run_stack(
+            x, cos, sin, slots, start + n, None, hidden, attend, compiled=self.compiled
+        )
         self.length = start + n
         x, states = x[:, :n], [h[:, :n] for h in states]
         return self._logits(x[0], tree), tuple(states) if hidden else None
