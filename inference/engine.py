@@ -256,8 +256,11 @@ def decoder_stack(
 def _row_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "RowAttention", scale: float
 ) -> torch.Tensor:
-    """RowAttention's computation: rows `plan.order` of q [n, heads, head_dim], group after group, attend to their
-    slots (read in place, or gathered into `plan.slots` in that order); out [n, heads * head_dim]."""
+    """RowAttention's computation over q [n, heads, head_dim] -> [n, heads * head_dim]: the C++ kernel (`plan.kernel`),
+    or SDPA: rows `plan.order`, group after group, attend to their slots (read in place, or gathered into
+    `plan.slots` in that order)."""
+    if plan.kernel is not None:
+        return plan.kernel(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale)
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     # in float32: the CPU's fused attention is much faster there than in bf16 for one query (docs/inference.md); the
     # row-exact runners keep their cache in float32, so that no step converts it
@@ -310,11 +313,29 @@ class RowAttention:
     """Attention that gives each query row exactly what a one-token decoding step of that token would: row i attends
     to the cache's first `start` slots and then `tails[i]` (its ancestors and itself, by depth), as a sequence of its
     own, with no mask. In bf16 the fused attention kernel's result for a row depends on the query count, the mask and
-    the key length; after bf16 rounding that flips near-ties, so speculative and plain decoding part ways. A row whose
-    slots are the cache's first ones in order (plain decoding's row, every row of a chain) reads the cache in place;
-    the others are gathered, rows of one length in one call. Either way the row's computation is plain decoding's."""
+    the key length; after bf16 rounding that flips near-ties, so speculative and plain decoding part ways.
 
-    def __init__(self, start: int, tails: list[list[int]], device: torch.device):
+    Two implementations, one per runner (never mixed within a decode): `kernel`, Headway's C++ kernel
+    (csrc/row_attention.cpp), whose every row's arithmetic is fixed whatever the other rows, so a tree costs about
+    its rows' share of one pass over the cache; or (kernel None) SDPA per row: a row whose slots are the cache's first
+    ones in order (plain decoding's row, every row of a chain) reads the cache in place, the others are gathered,
+    rows of one length in one call. Either way the row's computation is plain decoding's."""
+
+    def __init__(
+        self, start: int, tails: list[list[int]], device: torch.device, kernel: Optional[Any] = None
+    ):
+        self.start, self.kernel = start, kernel
+        if kernel is not None:
+            # rows past the first that repeat it (a one-token step's padding) are copies: computed once
+            real = len(tails)
+            while real > 1 and tails[real - 1] == tails[0]:
+                real -= 1
+            width = max(len(t) for t in tails[:real])
+            self.tails = torch.tensor([t + [0] * (width - len(t)) for t in tails[:real]], device=device)
+            self.lens = torch.tensor([len(t) for t in tails[:real]], device=device)
+            self.order, self.in_order, self.groups, self.slots = torch.empty(0), True, [], None
+            return
+        self.tails = self.lens = torch.empty(0)
         in_place: list[int] = []
         by_len: dict[int, list[int]] = {}
         for i, tail in enumerate(tails):
@@ -524,7 +545,14 @@ class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
     `compiled`, the decoder stack runs under torch.compile."""
 
-    def __init__(self, model: Any, max_len: int, compiled: bool = False, loop: Optional[str] = None):
+    def __init__(
+        self,
+        model: Any,
+        max_len: int,
+        compiled: bool = False,
+        loop: Optional[str] = None,
+        row_attention: Optional[str] = None,
+    ):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
         self.layers = list(self.base.layers)
@@ -546,6 +574,12 @@ class StaticRunner:
         # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`); compiled, a
         # single token pads to 2 rows too, so that every step runs the one graph of dynamic row count
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
+        # (row_attention: auto, cpp or sdpa; None = the model's target.row_attention)
+        self.row_kernel = (
+            layer_loop.row_kernel(row_attention or layer_loop.row_attention_mode(model))
+            if self.row_exact
+            else None
+        )
         self.fewest_rows = max(fewest_rows(model), 2 if compiled else 1)
         self.lm_rows_free = rows_for_one(model)
         self.plans = state.layer_plans(model, lean=True)
@@ -656,7 +690,7 @@ class StaticRunner:
         positions = start + torch.tensor(depth, device=self.device)[pick]
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
-        attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device)
+        attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device, self.row_kernel)
         x, states = self._run_stack(
             x, cos, sin, slots, start + n, None, hidden, attend, compiled=self.compiled
         )

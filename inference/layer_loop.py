@@ -20,12 +20,16 @@ from torch.utils import cpp_extension
 from transformers import activations
 
 from headway.errors import HeadwayError
-from headway.target.config import LAYER_LOOPS
+from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
 from headway.target.packed_linear import MKL_PACKED_ROWS, MKLLinear, OneDNNLinear
 
 log = logging.getLogger("headway")
 
-SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "layer_loop.cpp")
+SOURCES = [
+    os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("layer_loop.cpp", "row_attention.cpp")
+]
+# -ffp-contract=off: the row attention kernel's vector and scalar paths must round alike (no fused multiply-adds)
+CFLAGS = ["-O3", "-ffp-contract=off"]
 # the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
 _NATIVE, _ONEDNN, _MKL = 0, 1, 2
 # the activations that are F.silu (transformers 5 has its own module for it)
@@ -37,15 +41,17 @@ def extension() -> Optional[Any]:
     """The compiled extension module, built once per process (and cached on disk by torch); None where it cannot
     be built here, with one warning that says why."""
     if not _BUILT:
-        log.info("building the static engine's C++ layer loop (once; cached by torch's extension builder)")
+        log.info(
+            "building the static engine's C++ layer loop and row attention (once; cached by torch's extension builder)"
+        )
         try:
             _BUILT.append(
-                cpp_extension.load("headway_layer_loop", [SOURCE], extra_cflags=["-O2"], verbose=False)
+                cpp_extension.load("headway_layer_loop", SOURCES, extra_cflags=CFLAGS, verbose=False)
             )
         except Exception as e:  # no compiler, no headers: decoding still works, in the Python loop
             log.warning(
-                "the C++ layer loop did not build (%s); the static engine runs its Python loop "
-                "(set target.layer_loop=python to skip the attempt)",
+                "the C++ layer loop did not build (%s); the static engine runs its Python loop and torch's attention "
+                "(set target.layer_loop=python target.row_attention=sdpa to skip the attempt)",
                 str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__,
             )
             _BUILT.append(None)
@@ -131,6 +137,34 @@ def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any
     )
 
 
+def row_attention_mode(model: Any) -> str:
+    """The model's `target.row_attention` (auto for a model `load_target` did not load)."""
+    mode = getattr(model, "headway_row_attention", "auto")
+    return mode if mode in ROW_ATTENTIONS else "auto"
+
+
+def row_kernel(mode: str = "auto") -> Optional[Any]:
+    """The C++ row-exact attention (csrc/row_attention.cpp) for `target.row_attention` = mode: None for sdpa, or (auto)
+    where the extension does not build; cpp makes that an error."""
+    if mode == "sdpa":
+        return None
+    ext = extension()
+    if ext is None and mode == "cpp":
+        raise HeadwayError(
+            "target.row_attention=cpp: the C++ row attention did not build here; use target.row_attention=auto or sdpa"
+        )
+    return None if ext is None else ext.row_attention
+
+
 def row_plan(attend: Any) -> Any:
     """engine.RowAttention's plan for the C++ loop."""
-    return extension().RowPlan(attend.order, attend.in_order, attend.slots, attend.groups)
+    return extension().RowPlan(
+        attend.kernel is not None,
+        attend.start,
+        attend.tails,
+        attend.lens,
+        attend.order,
+        attend.in_order,
+        attend.slots,
+        attend.groups,
+    )

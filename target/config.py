@@ -11,6 +11,7 @@ from headway.target.packed_linear import LINEAR_WEIGHTS
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 LAYER_LOOPS = ("auto", "cpp", "python")
+ROW_ATTENTIONS = ("auto", "cpp", "sdpa")
 
 
 @dataclass
@@ -44,9 +45,16 @@ class TargetConfig:
     # output bits, without the interpreter between them), python, or auto (cpp where it builds and covers the
     # target's layers and weight format, else python). See inference/layer_loop.py.
     layer_loop: str = "auto"
+    # The attention of the static engine's row-exact steps (bf16/fp16 targets on CPUs, where every tree row must give
+    # what a one-token step gives): cpp (Headway's kernel, built with the layer loop; a tree of n rows costs about n
+    # queries over the cache, not n passes), sdpa (torch's attention, one call per row shape), or auto (cpp where it
+    # builds). Each gives plain and speculative decoding the same tokens; the two may differ from each other at
+    # near-ties. See inference/csrc/row_attention.cpp.
+    row_attention: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("target", "dtype", self.dtype, list(DTYPES))
         check_choice("target", "linear_weights", self.linear_weights, list(LINEAR_WEIGHTS))
         check_choice("target", "layer_loop", self.layer_loop, list(LAYER_LOOPS))
+        check_choice("target", "row_attention", self.row_attention, list(ROW_ATTENTIONS))
         check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])

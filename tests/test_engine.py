@@ -3,12 +3,16 @@ tree, compaction), the same tokens in plain and speculative decoding, and a clea
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.nn.functional as F
 from decode_helpers import chat_ids, load64, load_packed
 from test_eagle import random_head
 
 from headway.errors import HeadwayError
+from headway.inference import layer_loop
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
@@ -87,21 +91,26 @@ def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+@pytest.mark.parametrize("attention", ["cpp", "sdpa"])
 @pytest.mark.parametrize(
     "arch,fmt",
     [("llama", "native"), ("qwen2", "native"), ("llama", "float16")]
     + ([("llama", "onednn")] if ONEDNN_BF16 else []),
 )
 @torch.inference_mode()
-def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str):
+def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str, attention: str):
     """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
-    ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention, and the padding of
-    few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
+    ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention by either
+    `target.row_attention`, and the padding of few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
+    if attention == "cpp" and layer_loop.extension() is None:
+        pytest.skip("the C++ extension does not build here")
     t = load_packed(tiny_dirs[arch], fmt, "bfloat16")
+    t.model.headway_row_attention = attention
     prompt = torch.arange(10, 50)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
     nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])
     spec = StaticRunner(t.model, 64)
+    assert (spec.row_kernel is not None) == (attention == "cpp")
     spec.forward(prompt)
     rows, _ = spec.forward(nodes, tree, hidden=True)
     if (
@@ -118,29 +127,84 @@ def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: st
             assert torch.equal(logits[0], rows[i]), (leaf, i)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def _row_kernel(attention: str) -> Any:
+    if attention == "sdpa":
+        return None
+    if layer_loop.extension() is None:
+        pytest.skip("the C++ extension does not build here")
+    return layer_loop.row_kernel("cpp")
+
+
+@pytest.mark.parametrize(
+    "attention,dtype", [("sdpa", torch.bfloat16), ("sdpa", torch.float32), ("cpp", torch.bfloat16)]
+)
 @torch.inference_mode()
-def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(dtype):
+def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(attention: str, dtype):
     """RowAttention at the default target's sizes (9 query heads over 3 key/value heads of 64, ~150 visible slots):
     a row computed in a group of rows of the same length, or among rows of other lengths, equals that row computed
     alone, bit for bit. (Batched matmuls fail this: their result depends on the batch count.)"""
+    kernel = _row_kernel(attention)
+    cache_dtype = torch.float32 if kernel else dtype  # the runner keeps a row-exact cache in float32
     g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(3, 200, 64, generator=g).to(dtype)
-    v_cache = torch.randn(3, 200, 64, generator=g).to(dtype)
+    k_cache = torch.randn(3, 200, 64, generator=g).to(dtype).to(cache_dtype)
+    v_cache = torch.randn(3, 200, 64, generator=g).to(dtype).to(cache_dtype)
     q = torch.randn(6, 9, 64, generator=g).to(dtype)  # [rows, heads, head_dim]
     tails = [[150], [151], [152], [150, 153], [151, 154], [150, 153, 155]]  # each after the first 150 slots
-    together = RowAttention(150, tails, q.device)(q, k_cache, v_cache, 0.125)
+    together = RowAttention(150, tails, q.device, kernel)(q, k_cache, v_cache, 0.125)
     for i, tail in enumerate(tails):
-        alone = RowAttention(150, [tail], q.device)(q[i : i + 1], k_cache, v_cache, 0.125)
+        alone = RowAttention(150, [tail], q.device, kernel)(q[i : i + 1], k_cache, v_cache, 0.125)
         assert torch.equal(together[i : i + 1], alone), i
-    # rows that see the cache's first slots in order (plain decoding's, a chain's) read them in place: the same bits
-    # as the same keys gathered from elsewhere
-    chain = RowAttention(150, [[150], [150, 151], [150, 151, 152]], q.device)
-    assert chain.slots is None and RowAttention(150, [[150, 152]], q.device).slots is not None
+    # rows that see the cache's first slots in order (plain decoding's, a chain's): the same bits as the same keys
+    # gathered from elsewhere (the SDPA path reads the first in place)
+    chain = RowAttention(150, [[150], [150, 151], [150, 151, 152]], q.device, kernel)
+    if kernel is None:
+        assert chain.slots is None and RowAttention(150, [[150, 152]], q.device).slots is not None
     moved_k, moved_v = k_cache.clone(), v_cache.clone()
     moved_k[:, 160:163], moved_v[:, 160:163] = k_cache[:, 150:153], v_cache[:, 150:153]
-    gathered = RowAttention(150, [[160], [160, 161], [160, 161, 162]], q.device)
+    gathered = RowAttention(150, [[160], [160, 161], [160, 161, 162]], q.device, kernel)
     assert torch.equal(chain(q[:3], k_cache, v_cache, 0.125), gathered(q[:3], moved_k, moved_v, 0.125))
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (4, 4, 8), (2, 1, 128), (6, 2, 24)]
+)
+@torch.inference_mode()
+def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_heads: int, head_dim: int):
+    """The C++ row kernel computes softmax(q k^T * scale) v over each row's prefix and tail (float32 rounding), and a
+    row's bits do not depend on the prefix/tail split, the other rows, the padding rows or the thread count."""
+    kernel = _row_kernel("cpp")
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache = torch.randn(2, kv_heads, 90, head_dim, generator=g).unbind(0)
+    q = torch.randn(5, heads, head_dim, generator=g)
+    start, tails = 37, [[37], [37, 38], [37, 39], [37, 38, 40], [37, 39, 41, 42]]
+    scale = head_dim**-0.5
+    out = RowAttention(start, tails, q.device, kernel)(q, k_cache, v_cache, scale)
+    for i, tail in enumerate(tails):
+        slots = torch.tensor(list(range(start)) + tail)
+        expected = F.scaled_dot_product_attention(
+            q[i, :, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
+        )
+        torch.testing.assert_close(out[i], expected.reshape(-1), rtol=1e-5, atol=1e-5)
+        # the same sequence with a longer prefix and a shorter tail (plain decoding's split): the same bits
+        moved_k, moved_v = k_cache.clone(), v_cache.clone()
+        moved_k[:, start : start + len(tail)], moved_v[:, start : start + len(tail)] = (
+            k_cache[:, tail],
+            v_cache[:, tail],
+        )
+        last = start + len(tail) - 1
+        alone = RowAttention(last, [[last]], q.device, kernel)(q[i : i + 1], moved_k, moved_v, scale)
+        assert torch.equal(out[i : i + 1], alone), i
+    # a one-token step padded to 3 rows: every row is the first
+    padded = RowAttention(start, [[37]] * 3, q.device, kernel)
+    assert padded.tails.shape[0] == 1
+    assert torch.equal(padded(q[[0, 0, 0]], k_cache, v_cache, scale), out[[0, 0, 0]])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = RowAttention(start, tails, q.device, kernel)(q, k_cache, v_cache, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(two, out)
 
 
 def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):

@@ -47,14 +47,24 @@ def _steps(runner: StaticRunner) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("dtype,fmt", FORMATS)
+@pytest.mark.parametrize(
+    "dtype,fmt,attention",
+    [(d, f, "auto") for d, f in FORMATS] + [("bfloat16", f, "sdpa") for d, f in FORMATS if d == "bfloat16"],
+)
 @torch.inference_mode()
-def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, fmt: str):
+def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, fmt: str, attention: str):
+    """With either row attention (bf16's row-exact steps): the C++ kernel, or torch's per row."""
     if fmt != "native" and kernels_missing(fmt, getattr(torch, dtype)):
         pytest.skip(kernels_missing(fmt, getattr(torch, dtype)))
     t = load_packed(tiny_dirs[arch], fmt, dtype)
-    python, cpp = StaticRunner(t.model, 64, loop="python"), StaticRunner(t.model, 64, loop="cpp")
+    python = StaticRunner(t.model, 64, loop="python", row_attention=attention)
+    cpp = StaticRunner(t.model, 64, loop="cpp", row_attention=attention)
     assert python._loop is None and cpp._loop is not None
+    assert (
+        (python.row_kernel is not None)
+        == (cpp.row_kernel is not None)
+        == (python.row_exact and attention == "auto")
+    )
     a = _steps(python)
     b = _steps(cpp)
     assert len(a) == len(b)
@@ -86,11 +96,18 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
         assert StaticRunner(t.model, 32, loop="auto")._loop is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "the C++ layer loop did not build (g++: command not found); the static engine runs its Python loop "
-        "(set target.layer_loop=python to skip the attempt)"
+        "the C++ layer loop did not build (g++: command not found); the static engine runs its Python loop and "
+        "torch's attention (set target.layer_loop=python target.row_attention=sdpa to skip the attempt)"
     ]
     with pytest.raises(HeadwayError, match="it did not build"):
         StaticRunner(t.model, 32, loop="cpp")
+    # a bf16 target's row-exact steps take torch's attention instead, or say why they cannot where cpp was asked for
+    t16 = load_packed(tiny_dirs["qwen2"], "native", "bfloat16")
+    assert StaticRunner(t16.model, 32).row_kernel is None
+    with pytest.raises(
+        HeadwayError, match=r"target.row_attention=cpp: .*did not build.*row_attention=auto or sdpa"
+    ):
+        StaticRunner(t16.model, 32, row_attention="cpp")
 
 
 def test_the_target_setting_reaches_the_engine(tiny_dirs):
@@ -100,3 +117,15 @@ def test_the_target_setting_reaches_the_engine(tiny_dirs):
     assert StaticRunner(t.model, 32)._loop is None
     with pytest.raises(HeadwayError, match="target.layer_loop"):
         TargetConfig(layer_loop="c++")
+    t16 = load_target(
+        TargetConfig(
+            name_or_path=str(tiny_dirs["llama"]),
+            device="cpu",
+            num_threads=1,
+            dtype="bfloat16",
+            row_attention="sdpa",
+        )
+    )
+    assert StaticRunner(t16.model, 32).row_kernel is None
+    with pytest.raises(HeadwayError, match="target.row_attention"):
+        TargetConfig(row_attention="flash")

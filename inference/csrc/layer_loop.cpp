@@ -6,6 +6,8 @@
 #include <ATen/core/stack.h>
 #include <torch/extension.h>
 
+#include "row_attention.h"
+
 #include <optional>
 #include <string>
 #include <tuple>
@@ -74,9 +76,13 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
 }
 
-// RowAttention's plan: the rows' order, whether it is 0..n-1, the gathered slots, and the groups of rows
-// (count, key length, read in place).
+// RowAttention's plan: `kernel` (row_attention.cpp, over the prefix length and each row's tail slots and length),
+// or SDPA per group: the rows' order, whether it is 0..n-1, the gathered slots, and the groups of rows (count, key
+// length, read in place).
 struct RowPlan {
+  bool kernel;
+  int64_t start;
+  Tensor tails, lens;
   Tensor order;
   bool in_order;
   std::optional<Tensor> slots;
@@ -86,6 +92,9 @@ struct RowPlan {
 // engine._row_attention
 Tensor row_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const RowPlan& plan,
                      double scale) {
+  if (plan.kernel) {
+    return row_attention_forward(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale);
+  }
   const int64_t kv_heads = k_cache.size(0), head_dim = k_cache.size(-1);
   Tensor k_all, v_all;
   if (plan.slots.has_value()) {
@@ -223,7 +232,9 @@ class LayerLoop {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<RowPlan>(m, "RowPlan")
-      .def(py::init<Tensor, bool, std::optional<Tensor>, std::vector<std::tuple<int64_t, int64_t, bool>>>());
+      .def(py::init<bool, int64_t, Tensor, Tensor, Tensor, bool, std::optional<Tensor>,
+                    std::vector<std::tuple<int64_t, int64_t, bool>>>());
+  m.def("row_attention", &row_attention_forward, "row-exact attention (row_attention.h)");
   py::class_<LayerLoop>(m, "LayerLoop")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
                     std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())
