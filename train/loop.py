@@ -343,7 +343,9 @@ def _step_loss(
     else:
         with torch.set_grad_enabled(adapt), autocast:
             out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-        feats = Features({i: out.hidden_states[i] for i in feature_layers(cfg, target)}, out.logits)
+        feats = Features(
+            {i: out.hidden_states[i] for i in feature_layers(cfg, target)}, out.logits, model=target.model
+        )
     with autocast:
         loss, metrics = objective(batch, feats, t2d)
     if adapt:

@@ -56,8 +56,10 @@ class Features:
         return self._argmax
 
     def draft_logits(self, d2t: torch.Tensor) -> torch.Tensor:
-        """The target's logits over the draft vocabulary only (offline: just those rows of its lm_head)."""
-        if self._logits is not None:
+        """The target's logits over the draft vocabulary only: just those rows of its lm_head over the final hidden
+        state where the model is known (a product a sixth the size of the full one, and no gather of columns out of
+        [B, T, V] logits), else those columns of the given logits."""
+        if self._model is None:
             return self._logits[..., d2t]
         with torch.no_grad():
             return target_logits(self._model, self.hidden[max(self.hidden)], rows=d2t)
@@ -130,7 +132,8 @@ def eagle3_objective(
     vocabulary are skipped, as is everything that is not an answer token."""
     ec = heads.cfg
     ids = batch["input_ids"]
-    target_p = torch.softmax(feats.draft_logits(heads.d2t.to(ids.device)).detach().float(), -1)
+    # the target's distribution is taken (softmax) only at the positions a loss reads
+    target_logits_d = feats.draft_logits(heads.d2t.to(ids.device)).detach()
     in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
     valid = [
         shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
@@ -140,7 +143,7 @@ def eagle3_objective(
     unrolled = ttt_unroll(
         heads, ids, batch["attention_mask"], heads.project(feats.cat(ec.feature_layers)), ec.ttt_steps, needed
     )
-    total = target_p.new_zeros(())
+    total = torch.zeros((), device=ids.device)
     metrics: dict[str, float] = {}
     correct = []
     for j, out in enumerate(unrolled.outputs):
@@ -150,7 +153,8 @@ def eagle3_objective(
             logits = heads.logits(
                 out[where]
             ).float()  # the draft lm_head only where a loss is taken: most of a step's cost
-            p = unrolled.at(j, shifted(target_p, 1 + j))[where]
+            rows, cols = unrolled.positions(j, where)  # step j at t learns the target's distribution at t+1+j
+            p = torch.softmax(target_logits_d[rows, cols + 1 + j].float(), -1)
             loss_j = draft_loss(ec.loss, logits, p)
             total = total + (ec.ttt_decay**j) * loss_j
             right = logits.argmax(-1) == p.argmax(-1)

@@ -125,6 +125,14 @@ class Unrolled:
         out[rows[where], self.index[where]] = values
         return out
 
+    def positions(self, j: int, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch rows, sequence positions) [n] of the outputs step j's bool `where` selects, in `out[where]`'s order."""
+        if j == 0:
+            rows, cols = where.nonzero(as_tuple=True)
+            return rows, cols
+        rows = torch.arange(self.index.shape[0], device=where.device).unsqueeze(1).expand_as(self.index)
+        return rows[where], self.index[where]
+
     def valid(self, j: int, mask: torch.Tensor) -> torch.Tensor:
         """A bool [B, T] loss mask in step j's layout (False at padding)."""
         return mask if j == 0 else self.at(j, mask) & self.kept
