@@ -260,7 +260,8 @@ def _row_attention(
     or SDPA: rows `plan.order`, group after group, attend to their slots (read in place, or gathered into
     `plan.slots` in that order)."""
     if plan.kernel is not None:
-        return plan.kernel(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale)
+        kt = None if plan.transposed is None else plan.transposed.of(k_cache)
+        return plan.kernel(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale, kt, plan.kt_valid)
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     # in float32: the CPU's fused attention is much faster there than in bf16 for one query (docs/inference.md); the
     # row-exact runners keep their cache in float32, so that no step converts it
@@ -322,9 +323,17 @@ class RowAttention:
     rows of one length in one call. Either way the row's computation is plain decoding's."""
 
     def __init__(
-        self, start: int, tails: list[list[int]], device: torch.device, kernel: Optional[Any] = None
+        self,
+        start: int,
+        tails: list[list[int]],
+        device: torch.device,
+        kernel: Optional[Any] = None,
+        transposed: Optional[TransposedKeys] = None,
     ):
         self.start, self.kernel = start, kernel
+        # the kernel's transposed key blocks (None: it transposes the prefix afresh) and how many slots are current
+        self.transposed = transposed
+        self.kt_valid = 0 if transposed is None else transposed.valid
         if kernel is not None:
             # rows past the first that repeat it (a one-token step's padding) are copies: computed once
             real = len(tails)
@@ -466,6 +475,29 @@ def subtree_first(tree: Tree, count: int) -> Any:
     return together
 
 
+class TransposedKeys:
+    """The row attention kernel's copy of each layer's key cache in blocks of 16 keys, transposed (per layer
+    [kv_heads, ceil(max_len / 16), head_dim rounded up to 4, 16], float32), and how many leading slots it holds current
+    (`valid`). The kernel fills in the blocks it transposes, so a one-token step transposes only the newest block, not
+    the whole prefix; every write to a key slot below `valid` (`written`) makes the blocks from there on stale."""
+
+    def __init__(self, keys: list[torch.Tensor]):
+        kv_heads, max_len, head_dim = keys[0].shape
+        shape = (kv_heads, -(-max_len // 16), -(-head_dim // 4) * 4, 16)
+        self.buffers = [torch.zeros(shape, dtype=torch.float32, device=k.device) for k in keys]
+        self.keys = keys
+        self._by_keys = {k.data_ptr(): b for k, b in zip(keys, self.buffers)}
+        self.valid = 0
+
+    def of(self, k_cache: torch.Tensor) -> torch.Tensor:
+        """The transposed blocks of this layer's key cache."""
+        return self._by_keys[k_cache.data_ptr()]
+
+    def written(self, slot: int) -> None:
+        """Key slots from `slot` on are (re)written."""
+        self.valid = min(self.valid, slot)
+
+
 class ModelEngine:
     """What the static engine keeps for one target model across sequences: its decoder layers as LayerPlans, its
     compiled decoder stack, its lm_head transposed (float32 CPUs) and the KV buffers (one pair per layer) that each
@@ -479,6 +511,7 @@ class ModelEngine:
         self._compiled: Any = None
         self._lm_t: Optional[torch.Tensor] = None
         self._kv: Optional[tuple[list[torch.Tensor], list[torch.Tensor]]] = None
+        self._kt: Optional[TransposedKeys] = None
         self._loops: dict[str, Any] = {}
 
     @classmethod
@@ -540,6 +573,12 @@ class ModelEngine:
             self._kv = kv
         return kv
 
+    def transposed_keys(self, keys: list[torch.Tensor]) -> TransposedKeys:
+        """The row attention kernel's transposed copy of these key buffers, shared by every runner of them."""
+        if self._kt is None or self._kt.keys is not keys:
+            self._kt = TransposedKeys(keys)
+        return self._kt
+
 
 class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
@@ -590,6 +629,7 @@ class StaticRunner:
             len(self.layers), (self.kv_heads, max_len, self.head_dim), cache_dtype, self.device
         )
         self.k, self.v = kv
+        self.kt = state.transposed_keys(self.k) if self.row_kernel is not None else None
         self.max_len = max_len
         self.length = 0
 
@@ -602,6 +642,8 @@ class StaticRunner:
             raise RuntimeError(
                 f"internal: static cache of {self.max_len} positions overflows ({start} + {n})"
             )
+        if self.kt is not None:
+            self.kt.written(start)
         if self.row_exact and (n == 1 or tree is not None):
             return self._row_exact(ids, tree, hidden)
         slots = torch.arange(start, start + n, device=self.device)
@@ -653,8 +695,9 @@ class StaticRunner:
         if self._loop is None:
             return decoder_stack(self.plans, self.base.norm, *args, hidden, attend, causal)
         plan = None if attend is None else layer_loop.row_plan(attend)
+        kts = [] if attend is None or attend.transposed is None else attend.transposed.buffers
         x, states = self._loop.run(
-            x[0], *rope_tables(cos, sin), self.k, self.v, slots, end, mask, causal, plan, hidden
+            x[0], *rope_tables(cos, sin), self.k, self.v, kts, slots, end, mask, causal, plan, hidden
         )
         return x[None], [h[None] for h in states]
 
@@ -690,10 +733,12 @@ class StaticRunner:
         positions = start + torch.tensor(depth, device=self.device)[pick]
         x = self.base.embed_tokens(ids[pick]).view(1, rows, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
-        attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device, self.row_kernel)
+        attend = RowAttention(start, [tails[i] for i in pick.tolist()], self.device, self.row_kernel, self.kt)
         x, states = self._run_stack(
             x, cos, sin, slots, start + n, None, hidden, attend, compiled=self.compiled
         )
+        if self.kt is not None:  # every layer's kernel filled in the complete blocks below start
+            self.kt.valid = start // 16 * 16
         self.length = start + n
         x, states = x[:, :n], [h[:, :n] for h in states]
         return self._logits(x[0], tree), tuple(states) if hidden else None
@@ -712,6 +757,8 @@ class StaticRunner:
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
         first = self.length - tree_size
+        if self.kt is not None:
+            self.kt.written(first)
         # a path that is the tree's first nodes in order (the root alone, the head of a chain) is already in place
         if keep != list(range(len(keep))):
             src = torch.tensor(keep, device=self.device) + first

@@ -161,6 +161,7 @@ def row_plan(attend: Any) -> Any:
     return extension().RowPlan(
         attend.kernel is not None,
         attend.start,
+        attend.kt_valid,
         attend.tails,
         attend.lens,
         attend.order,

@@ -207,6 +207,43 @@ def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_
     assert torch.equal(two, out)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_the_kernels_transposed_keys_change_no_bit(tiny_dirs, arch: str):
+    """The row kernel's transposed key blocks, kept across steps and made stale by compaction and truncation, give
+    the bits of transposing the prefix afresh at every step: logits of a prompt, one-token steps and trees with their
+    compaction, then a truncation and new steps."""
+    _row_kernel("cpp")
+    t = load_packed(tiny_dirs[arch], "native", "bfloat16")
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    runs = []
+    for keep_transposed in (True, False):
+        runner = StaticRunner(t.model, 96)
+        assert runner.kt is not None
+        if not keep_transposed:
+            runner.kt = None
+        out = []
+        for ids, tr, keep in [
+            (torch.arange(10, 50), None, None),
+            (torch.tensor([11]), None, None),
+            (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
+            (torch.tensor([12]), None, None),
+            (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
+            (torch.tensor([13, 14]), None, None),
+            *[(torch.tensor([20 + i]), None, None) for i in range(12)],
+        ]:
+            logits, _ = runner.forward(ids, tr)
+            out.append(torch.stack([logits[i] for i in range(len(logits))]))
+            if keep:
+                runner.keep(tr.size, keep)
+        runner.truncate(45)
+        for i in range(3):
+            logits, _ = runner.forward(torch.tensor([30 + i]))
+            out.append(logits[0])
+        runs.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):
     t = load64(tiny_dirs["gemma3"])
     assert not static_supported(t.model)

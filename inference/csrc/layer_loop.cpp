@@ -82,6 +82,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
 struct RowPlan {
   bool kernel;
   int64_t start;
+  int64_t kt_valid;  // the transposed key blocks (the loop's `kts`) are current for the first kt_valid slots
   Tensor tails, lens;
   Tensor order;
   bool in_order;
@@ -91,9 +92,9 @@ struct RowPlan {
 
 // engine._row_attention
 Tensor row_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const RowPlan& plan,
-                     double scale) {
+                     double scale, const std::optional<Tensor>& kt) {
   if (plan.kernel) {
-    return row_attention_forward(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale);
+    return row_attention_forward(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale, kt, plan.kt_valid);
   }
   const int64_t kv_heads = k_cache.size(0), head_dim = k_cache.size(-1);
   Tensor k_all, v_all;
@@ -175,7 +176,7 @@ class LayerLoop {
   // plan when `row_plan` is set; `causal`: through the kernel's causal path (a prompt at the cache's start).
   std::tuple<Tensor, std::vector<Tensor>> run(Tensor x, const Tensor& cos, const Tensor& sin,
                                               const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
-                                              const Tensor& slots, int64_t end, const std::optional<Tensor>& mask,
+                                              const std::vector<Tensor>& kts, const Tensor& slots, int64_t end, const std::optional<Tensor>& mask,
                                               bool causal, const std::optional<RowPlan>& row_plan,
                                               bool hidden) const {
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
@@ -196,7 +197,8 @@ class LayerLoop {
       v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.scalar_type()));
       Tensor o;
       if (row_plan.has_value()) {
-        o = row_attention(q, k_cache, v_cache, *row_plan, scale_);
+        o = row_attention(q, k_cache, v_cache, *row_plan, scale_,
+                          kts.empty() ? std::optional<Tensor>() : std::optional<Tensor>(kts[i]));
       } else {
         o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(k_cache.scalar_type()),
                                              k_cache.slice(1, 0, end).unsqueeze(0),
@@ -232,7 +234,7 @@ class LayerLoop {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<RowPlan>(m, "RowPlan")
-      .def(py::init<bool, int64_t, Tensor, Tensor, Tensor, bool, std::optional<Tensor>,
+      .def(py::init<bool, int64_t, int64_t, Tensor, Tensor, Tensor, bool, std::optional<Tensor>,
                     std::vector<std::tuple<int64_t, int64_t, bool>>>());
   m.def("row_attention", &row_attention_forward, "row-exact attention (row_attention.h)");
   py::class_<LayerLoop>(m, "LayerLoop")

@@ -70,19 +70,27 @@ inline __attribute__((always_inline)) v16 load16(const float* p) {
   return x;
 }
 
-// Scores of `rows` x `group` queries against up to 16 keys (keys[l] for l < valid): query (i, h) reads
-// q + i * row_stride + h * dim and writes score l to scores[(i * group + h) * score_stride + l]. Every score of the
-// kernel, prefix or tail, comes from here: the keys' order of arithmetic is one.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void key_block(
-    const float* q, int64_t row_stride, int64_t rows, int64_t group, const float* const* keys, int64_t valid,
-    int64_t dim, float scale, float* scores, int64_t score_stride) {
-  v16 kt[kMaxDim + 3];  // the block transposed: kt[d] holds dimension d of the 16 keys (zero past dim)
-  float* ktf = reinterpret_cast<float*>(kt);
-  const int64_t padded = (dim + 3) / 4 * 4;
-  if (valid < kLanes || padded > dim) std::fill(ktf, ktf + padded * kLanes, 0.f);
+// Up to 16 keys (keys[l] for l < valid) transposed into kt [padded_dim(dim)][16]: kt[d * 16 + l] is dimension d of
+// key l, zero past `valid` keys and past dim.
+inline int64_t padded_dim(int64_t dim) { return (dim + 3) / 4 * 4; }
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void transpose_block(const float* const* keys,
+                                                                                  int64_t valid, int64_t dim,
+                                                                                  float* kt) {
+  const int64_t padded = padded_dim(dim);
+  if (valid < kLanes || padded > dim) std::fill(kt, kt + padded * kLanes, 0.f);
   for (int64_t l = 0; l < valid; ++l) {
-    for (int64_t d = 0; d < dim; ++d) ktf[d * kLanes + l] = keys[l][d];
+    for (int64_t d = 0; d < dim; ++d) kt[d * kLanes + l] = keys[l][d];
   }
+}
+
+// Scores of `rows` x `group` queries against a transposed block of keys (`transpose_block`): query (i, h) reads
+// q + i * row_stride + h * dim and writes its first `valid` scores to scores[(i * group + h) * score_stride + l].
+// Every score of the kernel, prefix or tail, comes from here: the keys' order of arithmetic is one.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void score_block(
+    const float* q, int64_t row_stride, int64_t rows, int64_t group, const float* kt_in, int64_t valid, int64_t dim,
+    float scale, float* scores, int64_t score_stride) {
+  const int64_t padded = padded_dim(dim);
   const int64_t queries = rows * group;
   const v16 vscale = v16{} + scale;
   for (int64_t first = 0; first < queries; first += kQueries) {
@@ -103,7 +111,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void key_block(
     v16 s[kQueries][4] = {};
     for (int64_t d = 0; d < padded; d += 4) {
       for (int64_t r = 0; r < 4; ++r) {
-        const v16 kd = kt[d + r];
+        const v16 kd = load16(kt_in + (d + r) * kLanes);
         for (int64_t c = 0; c < kQueries; ++c) s[c][r] = s[c][r] + qs[c][d + r] * kd;
       }
     }
@@ -202,8 +210,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void finish_row(
 
 }  // namespace
 
-at::Tensor row_attention_forward(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t start,
-                          const at::Tensor& tails_in, const at::Tensor& lens_in, double scale_d) {
+at::Tensor row_attention_forward(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 int64_t start, const at::Tensor& tails_in, const at::Tensor& lens_in, double scale_d,
+                                 const std::optional<at::Tensor>& kt_cache, int64_t kt_valid) {
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "row attention: the cache must be float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "row attention: the cache must be contiguous");
@@ -229,18 +238,40 @@ at::Tensor row_attention_forward(const at::Tensor& q_in, const at::Tensor& k_cac
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  // the prefix's keys transposed 16 at a time, kept in kt_cache [kv_heads, blocks, padded_dim, 16] where given:
+  // blocks below kt_valid are read from it, complete blocks below start written to it
+  const int64_t block_floats = padded_dim(dim) * kLanes;
+  float* ktp = nullptr;
+  int64_t kt_blocks = 0;
+  if (kt_cache.has_value() && kt_cache->defined() && kt_cache->numel() > 0) {
+    TORCH_CHECK(kt_cache->scalar_type() == at::kFloat && kt_cache->is_contiguous() && kt_cache->dim() == 4 &&
+                    kt_cache->size(0) == kv && kt_cache->size(2) * kt_cache->size(3) == block_floats &&
+                    kt_cache->size(1) * kLanes >= start,
+                "row attention: the transposed key cache does not fit the cache");
+    ktp = kt_cache->data_ptr<float>();
+    kt_blocks = kt_cache->size(1);
+  }
   // scores: the prefix's keys 16 at a time against every row's queries of the key head (row i's heads
   // g * group .. (g + 1) * group are consecutive in q), then each row's tail against its own queries
   const int64_t blocks = (start + kLanes - 1) / kLanes, tail_blocks = (width + kLanes - 1) / kLanes;
   const int64_t prefix_items = kv * blocks;
   at::parallel_for(0, prefix_items + kv * m * tail_blocks, 1, [&](int64_t b, int64_t e) {
     const float* keys[kLanes];
+    alignas(64) float kt[(kMaxDim + 3) * kLanes];
     for (int64_t item = b; item < e; ++item) {
       if (item < prefix_items) {
-        const int64_t g = item / blocks, j0 = (item % blocks) * kLanes, valid = std::min(kLanes, start - j0);
-        for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + j0 + l) * dim;
-        key_block(qp + g * group * dim, heads * dim, m, group, keys, valid, dim, scale,
-                  scores.get() + g * queries * longest + j0, longest);
+        const int64_t g = item / blocks, block = item % blocks, j0 = block * kLanes;
+        const int64_t valid = std::min(kLanes, start - j0);
+        float* kept = ktp == nullptr ? nullptr : ktp + (g * kt_blocks + block) * block_floats;
+        const float* block_kt = kept;
+        if (kept == nullptr || j0 + kLanes > kt_valid) {
+          for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + j0 + l) * dim;
+          transpose_block(keys, valid, dim, kt);
+          block_kt = kt;
+          if (kept != nullptr && valid == kLanes) std::memcpy(kept, kt, block_floats * sizeof(float));
+        }
+        score_block(qp + g * group * dim, heads * dim, m, group, block_kt, valid, dim, scale,
+                    scores.get() + g * queries * longest + j0, longest);
         continue;
       }
       const int64_t rest = item - prefix_items, g = rest / (m * tail_blocks);
@@ -248,8 +279,9 @@ at::Tensor row_attention_forward(const at::Tensor& q_in, const at::Tensor& k_cac
       const int64_t valid = std::min(kLanes, len[i] - t0);
       if (valid <= 0) continue;
       for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + tail[i * width + t0 + l]) * dim;
-      key_block(qp + (i * heads + g * group) * dim, heads * dim, 1, group, keys, valid, dim, scale,
-                scores.get() + (g * queries + i * group) * longest + start + t0, longest);
+      transpose_block(keys, valid, dim, kt);
+      score_block(qp + (i * heads + g * group) * dim, heads * dim, 1, group, kt, valid, dim, scale,
+                  scores.get() + (g * queries + i * group) * longest + start + t0, longest);
     }
   });
   at::parallel_for(0, kv * queries, 1, [&](int64_t b, int64_t e) {

@@ -5,7 +5,10 @@
 
 // q [rows, heads, dim] (any float dtype); k_cache, v_cache [kv_heads, max_len, dim] float32, contiguous; tails
 // [m, width] int64 (row i's slots after the cache's first `start`, by depth; the first lens[i] are used), m <= rows:
-// rows past m repeat row 0 (the padding of a one-token step). Returns [rows, heads * dim] in q's dtype. Each row's
-// output depends only on its query and its sequence of keys and values, never on the other rows or the threads.
+// rows past m repeat row 0 (the padding of a one-token step). kt_cache: optional [kv_heads, ceil(max_len / 16),
+// padded dim, 16] float32, the keys transposed in blocks of 16, current for the first kt_valid slots (complete blocks
+// below `start` are written to it). Returns [rows, heads * dim] in q's dtype. Each row's output depends only on its
+// query and its sequence of keys and values, never on the other rows, the transposed cache or the threads.
 at::Tensor row_attention_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 int64_t start, const at::Tensor& tails, const at::Tensor& lens, double scale);
+                                 int64_t start, const at::Tensor& tails, const at::Tensor& lens, double scale,
+                                 const std::optional<at::Tensor>& kt_cache, int64_t kt_valid);
