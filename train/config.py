@@ -38,6 +38,11 @@ class TrainConfig:
     # Optimiser steps; each sees micro_batch_size x grad_accum sequences.
     max_steps: int = 1000
     micro_batch_size: int = 4
+    # Length windows: the shuffled stream of sequences is cut into windows of this many, each sorted by length, so a
+    # micro-batch's sequences are of similar length and pad little (a random batch of 4 self-distilled gsm8k answers
+    # is ~35% padding, ~2% in windows of 128; every padded token costs the target's forward and the head's).
+    # 0 or 1: off (plain shuffle).
+    length_window: int = 128
     grad_accum: int = 1
     # Read the target's features from caches written by `headway cache-features` (together covering
     # train.datasets, same max_length) instead of running the target in every step; [] = online.
@@ -111,6 +116,8 @@ class TrainConfig:
             )
         if self.shard_target and self.backend != "fsdp":
             raise HeadwayError("train.shard_target shards the target with FSDP2: set train.backend=fsdp")
+        if self.length_window < 0:
+            raise HeadwayError(f"train.length_window must be 0 (off) or positive, got {self.length_window}")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if self.features_dir and self.lora.enabled:

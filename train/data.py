@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -69,17 +70,33 @@ def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[l
 
 
 @functools.lru_cache(maxsize=4)
-def sample_order(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+def sample_order(
+    n: int, seed: int, epoch: int, lengths: Optional[tuple[int, ...]] = None, window: int = 0
+) -> tuple[int, ...]:
+    """Epoch `epoch`'s order of n samples: a seeded shuffle; with `window` > 1, cut into windows of that many
+    samples, each sorted by `lengths` (ascending or descending, by a seeded coin per window), so that consecutive
+    samples (a micro-batch) are of similar length and pad little. A pure function of its arguments: a resumed run,
+    or one that splits its batches otherwise, reads the same stream."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return tuple(torch.randperm(n, generator=g).tolist())
+    order = torch.randperm(n, generator=g).tolist()
+    if window > 1 and lengths is not None:
+        flips = torch.randint(0, 2, ((n + window - 1) // window,), generator=g).tolist()
+        order = [
+            i
+            for w, start in enumerate(range(0, n, window))
+            for i in sorted(order[start : start + window], key=lambda i: lengths[i], reverse=bool(flips[w]))
+        ]
+    return tuple(order)
 
 
-def batch_at(samples: list[Sample], consumed: int, size: int, seed: int) -> list[Sample]:
-    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream."""
+def batch_at(samples: list[Sample], consumed: int, size: int, seed: int, window: int = 0) -> list[Sample]:
+    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream (length-sorted in windows of
+    `window` samples: `sample_order`)."""
     n = len(samples)
+    lengths = tuple(len(s.input_ids) for s in samples) if window > 1 else None
     out = []
     for k in range(consumed, consumed + size):
-        out.append(samples[sample_order(n, seed, k // n)[k % n]])
+        out.append(samples[sample_order(n, seed, k // n, lengths, window)[k % n]])
     return out
 
 

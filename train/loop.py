@@ -249,6 +249,7 @@ RUN_IDENTITY = (
     "train.datasets",
     "train.max_length",
     "train.seed",
+    "train.length_window",
     "train.lora",
     "train.dedup",
     "train.dedup_threshold",
@@ -519,7 +520,7 @@ def train(cfg: RunConfig) -> Path:
         bad_batch = None
         step_tokens = 0
         for _ in range(tc.grad_accum):
-            batch = par.shard(batch_at(train_set, consumed, micro, tc.seed))
+            batch = par.shard(batch_at(train_set, consumed, micro, tc.seed, tc.length_window))
             consumed += micro
             step_tokens += sum(sum(s.loss_mask) for s in batch)
             loss, metrics = _step_loss(cfg, target, objective, batch, t2d, device, adapt, cache)

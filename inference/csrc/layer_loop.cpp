@@ -173,12 +173,14 @@ class LayerLoop {
 
   // engine.decoder_stack over rows x [n, hidden]: the normed output [n, hidden] and, with `hidden`, the layers'
   // inputs and output (the last one normed). Attention reads slots [0, end) under `mask`, or by the RowAttention
-  // plan when `row_plan` is set; `causal`: through the kernel's causal path (a prompt at the cache's start).
+  // plan when `row_plan` is set (`kts`: the kernel's transposed keys per layer, or none); `causal`: through the
+  // kernel's causal path (a prompt at the cache's start); `attn_dtype`: the dtype that attention (not the row plan's)
+  // runs in, else the cache's.
   std::tuple<Tensor, std::vector<Tensor>> run(Tensor x, const Tensor& cos, const Tensor& sin,
                                               const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
                                               const std::vector<Tensor>& kts, const Tensor& slots, int64_t end, const std::optional<Tensor>& mask,
                                               bool causal, const std::optional<RowPlan>& row_plan,
-                                              bool hidden) const {
+                                              bool hidden, std::optional<at::ScalarType> attn_dtype) const {
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
     std::vector<Tensor> states;
     if (hidden) states.push_back(x);
@@ -200,9 +202,11 @@ class LayerLoop {
         o = row_attention(q, k_cache, v_cache, *row_plan, scale_,
                           kts.empty() ? std::optional<Tensor>() : std::optional<Tensor>(kts[i]));
       } else {
-        o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(k_cache.scalar_type()),
-                                             k_cache.slice(1, 0, end).unsqueeze(0),
-                                             v_cache.slice(1, 0, end).unsqueeze(0), mask, 0.0, causal, scale_, true);
+        const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
+        o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(adt),
+                                             k_cache.slice(1, 0, end).unsqueeze(0).to(adt),
+                                             v_cache.slice(1, 0, end).unsqueeze(0).to(adt), mask, 0.0, causal, scale_,
+                                             true);
         o = o.select(0, 0).transpose(0, 1).reshape({n, -1}).to(x.scalar_type());
       }
       x = x + linear(l.o, o);
