@@ -29,7 +29,7 @@ SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("layer_loop.cpp", "row_attention.cpp")
 ]
 # -ffp-contract=off: the row attention kernel's vector and scalar paths must round alike (no fused multiply-adds)
-CFLAGS = ["-O3", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
 _NATIVE, _ONEDNN, _MKL = 0, 1, 2
 # the activations that are F.silu (transformers 5 has its own module for it)
