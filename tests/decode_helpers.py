@@ -1,9 +1,12 @@
-"""Tiny targets loaded for exactness tests, and chat prompts for them."""
+"""Tiny targets loaded for exactness tests, chat prompts for them, and a run of every kind of engine step."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
+from headway.inference.tree import build_tree
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 
@@ -28,3 +31,24 @@ def chat_ids(t, text: str) -> list[int]:
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
     return t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def engine_steps(runner, more: int = 0) -> list[torch.Tensor]:
+    """A prompt, one-token steps, tree steps with their compaction, then `more` one-token steps, on a static runner:
+    each step's logits (stacked by row) and hidden states, as one list of tensors to compare bit for bit."""
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    out = []
+    for ids, t, keep in [
+        (torch.arange(10, 40), None, None),
+        (torch.tensor([11]), None, None),
+        (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
+        (torch.tensor([12]), None, None),
+        (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
+        (torch.tensor([13, 14]), None, None),
+        *[(torch.tensor([20 + i]), None, None) for i in range(more)],
+    ]:
+        logits, hidden = runner.forward(ids, t, hidden=True)
+        out += [torch.stack([logits[i] for i in range(len(logits))]), *hidden]
+        if keep:
+            runner.keep(t.size, keep)
+    return out

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from decode_helpers import chat_ids, load64, load_packed
+from decode_helpers import chat_ids, engine_steps, load64, load_packed
 from test_eagle import random_head
 
 from headway.errors import HeadwayError
@@ -215,27 +215,13 @@ def test_the_kernels_transposed_keys_change_no_bit(tiny_dirs, arch: str):
     compaction, then a truncation and new steps."""
     _row_kernel("cpp")
     t = load_packed(tiny_dirs[arch], "native", "bfloat16")
-    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     runs = []
     for keep_transposed in (True, False):
         runner = StaticRunner(t.model, 96)
         assert runner.kt is not None
         if not keep_transposed:
             runner.kt = None
-        out = []
-        for ids, tr, keep in [
-            (torch.arange(10, 50), None, None),
-            (torch.tensor([11]), None, None),
-            (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
-            (torch.tensor([12]), None, None),
-            (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
-            (torch.tensor([13, 14]), None, None),
-            *[(torch.tensor([20 + i]), None, None) for i in range(12)],
-        ]:
-            logits, _ = runner.forward(ids, tr)
-            out.append(torch.stack([logits[i] for i in range(len(logits))]))
-            if keep:
-                runner.keep(tr.size, keep)
+        out = engine_steps(runner, more=12)  # past the first blocks of 16 slots
         runner.truncate(45)
         for i in range(3):
             logits, _ = runner.forward(torch.tensor([30 + i]))

@@ -3,16 +3,16 @@ the Python loop (with one clear message where asked for) where it does not apply
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
 import torch
-from decode_helpers import load_packed
+from decode_helpers import engine_steps, load_packed
 
 from headway.errors import HeadwayError
 from headway.inference import layer_loop
 from headway.inference.engine import StaticRunner
-from headway.inference.tree import build_tree
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 from headway.target.packed_linear import kernels_missing
@@ -25,25 +25,6 @@ FORMATS = [
     ("bfloat16", "native"),
     ("bfloat16", "onednn"),
 ]
-
-
-def _steps(runner: StaticRunner) -> list[torch.Tensor]:
-    """A prompt, one-token steps, tree steps (with compaction) and hidden states, as one list of tensors."""
-    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
-    out = []
-    for ids, t, keep in [
-        (torch.arange(10, 40), None, None),
-        (torch.tensor([11]), None, None),
-        (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
-        (torch.tensor([12]), None, None),
-        (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
-        (torch.tensor([13, 14]), None, None),
-    ]:
-        logits, hidden = runner.forward(ids, t, hidden=True)
-        out += [torch.stack([logits[i] for i in range(len(logits))]), *hidden]
-        if keep:
-            runner.keep(t.size, keep)
-    return out
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -65,8 +46,8 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
         == (cpp.row_kernel is not None)
         == (python.row_exact and attention == "auto")
     )
-    a = _steps(python)
-    b = _steps(cpp)
+    a = engine_steps(python)
+    b = engine_steps(cpp)
     assert len(a) == len(b)
     # bit for bit: the loop makes the same kernel calls in the same order
     assert all(torch.equal(x, y) for x, y in zip(a, b))
@@ -110,22 +91,12 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
         StaticRunner(t16.model, 32, row_attention="cpp")
 
 
-def test_the_target_setting_reaches_the_engine(tiny_dirs):
-    t = load_target(
-        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, layer_loop="python")
-    )
-    assert StaticRunner(t.model, 32)._loop is None
+def test_the_target_settings_reach_the_engine(tiny_dirs):
+    cfg = TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, layer_loop="python")
+    assert StaticRunner(load_target(cfg).model, 32)._loop is None
     with pytest.raises(HeadwayError, match="target.layer_loop"):
         TargetConfig(layer_loop="c++")
-    t16 = load_target(
-        TargetConfig(
-            name_or_path=str(tiny_dirs["llama"]),
-            device="cpu",
-            num_threads=1,
-            dtype="bfloat16",
-            row_attention="sdpa",
-        )
-    )
-    assert StaticRunner(t16.model, 32).row_kernel is None
+    bf16 = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", row_attention="sdpa"))
+    assert StaticRunner(bf16.model, 32).row_kernel is None
     with pytest.raises(HeadwayError, match="target.row_attention"):
         TargetConfig(row_attention="flash")
