@@ -31,6 +31,14 @@
 
 namespace {
 
+// x86-64: an AVX-512, an AVX2 and a baseline build of each hot function, chosen by the CPU at load; elsewhere
+// (aarch64) the one build the compiler makes.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HEADWAY_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define HEADWAY_CLONES
+#endif
+
 constexpr int64_t kLanes = 16;
 
 // exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial after range reduction, branch-free so that
@@ -74,9 +82,7 @@ inline __attribute__((always_inline)) v16 load16(const float* p) {
 // key l, zero past `valid` keys and past dim.
 inline int64_t padded_dim(int64_t dim) { return (dim + 3) / 4 * 4; }
 
-__attribute__((target_clones("avx512f", "avx2", "default"))) void transpose_block(const float* const* keys,
-                                                                                  int64_t valid, int64_t dim,
-                                                                                  float* kt) {
+HEADWAY_CLONES void transpose_block(const float* const* keys, int64_t valid, int64_t dim, float* kt) {
   const int64_t padded = padded_dim(dim);
   if (valid < kLanes || padded > dim) std::fill(kt, kt + padded * kLanes, 0.f);
   for (int64_t l = 0; l < valid; ++l) {
@@ -87,7 +93,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void transpose_bloc
 // Scores of `rows` x `group` queries against a transposed block of keys (`transpose_block`): query (i, h) reads
 // q + i * row_stride + h * dim and writes its first `valid` scores to scores[(i * group + h) * score_stride + l].
 // Every score of the kernel, prefix or tail, comes from here: the keys' order of arithmetic is one.
-__attribute__((target_clones("avx512f", "avx2", "default"))) void score_block(
+HEADWAY_CLONES void score_block(
     const float* q, int64_t row_stride, int64_t rows, int64_t group, const float* kt_in, int64_t valid, int64_t dim,
     float scale, float* scores, int64_t score_stride) {
   const int64_t padded = padded_dim(dim);
@@ -191,7 +197,7 @@ inline __attribute__((always_inline)) void weighted_values(const float* p, const
 }
 
 // One query row after its scores (scores[0, start + tail_len)): the softmax and the weighted values into out[dim].
-__attribute__((target_clones("avx512f", "avx2", "default"))) void finish_row(
+HEADWAY_CLONES void finish_row(
     const float* v, int64_t dim, int64_t start, const int64_t* tail, int64_t tail_len, float* scores, float* out) {
   const float sum = softmax_numerators(scores, start + tail_len);
   switch (dim) {
