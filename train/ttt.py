@@ -118,18 +118,13 @@ class Unrolled:
     def scatter(self, j: int, where: torch.Tensor, values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
         """A copy of `into` [B, T] with `values` written at the positions step j's bool `where` selects."""
         out = into.clone()
-        if j == 0:
-            out[where] = values
-            return out
-        rows = torch.arange(self.index.shape[0], device=where.device).unsqueeze(1).expand_as(self.index)
-        out[rows[where], self.index[where]] = values
+        out[self.positions(j, where)] = values
         return out
 
     def positions(self, j: int, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(batch rows, sequence positions) [n] of the outputs step j's bool `where` selects, in `out[where]`'s order."""
         if j == 0:
-            rows, cols = where.nonzero(as_tuple=True)
-            return rows, cols
+            return where.nonzero(as_tuple=True)
         rows = torch.arange(self.index.shape[0], device=where.device).unsqueeze(1).expand_as(self.index)
         return rows[where], self.index[where]
 
