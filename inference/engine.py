@@ -587,7 +587,8 @@ class ModelEngine:
 
 class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
-    `compiled`, the decoder stack runs under torch.compile."""
+    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_prompt`: None takes the
+    model's target.layer_loop, target.row_attention and target.fused_prompt."""
 
     def __init__(
         self,
@@ -596,6 +597,7 @@ class StaticRunner:
         compiled: bool = False,
         loop: Optional[str] = None,
         row_attention: Optional[str] = None,
+        fused_prompt: Optional[bool] = None,
     ):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
@@ -642,6 +644,11 @@ class StaticRunner:
         )
         self.k, self.v = kv
         self.kt = state.transposed_keys(self.k) if self.row_kernel is not None else None
+        # a bf16 prompt through the C++ loop's fused element-wise kernels (fused_prompt: None = the model's
+        # target.fused_prompt)
+        if fused_prompt is None:
+            fused_prompt = bool(getattr(model, "headway_fused_prompt", True))
+        self.fused_prompt = fused_prompt and self._loop is not None and self.dtype == torch.bfloat16
         self.max_len = max_len
         self.length = 0
 
@@ -731,6 +738,7 @@ class StaticRunner:
             plan,
             hidden,
             attn_dtype,
+            self.fused_prompt and attend is None,
         )
         return x[None], [h[None] for h in states]
 

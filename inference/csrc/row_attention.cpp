@@ -19,6 +19,8 @@
 // -ffp-contract=off), so vector and scalar paths give the same bits.
 #include "row_attention.h"
 
+#include "cpu_math.h"
+
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -31,40 +33,7 @@
 
 namespace {
 
-// x86-64: an AVX-512, an AVX2 and a baseline build of each hot function, chosen by the CPU at load; elsewhere
-// (aarch64) the one build the compiler makes.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HEADWAY_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define HEADWAY_CLONES
-#endif
-
 constexpr int64_t kLanes = 16;
-
-// exp(x) for x <= 0 (scores minus their maximum): Cephes' expf polynomial after range reduction, branch-free so that
-// loops over it vectorise; within about 2 ulp of std::exp for x >= -87.
-inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // round x / ln 2 to the nearest integer n by adding 1.5 * 2^23: n is then the low bits of t's mantissa
-  const float t = x * 1.44269504088896341f + 12582912.0f;
-  const float n = t - 12582912.0f;
-  x = x - n * 0.693359375f;
-  x = x + n * 2.12194440e-4f;
-  const float z = x * x;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &t, sizeof(bits));
-  bits = (bits - 0x4B400000 + 127) << 23;  // 0x4B400000: the bits of 1.5 * 2^23
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return y * two_n;
-}
 
 constexpr int64_t kMaxDim = 256;
 constexpr int64_t kQueries = 4;  // queries scored together against one transposed block
