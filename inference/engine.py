@@ -587,8 +587,8 @@ class ModelEngine:
 
 class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
-    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_prompt`: None takes the
-    model's target.layer_loop, target.row_attention and target.fused_prompt."""
+    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`: None takes the
+    model's target.layer_loop, target.row_attention and target.fused_ops."""
 
     def __init__(
         self,
@@ -597,7 +597,7 @@ class StaticRunner:
         compiled: bool = False,
         loop: Optional[str] = None,
         row_attention: Optional[str] = None,
-        fused_prompt: Optional[bool] = None,
+        fused_ops: Optional[bool] = None,
     ):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
@@ -644,11 +644,10 @@ class StaticRunner:
         )
         self.k, self.v = kv
         self.kt = state.transposed_keys(self.k) if self.row_kernel is not None else None
-        # a bf16 prompt through the C++ loop's fused element-wise kernels (fused_prompt: None = the model's
-        # target.fused_prompt)
-        if fused_prompt is None:
-            fused_prompt = bool(getattr(model, "headway_fused_prompt", True))
-        self.fused_prompt = fused_prompt and self._loop is not None and self.dtype == torch.bfloat16
+        # bf16 steps through the C++ loop's fused element-wise kernels (fused_ops: None = the model's target.fused_ops)
+        if fused_ops is None:
+            fused_ops = bool(getattr(model, "headway_fused_ops", True))
+        self.fused_ops = fused_ops and self._loop is not None and self.dtype == torch.bfloat16
         self.max_len = max_len
         self.length = 0
 
@@ -738,7 +737,7 @@ class StaticRunner:
             plan,
             hidden,
             attn_dtype,
-            self.fused_prompt and attend is None,
+            self.fused_ops,
         )
         return x[None], [h[None] for h in states]
 

@@ -3,8 +3,8 @@
 A decoding step of a small target makes about a thousand small ATen calls (norms, rotary, cache writes,
 attention, residuals, projections), and on a CPU the Python between them costs about as much as the kernels
 (docs/benchmarks.md). The C++ loop makes the same calls in the same order with the same arguments, so every
-output bit is the Python loop's (tests compare them); only the interpreter leaves the step. A bf16 prompt runs there
-with fused element-wise kernels instead (csrc/prompt_ops.cpp, `target.fused_prompt`). It needs a C++
+output bit is the Python loop's (tests compare them); only the interpreter leaves the step. bf16 steps run there with
+fused element-wise kernels instead (csrc/fused_ops.cpp, `target.fused_ops`). It needs a C++
 compiler the first time (torch's extension builder, cached under TORCH_EXTENSIONS_DIR); without one, or for a
 layer it does not cover, the engine keeps its Python loop.
 """
@@ -28,7 +28,7 @@ log = logging.getLogger("headway")
 
 SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("layer_loop.cpp", "row_attention.cpp", "prompt_ops.cpp")
+    for name in ("layer_loop.cpp", "row_attention.cpp", "fused_ops.cpp")
 ]
 # -ffp-contract=off: the row attention kernel's vector and scalar paths must round alike (no fused multiply-adds)
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]

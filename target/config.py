@@ -51,12 +51,12 @@ class TargetConfig:
     # builds). Each gives plain and speculative decoding the same tokens; the two may differ from each other at
     # near-ties. See inference/csrc/row_attention.cpp.
     row_attention: str = "auto"
-    # A bf16 CPU prompt in the C++ layer loop: norms, rotary and SiLU as Headway's fused kernels (one pass over the rows
-    # each, arithmetic fixed per row, so any thread count gives the same bits) instead of ATen's ~15 element-wise
-    # passes per layer. false: ATen's, as the Python loop runs them. Plain and speculative decoding share the prompt,
-    # so each gives both the same tokens; the two can differ from each other at near-ties. See
-    # inference/csrc/prompt_ops.cpp.
-    fused_prompt: bool = True
+    # bf16 CPU steps in the C++ layer loop (prompts and decoding): norms, rotary and SiLU as Headway's fused kernels
+    # (one pass over the rows each, arithmetic fixed per row, so a tree's rows stay one-token steps and no thread
+    # count changes a bit) instead of ATen's ~15 element-wise passes and calls per layer. false: ATen's, as the Python
+    # loop runs them. Each gives plain and speculative decoding the same tokens; the two can differ from each other at
+    # near-ties. See inference/csrc/fused_ops.cpp.
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         check_choice("target", "dtype", self.dtype, list(DTYPES))

@@ -193,7 +193,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         model.requires_grad_(False)
         model.headway_layer_loop = cfg.layer_loop  # read by the static engine (inference/layer_loop.py)
         model.headway_row_attention = cfg.row_attention
-        model.headway_fused_prompt = cfg.fused_prompt
+        model.headway_fused_ops = cfg.fused_ops
         if cfg.linear_weights != "native":
             log.info(
                 "target: %d linear layers use %s-packed weights",

@@ -34,14 +34,14 @@ FORMATS = [
 )
 @torch.inference_mode()
 def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, fmt: str, attention: str):
-    """With either row attention (bf16's row-exact steps): the C++ kernel, or torch's per row. (A bf16 prompt's fused
-    kernels are the other path, tests/test_prompt_ops.py; off here.)"""
+    """With either row attention (bf16's row-exact steps): the C++ kernel, or torch's per row. (bf16's fused
+    element-wise kernels are the other path, tests/test_fused_ops.py; off here.)"""
     if fmt != "native" and kernels_missing(fmt, getattr(torch, dtype)):
         pytest.skip(kernels_missing(fmt, getattr(torch, dtype)))
     t = load_packed(tiny_dirs[arch], fmt, dtype)
     python = StaticRunner(t.model, 64, loop="python", row_attention=attention)
-    cpp = StaticRunner(t.model, 64, loop="cpp", row_attention=attention, fused_prompt=False)
-    assert not python.fused_prompt and not cpp.fused_prompt
+    cpp = StaticRunner(t.model, 64, loop="cpp", row_attention=attention, fused_ops=False)
+    assert not python.fused_ops and not cpp.fused_ops
     assert python._loop is None and cpp._loop is not None
     assert (
         (python.row_kernel is not None)
@@ -100,11 +100,11 @@ def test_the_target_settings_reach_the_engine(tiny_dirs):
         TargetConfig(layer_loop="c++")
     bf16 = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", row_attention="sdpa"))
     assert StaticRunner(bf16.model, 32).row_kernel is None
-    if layer_loop.extension() is not None:  # a bf16 prompt takes the fused kernels unless told not to
-        assert StaticRunner(bf16.model, 32).fused_prompt
-        off = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", fused_prompt=False))
-        assert not StaticRunner(off.model, 32).fused_prompt
+    if layer_loop.extension() is not None:  # bf16 steps take the fused kernels unless told not to
+        assert StaticRunner(bf16.model, 32).fused_ops
+        off = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", fused_ops=False))
+        assert not StaticRunner(off.model, 32).fused_ops
         f32 = load_target(dataclasses.replace(cfg, layer_loop="auto"))
-        assert not StaticRunner(f32.model, 32).fused_prompt
+        assert not StaticRunner(f32.model, 32).fused_ops
     with pytest.raises(HeadwayError, match="target.row_attention"):
         TargetConfig(row_attention="flash")

@@ -1,13 +1,13 @@
 // The static engine's decoder stack as one C++ call: the ATen ops `engine.layer_step` and `engine.decoder_stack`
 // run, in the same order with the same arguments (so the same bits), without Python between them. A decoding
 // step of the default target makes about a thousand small calls, and the Python around each costs more than the
-// kernel on a CPU. A bf16 prompt can instead take `run_prompt`, whose element-wise work is prompt_ops.cpp's fused
-// kernels (`target.fused_prompt`). Built on first use by `inference/layer_loop.py`.
+// kernel on a CPU. bf16 steps can instead take `run_fused`, whose element-wise work is fused_ops.cpp's kernels
+// (`target.fused_ops`). Built on first use by `inference/layer_loop.py`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/extension.h>
 
-#include "prompt_ops.h"
+#include "fused_ops.h"
 #include "row_attention.h"
 
 #include <optional>
@@ -177,16 +177,16 @@ class LayerLoop {
   // inputs and output (the last one normed). Attention reads slots [0, end) under `mask`, or by the RowAttention
   // plan when `row_plan` is set (`kts`: the kernel's transposed keys per layer, or none); `causal`: through the
   // kernel's causal path (a prompt at the cache's start); `attn_dtype`: the dtype that attention (not the row plan's)
-  // runs in, else the cache's. `fused` (bf16 rows, no row plan: a prompt): `run_prompt`.
+  // runs in, else the cache's. `fused` (bf16 rows): `run_fused`.
   std::tuple<Tensor, std::vector<Tensor>> run(Tensor x, const Tensor& cos, const Tensor& sin,
                                               const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
-                                              const std::vector<Tensor>& kts, const Tensor& slots, int64_t end, const std::optional<Tensor>& mask,
-                                              bool causal, const std::optional<RowPlan>& row_plan,
-                                              bool hidden, std::optional<at::ScalarType> attn_dtype, bool fused) const {
+                                              const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
+                                              const std::optional<Tensor>& mask, bool causal,
+                                              const std::optional<RowPlan>& row_plan, bool hidden,
+                                              std::optional<at::ScalarType> attn_dtype, bool fused) const {
     if (fused) {
-      TORCH_CHECK(!row_plan.has_value() && x.scalar_type() == at::kBFloat16,
-                  "layer loop: the fused prompt path takes bf16 rows without a row plan");
-      return run_prompt(x, cos, sin, ks, vs, end, mask, causal, hidden, attn_dtype);
+      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "layer loop: the fused kernels take bf16 rows");
+      return run_fused(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype);
     }
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
     std::vector<Tensor> states;
@@ -232,14 +232,17 @@ class LayerLoop {
   }
 
  private:
-  // `run` for a bf16 prompt (rows x [n, hidden] at slots [end - n, end)): the same linears and attention, with the
-  // element-wise work in prompt_ops.cpp's fused kernels (each residual add with the norm after it, rotary with the
-  // split into heads, SiLU with its product). A prompt at the cache's start (`causal`) attends to its own keys and
-  // values, which are the cache's bits, without reading them back.
-  std::tuple<Tensor, std::vector<Tensor>> run_prompt(Tensor x, const Tensor& cos, const Tensor& sin,
-                                                     const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
-                                                     int64_t end, const std::optional<Tensor>& mask, bool causal,
-                                                     bool hidden, std::optional<at::ScalarType> attn_dtype) const {
+  // `run` with the element-wise work in fused_ops.cpp's kernels (each residual add with the norm after it, rotary with
+  // the split into heads, SiLU with its product), around the same linears and attention. Each kernel computes a row
+  // from that row alone, so a row-exact step's rows stay one-token steps. A prompt (no row plan) writes its slots
+  // [end - n, end) of the cache in place, and at the cache's start (`causal`) attends to its own keys and values,
+  // which are the cache's bits, without reading them back.
+  std::tuple<Tensor, std::vector<Tensor>> run_fused(Tensor x, const Tensor& cos, const Tensor& sin,
+                                                    const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
+                                                    const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
+                                                    const std::optional<Tensor>& mask, bool causal,
+                                                    const std::optional<RowPlan>& row_plan, bool hidden,
+                                                    std::optional<at::ScalarType> attn_dtype) const {
     const int64_t n = x.size(0), start = end - n;
     std::vector<Tensor> states;
     if (hidden) states.push_back(x);
@@ -249,21 +252,28 @@ class LayerLoop {
       Tensor qkv = l.qkv.size() == 1
                        ? linear(l.qkv[0], h)
                        : at::cat({linear(l.qkv[0], h), linear(l.qkv[1], h), linear(l.qkv[2], h)}, -1);
-      auto [q, k, v] = rope_split(qkv, cos, sin, heads_, kv_, hd_);
+      auto [q, k, v] = rope_split(qkv, cos, sin, heads_, kv_, hd_);  // [heads or kv, n, head_dim]
       const Tensor &k_cache = ks[i], &v_cache = vs[i];
-      k_cache.narrow(1, start, n).copy_(k);
-      v_cache.narrow(1, start, n).copy_(v);
-      const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
       Tensor o;
-      if (causal) {
-        o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k.unsqueeze(0).to(adt), v.unsqueeze(0).to(adt),
-                                             {}, 0.0, true, scale_, true);
+      if (row_plan.has_value()) {
+        k_cache.index_copy_(1, slots, k.to(k_cache.scalar_type()));
+        v_cache.index_copy_(1, slots, v.to(v_cache.scalar_type()));
+        o = row_attention(q.transpose(0, 1), k_cache, v_cache, *row_plan, scale_,
+                          kts.empty() ? std::optional<Tensor>() : std::optional<Tensor>(kts[i]));
       } else {
-        o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k_cache.slice(1, 0, end).unsqueeze(0).to(adt),
-                                             v_cache.slice(1, 0, end).unsqueeze(0).to(adt), mask, 0.0, false, scale_,
-                                             true);
+        k_cache.narrow(1, start, n).copy_(k);
+        v_cache.narrow(1, start, n).copy_(v);
+        const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
+        if (causal) {
+          o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k.unsqueeze(0).to(adt), v.unsqueeze(0).to(adt),
+                                               {}, 0.0, true, scale_, true);
+        } else {
+          o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k_cache.slice(1, 0, end).unsqueeze(0).to(adt),
+                                               v_cache.slice(1, 0, end).unsqueeze(0).to(adt), mask, 0.0, false,
+                                               scale_, true);
+        }
+        o = o.select(0, 0).transpose(0, 1).reshape({n, -1}).to(x.scalar_type());
       }
-      o = o.select(0, 0).transpose(0, 1).reshape({n, -1}).to(x.scalar_type());
       std::tie(x, h) = add_rms_norm(x, linear(l.o, o), norms2_[i], eps2_[i]);
       Tensor act;
       if (l.mlp.size() == 1) {
@@ -297,9 +307,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<bool, int64_t, int64_t, Tensor, Tensor, Tensor, bool, std::optional<Tensor>,
                     std::vector<std::tuple<int64_t, int64_t, bool>>>());
   m.def("row_attention", &row_attention_forward, "row-exact attention (row_attention.h)");
-  m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm over bf16 rows (prompt_ops.h)");
-  m.def("rope_split", &rope_split, "rotary over bf16 qkv rows, split into heads (prompt_ops.h)");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over bf16 rows (prompt_ops.h)");
+  m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm over bf16 rows (fused_ops.h)");
+  m.def("rope_split", &rope_split, "rotary over bf16 qkv rows, split into heads (fused_ops.h)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over bf16 rows (fused_ops.h)");
   py::class_<LayerLoop>(m, "LayerLoop")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
                     std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())

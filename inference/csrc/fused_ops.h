@@ -1,4 +1,4 @@
-// Fused element-wise kernels for a bf16 prompt in the C++ layer loop (prompt_ops.cpp).
+// Fused element-wise kernels for the C++ layer loop's bf16 steps (fused_ops.cpp).
 #pragma once
 
 #include <torch/extension.h>

@@ -1,6 +1,6 @@
-"""A bf16 prompt's fused kernels (inference/csrc/prompt_ops.cpp): ATen's results (rotary and the residual add bit for
-bit, RMSNorm and SiLU to within a bf16 rounding), the same bits at any thread count, and a fused prompt through the
-C++ loop close to ATen's, with speculative steps after it still equal to plain ones."""
+"""The C++ loop's fused bf16 element-wise kernels (inference/csrc/fused_ops.cpp): ATen's results (rotary and the
+residual add bit for bit, RMSNorm and SiLU to within a bf16 rounding), the same bits at any thread count, and steps
+through them close to ATen's, with every tree row still the one-token step of its token."""
 
 from __future__ import annotations
 
@@ -107,22 +107,25 @@ def test_the_thread_count_changes_no_bit():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @torch.inference_mode()
-def test_a_fused_prompt_is_close_to_atens_and_steps_after_it_stay_row_exact(tiny_dirs, arch: str):
+def test_fused_steps_are_close_to_atens_and_tree_rows_stay_one_token_steps(tiny_dirs, arch: str):
     t = load_packed(tiny_dirs[arch], "native", "bfloat16")
-    fused = StaticRunner(t.model, 64, loop="cpp", fused_prompt=True)
-    aten = StaticRunner(t.model, 64, loop="cpp", fused_prompt=False)
-    assert fused.fused_prompt and not aten.fused_prompt
+    fused = StaticRunner(t.model, 64, loop="cpp", fused_ops=True)
+    aten = StaticRunner(t.model, 64, loop="cpp", fused_ops=False)
+    assert fused.fused_ops and not aten.fused_ops
     ids = torch.arange(10, 40)
-    a, ha = fused.forward(ids, hidden=True)
-    b, hb = aten.forward(ids, hidden=True)
-    for x, y in zip(ha, hb):
-        assert (x.float() - y.float()).abs().max() <= 0.05 * y.float().abs().max()
-    # a tree after a fused prompt: each row is, bit for bit, the one-token step of its token after its ancestors
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     nodes = torch.tensor([5, 6, 7, 8, 9])
-    rows, _ = fused.forward(nodes, tree)
+    for runner_ids, runner_tree in [(ids, None), (nodes, tree)]:  # a prompt, then a tree
+        _, ha = fused.forward(runner_ids, runner_tree, hidden=True)
+        _, hb = aten.forward(runner_ids, runner_tree, hidden=True)
+        for x, y in zip(ha, hb):
+            assert (x.float() - y.float()).abs().max() <= 0.05 * y.float().abs().max()
+    # each tree row is, bit for bit, the one-token step of its token after its ancestors
+    spec = StaticRunner(t.model, 64, loop="cpp", fused_ops=True)
+    spec.forward(ids)
+    rows, _ = spec.forward(nodes, tree)
     for leaf in (3, 4):
-        plain = StaticRunner(t.model, 64, loop="cpp", fused_prompt=True)
+        plain = StaticRunner(t.model, 64, loop="cpp", fused_ops=True)
         plain.forward(ids)
         for i in [i for i in range(tree.size) if tree.ancestors[leaf, i]]:
             logits, _ = plain.forward(nodes[i : i + 1])

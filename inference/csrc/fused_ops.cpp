@@ -1,12 +1,13 @@
-// Fused element-wise kernels for a bf16 prompt (csrc/layer_loop.cpp, `fused`): a 1,000-token prompt of the default
-// target spent about as long in ATen's ~15 element-wise passes per layer (RMSNorm's float copy, square, mean, rsqrt and
-// products; rotary's products, flip and sum; SiLU and its product; the residual adds) as in its attention. Each kernel
-// here reads its rows once. Every output element has one fixed order of arithmetic that depends only on its own row
-// (threads split the rows, never a sum), so the thread count and the CPU's vector width never change a bit. The
-// rotary and residual arithmetic is torch's, rounding for rounding; RMSNorm's sum of squares runs in 16 lanes and
-// SiLU's exp is cpu_math.h's polynomial, so those two can differ from ATen's in the last bit of a bf16 (a prompt is
-// shared by plain and speculative decoding, so either gives both the same tokens).
-#include "prompt_ops.h"
+// Fused element-wise kernels for the C++ layer loop's bf16 steps (csrc/layer_loop.cpp, `run_fused`): a 1,000-token
+// prompt of the default target spent about as long in ATen's ~15 element-wise passes per layer (RMSNorm's float copy,
+// square, mean, rsqrt and products; rotary's products, flip and sum; SiLU and its product; the residual adds) as in its
+// attention, and a one-token step made ~15 small calls per layer for them. Each kernel here reads its rows once. Every
+// output element has one fixed order of arithmetic that depends only on its own row (threads split the rows, never a
+// sum), so neither the other rows of a step, the thread count nor the CPU's vector width changes a bit: a tree's rows
+// stay one-token steps. The rotary and residual arithmetic is torch's, rounding for rounding; RMSNorm's sum of squares
+// runs in 16 lanes and SiLU's exp is cpu_math.h's polynomial, so those two can differ from ATen's in the last bit of a
+// bf16.
+#include "fused_ops.h"
 
 #include "cpu_math.h"
 
@@ -23,7 +24,7 @@ using at::Tensor;
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kGrain = 8;  // rows per task: a prompt's rows split over the threads, a short one runs on one
+constexpr int64_t kGrain = 8;  // rows per task: a prompt's rows split over the threads, a decoding step's run on one
 
 // 16 lanes: GCC lowers each operation to one AVX-512 register, two AVX2 ones or four SSE ones, the same IEEE
 // arithmetic per lane in every build (no fused multiply-adds: the build's -ffp-contract=off)
@@ -123,7 +124,7 @@ const uint16_t* bf16_data(const Tensor& t) { return reinterpret_cast<const uint1
 uint16_t* bf16_data_mut(Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 void check_rows(const Tensor& t, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1, "prompt ops: ", what,
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 2 && t.stride(1) == 1, "fused ops: ", what,
               " must be bf16 rows [n, width] with contiguous rows");
 }
 
@@ -138,11 +139,11 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x_in, const std::optional<
   if (delta_in.has_value()) {
     delta = delta_in->contiguous();
     check_rows(*delta, "delta");
-    TORCH_CHECK(delta->sizes() == x.sizes(), "prompt ops: delta's shape is not x's");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "fused ops: delta's shape is not x's");
   }
   const Tensor weight = weight_in.contiguous();
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.numel() == hidden,
-              "prompt ops: the norm weight must be [hidden] bf16");
+              "fused ops: the norm weight must be [hidden] bf16");
   Tensor out = at::empty_like(x);
   Tensor sum = delta.has_value() ? at::empty_like(x) : x;
   const uint16_t* xp = bf16_data(x);
@@ -167,7 +168,7 @@ std::tuple<Tensor, Tensor, Tensor> rope_split(const Tensor& qkv_in, const Tensor
   check_rows(qkv, "qkv");
   const int64_t n = qkv.size(0), width = qkv.size(1);
   TORCH_CHECK(width == (heads + 2 * kv_heads) * head_dim && head_dim % 2 == 0,
-              "prompt ops: qkv's width is not (heads + 2 * kv_heads) * head_dim");
+              "fused ops: qkv's width is not (heads + 2 * kv_heads) * head_dim");
   const Tensor cos = cos_in.reshape({n, head_dim}).contiguous(), sin = sin_in.reshape({n, head_dim}).contiguous();
   check_rows(cos, "cos");
   check_rows(sin, "sin");
@@ -194,7 +195,7 @@ std::tuple<Tensor, Tensor, Tensor> rope_split(const Tensor& qkv_in, const Tensor
 Tensor silu_mul(const Tensor& gate, const Tensor& up) {
   check_rows(gate, "gate");
   check_rows(up, "up");
-  TORCH_CHECK(gate.sizes() == up.sizes(), "prompt ops: gate's shape is not up's");
+  TORCH_CHECK(gate.sizes() == up.sizes(), "fused ops: gate's shape is not up's");
   const int64_t n = gate.size(0), inter = gate.size(1);
   Tensor out = at::empty({n, inter}, gate.options());
   const uint16_t *gp = bf16_data(gate), *upp = bf16_data(up);
