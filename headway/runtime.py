@@ -100,18 +100,31 @@ def configure_threads(num_threads: int) -> int:
     return num_threads
 
 
+def _cpu_flags() -> list[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return None
+
+
 def native_bf16(device: torch.device | str = "cpu") -> bool:
     """Whether bf16 math is native here: any CUDA GPU, or a CPU with AVX512_BF16 or AMX (AVX2-only CPUs
     emulate bf16 several times slower than float32)."""
     if torch.device(device).type == "cuda":
         return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
+    flags = _cpu_flags()
+    if flags is None:
         capability = torch.backends.cpu.get_cpu_capability()
         return "BF16" in capability or "AMX" in capability
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def amx_bf16() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles, where a product's rows beside the first cost little."""
+    flags = _cpu_flags()
+    return flags is not None and "amx_bf16" in flags
 
 
 def autocast_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from headway.errors import HeadwayError
+from headway.runtime import amx_bf16
 
 LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl")
 
@@ -406,13 +407,22 @@ def fewest_rows(model: Any) -> int:
     return 2 if linear_weights(model) == "native" else 1
 
 
+# bf16 rows the oneDNN lm_head computes for about the price of its padded ONEDNN_PAD_ROWS on AMX CPUs, where the tiles
+# make a row beside the first nearly free and the call streams the weights once (the default target's lm_head, 2
+# threads: 16 rows 1.26 ms, 4 rows 1.17 ms; docs/benchmarks.md): a tree step's walk then reads every node's logits
+# from one call. oneDNN's bf16 kernels give a row the same bits for any row count of 2 or more.
+ONEDNN_AMX_LM_ROWS = 16
+
+
 def rows_for_one(model: Any) -> int:
     """How many rows the model's packed lm_head computes for about the price of one: bf16 oneDNN pads to
-    ONEDNN_PAD_ROWS anyway (float32 oneDNN, one); fbgemm's float16 kernel runs 1-3 rows of the default target's lm_head in about the
-    time of one; a native weight, one."""
+    ONEDNN_PAD_ROWS anyway, and on AMX runs ONEDNN_AMX_LM_ROWS in about that time (float32 oneDNN, one); fbgemm's
+    float16 kernel runs 1-3 rows of the default target's lm_head in about the time of one; a native weight, one."""
     fmt = linear_weights(model)
     if fmt == "onednn":
-        return ONEDNN_PAD_ROWS if next(model.parameters()).dtype == torch.bfloat16 else 1
+        if next(model.parameters()).dtype != torch.bfloat16:
+            return 1
+        return ONEDNN_AMX_LM_ROWS if amx_bf16() else ONEDNN_PAD_ROWS
     return {"float16": 3}.get(fmt, 1)
 
 
