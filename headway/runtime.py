@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -100,11 +101,12 @@ def configure_threads(num_threads: int) -> int:
     return num_threads
 
 
-def _cpu_flags() -> list[str] | None:
-    """The CPU's feature flags from /proc/cpuinfo, or None where it cannot be read."""
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> tuple[str, ...] | None:
+    """The CPU's feature flags from /proc/cpuinfo (read once), or None where it cannot be read."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "").split()
+            return tuple(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
         return None
 
