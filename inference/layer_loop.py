@@ -28,7 +28,7 @@ log = logging.getLogger("headway")
 
 SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("layer_loop.cpp", "row_attention.cpp", "fused_ops.cpp")
+    for name in ("layer_loop.cpp", "row_attention.cpp", "fused_ops.cpp", "prompt_attention.cpp")
 ]
 # -ffp-contract=off: the row attention kernel's vector and scalar paths must round alike (no fused multiply-adds)
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]

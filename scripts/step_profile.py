@@ -1,6 +1,6 @@
 """Where a plain decoding step's time goes: the target's one-token steps under torch's profiler, their CPU time by
 kind of kernel (linears, attention, the cache writes, norms and elementwise ops, the rest) and the share outside any
-kernel (Python and dispatch), beside the wall time per step; and the time of one prefill of a long prompt.
+kernel (Python and dispatch), beside the wall time per step; and the time of one prefill of a long prompt, with the same breakdown.
 
     python scripts/step_profile.py [--steps 64] [--prompt-tokens 1000] [target.dtype=bfloat16 ...]
 
@@ -42,6 +42,23 @@ def kind_of(name: str) -> str:
     return "other kernels"
 
 
+def report(prof: profile, calls: int, wall: float) -> None:
+    """Print a profiled run's CPU time by kind of kernel and its top kernels, per call of `calls`; wall in seconds."""
+    by_kind: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.self_cpu_time_total > 0:
+            by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1e3 / calls
+    # aten ops' self times sum to the time spent inside kernels and their dispatch; the rest of the wall time is Python
+    inside = sum(by_kind.values())
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:28s} {ms:7.2f} ms  {100 * ms / (wall * 1e3):5.1f}%")
+    print(f"  {'outside ops (Python, profiler)':28s} {wall * 1e3 - inside:7.2f} ms")
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+    print("top kernels (ms per call, count per call):")
+    for e in top:
+        print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / 1e3 / calls:7.3f}  {e.count / calls:6.1f}")
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,26 +89,12 @@ def main() -> None:
             logits, _ = runner.forward(token)
             token = logits[0].argmax().view(1)
         wall = (time.perf_counter() - start) / args.steps
-    by_kind: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if event.self_cpu_time_total > 0:
-            by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1e3 / args.steps
-    # aten ops' self times sum to the time spent inside kernels and their dispatch; the rest of the wall time is Python
-    inside = sum(by_kind.values())
     print(
         f"{cfg.target.dtype}, linear_weights={cfg.target.linear_weights}, {cfg.target.num_threads} thread(s), "
         f"engine={engine}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
     )
     print(f"one-token step: {real * 1e3:.2f} ms wall ({1 / real:.1f} tok/s); profiled: {wall * 1e3:.2f} ms")
-    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:28s} {ms:7.2f} ms  {100 * ms / (wall * 1e3):5.1f}%")
-    print(f"  {'outside ops (Python, profiler)':28s} {wall * 1e3 - inside:7.2f} ms")
-    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
-    print("top kernels (ms per step, calls per step):")
-    for e in top:
-        print(
-            f"  {e.key[:60]:60s} {e.self_cpu_time_total / 1e3 / args.steps:7.3f}  {e.count / args.steps:6.1f}"
-        )
+    report(prof, args.steps, wall)
     if args.prompt_tokens:
         times = []
         for _ in range(3):
@@ -100,6 +103,13 @@ def main() -> None:
             prefill.forward(ids[: args.prompt_tokens])
             times.append(time.perf_counter() - start)
         print(f"prefill of {args.prompt_tokens} tokens: {min(times) * 1e3:.0f} ms (best of 3)")
+        prefill = make_runner(model, len(ids) + 8, engine)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            prefill.forward(ids[: args.prompt_tokens])
+            wall = time.perf_counter() - start
+        print(f"prefill, profiled: {wall * 1e3:.0f} ms")
+        report(prof, 1, wall)
 
 
 if __name__ == "__main__":

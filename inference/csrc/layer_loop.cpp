@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include "fused_ops.h"
+#include "prompt_attention.h"
 #include "row_attention.h"
 
 #include <optional>
@@ -264,7 +265,9 @@ class LayerLoop {
         k_cache.narrow(1, start, n).copy_(k);
         v_cache.narrow(1, start, n).copy_(v);
         const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
-        if (causal) {
+        if (causal && adt == at::kBFloat16 && prompt_attention_) {
+          o = prompt_attention(q, k, v, scale_);
+        } else if (causal) {
           o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k.unsqueeze(0).to(adt), v.unsqueeze(0).to(adt),
                                                {}, 0.0, true, scale_, true);
         } else {
@@ -272,7 +275,8 @@ class LayerLoop {
                                                v_cache.slice(1, 0, end).unsqueeze(0).to(adt), mask, 0.0, false,
                                                scale_, true);
         }
-        o = o.select(0, 0).transpose(0, 1).reshape({n, -1}).to(x.scalar_type());
+        if (o.dim() == 4) o = o.select(0, 0).transpose(0, 1).reshape({n, -1});
+        o = o.to(x.scalar_type());
       }
       std::tie(x, h) = add_rms_norm(x, linear(l.o, o), norms2_[i], eps2_[i]);
       Tensor act;
@@ -298,6 +302,7 @@ class LayerLoop {
   double final_eps_;
   int64_t heads_, kv_, hd_, inter_;
   double scale_;
+  bool prompt_attention_ = prompt_attention_available();  // a fresh bf16 prompt's attention on the matrix units
 };
 
 }  // namespace
@@ -310,6 +315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm over bf16 rows (fused_ops.h)");
   m.def("rope_split", &rope_split, "rotary over bf16 qkv rows, split into heads (fused_ops.h)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over bf16 rows (fused_ops.h)");
+  m.def("prompt_attention", &prompt_attention, "causal attention of a fresh bf16 prompt (prompt_attention.h)");
+  m.def("prompt_attention_available", &prompt_attention_available, "whether this CPU runs prompt_attention");
   py::class_<LayerLoop>(m, "LayerLoop")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
                     std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())

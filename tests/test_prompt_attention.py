@@ -1,0 +1,78 @@
+"""A fresh bf16 prompt's causal attention on the CPU's bf16 matrix units (inference/csrc/prompt_attention.cpp): as
+close to float32 attention as torch's own bf16 attention is, for any length, head size and grouping, and the same bits
+at any thread count. Runs where oneDNN has a bf16 brgemm (AMX or AVX512-BF16); elsewhere the layer loop keeps torch's
+attention and these tests skip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headway.inference import layer_loop
+
+pytestmark = pytest.mark.skipif(
+    layer_loop.extension() is None or not layer_loop.extension().prompt_attention_available(),
+    reason="no bf16 brgemm on this CPU (or the C++ extension does not build here)",
+)
+
+
+def _inputs(n: int, heads: int, kv: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(heads, n, dim, generator=g).bfloat16()
+    k = torch.randn(kv, n, dim, generator=g).bfloat16()
+    v = torch.randn(kv, n, dim, generator=g).bfloat16()
+    return q, k, v
+
+
+def _torch(q, k, v, dtype):
+    o = F.scaled_dot_product_attention(
+        q[None].to(dtype), k[None].to(dtype), v[None].to(dtype), is_causal=True, enable_gqa=True
+    )
+    return o[0].transpose(0, 1).reshape(q.shape[1], -1).float()
+
+
+# lengths: one row, less than a tile, tiles plus a tail, whole tiles; heads: grouped, one group, one per head
+@pytest.mark.parametrize(
+    "n,heads,kv,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)]
+)
+def test_causal_attention_as_close_to_float32_as_torchs_bf16(n: int, heads: int, kv: int, dim: int):
+    q, k, v = _inputs(n, heads, kv, dim, seed=n)
+    out = layer_loop.extension().prompt_attention(q, k, v, dim**-0.5)
+    assert out.dtype == torch.bfloat16 and out.shape == (n, heads * dim)
+    exact = _torch(q, k, v, torch.float32)
+    theirs = (_torch(q, k, v, torch.bfloat16) - exact).abs().max().item()
+    ours = (out.float() - exact).abs().max().item()
+    assert ours <= max(2 * theirs, 1e-2), (ours, theirs)
+    # row 0 sees only itself: its output is its own value, to a bf16 rounding
+    assert torch.allclose(out[0].float().view(heads, dim), v[:, 0].repeat_interleave(heads // kv, 0).float())
+
+
+def test_a_later_key_never_changes_an_earlier_row():
+    q, k, v = _inputs(150, 4, 2, 64, seed=3)
+    out = layer_loop.extension().prompt_attention(q, k, v, 0.125)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 100:] = 7.0
+    v2[:, 100:] = -5.0
+    changed = layer_loop.extension().prompt_attention(q, k2, v2, 0.125)
+    assert torch.equal(out[:100], changed[:100])
+    assert not torch.equal(out[100:], changed[100:])
+
+
+def test_the_thread_count_changes_no_bit():
+    q, k, v = _inputs(300, 6, 2, 64, seed=5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer_loop.extension().prompt_attention(q, k, v, 0.125)
+        torch.set_num_threads(2)
+        two = layer_loop.extension().prompt_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_shapes_are_refused():
+    q, k, v = _inputs(10, 4, 3, 64)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        layer_loop.extension().prompt_attention(q, k, v, 0.125)
