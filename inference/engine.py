@@ -587,8 +587,8 @@ class ModelEngine:
 
 class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
-    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`: None takes the
-    model's target.layer_loop, target.row_attention and target.fused_ops."""
+    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`, `prompt_attention`:
+    None takes the model's target.layer_loop, target.row_attention, target.fused_ops and target.prompt_attention."""
 
     def __init__(
         self,
@@ -598,6 +598,7 @@ class StaticRunner:
         loop: Optional[str] = None,
         row_attention: Optional[str] = None,
         fused_ops: Optional[bool] = None,
+        prompt_attention: Optional[str] = None,
     ):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
@@ -648,6 +649,14 @@ class StaticRunner:
         if fused_ops is None:
             fused_ops = bool(getattr(model, "headway_fused_ops", True))
         self.fused_ops = fused_ops and self._loop is not None and self.dtype == torch.bfloat16
+        # a fresh prompt's attention in the fused loop: Headway's brgemm kernel where the CPU has bf16 brgemm
+        mode = prompt_attention or getattr(model, "headway_prompt_attention", "auto")
+        self.prompt_kernel = (
+            self.fused_ops
+            and mode == "auto"
+            and self.prompt_attn_dtype == torch.bfloat16
+            and layer_loop.extension().prompt_attention_available()
+        )
         self.max_len = max_len
         self.length = 0
 
@@ -738,6 +747,7 @@ class StaticRunner:
             hidden,
             attn_dtype,
             self.fused_ops,
+            self.prompt_kernel,
         )
         return x[None], [h[None] for h in states]
 

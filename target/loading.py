@@ -194,6 +194,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         model.headway_layer_loop = cfg.layer_loop  # read by the static engine (inference/layer_loop.py)
         model.headway_row_attention = cfg.row_attention
         model.headway_fused_ops = cfg.fused_ops
+        model.headway_prompt_attention = cfg.prompt_attention
         if cfg.linear_weights != "native":
             log.info(
                 "target: %d linear layers use %s-packed weights",

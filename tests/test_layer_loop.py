@@ -13,6 +13,7 @@ from decode_helpers import engine_steps, load_packed
 from headway.errors import HeadwayError
 from headway.inference import layer_loop
 from headway.inference.engine import StaticRunner
+from headway.runtime import native_bf16
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 from headway.target.packed_linear import kernels_missing
@@ -106,5 +107,15 @@ def test_the_target_settings_reach_the_engine(tiny_dirs):
         assert not StaticRunner(off.model, 32).fused_ops
         f32 = load_target(dataclasses.replace(cfg, layer_loop="auto"))
         assert not StaticRunner(f32.model, 32).fused_ops
+        # a fresh prompt's attention: Headway's kernel where the CPU has bf16 brgemm, unless told not to
+        available = layer_loop.extension().prompt_attention_available() and native_bf16(torch.device("cpu"))
+        assert StaticRunner(bf16.model, 32).prompt_kernel == available
+        sdpa = load_target(
+            dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", prompt_attention="sdpa")
+        )
+        assert not StaticRunner(sdpa.model, 32).prompt_kernel
+        assert not StaticRunner(off.model, 32).prompt_kernel
     with pytest.raises(HeadwayError, match="target.row_attention"):
         TargetConfig(row_attention="flash")
+    with pytest.raises(HeadwayError, match="target.prompt_attention"):
+        TargetConfig(prompt_attention="flash")

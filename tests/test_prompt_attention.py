@@ -8,8 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_helpers import load_packed
 
 from headway.inference import layer_loop
+from headway.inference.engine import StaticRunner
+from headway.inference.tree import build_tree
 
 pytestmark = pytest.mark.skipif(
     layer_loop.extension() is None or not layer_loop.extension().prompt_attention_available(),
@@ -76,3 +79,29 @@ def test_bad_shapes_are_refused():
     q, k, v = _inputs(10, 4, 3, 64)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         layer_loop.extension().prompt_attention(q, k, v, 0.125)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_steps(tiny_dirs, arch: str):
+    t = load_packed(tiny_dirs[arch], "native", "bfloat16")
+    ours = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="auto")
+    torchs = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="sdpa")
+    assert ours.prompt_kernel and not torchs.prompt_kernel
+    ids = torch.arange(3, 133)  # two blocks of rows and a tail
+    _, ha = ours.forward(ids, hidden=True)
+    _, hb = torchs.forward(ids, hidden=True)
+    for x, y in zip(ha, hb):
+        assert (x.float() - y.float()).abs().max() <= 0.05 * y.float().abs().max()
+    # after the prompt, a tree's rows are the one-token steps of their tokens (runners of one model share its cache:
+    # one at a time)
+    tree = build_tree([[0], [1], [0, 0]])
+    nodes = torch.tensor([5, 6, 7])
+    spec = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="auto")
+    spec.forward(ids)
+    rows, _ = spec.forward(nodes, tree)
+    plain = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="auto")
+    plain.forward(ids)
+    for i in (0, 2):
+        logits, _ = plain.forward(nodes[i : i + 1])
+        assert torch.equal(logits[0], rows[i])

@@ -184,10 +184,13 @@ class LayerLoop {
                                               const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
                                               const std::optional<Tensor>& mask, bool causal,
                                               const std::optional<RowPlan>& row_plan, bool hidden,
-                                              std::optional<at::ScalarType> attn_dtype, bool fused) const {
+                                              std::optional<at::ScalarType> attn_dtype, bool fused,
+                                              bool prompt_kernel) const {
     if (fused) {
       TORCH_CHECK(x.scalar_type() == at::kBFloat16, "layer loop: the fused kernels take bf16 rows");
-      return run_fused(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype);
+      TORCH_CHECK(!prompt_kernel || prompt_attention_available(), "layer loop: no bf16 brgemm for prompt_attention");
+      return run_fused(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype,
+                       prompt_kernel);
     }
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
     std::vector<Tensor> states;
@@ -243,7 +246,8 @@ class LayerLoop {
                                                     const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
                                                     const std::optional<Tensor>& mask, bool causal,
                                                     const std::optional<RowPlan>& row_plan, bool hidden,
-                                                    std::optional<at::ScalarType> attn_dtype) const {
+                                                    std::optional<at::ScalarType> attn_dtype,
+                                                    bool prompt_kernel) const {
     const int64_t n = x.size(0), start = end - n;
     std::vector<Tensor> states;
     if (hidden) states.push_back(x);
@@ -265,7 +269,7 @@ class LayerLoop {
         k_cache.narrow(1, start, n).copy_(k);
         v_cache.narrow(1, start, n).copy_(v);
         const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
-        if (causal && adt == at::kBFloat16 && prompt_attention_) {
+        if (causal && adt == at::kBFloat16 && prompt_kernel) {  // prompt_attention.h
           o = prompt_attention(q, k, v, scale_);
         } else if (causal) {
           o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k.unsqueeze(0).to(adt), v.unsqueeze(0).to(adt),
@@ -302,7 +306,6 @@ class LayerLoop {
   double final_eps_;
   int64_t heads_, kv_, hd_, inter_;
   double scale_;
-  bool prompt_attention_ = prompt_attention_available();  // a fresh bf16 prompt's attention on the matrix units
 };
 
 }  // namespace
