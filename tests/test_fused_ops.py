@@ -84,6 +84,15 @@ def test_silu_mul_is_atens_to_a_rounding(inter: int):
     assert (out == ref).float().mean() > 0.99
 
 
+def test_silu_looked_up_for_many_rows_gives_the_computed_bits():
+    # every bf16 value as a gate (NaNs, infinities and subnormals too), in a block of rows above the lookup's threshold
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(128, 512)
+    up = torch.randn(128, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+    looked_up = _ext().silu_mul(gate, up)
+    computed = torch.cat([_ext().silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(128)])
+    assert torch.equal(looked_up.view(torch.int16), computed.view(torch.int16))
+
+
 def test_the_thread_count_changes_no_bit():
     g = torch.Generator().manual_seed(1)
     n, hidden, heads, kv, dim, inter = 257, 96, 6, 2, 16, 80
