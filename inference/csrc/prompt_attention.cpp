@@ -2,8 +2,8 @@
 // or AVX512-BF16). torch's CPU flash attention splits a 1,000-token prompt into blocks of 256 queries by 512 keys, so
 // its causal skip saves only about a quarter of the work, and it spent ~5 ms per layer of the default target at one
 // thread, a third of the prompt's time. Here each block of 64 query rows computes its scores against only the keys
-// it sees, in tiles of 64 keys, takes an exact softmax over the whole row (no running rescale), and multiplies the
-// probabilities with the values in one GEMM.
+// it sees, in tiles of 64 keys, takes the softmax over each whole row at once (no running rescale), and accumulates
+// the probabilities times the values tile by tile.
 #include "prompt_attention.h"
 
 #include "cpu_math.h"
@@ -33,7 +33,7 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
-// exp(x) for x <= 0 to about 1e-6 relative error, for probabilities that are rounded to bf16 (2^-9) next: x = n ln 2 +
+// exp(x) for x <= 0 to about 3e-6 relative error, for probabilities that are rounded to bf16 (2^-9) next: x = n ln 2 +
 // r, |r| <= ln 2 / 2, 2^n from the exponent bits, exp(r) by a degree-5 polynomial. Far cheaper than cpu_math.h's
 // (which must match a scalar bit for bit); below -87 it returns exp(-87).
 template <typename F, typename I>
