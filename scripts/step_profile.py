@@ -1,6 +1,7 @@
 """Where a plain decoding step's time goes: the target's one-token steps under torch's profiler, their CPU time by
 kind of kernel (linears, attention, the cache writes, norms and elementwise ops, the rest) and the share outside any
-kernel (Python and dispatch), beside the wall time per step; and the time of one prefill of a long prompt, with the same breakdown.
+kernel (Python and dispatch), beside the wall time per step and the rate it reads its weights at against the memory's;
+and the time of one prefill of a long prompt, with the same breakdown.
 
     python scripts/step_profile.py [--steps 64] [--prompt-tokens 1000] [target.dtype=bfloat16 ...]
 
@@ -21,6 +22,7 @@ from headway.config import load_config
 from headway.inference.engine import make_runner
 from headway.run_config import RunConfig
 from headway.target.loading import load_target
+from headway.target.packed_linear import FusedPart
 
 # kernel names (profiler keys) by what they do; the first matching part names the kind
 KINDS = (
@@ -40,6 +42,29 @@ def kind_of(name: str) -> str:
         if any(p in name for p in parts):
             return kind
     return "other kernels"
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the linear weights a one-token step reads (every projection and the lm_head; a stacked q/k/v or
+    gate/up weight once, not its parts)."""
+    size = torch.finfo(next(model.parameters()).dtype).bits // 8
+    return sum(
+        m.in_features * m.out_features * size
+        for m in model.modules()
+        if isinstance(getattr(m, "in_features", None), int) and not isinstance(m, FusedPart)
+    )
+
+
+def read_rate() -> float:
+    """This machine's rate of reading memory at the thread count set, in GB/s: a float32 sum over 300 MB (far past
+    the caches), best of 3."""
+    big = torch.ones(75_000_000)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - start)
+    return 300e6 / min(times) / 1e9
 
 
 def report(prof: profile, calls: int, wall: float) -> None:
@@ -94,6 +119,11 @@ def main() -> None:
         f"engine={engine}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
     )
     print(f"one-token step: {real * 1e3:.2f} ms wall ({1 / real:.1f} tok/s); profiled: {wall * 1e3:.2f} ms")
+    nbytes = weight_bytes(model)
+    print(
+        f"  its linear weights: {nbytes / 1e6:.0f} MB, {nbytes / real / 1e9:.1f} GB/s over the step; this machine "
+        f"reads memory at {read_rate():.1f} GB/s"
+    )
     report(prof, args.steps, wall)
     if args.prompt_tokens:
         times = []
