@@ -22,16 +22,29 @@ inline __attribute__((always_inline)) To bit_cast(From from) {
   return to;
 }
 
+// exp's range reduction for x <= 0: x clamped to >= -87, t = x / ln 2 + 1.5 * 2^23 (rounding x / ln 2 to the nearest
+// integer n, which is then the low bits of t's mantissa) and n itself.
+template <typename F>
+inline __attribute__((always_inline)) void exp_reduce(F& x, F& t, F& n) {
+  const F low = F{} + -87.0f;
+  x = x < low ? low : x;
+  t = x * 1.44269504088896341f + 12582912.0f;
+  n = t - 12582912.0f;
+}
+
+// 2^n as a float from exp_reduce's t (0x4B400000: the bits of 1.5 * 2^23).
+template <typename F, typename I>
+inline __attribute__((always_inline)) F exp_scale(F t) {
+  return bit_cast<F>((bit_cast<I>(t) - 0x4B400000 + 127) << 23);
+}
+
 // exp(x) for x <= 0: Cephes' expf polynomial after range reduction; within about 2 ulp of std::exp for x >= -87
 // (below, exp(-87)). F is float (I int32_t) or a GCC vector of floats (I the int32 vector of its width): the same
 // operations in the same order, so a vector lane and the scalar give the same bits.
 template <typename F, typename I>
 inline __attribute__((always_inline)) F exp_nonpositive_t(F x) {
-  const F low = F{} + -87.0f;
-  x = x < low ? low : x;
-  // round x / ln 2 to the nearest integer n by adding 1.5 * 2^23: n is then the low bits of t's mantissa
-  const F t = x * 1.44269504088896341f + 12582912.0f;
-  const F n = t - 12582912.0f;
+  F t, n;
+  exp_reduce(x, t, n);
   x = x - n * 0.693359375f;
   x = x + n * 2.12194440e-4f;
   const F z = x * x;
@@ -42,8 +55,24 @@ inline __attribute__((always_inline)) F exp_nonpositive_t(F x) {
   y = y * x + 1.6666665459e-1f;
   y = y * x + 5.0000001201e-1f;
   y = y * z + x + 1.0f;
-  const I bits = (bit_cast<I>(t) - 0x4B400000 + 127) << 23;  // 0x4B400000: the bits of 1.5 * 2^23
-  return y * bit_cast<F>(bits);
+  return y * exp_scale<F, I>(t);
 }
 
 inline __attribute__((always_inline)) float exp_nonpositive(float x) { return exp_nonpositive_t<float, int32_t>(x); }
+
+// exp(x) for x <= 0 to about 3e-6 relative error, for values rounded to bf16 (2^-9) next (prompt_attention.cpp's
+// probabilities): exp_reduce, one constant for ln 2 and a degree-5 Taylor polynomial, about half exp_nonpositive_t's
+// operations; below -87 it returns exp(-87).
+template <typename F, typename I>
+inline __attribute__((always_inline)) F exp_nonpositive_fast_t(F x) {
+  F t, n;
+  exp_reduce(x, t, n);
+  const F r = x - n * 0.693147180559945f;
+  F y = F{} + 8.3333333e-3f;
+  y = y * r + 4.1666667e-2f;
+  y = y * r + 1.6666667e-1f;
+  y = y * r + 0.5f;
+  y = y * r + 1.0f;
+  y = y * r + 1.0f;
+  return y * exp_scale<F, I>(t);
+}

@@ -33,26 +33,6 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint16_t v8h __attribute__((vector_size(16)));
 
-// exp(x) for x <= 0 to about 3e-6 relative error, for probabilities that are rounded to bf16 (2^-9) next: x = n ln 2 +
-// r, |r| <= ln 2 / 2, 2^n from the exponent bits, exp(r) by a degree-5 polynomial. Far cheaper than cpu_math.h's
-// (which must match a scalar bit for bit); below -87 it returns exp(-87).
-template <typename F, typename I>
-inline __attribute__((always_inline)) F exp_fast(F x) {
-  const F low = F{} + -87.0f;
-  x = x < low ? low : x;
-  const F t = x * 1.44269504088896341f + 12582912.0f;
-  const F n = t - 12582912.0f;
-  const F r = x - n * 0.693147180559945f;
-  F y = F{} + 8.3333333e-3f;
-  y = y * r + 4.1666667e-2f;
-  y = y * r + 1.6666667e-1f;
-  y = y * r + 0.5f;
-  y = y * r + 1.0f;
-  y = y * r + 1.0f;
-  const I bits = (bit_cast<I>(t) - 0x4B400000 + 127) << 23;
-  return y * bit_cast<F>(bits);
-}
-
 // One row's softmax over its scores s[0, width) (width a multiple of 16), of which s[0, valid) are seen: p gets the
 // bf16 of exp(scale * s - max) there (rounded to nearest even) and 0 past it; returns the float sum of the exps.
 // F is a vector of L floats, I and U its int32 and uint32 vectors, H its bf16 (uint16) vector.
@@ -79,7 +59,7 @@ inline __attribute__((always_inline)) float softmax_row_t(const float* s, int64_
     F e = zero;
     if (j0 < valid) {
       std::memcpy(&e, s + j0, sizeof(e));
-      e = exp_fast<F, I>(e * vscale - vm);
+      e = exp_nonpositive_fast_t<F, I>(e * vscale - vm);
       e = lane + static_cast<int32_t>(j0) < last ? e : zero;
     }
     sums = sums + e;
