@@ -41,8 +41,10 @@ class InferenceConfig:
     # (saved at the end of training), instead of `tree`.
     tree_nodes: int = 0
     # EAGLE-2 dynamic tree (EAGLE heads): drafter steps per tree, children per expanded node, and how
-    # many draft nodes (root excluded) the target verifies per forward.
-    depth: int = 5
+    # many draft nodes (root excluded) the target verifies per forward. Depth 3, not EAGLE-2's 5-6: on a CPU each
+    # drafter step costs ~1/20 of a verification and the shipped head's nodes past depth 3 rarely make the 15
+    # (docs/benchmarks.md); `headway tune` picks per machine.
+    depth: int = 3
     top_k: int = 8
     total_tokens: int = 15
     max_new_tokens: int = 256

@@ -79,7 +79,7 @@ class EagleDrafter:
         """A static cache where the drafter's layer is of a family the static engine runs, else transformers'."""
         decoder = self.heads.decoder
         if self.static and StaticLayerCache.supported(decoder):
-            return StaticLayerCache(decoder)
+            return StaticLayerCache(decoder, **self.heads.engine_settings)
         from transformers import DynamicCache
 
         return DynamicCache(config=decoder.config)

@@ -392,9 +392,12 @@ class RowAttention:
 class StaticLayerCache:
     """The EAGLE drafter's KV cache: one decoder layer's keys and values in a preallocated buffer that doubles
     when full. Passed as the `cache` of an EAGLE head's forward, it runs the layer itself (`run`), so drafting
-    skips transformers' cache and mask machinery; `truncate` drops the expansion entries after a draft."""
+    skips transformers' cache and mask machinery; `truncate` drops the expansion entries after a draft. Where the
+    C++ layer loop covers the layer (`loop`: the target's target.layer_loop), the layer runs there as one call, with
+    the fused element-wise kernels for bf16 rows when `fused` (the target's target.fused_ops): a draft step makes a
+    few calls instead of about sixty small ones, whose Python cost matched the kernels'."""
 
-    def __init__(self, decoder: Any, capacity: int = 512):
+    def __init__(self, decoder: Any, capacity: int = 512, loop: str = "auto", fused: bool = True):
         layer = decoder.layers[0]
         self.kv_heads = int(text_config(decoder.config).num_key_value_heads)
         self.head_dim = int(layer.self_attn.head_dim)
@@ -403,6 +406,25 @@ class StaticLayerCache:
         self.v = torch.empty_like(self.k)
         self.length = 0
         self.plan = LayerPlan(layer, lean=True)
+        self.rotary = decoder.rotary_emb
+        # rotary tables by position, extended as positions grow: the same values rotary_emb gives per call (each is
+        # a function of its position alone), where the rotary does not rescale with the length (dynamic types)
+        self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.rope_by_position = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
+        self.loop, self.emb_norm = self._build_loop(layer, decoder, loop, p.device.type)
+        self.fused = fused and p.dtype == torch.bfloat16
+
+    def _build_loop(self, layer: Any, decoder: Any, mode: str, device: str) -> tuple[Optional[Any], Any]:
+        """The C++ loop over this one layer (EAGLE-3's fused input norm: its hidden half as the layer's norm, its
+        embedding half passed per call) and that embedding norm; (None, None) where the Python step runs."""
+        norm = layer.input_layernorm
+        split = getattr(norm, "hidden_norm", None), getattr(norm, "emb_norm", None)
+        if device != "cpu" or not all(_lean_norm(n) for n in split):
+            return None, None
+        plan = LayerPlan(layer, lean=True)
+        plan.norm1 = _rms_norm_fn(split[0], lean=True)
+        # the loop's final norm is unused (`draft` returns the layer's raw output); any RMSNorm of the width serves
+        return layer_loop.build_loop([plan], split[0], mode), _rms_norm_fn(split[1], lean=True)
 
     @staticmethod
     def supported(decoder: Any) -> bool:
@@ -416,6 +438,17 @@ class StaticLayerCache:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+    def _rope_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables` at these positions [1, n]."""
+        if not self.rope_by_position:
+            return rope_tables(*self.rotary(x, position_ids))
+        top = int(position_ids.max()) + 1
+        if self.rope is None or self.rope[0].shape[0] < top or self.rope[0].dtype != x.dtype:
+            size = max(top, 2 * (0 if self.rope is None else self.rope[0].shape[0]), self.k.shape[1])
+            every = torch.arange(size, device=x.device).unsqueeze(0)
+            self.rope = rope_tables(*self.rotary(x, every))
+        return self.rope[0][position_ids[0]], self.rope[1][position_ids[0]]
 
     def run(
         self, decoder: Any, x: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]
@@ -431,14 +464,35 @@ class StaticLayerCache:
                 new = old.new_empty(self.kv_heads, grow, self.head_dim)
                 new[:, :start] = old[:, :start]
                 setattr(self, name, new)
-        cos, sin = decoder.rotary_emb(x, position_ids)
+        cos, sin = self._rope_tables(x, position_ids)
         slots = torch.arange(start, start + n, device=x.device)
-        cos, sin = rope_tables(cos, sin)
-        out = layer_step(
-            self.plan, x[0], cos, sin, self.k, self.v, slots, start + n, None if mask is None else mask[0, 0]
-        )
+        mask = None if mask is None else mask[0, 0]
+        embedding = getattr(decoder.layers[0].input_layernorm, "embedding", None)
+        if self.loop is not None and embedding is not None:
+            emb = embedding.reshape(n, -1).contiguous()
+            out = self.loop.draft(
+                x[0].contiguous(),
+                emb,
+                self.emb_norm.weight,
+                self.emb_norm.eps,
+                cos,
+                sin,
+                self.k,
+                self.v,
+                slots,
+                start + n,
+                mask,
+                self.fused,
+            )
+        else:
+            out = layer_step(self.plan, x[0], cos, sin, self.k, self.v, slots, start + n, mask)
         self.length = start + n
         return out[None]
+
+
+def _lean_norm(norm: Any) -> bool:
+    """Whether `norm` is an RMSNorm the C++ loop runs (a weight and a variance_epsilon)."""
+    return getattr(norm, "weight", None) is not None and getattr(norm, "variance_epsilon", None) is not None
 
 
 class LazyLogits:

@@ -112,6 +112,44 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
         torch.testing.assert_close(torch.tensor(sc_s), torch.tensor(sc_d), rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: str):
+    """The EAGLE-3 draft layer as one C++ layer-loop call gives the Python step's bits (float64), and with the fused
+    bf16 kernels stays within bf16 rounding of it, over a prompt and a tree expansion after it."""
+    from headway.inference.engine import StaticLayerCache
+
+    t = load64(tiny_dirs[arch])
+    h = t.config.hidden_size
+    outs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        heads = random_head(t, "eagle3").to(dtype)
+        torch.manual_seed(3)
+        prompt, hidden = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, h, dtype=torch.float64).to(dtype)
+        tree, tree_hidden = torch.randint(0, 96, (1, 3)), torch.randn(1, 3, h, dtype=torch.float64).to(dtype)
+        causal = torch.ones(6, 6, dtype=torch.bool).tril().unsqueeze(0)
+        # three rows at position 6, each seeing the prompt and itself
+        allowed = torch.cat([torch.ones(1, 3, 6, dtype=torch.bool), torch.eye(3, dtype=torch.bool)[None]], -1)
+        for path in ("python", "cpp"):
+            cache = StaticLayerCache(heads.decoder, capacity=4)  # the prompt grows it
+            if cache.loop is None:
+                pytest.skip("the C++ layer loop does not build here")
+            if path == "python":
+                cache.loop = None
+            with torch.no_grad():
+                first = heads(
+                    heads.d2t[prompt], hidden, torch.arange(6)[None], drafter_mask(causal, dtype), cache
+                )
+                second = heads(
+                    heads.d2t[tree], tree_hidden, torch.full((1, 3), 6), drafter_mask(allowed, dtype), cache
+                )
+            outs[dtype, path] = torch.cat([first, second], 1)
+    assert torch.equal(outs[torch.float64, "cpp"], outs[torch.float64, "python"])
+    ref = outs[torch.float64, "python"]
+    python_error = (outs[torch.bfloat16, "python"].double() - ref).abs().max()
+    fused_error = (outs[torch.bfloat16, "cpp"].double() - ref).abs().max()
+    assert fused_error <= 2 * python_error + 1e-2 * ref.abs().max()
+
+
 def test_training_time_test_sees_what_inference_sees(tiny_dirs):
     """Step j of the unrolled drafter at position t equals drafting a chain j steps past t at inference,
     and depends on nothing later: tokens up to t+1+j and features up to t."""

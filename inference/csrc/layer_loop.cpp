@@ -190,14 +190,49 @@ class LayerLoop {
       TORCH_CHECK(x.scalar_type() == at::kBFloat16, "layer loop: the fused kernels take bf16 rows");
       TORCH_CHECK(!prompt_kernel || prompt_attention_available(), "layer loop: no bf16 brgemm for prompt_attention");
       return run_fused(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype,
-                       prompt_kernel);
+                       prompt_kernel, std::nullopt, nullptr);
     }
+    return run_plain(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype, std::nullopt,
+                     nullptr);
+  }
+
+  // An EAGLE-3 draft layer (a one-layer loop over the drafter's cache k/v): its attention reads
+  // [norm(emb); norm1(x)] (emb: the tokens' embeddings [n, hidden], normed by `emb_norm`, `emb_eps`) and x is its
+  // residual stream. Returns the layer's output [n, hidden] before the final norm, which the drafter feeds back.
+  Tensor draft(const Tensor& x, const Tensor& emb, const Tensor& emb_norm, double emb_eps, const Tensor& cos,
+               const Tensor& sin, const Tensor& k, const Tensor& v, const Tensor& slots, int64_t end,
+               const std::optional<Tensor>& mask, bool fused) const {
+    TORCH_CHECK(norms1_.size() == 1, "layer loop: a draft layer is a one-layer loop");
+    Tensor raw;
+    if (fused) {
+      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "layer loop: the fused kernels take bf16 rows");
+      Tensor prefix = std::get<1>(add_rms_norm(emb, std::nullopt, emb_norm, emb_eps));
+      run_fused(x, cos, sin, {k}, {v}, {}, slots, end, mask, false, std::nullopt, false, std::nullopt, false, prefix,
+                &raw);
+    } else {
+      run_plain(x, cos, sin, {k}, {v}, {}, slots, end, mask, false, std::nullopt, false, std::nullopt,
+                rms_norm(emb, emb_norm, emb_eps), &raw);
+    }
+    return raw;
+  }
+
+ private:
+  // `run` without the fused kernels. `prefix`: rows put before the first layer's normed input (`draft`); `raw`: where
+  // given, receives the last layer's output before the final norm.
+  std::tuple<Tensor, std::vector<Tensor>> run_plain(Tensor x, const Tensor& cos, const Tensor& sin,
+                                                    const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
+                                                    const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
+                                                    const std::optional<Tensor>& mask, bool causal,
+                                                    const std::optional<RowPlan>& row_plan, bool hidden,
+                                                    std::optional<at::ScalarType> attn_dtype,
+                                                    const std::optional<Tensor>& prefix, Tensor* raw) const {
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
     std::vector<Tensor> states;
     if (hidden) states.push_back(x);
     for (size_t i = 0; i < norms1_.size(); ++i) {
       const Layer& l = layers_[i];
       Tensor h = rms_norm(x, norms1_[i], eps1_[i]);
+      if (i == 0 && prefix.has_value()) h = at::cat({*prefix, h}, -1);
       Tensor qkv = l.qkv.size() == 1
                        ? linear(l.qkv[0], h)
                        : at::cat({linear(l.qkv[0], h), linear(l.qkv[1], h), linear(l.qkv[2], h)}, -1);
@@ -230,12 +265,12 @@ class LayerLoop {
       }
       if (hidden) states.push_back(x);
     }
+    if (raw != nullptr) *raw = x;
     x = rms_norm(x, final_norm_, final_eps_);
     if (hidden) states.back() = x;
     return {x, states};
   }
 
- private:
   // `run` with the element-wise work in fused_ops.cpp's kernels (each residual add with the norm after it, rotary with
   // the split into heads, SiLU with its product), around the same linears and attention. Each kernel computes a row
   // from that row alone, so a row-exact step's rows stay one-token steps. A prompt (no row plan) writes its slots
@@ -246,12 +281,13 @@ class LayerLoop {
                                                     const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
                                                     const std::optional<Tensor>& mask, bool causal,
                                                     const std::optional<RowPlan>& row_plan, bool hidden,
-                                                    std::optional<at::ScalarType> attn_dtype,
-                                                    bool prompt_kernel) const {
+                                                    std::optional<at::ScalarType> attn_dtype, bool prompt_kernel,
+                                                    const std::optional<Tensor>& prefix, Tensor* raw) const {
     const int64_t n = x.size(0), start = end - n;
     std::vector<Tensor> states;
     if (hidden) states.push_back(x);
     Tensor h = std::get<1>(add_rms_norm(x, std::nullopt, norms1_[0], eps1_[0]));
+    if (prefix.has_value()) h = at::cat({*prefix, h}, -1);
     for (size_t i = 0; i < norms1_.size(); ++i) {
       const Layer& l = layers_[i];
       Tensor qkv = l.qkv.size() == 1
@@ -295,6 +331,7 @@ class LayerLoop {
                                     last ? final_eps_ : eps1_[i + 1]);
       if (hidden) states.push_back(x);
     }
+    if (raw != nullptr) *raw = x;
     if (hidden) states.back() = h;
     return {h, states};
   }
@@ -323,5 +360,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<LayerLoop>(m, "LayerLoop")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
                     std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())
-      .def("run", &LayerLoop::run);
+      .def("run", &LayerLoop::run)
+      .def("draft", &LayerLoop::draft);
 }
