@@ -312,7 +312,8 @@ class FusedLinear(nn.Module):
     one result. Headway's static engine calls it (`fused_projections`); the model's own forward calls the
     `FusedPart`s that replace the original linears, each of which computes the whole product and keeps its part."""
 
-    def __init__(self, linears: list[nn.Linear], fmt: str):
+    def __init__(self, linears: list[nn.Linear], fmt: str, exact: bool = True):
+        """exact: as the packed format's (False for a draft head's weights, which may round)."""
         super().__init__()
         biases = [lin.bias for lin in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):
@@ -330,7 +331,7 @@ class FusedLinear(nn.Module):
             stacked.weight.copy_(torch.cat([lin.weight.detach() for lin in linears]))
             if stacked.bias is not None:
                 stacked.bias.copy_(torch.cat([b.detach() for b in biases]))
-        self.linear = PACKED[fmt](stacked)
+        self.linear = PACKED[fmt](stacked, exact=exact)
         self.sizes = [lin.out_features for lin in linears]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -359,16 +360,16 @@ _FUSED_GROUPS = (
 )
 
 
-def _fuse_layer(layer: nn.Module, fmt: str) -> int:
+def _fuse_layer(layer: nn.Module, fmt: str, exact: bool = True) -> int:
     """Pack a Llama-style layer's q/k/v projections as one weight and its gate/up projections as another, where the
-    layer has them as nn.Linear; returns how many linears were packed."""
+    layer has them as nn.Linear; returns how many linears were packed. exact: as FusedLinear's."""
     n = 0
     for owner_name, fused_name, names in _FUSED_GROUPS:
         owner = getattr(layer, owner_name, None)
         linears = [getattr(owner, name, None) for name in names]
         if not all(isinstance(lin, nn.Linear) for lin in linears):
             continue
-        fused = FusedLinear(linears, fmt)
+        fused = FusedLinear(linears, fmt, exact)
         setattr(owner, fused_name, fused)
         for i, name in enumerate(names):
             setattr(owner, name, FusedPart(fused, i))
@@ -394,9 +395,12 @@ def _swap_linears(module: nn.Module, fmt: str, keep_weight: bool, exact: bool = 
 
 
 def pack_head_linear_weights(heads: nn.Module, fmt: str = "float16") -> int:
-    """A draft head decoding beside a packed target computes its linears the same way (its weights stay as
-    `.weight`; drafts only steer speed, never the output). Inference only: never train or save a packed head."""
-    return _swap_linears(heads, fmt, keep_weight=True, exact=False)
+    """A draft head decoding beside a packed target computes its linears the same way (drafts only steer speed, never
+    the output): its decoder layers' q/k/v and gate/up as one product each, as the target's, and every other linear
+    packed with its weight kept as `.weight`. Inference only: never train or save a packed head."""
+    layers = getattr(getattr(heads, "decoder", None), "layers", [])
+    fused = sum(_fuse_layer(layer, fmt, exact=False) for layer in layers)
+    return fused + _swap_linears(heads, fmt, keep_weight=True, exact=False)
 
 
 def fewest_rows(model: Any) -> int:
