@@ -140,21 +140,28 @@ class EagleDrafter:
         layer = list(range(k))  # the nodes to expand next
         layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
         expanded: list[int] = []  # candidate index of each drafter cache entry added in this step
+        slot_of: dict[int, int] = {}  # candidate index -> its entry's offset after the committed prefix
         for d in range(1, depth or self.depth):
             n_prev = len(expanded)
+            # each row sees the committed prefix, its own slot and its ancestors' slots (set in one indexing call)
+            rows, cols = [], []
+            for row, c in enumerate(layer):
+                rows.append(row)
+                cols.append(self.committed + n_prev + row)
+                p = parents[c]
+                while p >= 0:
+                    rows.append(row)
+                    cols.append(self.committed + slot_of[p])
+                    p = parents[p]
             allowed = torch.zeros(
                 1, len(layer), self.committed + n_prev + len(layer), dtype=torch.bool, device=dev
             )
             allowed[0, :, : self.committed] = True
-            for row, c in enumerate(layer):
-                allowed[0, row, self.committed + n_prev + row] = True
-                p = parents[c]
-                while p >= 0:
-                    allowed[0, row, self.committed + expanded.index(p)] = True
-                    p = parents[p]
+            allowed[0, rows, cols] = True
             ids = heads.to_target_ids(torch.tensor([tokens[c] for c in layer], device=dev)).view(1, -1)
             pos = torch.full((1, len(layer)), self.committed + d - 1, device=dev)
             out = heads(ids, layer_hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
+            slot_of.update((c, n_prev + row) for row, c in enumerate(layer))
             expanded += layer
             child = torch.log_softmax(heads.logits(out[0]).float(), -1).topk(k)
             base = torch.tensor([scores[c] for c in layer], device=dev).unsqueeze(-1)
