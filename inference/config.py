@@ -42,7 +42,7 @@ class InferenceConfig:
     tree_nodes: int = 0
     # EAGLE-2 dynamic tree (EAGLE heads): drafter steps per tree, children per expanded node, and how
     # many draft nodes (root excluded) the target verifies per forward. Depth 3, not EAGLE-2's 5-6: on a CPU each
-    # drafter step costs ~1/20 of a verification and the shipped head's nodes past depth 3 rarely make the 15
+    # drafter step costs ~1/20 of a verification or more and the shipped head's nodes past depth 3 rarely make the 15
     # (docs/benchmarks.md); `headway tune` picks per machine.
     depth: int = 3
     top_k: int = 8
