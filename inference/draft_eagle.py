@@ -139,10 +139,10 @@ class EagleDrafter:
         depths = [1] * k
         layer = list(range(k))  # the nodes to expand next
         layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
-        expanded: list[int] = []  # candidate index of each drafter cache entry added in this step
-        slot_of: dict[int, int] = {}  # candidate index -> its entry's offset after the committed prefix
+        # candidate index -> offset after the committed prefix of its drafter cache entry (added in this step)
+        slot_of: dict[int, int] = {}
         for d in range(1, depth or self.depth):
-            n_prev = len(expanded)
+            n_prev = len(slot_of)
             # each row sees the committed prefix, its own slot and its ancestors' slots (set in one indexing call)
             rows, cols = [], []
             for row, c in enumerate(layer):
@@ -162,7 +162,6 @@ class EagleDrafter:
             pos = torch.full((1, len(layer)), self.committed + d - 1, device=dev)
             out = heads(ids, layer_hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
             slot_of.update((c, n_prev + row) for row, c in enumerate(layer))
-            expanded += layer
             child = torch.log_softmax(heads.logits(out[0]).float(), -1).topk(k)
             base = torch.tensor([scores[c] for c in layer], device=dev).unsqueeze(-1)
             cum = (base + child.values).flatten()
