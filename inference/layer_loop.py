@@ -22,7 +22,13 @@ from transformers import activations
 
 from headway.errors import HeadwayError
 from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
-from headway.target.packed_linear import MKL_PACKED_ROWS, MKLLinear, OneDNNLinear
+from headway.target.packed_linear import (
+    MKL_PACKED_ROWS,
+    STREAM_MAX_ROWS,
+    MKLLinear,
+    OneDNNLinear,
+    StreamLinear,
+)
 
 log = logging.getLogger("headway")
 
@@ -33,7 +39,7 @@ SOURCES = [
 # -ffp-contract=off: the row attention kernel's vector and scalar paths must round alike (no fused multiply-adds)
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
-_NATIVE, _ONEDNN, _MKL = 0, 1, 2
+_NATIVE, _ONEDNN, _MKL, _STREAM = 0, 1, 2, 3
 # the activations that are F.silu (transformers 5 has its own module for it)
 _SILU = tuple(c for c in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
 _BUILT: list[Any] = []  # [module] once built, [None] once a build failed
@@ -66,6 +72,8 @@ def _linear_spec(module: nn.Module) -> Optional[tuple]:
         return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad)
     if isinstance(module, MKLLinear):
         return (_MKL, module.weight.detach(), module.packed, module.bias, MKL_PACKED_ROWS)
+    if isinstance(module, StreamLinear):
+        return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS)
     if type(module) is nn.Linear:
         bias = None if module.bias is None else module.bias.detach()
         return (_NATIVE, module.weight.detach(), torch.empty(0), bias, 1)

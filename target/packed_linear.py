@@ -16,6 +16,10 @@ and the kernels cost. Three formats replace every nn.Linear by a module over a p
 - `mkl` (float32 targets): the same float32 weights prepacked for MKL's packed sgemm, which one-row calls (a
   one-token step) run through: it streams the weights closer to the memory's rate than torch's or oneDNN's float32
   kernels. Calls of other row counts (trees, prompts) take torch's float32 linear over the weights as loaded.
+- `stream` (float32 targets): the float32 weights as loaded, decoding steps (up to STREAM_MAX_ROWS rows) through
+  Headway's own kernel (target/csrc/stream_linear.cpp), which streams a one-token step's weights at about the
+  memory's rate on every thread and gives a row the same bits whatever the other rows, the thread count or the CPU's
+  vector width. Prompts take torch's float32 linear.
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
@@ -36,8 +40,9 @@ from torch import nn
 
 from headway.errors import HeadwayError
 from headway.runtime import amx_bf16
+from headway.target.stream_kernel import unavailable as stream_unavailable
 
-LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl")
+LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl", "stream")
 
 # torch.compile cannot trace a packed fbgemm weight (a TorchScript object): every Float16Linear would break the graph
 # in two, and inductor cannot lower oneDNN's prepacked op. Under compile each layer calls an opaque custom op instead,
@@ -286,7 +291,43 @@ class MKLLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=float32 packed for MKL"
 
 
-PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear, "mkl": MKLLinear}
+# StreamLinear's kernel takes calls of up to this many rows (decoding steps: one token, a tree); more (a prompt) read the
+# weight better in cache blocks, through torch's linear
+STREAM_MAX_ROWS = 32
+
+
+class StreamLinear(nn.Module):
+    """nn.Linear's forward for a float32 weight as loaded, decoding steps (up to STREAM_MAX_ROWS rows) through
+    Headway's streaming kernel (`torch.ops.headway_kernels.stream_linear`), prompts through torch's linear."""
+
+    def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
+        """keep_weight, exact: always (the weight as loaded is the one it reads)."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        y = _stream_linear(x2, self.weight.detach(), self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=float32 streamed"
+
+
+def _stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] times `weight` [out, in]: a decoding step's float32 rows through the streaming kernel; a prompt's,
+    another dtype's (a float64 head beside the target) or a traced graph's (which cannot call it) through torch's
+    linear."""
+    if x.shape[0] > STREAM_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.headway_kernels.stream_linear(x, weight, bias)
+
+
+PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear, "mkl": MKLLinear, "stream": StreamLinear}
 
 
 def row_linear(module: nn.Module) -> Any:
@@ -302,6 +343,9 @@ def row_linear(module: nn.Module) -> Any:
     if isinstance(module, MKLLinear):
         packed, weight, bias = module.packed, module.weight.detach(), module.bias
         return lambda x: module(x) if torch.compiler.is_compiling() else _mkl_linear(x, packed, weight, bias)
+    if isinstance(module, StreamLinear):
+        weight, bias = module.weight.detach(), module.bias
+        return lambda x: _stream_linear(x, weight, bias)
     if isinstance(module, nn.Linear):
         return lambda x: torch.nn.functional.linear(x, module.weight, module.bias)
     return module
@@ -442,6 +486,7 @@ def _check_format(model: Any, fmt: str) -> None:
         "float16": (torch.float32, torch.bfloat16),
         "onednn": (torch.bfloat16, torch.float32),
         "mkl": (torch.float32,),
+        "stream": (torch.float32,),
     }[fmt]
     names = " or ".join(str(d).removeprefix("torch.") for d in want)
     if p.device.type != "cpu" or p.dtype not in want:
@@ -458,8 +503,7 @@ def _check_format(model: Any, fmt: str) -> None:
     reason = kernels_missing(fmt, p.dtype)
     if reason:
         raise HeadwayError(
-            f"this torch build has no {fmt} linear kernels for this CPU ({reason}): "
-            "use target.linear_weights=native"
+            f"target.linear_weights={fmt}: no kernels for it here ({reason}): use target.linear_weights=native"
         )
     if fmt == "float16" and p.dtype == torch.bfloat16 and not _fbgemm_probe()[1]:
         raise HeadwayError(
@@ -477,6 +521,8 @@ def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None
         if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             return "oneDNN has no bf16 kernels for this CPU"
         return None
+    if fmt == "stream":
+        return stream_unavailable()
     if fmt == "mkl":
         if not torch.backends.mkl.is_available() or not torch.backends.mkldnn.is_available():
             return "this torch build has no MKL (or no oneDNN, whose tensors hold MKL's packed weights)"

@@ -23,6 +23,7 @@ FORMATS = [
     ("float32", "native"),
     ("float32", "onednn"),
     ("float32", "mkl"),
+    ("float32", "stream"),
     ("bfloat16", "native"),
     ("bfloat16", "onednn"),
 ]

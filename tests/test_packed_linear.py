@@ -26,6 +26,7 @@ from headway.target.packed_linear import (
     Float16Linear,
     MKLLinear,
     OneDNNLinear,
+    StreamLinear,
     kernels_missing,
     linear_weights,
     pack_head_linear_weights,
@@ -325,6 +326,89 @@ def test_float32_mkl_weights_are_float32_math_and_decode_exactly(tiny_dirs, arch
         load_packed(tiny_dirs[arch], "mkl", "bfloat16")
 
 
+needs_stream = pytest.mark.skipif(
+    kernels_missing("stream", torch.float32) is not None, reason=str(kernels_missing("stream", torch.float32))
+)
+
+
+@needs_stream
+@pytest.mark.parametrize("bias", [False, True])
+def test_stream_linear_gives_a_row_the_same_bits_for_any_rows_threads_and_vector_width(bias: bool):
+    """The streaming kernel computes each output from its own row alone, in one fixed order: a row gets the same bits
+    alone, among 1 to 32 rows, at 1 or 2 threads, and through the AVX-512 and the AVX2 build (where this CPU runs
+    both), and float32's product to within float32 rounding."""
+    from headway.target.stream_kernel import stream_kernel
+
+    ext = stream_kernel()
+    isas = [isa for isa in ("avx512", "avx2") if _runs(ext, isa)]
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        # the default target's sizes, and ragged ones (inputs not a multiple of 16, outputs not of 4)
+        for out_features, in_features in [(960, 576), (576, 1536), (67, 40), (5, 3)]:
+            lin = nn.Linear(in_features, out_features, bias=bias)
+            w, b = lin.weight.detach(), None if lin.bias is None else lin.bias.detach()
+            x = torch.randn(32, in_features)
+            torch.set_num_threads(1)
+            alone = torch.cat([ext.stream_linear_isa(x[i : i + 1], w, b, isas[0]) for i in range(32)])
+            ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+            torch.testing.assert_close(alone.double(), ref, rtol=1e-5, atol=1e-5)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for isa in isas:
+                    for rows in (1, 2, 3, 5, 16, 32):
+                        assert torch.equal(ext.stream_linear_isa(x[:rows], w, b, isa), alone[:rows]), (
+                            out_features,
+                            in_features,
+                            isa,
+                            n_threads,
+                            rows,
+                        )
+            packed = StreamLinear(lin)
+            assert torch.equal(packed(x[:7]), alone[:7]) and torch.equal(row_linear(packed)(x[:3]), alone[:3])
+            torch.testing.assert_close(packed(torch.randn(40, in_features)).shape, (40, out_features))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _runs(ext, isa: str) -> bool:
+    try:
+        ext.stream_linear_isa(torch.zeros(1, 16), torch.zeros(1, 16), None, isa)
+    except RuntimeError:
+        return False
+    return True
+
+
+@needs_stream
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_float32_stream_weights_decode_exactly(tiny_dirs, arch: str):
+    """float32 weights through the streaming kernel (decoding steps) and torch's linear (prompts): speculative
+    decoding equals this format's plain decoding on every engine, and a bf16 target is refused with the fix."""
+    t = load_packed(tiny_dirs[arch], "stream", "float32")
+    assert linear_weights(t.model) == "stream" and isinstance(t.model.lm_head, StreamLinear)
+    heads = random_head(t, "eagle3")
+    assert pack_head_linear_weights(heads, "stream") > 0
+    for engine in ("hf", "static"):
+        assert_speculative_equals_plain(t, heads, engine)
+    with pytest.raises(
+        HeadwayError, match="target.linear_weights=stream is a CPU format for float32 targets"
+    ):
+        load_packed(tiny_dirs[arch], "stream", "bfloat16")
+
+
+def test_stream_weights_say_why_they_cannot_run(tiny_dirs, monkeypatch):
+    """Where the kernel did not build (no compiler) or the CPU lacks AVX2: one message with the reason and the fix."""
+    monkeypatch.setattr(
+        "headway.target.packed_linear.stream_unavailable", lambda: "it did not build here (no compiler)"
+    )
+    with pytest.raises(
+        HeadwayError,
+        match=r"target.linear_weights=stream: no kernels for it here \(it did not build here \(no compiler\)\): use "
+        "target.linear_weights=native",
+    ):
+        load_packed(tiny_dirs["llama"], "stream", "float32")
+
+
 def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
     with pytest.raises(
         HeadwayError,
@@ -342,7 +426,8 @@ def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
         )
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)  # a build without oneDNN
     with pytest.raises(
-        HeadwayError, match="no onednn linear kernels for this CPU .* use target.linear_weights=native"
+        HeadwayError,
+        match="target.linear_weights=onednn: no kernels for it here .* use target.linear_weights=native",
     ):
         load_target(
             TargetConfig(

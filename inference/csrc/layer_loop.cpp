@@ -21,14 +21,15 @@ using at::Tensor;
 namespace {
 
 // How a linear's weights run (the formats of `target.linear_weights` the loop supports).
-enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2 };
+enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2, kStream = 3 };
 
 struct Linear {
   int64_t kind;
-  Tensor weight;  // native and MKL (its fallback for other row counts): [out, in]
+  Tensor weight;  // native, MKL (its fallback for other row counts) and stream: [out, in]
   Tensor packed;  // oneDNN and MKL: the prepacked weight
   std::optional<Tensor> bias;
-  int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for
+  int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for; stream: the
+                 // most rows its kernel takes
 };
 
 c10::OperatorHandle op(const char* name) {
@@ -62,12 +63,24 @@ Tensor mkl(const Linear& l, const Tensor& x) {
   return boxed(handle, {x, l.packed, l.weight, bias, l.rows});
 }
 
+// packed_linear._stream_linear: the streaming kernel is another extension's op (target/csrc/stream_linear.cpp)
+Tensor stream(const Linear& l, const Tensor& x) {
+  if (x.size(0) > l.rows || x.scalar_type() != at::kFloat || l.weight.scalar_type() != at::kFloat) {
+    return at::linear(x, l.weight, l.bias);
+  }
+  static const c10::OperatorHandle handle = op("headway_kernels::stream_linear");
+  c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
+  return boxed(handle, {x, l.weight, bias});
+}
+
 Tensor linear(const Linear& l, const Tensor& x) {
   switch (l.kind) {
     case kOneDNN:
       return onednn(l, x);
     case kMKL:
       return mkl(l, x);
+    case kStream:
+      return stream(l, x);
     default:
       return at::linear(x, l.weight, l.bias);
   }

@@ -1,0 +1,52 @@
+"""Headway's float32 streaming linear (csrc/stream_linear.cpp), built on first use with torch's extension builder.
+
+It registers `torch.ops.headway_kernels.stream_linear`, which `StreamLinear` (target.linear_weights=stream) and the
+static engine's C++ layer loop call. Building needs a C++ compiler once (cached under TORCH_EXTENSIONS_DIR); where
+there is none, or the CPU has neither AVX-512 nor AVX2 with FMA, the format is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from torch.utils import cpp_extension
+
+log = logging.getLogger("headway")
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "stream_linear.cpp")
+# -ffp-contract=off for everything but the kernel's own functions, which contract to fused multiply-adds in every
+# build alike (their optimize attribute)
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+_BUILT: list[tuple[Optional[Any], str]] = []  # [(module, "")] once built, [(None, why)] once a build failed
+
+
+def _build() -> tuple[Optional[Any], str]:
+    if not _BUILT:
+        log.info("building Headway's float32 streaming linear (once; cached by torch's extension builder)")
+        try:
+            _BUILT.append((cpp_extension.load("headway_stream_linear", [SOURCE], extra_cflags=CFLAGS), ""))
+        except Exception as e:  # no compiler, no headers
+            lines = str(e).strip().splitlines()
+            _BUILT.append((None, f"it did not build here ({lines[-1] if lines else type(e).__name__})"))
+    return _BUILT[0]
+
+
+def stream_kernel() -> Any:
+    """The built extension (its `stream_linear_isa` runs one build, for tests); raises RuntimeError where
+    `unavailable` gives a reason."""
+    why = unavailable()
+    if why:
+        raise RuntimeError(f"the float32 streaming linear cannot run: {why}")
+    return _build()[0]
+
+
+def unavailable() -> Optional[str]:
+    """Why the streaming linear cannot run on this machine; None where it can (building it on the first call)."""
+    module, why = _build()
+    if module is None:
+        return why
+    if not module.available():
+        return "this CPU has neither AVX-512 nor AVX2 with FMA"
+    return None
