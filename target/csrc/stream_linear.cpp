@@ -14,31 +14,55 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 using at::Tensor;
 
 namespace {
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kOuts = 4;  // weight rows (outputs) per pass: independent chains of multiply-adds
 constexpr int64_t kGrain = 64;  // outputs per task, at least
 
-// 16 lanes: one AVX-512 register or two AVX2 ones, the same fused multiply-adds per lane in either build
+// 16 lanes of float: one AVX-512 register (v16), or two AVX2 ones (v16x2: GCC lowers a 64-byte vector type poorly
+// where the widest registers are 32 bytes). Either computes the same fused multiply-adds per lane.
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
-// x[0, count) as a vector, zero past count: a zero lane adds fma(0, 0, acc) = acc
-inline __attribute__((always_inline)) v16 load(const float* p, int64_t count) {
-  v16 v = {};
-  if (count == kLanes) {  // a whole block: one fixed-size copy, i.e. one vector load
-    std::memcpy(&v, p, sizeof(v));
-  } else {
-    std::memcpy(&v, p, count * sizeof(float));
-  }
+struct v16x2 {
+  v8 lo, hi;  // lanes 0-7, 8-15
+};
+
+inline __attribute__((always_inline)) v16x2 operator+(v16x2 a, v16x2 b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline __attribute__((always_inline)) v16x2 operator*(v16x2 a, v16x2 b) { return {a.lo * b.lo, a.hi * b.hi}; }
+
+// p[0, count) as 16 lanes, zero past count (a zero lane adds fma(0, 0, acc) = acc)
+template <typename V>
+inline __attribute__((always_inline)) V load(const float* p, int64_t count) {
+  static_assert(sizeof(V) == kLanes * sizeof(float), "16 lanes");
+  V v{};
+  std::memcpy(&v, p, count * sizeof(float));
   return v;
 }
 
-// the lanes' sum in a fixed tree (lane l with l + 8, then + 4, + 2, + 1), plus the bias
-inline __attribute__((always_inline)) float finish(v16 acc, float bias) {
+template <typename V>
+inline __attribute__((always_inline)) V load_whole(const float* p) {
+  if constexpr (std::is_same_v<V, v16x2>) {  // each half by itself
+    v8 lo, hi;
+    std::memcpy(&lo, p, sizeof(lo));
+    std::memcpy(&hi, p + 8, sizeof(hi));
+    return V{lo, hi};
+  } else {
+    V v;
+    std::memcpy(&v, p, sizeof(v));  // a fixed-size copy: one vector load
+    return v;
+  }
+}
+
+// the 16 lanes' sum in a fixed tree (lane l with l + 8, then + 4, + 2, + 1), plus the bias
+template <typename V>
+inline __attribute__((always_inline)) float finish(V acc, float bias) {
   float a[kLanes];
   std::memcpy(a, &acc, sizeof(a));
   for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
@@ -47,69 +71,130 @@ inline __attribute__((always_inline)) float finish(v16 acc, float bias) {
   return a[0] + bias;
 }
 
-// Outputs [o, o + NO) of rows [r, r + NR): acc = acc + w * x lane by lane over the inputs, contracted to a fused
-// multiply-add (the callers' fp-contract=fast), then `finish`.
-template <int NO, int NR>
-inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const float* w, int64_t in, int64_t o,
-                                                const float* bias, float* y, int64_t out) {
-  v16 acc[NO][NR] = {};
-  for (int64_t k = 0; k < in; k += kLanes) {
-    const int64_t count = std::min(kLanes, in - k);
-    v16 wv[NO];
-    for (int j = 0; j < NO; ++j) wv[j] = load(w + (o + j) * in + k, count);
-    for (int i = 0; i < NR; ++i) {
-      const v16 xv = load(x + (r + i) * in + k, count);
-      for (int j = 0; j < NO; ++j) acc[j][i] = acc[j][i] + wv[j] * xv;
-    }
+// One level of `finish`'s tree for two vectors at once (lanes [0, W) of each group of 2W lanes plus lanes [W, 2W)):
+// the result's lanes are a's group sums, then b's.
+template <int W, typename F, typename I, int L>
+inline __attribute__((always_inline)) F fold_lanes(F a, F b) {
+  I lo, hi;
+  for (int l = 0; l < L; ++l) {
+    lo[l] = l / W * 2 * W + l % W;
+    hi[l] = l / W * 2 * W + W + l % W;
   }
-  for (int j = 0; j < NO; ++j) {
-    for (int i = 0; i < NR; ++i) y[(r + i) * out + o + j] = finish(acc[j][i], bias == nullptr ? 0.0f : bias[o + j]);
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+template <int W>
+inline __attribute__((always_inline)) v16 fold(v16 a, v16 b) {
+  return fold_lanes<W, v16, v16i, 16>(a, b);
+}
+
+// v16x2: the same sums; for W < 8 each half of the result folds one input's two halves
+template <int W>
+inline __attribute__((always_inline)) v16x2 fold(v16x2 a, v16x2 b) {
+  if constexpr (W == 8) {
+    return {a.lo + a.hi, b.lo + b.hi};
+  } else {
+    return {fold_lanes<W, v8, v8i, 8>(a.lo, a.hi), fold_lanes<W, v8, v8i, 8>(b.lo, b.hi)};
   }
 }
 
-// Outputs [o, o + NO) of every row, in blocks of RB rows (the last block shorter).
-template <int NO, int RB>
+// `finish` of 16 accumulators at once: lane q of the result is acc[q]'s sum, by the same additions in the same tree
+// (so the same bits), 15 vector additions instead of 240 scalar ones.
+template <typename V>
+inline __attribute__((always_inline)) V finish16(const V* acc) {
+  V c[8], d[4], e[2];
+  for (int p = 0; p < 8; ++p) c[p] = fold<8>(acc[2 * p], acc[2 * p + 1]);
+  for (int p = 0; p < 4; ++p) d[p] = fold<4>(c[2 * p], c[2 * p + 1]);
+  for (int p = 0; p < 2; ++p) e[p] = fold<2>(d[2 * p], d[2 * p + 1]);
+  return fold<1>(e[0], e[1]);
+}
+
+// Outputs [o, o + NO) of rows [r, r + NR): acc = acc + w * x lane by lane over the inputs, contracted to a fused
+// multiply-add (the callers' fp-contract=fast), then `finish` (`finish16` where the tile has 16, or 8 or 4 padded
+// with zero accumulators, whose sums are dropped).
+template <typename V, int NO, int NR>
+inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const float* w, int64_t in, int64_t o,
+                                                const float* bias, float* y, int64_t out) {
+  V acc[NR * NO > 4 ? NR * NO : 16] = {};  // acc[i * NO + j]: row r + i, output o + j
+  int64_t k = 0;
+  for (; k + kLanes <= in; k += kLanes) {  // whole blocks: the accumulators stay in registers
+    V wv[NO];
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) wv[j] = load_whole<V>(w + (o + j) * in + k);
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+      const V xv = load_whole<V>(x + (r + i) * in + k);
+#pragma GCC unroll 4
+      for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
+    }
+  }
+  if (k < in) {  // the last, partial block
+    V wv[NO];
+    for (int j = 0; j < NO; ++j) wv[j] = load<V>(w + (o + j) * in + k, in - k);
+    for (int i = 0; i < NR; ++i) {
+      const V xv = load<V>(x + (r + i) * in + k, in - k);
+      for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
+    }
+  }
+  if constexpr (NR * NO == 16 || NR * NO == 8 || NR * NO == 4) {
+    float sums[kLanes];
+    const V all = finish16(acc);
+    std::memcpy(sums, &all, sizeof(sums));
+    for (int i = 0; i < NR; ++i) {
+      for (int j = 0; j < NO; ++j) y[(r + i) * out + o + j] = sums[i * NO + j] + (bias == nullptr ? 0.0f : bias[o + j]);
+    }
+  } else {
+    for (int i = 0; i < NR; ++i) {
+      for (int j = 0; j < NO; ++j) {
+        y[(r + i) * out + o + j] = finish(acc[i * NO + j], bias == nullptr ? 0.0f : bias[o + j]);
+      }
+    }
+  }
+}
+
+// Outputs [o, o + NO) of every row, in tiles of RB rows (the last tile shorter).
+template <typename V, int NO, int RB>
 inline __attribute__((always_inline)) void outputs(const float* x, int64_t rows, const float* w, int64_t in,
                                                    int64_t o, const float* bias, float* y, int64_t out) {
   int64_t r = 0;
-  for (; r + RB <= rows; r += RB) tile<NO, RB>(x, r, w, in, o, bias, y, out);
+  for (; r + RB <= rows; r += RB) tile<V, NO, RB>(x, r, w, in, o, bias, y, out);
   switch (rows - r) {
     case 3:
-      tile<NO, 3>(x, r, w, in, o, bias, y, out);
+      tile<V, NO, 3>(x, r, w, in, o, bias, y, out);
       break;
     case 2:
-      tile<NO, 2>(x, r, w, in, o, bias, y, out);
+      tile<V, NO, 2>(x, r, w, in, o, bias, y, out);
       break;
     case 1:
-      tile<NO, 1>(x, r, w, in, o, bias, y, out);
+      tile<V, NO, 1>(x, r, w, in, o, bias, y, out);
       break;
     default:
       break;
   }
 }
 
-// Outputs [begin, end) of every row: kOuts weight rows at a time, then one at a time. RB: rows per tile, as many as
-// the registers hold (four with AVX-512's 32, two with AVX2's 16).
-template <int RB>
+// Outputs [begin, end) of every row: NO weight rows at a time, then one at a time, in tiles of RB rows: as many
+// accumulators as the registers hold (4 x 4 with AVX-512's 32 registers, 2 x 2 with AVX2's 16, each 16 lanes two).
+template <typename V, int NO, int RB>
 inline __attribute__((always_inline)) void block(const float* x, int64_t rows, const float* w, int64_t in,
                                                  int64_t begin, int64_t end, const float* bias, float* y,
                                                  int64_t out) {
   int64_t o = begin;
-  for (; o + kOuts <= end; o += kOuts) outputs<kOuts, RB>(x, rows, w, in, o, bias, y, out);
-  for (; o < end; ++o) outputs<1, RB>(x, rows, w, in, o, bias, y, out);
+  for (; o + NO <= end; o += NO) outputs<V, NO, RB>(x, rows, w, in, o, bias, y, out);
+  for (; o < end; ++o) outputs<V, 1, RB>(x, rows, w, in, o, bias, y, out);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx512f,fma"), optimize("fp-contract=fast"))) void block_avx512(
     const float* x, int64_t rows, const float* w, int64_t in, int64_t begin, int64_t end, const float* bias, float* y,
     int64_t out) {
-  block<4>(x, rows, w, in, begin, end, bias, y, out);
+  block<v16, 4, 4>(x, rows, w, in, begin, end, bias, y, out);
 }
 
 __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))) void block_avx2(
     const float* x, int64_t rows, const float* w, int64_t in, int64_t begin, int64_t end, const float* bias, float* y,
     int64_t out) {
-  block<2>(x, rows, w, in, begin, end, bias, y, out);
+  block<v16x2, 2, 2>(x, rows, w, in, begin, end, bias, y, out);
 }
 #endif
 
