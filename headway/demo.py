@@ -67,8 +67,9 @@ class DemoConfig:
     # Decode in bf16 with the weights prepacked for oneDNN (target.dtype=bfloat16, target.linear_weights=onednn) where
     # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: exact,
     # and the format whose trees are cheapest, so the head's branches pay most (docs/benchmarks.md); on other CPUs
-    # (AVX2) float32 with oneDNN-packed weights, whose one-row steps use every thread (on one thread, MKL-packed
-    # ones, faster there). --train still distils and trains in target.dtype. false: decode as target.* says.
+    # (AVX2) float32 through Headway's streaming linear (target.linear_weights=stream), which reads a step's weights
+    # at about the memory's rate, or where it cannot build, oneDNN-packed weights (on one thread, MKL-packed ones).
+    # --train still distils and trains in target.dtype. false: decode as target.* says.
     fast_cpu_format: bool = True
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
     head_dir: Optional[str] = None
@@ -142,8 +143,8 @@ def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
     """The target settings the demo decodes with where `fast_cpu_format` applies: bf16 with oneDNN-packed weights
-    on CPUs with oneDNN's bf16 kernels, else float32 with oneDNN-packed weights (the same float32 math, one-row
-    steps that use every thread), or MKL-packed ones on one thread."""
+    on CPUs with oneDNN's bf16 kernels, else float32 through the streaming linear, or where it cannot run, with
+    oneDNN-packed weights (one-row steps that use every thread), or MKL-packed ones on one thread."""
 
     t = cfg.target
     if (
@@ -155,6 +156,12 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
     ):
         return t
     if kernels_missing("onednn", torch.bfloat16):
+        if not kernels_missing("stream", torch.float32):
+            print(
+                "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 through Headway's streaming "
+                "linear (fast_cpu_format=false: torch's own float32 linears)"
+            )
+            return dataclasses.replace(t, linear_weights="stream")
         # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses more threads
         packed = "mkl" if resolve_threads(t.num_threads) == 1 and not kernels_missing("mkl") else "onednn"
         print(

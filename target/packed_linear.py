@@ -460,17 +460,23 @@ def fewest_rows(model: Any) -> int:
 # threads: 16 rows 1.26 ms, 4 rows 1.17 ms; docs/benchmarks.md): a tree step's walk then reads every node's logits
 # from one call. oneDNN's bf16 kernels give a row the same bits for any row count of 2 or more.
 ONEDNN_AMX_LM_ROWS = 16
+# float32 rows the streaming lm_head computes together: 8 cost about 1.8x one (the default target's, 2 threads:
+# 1 row 3.3 ms, 4 rows 5.0, 8 rows 5.9; docs/benchmarks.md), where a greedy walk reads about tau rows one by one
+STREAM_LM_ROWS = 8
 
 
 def rows_for_one(model: Any) -> int:
     """How many rows the model's packed lm_head computes for about the price of one: bf16 oneDNN pads to
     ONEDNN_PAD_ROWS anyway, and on AMX runs ONEDNN_AMX_LM_ROWS in about that time (float32 oneDNN, one); fbgemm's
-    float16 kernel runs 1-3 rows of the default target's lm_head in about the time of one; a native weight, one."""
+    float16 kernel runs 1-3 rows of the default target's lm_head in about the time of one; the streaming kernel
+    STREAM_LM_ROWS for less than two; a native weight, one."""
     fmt = linear_weights(model)
     if fmt == "onednn":
         if next(model.parameters()).dtype != torch.bfloat16:
             return 1
         return ONEDNN_AMX_LM_ROWS if amx_bf16() else ONEDNN_PAD_ROWS
+    if fmt == "stream":
+        return STREAM_LM_ROWS
     return {"float16": 3}.get(fmt, 1)
 
 

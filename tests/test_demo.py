@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from headway.target.packed_linear import kernels_missing
 
@@ -88,10 +89,29 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
     fast = (
         kernels_missing("onednn") is None
-    )  # decoded in bf16 with oneDNN-packed weights where the CPU has them, else float32 with oneDNN-packed weights
+    )  # decoded in bf16 with oneDNN-packed weights where the CPU has them, else float32 through the streaming linear
     assert (result["dtype"], result["linear_weights"]) == (
-        ("bfloat16", "onednn") if fast else ("float32", "onednn")
+        ("bfloat16", "onednn") if fast else ("float32", "stream")
     )
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_demo_on_a_cpu_without_bf16_kernels_decodes_float32_in_its_fastest_format(monkeypatch, stream: bool):
+    """An AVX2 CPU (no oneDNN bf16 kernels): float32 through the streaming linear, or where it cannot build,
+    oneDNN-packed weights (MKL-packed on one thread)."""
+    from headway import demo
+    from headway.demo import DemoConfig, decoding_target
+    from headway.target.config import TargetConfig
+
+    def missing(fmt: str, dtype=torch.bfloat16):
+        if (fmt, dtype) == ("onednn", torch.bfloat16) or (fmt == "stream" and not stream):
+            return "not on this CPU"
+        return None
+
+    monkeypatch.setattr(demo, "kernels_missing", missing)
+    for threads, fallback in ((2, "onednn"), (1, "mkl")):
+        t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=threads)))
+        assert (t.dtype, t.linear_weights) == ("float32", "stream" if stream else fallback)
 
 
 def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
@@ -100,10 +120,7 @@ def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
 
     fast = kernels_missing("onednn") is None
     t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
-    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "onednn"))
-    # on one thread, CPUs without oneDNN's bf16 kernels take MKL-packed float32 weights (faster there)
-    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=1)))
-    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "mkl"))
+    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "stream"))
     for cfg in (
         DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
         DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),

@@ -32,6 +32,7 @@ from headway.target.packed_linear import (
     pack_head_linear_weights,
     row_linear,
 )
+from headway.target.stream_kernel import stream_kernel
 
 
 def assert_speculative_equals_plain(t, heads, engine: str) -> None:
@@ -337,8 +338,6 @@ def test_stream_linear_gives_a_row_the_same_bits_for_any_rows_threads_and_vector
     """The streaming kernel computes each output from its own row alone, in one fixed order: a row gets the same bits
     alone, among 1 to 32 rows, at 1 or 2 threads, and through the AVX-512 and the AVX2 build (where this CPU runs
     both), and float32's product to within float32 rounding."""
-    from headway.target.stream_kernel import stream_kernel
-
     ext = stream_kernel()
     isas = [isa for isa in ("avx512", "avx2") if _runs(ext, isa)]
     torch.manual_seed(0)

@@ -110,12 +110,12 @@ inline __attribute__((always_inline)) V finish16(const V* acc) {
 }
 
 // Outputs [o, o + NO) of rows [r, r + NR): acc = acc + w * x lane by lane over the inputs, contracted to a fused
-// multiply-add (the callers' fp-contract=fast), then `finish` (`finish16` where the tile has 16, or 8 or 4 padded
-// with zero accumulators, whose sums are dropped).
+// multiply-add (the callers' fp-contract=fast), then `finish` (`finish16` where the tile has 3 to 16, padded with
+// zero accumulators, whose sums are dropped).
 template <typename V, int NO, int NR>
 inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const float* w, int64_t in, int64_t o,
                                                 const float* bias, float* y, int64_t out) {
-  V acc[NR * NO > 4 ? NR * NO : 16] = {};  // acc[i * NO + j]: row r + i, output o + j
+  V acc[NR * NO >= 3 ? 16 : NR * NO] = {};  // acc[i * NO + j]: row r + i, output o + j
   int64_t k = 0;
   for (; k + kLanes <= in; k += kLanes) {  // whole blocks: the accumulators stay in registers
     V wv[NO];
@@ -136,7 +136,7 @@ inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const
       for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
     }
   }
-  if constexpr (NR * NO == 16 || NR * NO == 8 || NR * NO == 4) {
+  if constexpr (NR * NO >= 3) {
     float sums[kLanes];
     const V all = finish16(acc);
     std::memcpy(sums, &all, sizeof(sums));
