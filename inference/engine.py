@@ -703,13 +703,20 @@ class StaticRunner:
         if fused_ops is None:
             fused_ops = bool(getattr(model, "headway_fused_ops", True))
         self.fused_ops = fused_ops and self._loop is not None and self.dtype == torch.bfloat16
-        # a fresh prompt's attention in the fused loop: Headway's brgemm kernel where the CPU has bf16 brgemm
+        # a fresh prompt's attention in the C++ loop: Headway's kernel, on bf16 brgemm in the fused loop where the CPU
+        # has it, and for float32 targets on float32 brgemm where the CPU has AVX-512
         mode = prompt_attention or getattr(model, "headway_prompt_attention", "auto")
-        self.prompt_kernel = (
-            self.fused_ops
-            and mode == "auto"
-            and self.prompt_attn_dtype == torch.bfloat16
-            and layer_loop.extension().prompt_attention_available()
+        self.prompt_kernel = mode == "auto" and (
+            (
+                self.fused_ops
+                and self.prompt_attn_dtype == torch.bfloat16
+                and layer_loop.extension().prompt_attention_available()
+            )
+            or (
+                self._loop is not None
+                and self.dtype == torch.float32
+                and layer_loop.extension().prompt_attention_f32_available()
+            )
         )
         self.max_len = max_len
         self.length = 0

@@ -61,10 +61,11 @@ class TargetConfig:
     # loop runs them. Each gives plain and speculative decoding the same tokens; the two can differ from each other at
     # near-ties. See inference/csrc/fused_ops.cpp.
     fused_ops: bool = True
-    # The causal attention of a fresh bf16 prompt in the fused C++ loop: auto (Headway's kernel on oneDNN's bf16
-    # brgemm where the CPU has one, AMX or AVX512-BF16: scores only against the keys each block of rows sees, ~1.4x
-    # faster than torch's flash attention at 1,000 tokens), or sdpa (torch's). Plain and speculative decoding share the
-    # prompt, so either gives them the same tokens. See inference/csrc/prompt_attention.cpp.
+    # The causal attention of a fresh prompt in the C++ loop: auto (Headway's kernel, which scores each block of rows
+    # only against the keys it sees: bf16 prompts in the fused loop on oneDNN's bf16 brgemm where the CPU has one, AMX
+    # or AVX512-BF16, ~1.4x faster than torch's flash attention at 1,000 tokens; float32 prompts on float32 brgemm
+    # where the CPU has AVX-512), or sdpa (torch's). Plain and speculative decoding share the prompt, so either gives
+    # them the same tokens. See inference/csrc/prompt_attention.cpp.
     prompt_attention: str = "auto"
 
     def __post_init__(self) -> None:

@@ -42,7 +42,10 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
         pytest.skip(kernels_missing(fmt, getattr(torch, dtype)))
     t = load_packed(tiny_dirs[arch], fmt, dtype)
     python = StaticRunner(t.model, 64, loop="python", row_attention=attention)
-    cpp = StaticRunner(t.model, 64, loop="cpp", row_attention=attention, fused_ops=False)
+    # (prompts through torch's attention, as the Python loop's: Headway's prompt kernel is tests/test_fused_ops.py's)
+    cpp = StaticRunner(
+        t.model, 64, loop="cpp", row_attention=attention, fused_ops=False, prompt_attention="sdpa"
+    )
     assert not python.fused_ops and not cpp.fused_ops
     assert python._loop is None and cpp._loop is not None
     assert (

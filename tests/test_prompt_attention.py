@@ -1,7 +1,8 @@
-"""A fresh bf16 prompt's causal attention on the CPU's bf16 matrix units (inference/csrc/prompt_attention.cpp): as
-close to float32 attention as torch's own bf16 attention is, for any length, head size and grouping, and the same bits
-at any thread count. Runs where oneDNN has a bf16 brgemm (AMX or AVX512-BF16); elsewhere the layer loop keeps torch's
-attention and these tests skip."""
+"""A fresh prompt's causal attention in Headway's kernel (inference/csrc/prompt_attention.cpp). bf16, on the CPU's bf16
+matrix units: as close to float32 attention as torch's own bf16 attention is, for any length, head size and grouping,
+and the same bits at any thread count; runs where oneDNN has a bf16 brgemm (AMX or AVX512-BF16), elsewhere the layer
+loop keeps torch's attention and these tests skip. float32: float32 attention to within float32 rounding, the same
+bits at any thread count, and an engine's float32 prompt through it decodes as through torch's."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from headway.inference import layer_loop
 from headway.inference.engine import StaticRunner
 from headway.inference.tree import build_tree
 
-pytestmark = pytest.mark.skipif(
+needs_brgemm = pytest.mark.skipif(
     layer_loop.extension() is None or not layer_loop.extension().prompt_attention_available(),
     reason="no bf16 brgemm on this CPU (or the C++ extension does not build here)",
+)
+needs_extension = pytest.mark.skipif(
+    layer_loop.extension() is None, reason="the C++ extension does not build here"
 )
 
 
@@ -36,9 +40,11 @@ def _torch(q, k, v, dtype):
 
 
 # lengths: one row, less than a tile, tiles plus a tail, whole tiles; heads: grouped, one group, one per head
+@needs_brgemm
 @pytest.mark.parametrize(
     "n,heads,kv,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)]
 )
+@needs_brgemm
 def test_causal_attention_as_close_to_float32_as_torchs_bf16(n: int, heads: int, kv: int, dim: int):
     q, k, v = _inputs(n, heads, kv, dim, seed=n)
     out = layer_loop.extension().prompt_attention(q, k, v, dim**-0.5)
@@ -51,6 +57,7 @@ def test_causal_attention_as_close_to_float32_as_torchs_bf16(n: int, heads: int,
     assert torch.allclose(out[0].float().view(heads, dim), v[:, 0].repeat_interleave(heads // kv, 0).float())
 
 
+@needs_brgemm
 def test_a_later_key_never_changes_an_earlier_row():
     q, k, v = _inputs(150, 4, 2, 64, seed=3)
     out = layer_loop.extension().prompt_attention(q, k, v, 0.125)
@@ -62,6 +69,7 @@ def test_a_later_key_never_changes_an_earlier_row():
     assert not torch.equal(out[100:], changed[100:])
 
 
+@needs_brgemm
 def test_the_thread_count_changes_no_bit():
     q, k, v = _inputs(300, 6, 2, 64, seed=5)
     before = torch.get_num_threads()
@@ -75,12 +83,14 @@ def test_the_thread_count_changes_no_bit():
     assert torch.equal(one, two)
 
 
+@needs_brgemm
 def test_bad_shapes_are_refused():
     q, k, v = _inputs(10, 4, 3, 64)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         layer_loop.extension().prompt_attention(q, k, v, 0.125)
 
 
+@needs_brgemm
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_steps(tiny_dirs, arch: str):
@@ -105,3 +115,47 @@ def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_s
     for i in (0, 2):
         logits, _ = plain.forward(nodes[i : i + 1])
         assert torch.equal(logits[0], rows[i])
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "n,heads,kv,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)]
+)
+def test_float32_causal_attention_is_float32_attention(n: int, heads: int, kv: int, dim: int):
+    q, k, v = (t.float() for t in _inputs(n, heads, kv, dim, seed=n))
+    out = layer_loop.extension().prompt_attention_f32(q, k, v, dim**-0.5)
+    assert out.dtype == torch.float32 and out.shape == (n, heads * dim)
+    exact = _torch(q.double(), k.double(), v.double(), torch.float64)
+    assert (out.double() - exact).abs().max().item() < 2e-6
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer_loop.extension().prompt_attention_f32(q, k, v, dim**-0.5)
+        torch.set_num_threads(2)
+        two = layer_loop.extension().prompt_attention_f32(q, k, v, dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two) and torch.equal(one, out)
+
+
+@pytest.mark.skipif(
+    layer_loop.extension() is None or not layer_loop.extension().prompt_attention_f32_available(),
+    reason="the float32 prompt kernel runs on AVX-512 CPUs (or the C++ extension does not build here)",
+)
+@pytest.mark.parametrize("fmt", ["native", "stream"])
+@torch.inference_mode()
+def test_a_float32_engines_prompt_through_the_kernel_is_torchs(tiny_dirs, fmt: str):
+    t = load_packed(tiny_dirs["llama"], fmt, "float32")
+    ours = StaticRunner(t.model, 160, loop="cpp", prompt_attention="auto")
+    torchs = StaticRunner(t.model, 160, loop="cpp", prompt_attention="sdpa")
+    assert ours.prompt_kernel and not torchs.prompt_kernel
+    ids = torch.arange(3, 133)
+    la, ha = ours.forward(ids, hidden=True)
+    after_a = ours.forward(torch.tensor([5]))[0][0]
+    lb, hb = torchs.forward(ids, hidden=True)
+    after_b = torchs.forward(torch.tensor([5]))[0][0]
+    for x, y in zip(ha, hb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(ha[-1], hb[-1])  # the kernel ran: its sums are ordered otherwise than torch's
+    torch.testing.assert_close(la[-1], lb[-1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after_a, after_b, rtol=1e-4, atol=1e-4)

@@ -205,8 +205,8 @@ class LayerLoop {
       return run_fused(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype,
                        prompt_kernel, std::nullopt, nullptr);
     }
-    return run_plain(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype, std::nullopt,
-                     nullptr);
+    return run_plain(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype, prompt_kernel,
+                     std::nullopt, nullptr);
   }
 
   // An EAGLE-3 draft layer (a one-layer loop over the drafter's cache k/v): its attention reads
@@ -223,21 +223,22 @@ class LayerLoop {
       run_fused(x, cos, sin, {k}, {v}, {}, slots, end, mask, false, std::nullopt, false, std::nullopt, false, prefix,
                 &raw);
     } else {
-      run_plain(x, cos, sin, {k}, {v}, {}, slots, end, mask, false, std::nullopt, false, std::nullopt,
+      run_plain(x, cos, sin, {k}, {v}, {}, slots, end, mask, false, std::nullopt, false, std::nullopt, false,
                 rms_norm(emb, emb_norm, emb_eps), &raw);
     }
     return raw;
   }
 
  private:
-  // `run` without the fused kernels. `prefix`: rows put before the first layer's normed input (`draft`); `raw`: where
-  // given, receives the last layer's output before the final norm.
+  // `run` without the fused kernels. `prompt_kernel`: a fresh float32 prompt (`causal`) attends through
+  // prompt_attention_f32. `prefix`: rows put before the first layer's normed input (`draft`); `raw`: where given,
+  // receives the last layer's output before the final norm.
   std::tuple<Tensor, std::vector<Tensor>> run_plain(Tensor x, const Tensor& cos, const Tensor& sin,
                                                     const std::vector<Tensor>& ks, const std::vector<Tensor>& vs,
                                                     const std::vector<Tensor>& kts, const Tensor& slots, int64_t end,
                                                     const std::optional<Tensor>& mask, bool causal,
                                                     const std::optional<RowPlan>& row_plan, bool hidden,
-                                                    std::optional<at::ScalarType> attn_dtype,
+                                                    std::optional<at::ScalarType> attn_dtype, bool prompt_kernel,
                                                     const std::optional<Tensor>& prefix, Tensor* raw) const {
     const int64_t n = x.size(0), qk_width = (heads_ + kv_) * hd_;
     std::vector<Tensor> states;
@@ -260,6 +261,10 @@ class LayerLoop {
       if (row_plan.has_value()) {
         o = row_attention(q, k_cache, v_cache, *row_plan, scale_,
                           kts.empty() ? std::optional<Tensor>() : std::optional<Tensor>(kts[i]));
+      } else if (causal && prompt_kernel && x.scalar_type() == at::kFloat &&
+                 attn_dtype.value_or(k_cache.scalar_type()) == at::kFloat) {  // prompt_attention.h
+        o = prompt_attention_f32(q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous(),
+                                 v.transpose(0, 1).contiguous(), scale_);
       } else {
         const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
         o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0).to(adt),
@@ -370,6 +375,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over bf16 rows (fused_ops.h)");
   m.def("prompt_attention", &prompt_attention, "causal attention of a fresh bf16 prompt (prompt_attention.h)");
   m.def("prompt_attention_available", &prompt_attention_available, "whether this CPU runs prompt_attention");
+  m.def("prompt_attention_f32", &prompt_attention_f32, "causal attention of a fresh float32 prompt (prompt_attention.h)");
+  m.def("prompt_attention_f32_available", &prompt_attention_f32_available,
+        "whether this CPU runs prompt_attention_f32 faster than torch's attention");
   py::class_<LayerLoop>(m, "LayerLoop")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
                     std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())

@@ -3,7 +3,8 @@
 // its causal skip saves only about a quarter of the work, and it spent ~5 ms per layer of the default target at one
 // thread, a third of the prompt's time. Here each block of 64 query rows computes its scores against only the keys
 // it sees, in tiles of 64 keys, takes the softmax over each whole row at once (no running rescale), and accumulates
-// the probabilities times the values tile by tile.
+// the probabilities times the values tile by tile. `prompt_attention_f32` does the same for float32 prompts on float32
+// brgemm (whole rows of seen keys per call, float32 probabilities), ~1.4x faster than torch's float32 flash attention.
 #include "prompt_attention.h"
 
 #include "cpu_math.h"
@@ -73,6 +74,69 @@ inline __attribute__((always_inline)) float softmax_row_t(const float* s, int64_
   return sums[0];
 }
 
+// softmax_row_t for float32 probabilities: p gets exp(scale * s - max) (exp_nonpositive_t: about 2 ulp) over the seen
+// scores and 0 past them, in 16 lanes (one AVX-512 register or two AVX2 ones, the same arithmetic).
+inline __attribute__((always_inline)) float softmax_row_f32_t(const float* s, int64_t valid, int64_t width,
+                                                              float scale, float* p) {
+  constexpr int64_t L = 16;
+  const v16 vscale = v16{} + scale, lowest = v16{} + -3.0e38f, zero = {};
+  v16i lane;
+  for (int64_t l = 0; l < L; ++l) lane[l] = static_cast<int32_t>(l);
+  const v16i last = v16i{} + static_cast<int32_t>(valid);
+  v16 vmax = lowest;
+  for (int64_t j0 = 0; j0 < valid; j0 += L) {
+    v16 x;
+    std::memcpy(&x, s + j0, sizeof(x));
+    x = x * vscale;
+    x = lane + static_cast<int32_t>(j0) < last ? x : lowest;
+    vmax = x > vmax ? x : vmax;
+  }
+  float m = vmax[0];
+  for (int64_t l = 1; l < L; ++l) m = std::max(m, vmax[l]);
+  const v16 vm = v16{} + m;
+  v16 sums = {};
+  for (int64_t j0 = 0; j0 < width; j0 += L) {
+    v16 e = zero;
+    if (j0 < valid) {
+      std::memcpy(&e, s + j0, sizeof(e));
+      e = exp_nonpositive_t<v16, v16i>(e * vscale - vm);
+      e = lane + static_cast<int32_t>(j0) < last ? e : zero;
+    }
+    sums = sums + e;
+    std::memcpy(p + j0, &e, sizeof(e));
+  }
+  for (int64_t w = L / 2; w >= 1; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) sums[l] = sums[l] + sums[l + w];
+  }
+  return sums[0];
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,fma"))) float softmax_row_f32_avx512(const float* s, int64_t valid, int64_t width,
+                                                                    float scale, float* p) {
+  return softmax_row_f32_t(s, valid, width, scale, p);
+}
+
+__attribute__((target("avx2,fma"))) float softmax_row_f32_avx2(const float* s, int64_t valid, int64_t width,
+                                                               float scale, float* p) {
+  return softmax_row_f32_t(s, valid, width, scale, p);
+}
+#endif
+
+float softmax_row_f32_base(const float* s, int64_t valid, int64_t width, float scale, float* p) {
+  return softmax_row_f32_t(s, valid, width, scale, p);
+}
+
+using SoftmaxRowF32 = float (*)(const float*, int64_t, int64_t, float, float*);
+
+SoftmaxRowF32 pick_softmax_row_f32() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx512f")) return softmax_row_f32_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return softmax_row_f32_avx2;
+#endif
+  return softmax_row_f32_base;
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx512f,fma"), optimize("fp-contract=fast"))) float softmax_row_avx512(const float* s, int64_t valid, int64_t width, float scale,
                                                              uint16_t* p) {
@@ -140,6 +204,14 @@ void finish_row(const float* acc, float inv, int64_t head_dim, uint16_t* out) {
 
 bool prompt_attention_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
+bool prompt_attention_f32_available() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
 Tensor prompt_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "prompt_attention: q, k and v must be bf16");
@@ -200,6 +272,55 @@ Tensor prompt_attention(const Tensor& q, const Tensor& k, const Tensor& v, doubl
       }
     }
     at::native::cpublas::brgemm_release();
+  });
+  return out;
+}
+
+Tensor prompt_attention_f32(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "prompt_attention_f32: q, k and v must be float32");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.is_contiguous() && k.is_contiguous() &&
+                  v.is_contiguous(),
+              "prompt_attention_f32: q [heads, n, head_dim], k and v [kv_heads, n, head_dim], contiguous");
+  const int64_t heads = q.size(0), n = q.size(1), head_dim = q.size(2), kv = k.size(0);
+  TORCH_CHECK(k.size(1) == n && k.size(2) == head_dim && kv > 0 && heads % kv == 0,
+              "prompt_attention_f32: k and v do not match q (n, head_dim, or heads not a multiple of kv_heads)");
+  const int64_t tiles = (n + kKeys - 1) / kKeys, padded = tiles * kKeys, blocks = (n + kRows - 1) / kRows;
+  // per key-value head: the keys transposed [head_dim, padded] and the values [padded, head_dim], zero past n
+  Tensor kt = at::zeros({kv, head_dim, padded}, q.options());
+  Tensor vp = at::zeros({kv, padded, head_dim}, q.options());
+  kt.narrow(2, 0, n).copy_(k.transpose(1, 2));
+  vp.narrow(1, 0, n).copy_(v);
+  const float *qd = q.data_ptr<float>(), *ktd = kt.data_ptr<float>(), *vpd = vp.data_ptr<float>();
+  Tensor out = at::empty({n, heads * head_dim}, q.options());
+  float* od = out.data_ptr<float>();
+  const int64_t group = heads / kv;
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, heads * blocks, 1, [&](int64_t b, int64_t e) {
+    std::unique_ptr<float[]> scores(new float[kRows * padded]);
+    std::unique_ptr<float[]> probs(new float[kRows * padded]);
+    std::unique_ptr<float[]> acc(new float[kRows * head_dim]);
+    float sums[kRows];
+    static const SoftmaxRowF32 softmax_row = pick_softmax_row_f32();
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t order = t / heads, h = t % heads;  // early and late blocks alternate, as prompt_attention's
+      const int64_t block = order % 2 == 0 ? order / 2 : blocks - 1 - order / 2;
+      const int64_t first = block * kRows, rows = std::min(kRows, n - first), seen = first + rows;
+      const int64_t width = (seen + kKeys - 1) / kKeys * kKeys;  // the keys these rows see, in whole tiles
+      const int64_t g = h / group;
+      at::native::cpublas::brgemm(rows, width, head_dim, head_dim, padded, padded, false,
+                                  qd + (h * n + first) * head_dim, ktd + g * head_dim * padded, scores.get());
+      for (int64_t r = 0; r < rows; ++r) {
+        sums[r] = softmax_row(scores.get() + r * padded, first + r + 1, width, fscale, probs.get() + r * padded);
+      }
+      at::native::cpublas::brgemm(rows, head_dim, width, padded, head_dim, head_dim, false, probs.get(),
+                                  vpd + g * padded * head_dim, acc.get());
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.0f / sums[r];
+        float* dest = od + (first + r) * heads * head_dim + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dest[d] = acc[r * head_dim + d] * inv;
+      }
+    }
   });
   return out;
 }

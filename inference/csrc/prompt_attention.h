@@ -13,3 +13,12 @@ bool prompt_attention_available();
 // as torch's flash attention rounds them. Each (head, block of rows) is one thread's work in a fixed order, so the
 // thread count never changes a bit.
 at::Tensor prompt_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
+
+// Whether prompt_attention_f32 is the faster choice here: AVX-512 CPUs, where float32 brgemm runs 16 lanes (with
+// AVX2's it measured slower than torch's flash attention).
+bool prompt_attention_f32_available();
+
+// prompt_attention in float32: q [heads, n, head_dim], k and v [kv_heads, n, head_dim] float32, contiguous; returns
+// [n, heads * head_dim]. The same blocks of 64 rows, each scoring only the keys it sees; probabilities in float32.
+// Each (head, block of rows) is one thread's work in a fixed order, so the thread count never changes a bit.
+at::Tensor prompt_attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale);
