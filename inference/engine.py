@@ -699,10 +699,13 @@ class StaticRunner:
         )
         self.k, self.v = kv
         self.kt = state.transposed_keys(self.k) if self.row_kernel is not None else None
-        # bf16 steps through the C++ loop's fused element-wise kernels (fused_ops: None = the model's target.fused_ops)
+        # bf16 and float32 steps through the C++ loop's fused element-wise kernels (fused_ops: None = the model's
+        # target.fused_ops)
         if fused_ops is None:
             fused_ops = bool(getattr(model, "headway_fused_ops", True))
-        self.fused_ops = fused_ops and self._loop is not None and self.dtype == torch.bfloat16
+        self.fused_ops = (
+            fused_ops and self._loop is not None and self.dtype in (torch.bfloat16, torch.float32)
+        )
         # a fresh prompt's attention in the C++ loop: Headway's kernel, on bf16 brgemm in the fused loop where the CPU
         # has it, and for float32 targets on float32 brgemm where the CPU has AVX-512
         mode = prompt_attention or getattr(model, "headway_prompt_attention", "auto")

@@ -139,3 +139,54 @@ def test_fused_steps_are_close_to_atens_and_tree_rows_stay_one_token_steps(tiny_
         for i in [i for i in range(tree.size) if tree.ancestors[leaf, i]]:
             logits, _ = plain.forward(nodes[i : i + 1])
             assert torch.equal(logits[0], rows[i]), (leaf, i)
+
+
+def test_float32_rows_take_the_same_passes_without_the_bf16_roundings():
+    """A float32 target's fused loop: residual add and norm, rotary with the split, SiLU with its product, each
+    float32's ATen result to within float32 rounding, and the same bits at any thread count."""
+    g = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(300, 40, generator=g) * 3, torch.randn(300, 40, generator=g)
+    w = torch.rand(40, generator=g) + 0.5
+    total, normed = _ext().add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, LeanRMSNorm(w, 1e-5)(x + delta), rtol=2e-6, atol=2e-6)
+    heads, kv, dim, n = 9, 3, 64, 50
+    qkv = torch.randn(n, (heads + 2 * kv) * dim, generator=g)
+    angles = torch.arange(n)[:, None].float() * torch.rand(dim // 2, generator=g)
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = rope_tables(emb.cos()[None], emb.sin()[None])
+    q, k, v = _ext().rope_split(qkv, cos, sin, heads, kv, dim)
+    qk = qkv[:, : (heads + kv) * dim].view(n, heads + kv, dim)
+    ref = qk * cos + qk.view(n, heads + kv, 2, dim // 2).flip(2).view(n, heads + kv, dim) * sin
+    torch.testing.assert_close(q, ref[:, :heads].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, ref[:, heads:].transpose(0, 1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(v, qkv[:, (heads + kv) * dim :].view(n, kv, dim).transpose(0, 1))
+    gate_up = torch.randn(200, 72, generator=g) * 4
+    out = _ext().silu_mul(gate_up[:, :36], gate_up[:, 36:])
+    torch.testing.assert_close(out, F.silu(gate_up[:, :36]) * gate_up[:, 36:], rtol=2e-6, atol=2e-6)
+
+    def run():
+        e = _ext()
+        return [*e.add_rms_norm(x, delta, w, 1e-5), *e.rope_split(qkv, cos, sin, heads, kv, dim)]
+
+    assert all(torch.equal(a, b) for a, b in zip(_threads(1, run), _threads(2, run)))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_float32_fused_steps_are_atens(tiny_dirs, arch: str):
+    t = load_packed(tiny_dirs[arch], "native", "float32")
+    fused = StaticRunner(t.model, 64, loop="cpp", fused_ops=True)
+    aten = StaticRunner(t.model, 64, loop="cpp", fused_ops=False, prompt_attention="sdpa")
+    assert fused.fused_ops and not aten.fused_ops
+    tree = build_tree([[0], [1], [0, 0]])
+    for ids, step_tree in [
+        (torch.arange(10, 40), None),
+        (torch.tensor([5, 6, 7, 8]), tree),
+        (torch.tensor([4]), None),
+    ]:
+        la, ha = fused.forward(ids, step_tree, hidden=True)
+        lb, hb = aten.forward(ids, step_tree, hidden=True)
+        for x, y in zip(ha, hb):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(la[len(ids) - 1], lb[len(ids) - 1], rtol=1e-4, atol=1e-4)

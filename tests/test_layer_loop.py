@@ -105,12 +105,20 @@ def test_the_target_settings_reach_the_engine(tiny_dirs):
         TargetConfig(layer_loop="c++")
     bf16 = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", row_attention="sdpa"))
     assert StaticRunner(bf16.model, 32).row_kernel is None
-    if layer_loop.extension() is not None:  # bf16 steps take the fused kernels unless told not to
+    if layer_loop.extension() is not None:  # bf16 and float32 steps take the fused kernels unless told not to
         assert StaticRunner(bf16.model, 32).fused_ops
         off = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", fused_ops=False))
         assert not StaticRunner(off.model, 32).fused_ops
         f32 = load_target(dataclasses.replace(cfg, layer_loop="auto"))
-        assert not StaticRunner(f32.model, 32).fused_ops
+        assert StaticRunner(f32.model, 32).fused_ops
+        assert not StaticRunner(
+            load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="float64")).model, 32
+        ).fused_ops
+        # float32 prompts: Headway's kernel on AVX-512 CPUs
+        assert (
+            StaticRunner(f32.model, 32).prompt_kernel
+            == layer_loop.extension().prompt_attention_f32_available()
+        )
         # a fresh prompt's attention: Headway's kernel where the CPU has bf16 brgemm, unless told not to
         available = layer_loop.extension().prompt_attention_available() and native_bf16(torch.device("cpu"))
         assert StaticRunner(bf16.model, 32).prompt_kernel == available

@@ -131,6 +131,77 @@ HEADWAY_CLONES void silu_mul_row_table(const uint16_t* gate, const uint16_t* up,
   }
 }
 
+// float32 rows (a float32 target's fused loop): the same passes without the bf16 rounding. `count` <= 16 floats.
+inline __attribute__((always_inline)) v16 load_f32(const float* p, int64_t count) {
+  v16 v = {};
+  if (count == kLanes) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {
+    std::memcpy(&v, p, count * sizeof(float));
+  }
+  return v;
+}
+
+inline __attribute__((always_inline)) void store_f32(float* p, v16 v, int64_t count) {
+  if (count == kLanes) {
+    std::memcpy(p, &v, sizeof(v));
+  } else {
+    std::memcpy(p, &v, count * sizeof(float));
+  }
+}
+
+// norm_row for float32: sum_out (where given) gets x + delta, out weight * (sum * rsqrt(mean(sum^2) + eps)).
+HEADWAY_CLONES void norm_row_f32(const float* x, const float* delta, const float* weight, int64_t hidden, float eps,
+                                 float* sum_out, float* out) {
+  v16 squares = {};
+  for (int64_t d0 = 0; d0 < hidden; d0 += kLanes) {
+    const int64_t count = std::min(kLanes, hidden - d0);
+    v16 s = load_f32(x + d0, count);
+    if (delta != nullptr) {
+      s = s + load_f32(delta + d0, count);
+      store_f32(sum_out + d0, s, count);
+    }
+    squares = squares + s * s;
+  }
+  float lanes[kLanes];
+  std::memcpy(lanes, &squares, sizeof(lanes));
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) lanes[l] = lanes[l] + lanes[l + w];
+  }
+  const float r = 1.0f / std::sqrt(lanes[0] / static_cast<float>(hidden) + eps);
+  const float* sums = delta != nullptr ? sum_out : x;
+  for (int64_t d0 = 0; d0 < hidden; d0 += kLanes) {
+    const int64_t count = std::min(kLanes, hidden - d0);
+    store_f32(out + d0, load_f32(weight + d0, count) * (load_f32(sums + d0, count) * r), count);
+  }
+}
+
+// rope_row for float32: out[d] = x[d] * cos[d] + x[d +- half] * sin[d].
+HEADWAY_CLONES void rope_row_f32(const float* x, const float* cos, const float* sin, int64_t dim, float* out) {
+  const int64_t half = dim / 2;
+  for (int64_t side = 0; side < 2; ++side) {
+    const int64_t self = side * half, partner = half - self;
+    for (int64_t d0 = 0; d0 < half; d0 += kLanes) {
+      const int64_t count = std::min(kLanes, half - d0), d = self + d0;
+      store_f32(out + d,
+                load_f32(x + d, count) * load_f32(cos + d, count) +
+                    load_f32(x + partner + d0, count) * load_f32(sin + d, count),
+                count);
+    }
+  }
+}
+
+// silu_mul_row for float32: silu(g) * up.
+HEADWAY_CLONES void silu_mul_row_f32(const float* gate, const float* up, int64_t inter, float* out) {
+  const v16 one = v16{} + 1.0f, zero = {};
+  for (int64_t d0 = 0; d0 < inter; d0 += kLanes) {
+    const int64_t count = std::min(kLanes, inter - d0);
+    const v16 g = load_f32(gate + d0, count);
+    const v16 e = exp_nonpositive_t<v16, v16i>(g < zero ? g : -g);
+    store_f32(out + d0, g * (g < zero ? e : one) / (one + e) * load_f32(up + d0, count), count);
+  }
+}
+
 // bf16(silu(g)) as a float for each of the 65,536 bf16 values g, computed once by silu_mul_row itself (times 1.0),
 // so a lookup gives its bits: a prompt's rows take ~2.3x less time this way. Decoding steps' few rows keep
 // computing it (a 256 KB table that the weights evict between layers would cost them cache misses).
@@ -157,8 +228,40 @@ void check_rows(const Tensor& t, const char* what) {
 
 }  // namespace
 
+static std::tuple<Tensor, Tensor> add_rms_norm_f32(const Tensor& x_in, const std::optional<Tensor>& delta_in,
+                                            const Tensor& weight_in, double eps) {
+  const Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.dim() == 2, "fused ops: x must be rows [n, hidden]");
+  const int64_t n = x.size(0), hidden = x.size(1);
+  std::optional<Tensor> delta;
+  if (delta_in.has_value()) {
+    delta = delta_in->contiguous();
+    TORCH_CHECK(delta->scalar_type() == at::kFloat && delta->sizes() == x.sizes(),
+                "fused ops: delta must be float32 rows of x's shape");
+  }
+  const Tensor weight = weight_in.contiguous();
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == hidden,
+              "fused ops: the norm weight must be [hidden] float32");
+  Tensor out = at::empty_like(x);
+  Tensor sum = delta.has_value() ? at::empty_like(x) : x;
+  const float* xp = x.data_ptr<float>();
+  const float* dp = delta.has_value() ? delta->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* sp = delta.has_value() ? sum.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      norm_row_f32(xp + i * hidden, dp == nullptr ? nullptr : dp + i * hidden, wp, hidden, feps,
+                   sp == nullptr ? nullptr : sp + i * hidden, op + i * hidden);
+    }
+  });
+  return {sum, out};
+}
+
 std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x_in, const std::optional<Tensor>& delta_in,
                                         const Tensor& weight_in, double eps) {
+  if (x_in.scalar_type() == at::kFloat) return add_rms_norm_f32(x_in, delta_in, weight_in, eps);
   const Tensor x = x_in.contiguous();
   check_rows(x, "x");
   const int64_t n = x.size(0), hidden = x.size(1);
@@ -189,8 +292,37 @@ std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x_in, const std::optional<
   return {sum, out};
 }
 
+static std::tuple<Tensor, Tensor, Tensor> rope_split_f32(const Tensor& qkv_in, const Tensor& cos_in,
+                                                         const Tensor& sin_in, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  const Tensor qkv = qkv_in.contiguous();
+  const int64_t n = qkv.size(0), width = qkv.size(1);
+  TORCH_CHECK(width == (heads + 2 * kv_heads) * head_dim && head_dim % 2 == 0,
+              "fused ops: qkv's width is not (heads + 2 * kv_heads) * head_dim");
+  const Tensor cos = cos_in.reshape({n, head_dim}).to(at::kFloat).contiguous();
+  const Tensor sin = sin_in.reshape({n, head_dim}).to(at::kFloat).contiguous();
+  Tensor q = at::empty({heads, n, head_dim}, qkv.options());
+  Tensor k = at::empty({kv_heads, n, head_dim}, qkv.options());
+  Tensor v = at::empty({kv_heads, n, head_dim}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const float* row = xp + i * width;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        float* dest = h < heads ? qp + (h * n + i) * head_dim : kp + ((h - heads) * n + i) * head_dim;
+        rope_row_f32(row + h * head_dim, cp + i * head_dim, sp + i * head_dim, head_dim, dest);
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::copy_n(row + (heads + kv_heads + h) * head_dim, head_dim, vp + (h * n + i) * head_dim);
+      }
+    }
+  });
+  return {q, k, v};
+}
+
 std::tuple<Tensor, Tensor, Tensor> rope_split(const Tensor& qkv_in, const Tensor& cos_in, const Tensor& sin_in,
                                               int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  if (qkv_in.scalar_type() == at::kFloat) return rope_split_f32(qkv_in, cos_in, sin_in, heads, kv_heads, head_dim);
   const Tensor qkv = qkv_in.contiguous();
   check_rows(qkv, "qkv");
   const int64_t n = qkv.size(0), width = qkv.size(1);
@@ -219,7 +351,23 @@ std::tuple<Tensor, Tensor, Tensor> rope_split(const Tensor& qkv_in, const Tensor
   return {q, k, v};
 }
 
+static Tensor silu_mul_f32(const Tensor& gate, const Tensor& up) {
+  TORCH_CHECK(up.scalar_type() == at::kFloat && gate.dim() == 2 && gate.sizes() == up.sizes() &&
+                  gate.stride(1) == 1 && up.stride(1) == 1,
+              "fused ops: gate and up must be float32 rows of one shape");
+  const int64_t n = gate.size(0), inter = gate.size(1);
+  Tensor out = at::empty({n, inter}, gate.options());
+  const float *gp = gate.data_ptr<float>(), *upp = up.data_ptr<float>();
+  const int64_t gs = gate.stride(0), us = up.stride(0);
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, kGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) silu_mul_row_f32(gp + i * gs, upp + i * us, inter, op + i * inter);
+  });
+  return out;
+}
+
 Tensor silu_mul(const Tensor& gate, const Tensor& up) {
+  if (gate.scalar_type() == at::kFloat) return silu_mul_f32(gate, up);
   check_rows(gate, "gate");
   check_rows(up, "up");
   TORCH_CHECK(gate.sizes() == up.sizes(), "fused ops: gate's shape is not up's");

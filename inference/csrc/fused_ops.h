@@ -1,4 +1,5 @@
-// Fused element-wise kernels for the C++ layer loop's bf16 steps (fused_ops.cpp).
+// Fused element-wise kernels for the C++ layer loop's bf16 steps (fused_ops.cpp). Each also takes float32 rows (a
+// float32 target's fused loop), with the same arithmetic less the bf16 roundings.
 #pragma once
 
 #include <torch/extension.h>

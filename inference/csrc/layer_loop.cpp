@@ -200,8 +200,10 @@ class LayerLoop {
                                               std::optional<at::ScalarType> attn_dtype, bool fused,
                                               bool prompt_kernel) const {
     if (fused) {
-      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "layer loop: the fused kernels take bf16 rows");
-      TORCH_CHECK(!prompt_kernel || prompt_attention_available(), "layer loop: no bf16 brgemm for prompt_attention");
+      TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+                  "layer loop: the fused kernels take bf16 or float32 rows");
+      TORCH_CHECK(!prompt_kernel || x.scalar_type() == at::kFloat || prompt_attention_available(),
+                  "layer loop: no bf16 brgemm for prompt_attention");
       return run_fused(x, cos, sin, ks, vs, kts, slots, end, mask, causal, row_plan, hidden, attn_dtype,
                        prompt_kernel, std::nullopt, nullptr);
     }
@@ -290,7 +292,7 @@ class LayerLoop {
   }
 
   // `run` with the element-wise work in fused_ops.cpp's kernels (each residual add with the norm after it, rotary with
-  // the split into heads, SiLU with its product), around the same linears and attention. Each kernel computes a row
+  // the split into heads, SiLU with its product; bf16 or float32 rows), around the same linears and attention. Each kernel computes a row
   // from that row alone, so a row-exact step's rows stay one-token steps. A prompt (no row plan) writes its slots
   // [end - n, end) of the cache in place, and at the cache's start (`causal`) attends to its own keys and values,
   // which are the cache's bits, without reading them back.
@@ -325,6 +327,8 @@ class LayerLoop {
         const at::ScalarType adt = attn_dtype.value_or(k_cache.scalar_type());
         if (causal && adt == at::kBFloat16 && prompt_kernel) {  // prompt_attention.h
           o = prompt_attention(q, k, v, scale_);
+        } else if (causal && adt == at::kFloat && x.scalar_type() == at::kFloat && prompt_kernel) {
+          o = prompt_attention_f32(q, k, v, scale_);
         } else if (causal) {
           o = at::scaled_dot_product_attention(q.unsqueeze(0).to(adt), k.unsqueeze(0).to(adt), v.unsqueeze(0).to(adt),
                                                {}, 0.0, true, scale_, true);
