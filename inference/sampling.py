@@ -86,8 +86,14 @@ class Sampler:
     def next_token(self, logits: torch.Tensor) -> int:
         """A token from the target's distribution after `logits` (plain decoding, and the first token)."""
         if self.cfg.greedy:
-            return int(logits.argmax())
+            return greedy_token(logits)
         return self.sample(target_distribution(logits, self.cfg))
+
+
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the first largest of logits [V]: argmax's token. A max along the dimension returns the same first
+    index and runs several times faster than argmax over a bf16 row on CPUs."""
+    return int(logits.max(0).indices)
 
 
 def accept_greedy(
@@ -96,7 +102,7 @@ def accept_greedy(
     """The longest path whose every token is the target's argmax; the next token is the argmax after it."""
     path, cur = [0], 0
     while True:  # reads only the rows on the walked path (the static engine computes logits as they are read)
-        choice = int(logits[cur].argmax())
+        choice = greedy_token(logits[cur])
         nxt = next((c for c in tree.children[cur] if node_ids[c] == choice), None)
         if nxt is None:
             return path, choice

@@ -26,7 +26,13 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import plain_generate, speculative_generate
-from headway.inference.sampling import Sampler, SamplingConfig, accept_exact, target_distribution
+from headway.inference.sampling import (
+    Sampler,
+    SamplingConfig,
+    accept_exact,
+    greedy_token,
+    target_distribution,
+)
 from headway.inference.tree import build_tree
 from headway.kinds.registry import build_head
 
@@ -311,3 +317,14 @@ def test_sampling_settings_are_checked():
     ]:
         with pytest.raises(HeadwayError, match="inference.sampling"):
             SamplingConfig(**bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_token_is_the_first_largest_logit_among_ties(dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 50_000, (), generator=gen))
+        # a handful of distinct values, so a row's largest value repeats (bf16 logits tie often)
+        logits = (torch.randint(-3, 4, (n,), generator=gen) * 0.5).to(dtype)
+        first = int((logits == logits.max()).nonzero()[0])
+        assert greedy_token(logits) == first == int(logits.argmax())
