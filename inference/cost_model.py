@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from headway.inference.engine import engine_name, make_runner
-from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
+from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule, greedy_token
 from headway.inference.tree import build_tree
 from headway.target.packed_linear import linear_weights
 
@@ -82,7 +82,7 @@ def verify_cost(
             _sync(device)
             t0 = time.perf_counter()
             if n == 1:
-                runner.forward(ids)[0][-1].argmax().item()
+                greedy_token(runner.forward(ids)[0][-1])
             else:
                 logits, _ = runner.forward(ids, tree, hidden=True)
                 path, _ = rule(tree, ids.tolist(), logits, greedy)

@@ -36,7 +36,8 @@ SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
     for name in ("layer_loop.cpp", "row_attention.cpp", "fused_ops.cpp", "prompt_attention.cpp")
 ]
-# -ffp-contract=off: the row attention kernel's vector and scalar paths must round alike (no fused multiply-adds)
+# -ffp-contract=off: no fused multiply-adds but where a kernel's build asks for them (the row attention's FMA builds),
+# so that vector and scalar paths of the same arithmetic round alike
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
 _NATIVE, _ONEDNN, _MKL, _STREAM = 0, 1, 2, 3

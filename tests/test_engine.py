@@ -208,6 +208,56 @@ def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_
     assert torch.equal(two, out)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(9, 3, 64), (12, 2, 32), (8, 1, 16), (2, 1, 128), (6, 2, 24)]
+)
+@torch.inference_mode()
+def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
+    heads: int, kv_heads: int, head_dim: int
+):
+    """Each build of the row kernel this CPU runs (AVX-512 and AVX2 with fused multiply-adds, the baseline without):
+    attention within float32 rounding, and a row's bits whatever its prefix/tail split, the other rows or how many
+    queries share a key head; the two FMA builds give the same bits (the lanes compute the same fused operations)."""
+    ext = layer_loop.extension()
+    if ext is None:
+        pytest.skip("the C++ extension did not build here")
+    print("row attention build:", ext.row_attention_build())
+    g = torch.Generator().manual_seed(2)
+    k_cache, v_cache = torch.randn(2, kv_heads, 120, head_dim, generator=g).unbind(0)
+    q = torch.randn(4, heads, head_dim, generator=g)
+    start, tails = 53, [[53], [53, 54], [53, 55], [53, 54, 56]]
+    width = max(len(t) for t in tails)
+    tail_t = torch.tensor([t + [0] * (width - len(t)) for t in tails])
+    lens = torch.tensor([len(t) for t in tails])
+    scale = head_dim**-0.5
+    outs = {}
+    for isa in ("avx512", "avx2", "base"):
+        try:
+            out = ext.row_attention_isa(q, k_cache, v_cache, start, tail_t, lens, scale, isa)
+        except RuntimeError:  # this CPU has no such build
+            continue
+        outs[isa] = out
+        for i, tail in enumerate(tails):
+            slots = torch.tensor(list(range(start)) + tail)
+            expected = F.scaled_dot_product_attention(
+                q[i, :, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
+            )
+            torch.testing.assert_close(out[i], expected.reshape(-1), rtol=1e-5, atol=1e-5)
+            moved_k, moved_v = k_cache.clone(), v_cache.clone()
+            moved_k[:, start : start + len(tail)] = k_cache[:, tail]
+            moved_v[:, start : start + len(tail)] = v_cache[:, tail]
+            last = start + len(tail) - 1
+            alone = ext.row_attention_isa(
+                q[i : i + 1], moved_k, moved_v, last, torch.tensor([[last]]), torch.tensor([1]), scale, isa
+            )
+            assert torch.equal(out[i : i + 1], alone), (isa, i)
+    assert "base" in outs
+    if "avx512" in outs and "avx2" in outs:
+        assert torch.equal(outs["avx512"], outs["avx2"])
+    auto = ext.row_attention(q, k_cache, v_cache, start, tail_t, lens, scale, None, 0)
+    assert torch.equal(auto, outs[ext.row_attention_build()])
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_the_kernels_transposed_keys_change_no_bit(tiny_dirs, arch: str):

@@ -374,6 +374,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<bool, int64_t, int64_t, Tensor, Tensor, Tensor, bool, std::optional<Tensor>,
                     std::vector<std::tuple<int64_t, int64_t, bool>>>());
   m.def("row_attention", &row_attention_forward, "row-exact attention (row_attention.h)");
+  m.def("row_attention_isa", &row_attention_isa, "row-exact attention through one build (row_attention.h)");
+  m.def("row_attention_build", &row_attention_build, "the build row_attention runs on this CPU");
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm over bf16 rows (fused_ops.h)");
   m.def("rope_split", &rope_split, "rotary over bf16 qkv rows, split into heads (fused_ops.h)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over bf16 rows (fused_ops.h)");

@@ -15,8 +15,11 @@
 // Threads split the work by output element (keys for scores, query rows for the rest), never a sum.
 //
 // The shared prefix is where the time goes: its keys are transposed 16 at a time so that 16 scores are one vector
-// operation per dimension, reused by every query of the key head. FMA contraction is off for this code (the build's
-// -ffp-contract=off), so vector and scalar paths give the same bits.
+// operation per dimension, reused by every query of the key head, and a value row, once loaded, serves every query
+// of its key head in the row. On CPUs with FMA (AVX-512, or AVX2 with FMA) the scores and the weighted values run as
+// fused multiply-adds, in one build per vector width whose every lane computes the same fused operations (the same
+// bits in either); elsewhere as a multiply and an add. A CPU always runs the same build, so its rows stay fixed.
+// Softmax never contracts (the file's -ffp-contract=off): exp rounds as in the other kernels.
 #include "row_attention.h"
 
 #include "cpu_math.h"
@@ -29,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace {
@@ -40,6 +44,7 @@ constexpr int64_t kQueries = 4;  // queries scored together against one transpos
 // 16 floats, one per key of a block (or one per dimension of a value row): element-wise IEEE arithmetic on any x86
 // target (GCC lowers it to one AVX-512 register, two AVX2 ones, or four SSE ones)
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
 
 inline __attribute__((always_inline)) v16 load16(const float* p) {
   v16 x;
@@ -62,7 +67,7 @@ HEADWAY_CLONES void transpose_block(const float* const* keys, int64_t valid, int
 // Scores of `rows` x `group` queries against a transposed block of keys (`transpose_block`): query (i, h) reads
 // q + i * row_stride + h * dim and writes its first `valid` scores to scores[(i * group + h) * score_stride + l].
 // Every score of the kernel, prefix or tail, comes from here: the keys' order of arithmetic is one.
-HEADWAY_CLONES void score_block(
+inline __attribute__((always_inline)) void score_block(
     const float* q, int64_t row_stride, int64_t rows, int64_t group, const float* kt_in, int64_t valid, int64_t dim,
     float scale, float* scores, int64_t score_stride) {
   const int64_t padded = padded_dim(dim);
@@ -97,27 +102,31 @@ HEADWAY_CLONES void score_block(
   }
 }
 
-// Softmax numerators of scores[0, length) in place (exp(s - max)); returns their sum.
+// Softmax numerators of scores[0, length) in place (exp(s - max)); returns their sum. Key j's lane is j % 16: the
+// whole blocks of 16 as vectors, the rest lane by lane (exp_nonpositive_t gives a lane the scalar's bits).
 inline __attribute__((always_inline)) float softmax_numerators(float* scores, int64_t length) {
-  float lanes[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = scores[0];
-  int64_t j = 0;
-  for (; j + kLanes <= length; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = scores[j + l] > lanes[l] ? scores[j + l] : lanes[l];
+  const int64_t whole = length / kLanes * kLanes;
+  v16 top = v16{} + scores[0];
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const v16 x = load16(scores + j);
+    top = x > top ? x : top;
   }
-  for (int64_t l = 0; j + l < length; ++l) lanes[l] = scores[j + l] > lanes[l] ? scores[j + l] : lanes[l];
+  float lanes[kLanes];
+  std::memcpy(lanes, &top, sizeof(lanes));
+  for (int64_t l = 0; whole + l < length; ++l) lanes[l] = scores[whole + l] > lanes[l] ? scores[whole + l] : lanes[l];
   float m = lanes[0];
   for (int64_t l = 1; l < kLanes; ++l) m = lanes[l] > m ? lanes[l] : m;
-  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = 0.f;
-  for (j = 0; j + kLanes <= length; j += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) {
-      scores[j + l] = exp_nonpositive(scores[j + l] - m);
-      lanes[l] = lanes[l] + scores[j + l];
-    }
+  const v16 vm = v16{} + m;
+  v16 total{};
+  for (int64_t j = 0; j < whole; j += kLanes) {
+    const v16 e = exp_nonpositive_t<v16, v16i>(load16(scores + j) - vm);
+    std::memcpy(scores + j, &e, sizeof(e));
+    total = total + e;
   }
-  for (int64_t l = 0; j + l < length; ++l) {
-    scores[j + l] = exp_nonpositive(scores[j + l] - m);
-    lanes[l] = lanes[l] + scores[j + l];
+  std::memcpy(lanes, &total, sizeof(lanes));
+  for (int64_t l = 0; whole + l < length; ++l) {
+    scores[whole + l] = exp_nonpositive(scores[whole + l] - m);
+    lanes[l] = lanes[l] + scores[whole + l];
   }
   for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
     for (int64_t l = 0; l < w; ++l) lanes[l] = lanes[l] + lanes[l + w];
@@ -125,69 +134,147 @@ inline __attribute__((always_inline)) float softmax_numerators(float* scores, in
   return lanes[0];
 }
 
-// out[dim] = (sum over the even keys j in order of p[j] * value row j, plus the same over the odd keys) / `sum`;
-// key j is row j of v for j < start, then the tail's rows. W = dim / 16 vectors when dim is a multiple of 16 (W > 0),
-// else one dimension at a time: the same bits.
-template <int64_t W>
-inline __attribute__((always_inline)) void weighted_values(const float* p, const float* v, int64_t dim, int64_t start,
-                                                           const int64_t* tail, int64_t tail_len, float sum,
-                                                           float* out) {
+// out[q][dim] = (sum over the even keys j in order of p[q][j] * value row j, plus the same over the odd keys) / sum[q]
+// for Q queries that share their keys (the heads of one key head in one row: each value row is loaded once for all
+// Q); key j is row j of v for j < start, then the tail's rows. W = dim / 16 vectors when dim is a multiple of 16
+// (W > 0), else one dimension at a time. A query's arithmetic does not depend on Q.
+template <int64_t W, int64_t Q>
+inline __attribute__((always_inline)) void weighted_values(const float* const* p, const float* v, int64_t dim,
+                                                           int64_t start, const int64_t* tail, int64_t tail_len,
+                                                           const float* sum, float* const* out) {
   const int64_t length = start + tail_len;
   auto row = [&](int64_t j) { return v + (j < start ? j : tail[j - start]) * dim; };
   if constexpr (W > 0) {
-    v16 even[W] = {}, odd[W] = {};
+    v16 even[Q][W] = {}, odd[Q][W] = {};
     int64_t j = 0;
     for (; j + 1 < length; j += 2) {
-      const v16 p0 = v16{} + p[j], p1 = v16{} + p[j + 1];
       const float *v0 = row(j), *v1 = row(j + 1);
-      for (int64_t c = 0; c < W; ++c) {
-        even[c] = even[c] + p0 * load16(v0 + c * kLanes);
-        odd[c] = odd[c] + p1 * load16(v1 + c * kLanes);
+      v16 a[W];
+      for (int64_t c = 0; c < W; ++c) a[c] = load16(v0 + c * kLanes);
+      for (int64_t x = 0; x < Q; ++x) {
+        const v16 p0 = v16{} + p[x][j];
+        for (int64_t c = 0; c < W; ++c) even[x][c] = even[x][c] + p0 * a[c];
+      }
+      for (int64_t c = 0; c < W; ++c) a[c] = load16(v1 + c * kLanes);
+      for (int64_t x = 0; x < Q; ++x) {
+        const v16 p1 = v16{} + p[x][j + 1];
+        for (int64_t c = 0; c < W; ++c) odd[x][c] = odd[x][c] + p1 * a[c];
       }
     }
     if (j < length) {
-      const v16 p0 = v16{} + p[j];
       const float* v0 = row(j);
-      for (int64_t c = 0; c < W; ++c) even[c] = even[c] + p0 * load16(v0 + c * kLanes);
+      for (int64_t x = 0; x < Q; ++x) {
+        const v16 p0 = v16{} + p[x][j];
+        for (int64_t c = 0; c < W; ++c) even[x][c] = even[x][c] + p0 * load16(v0 + c * kLanes);
+      }
     }
-    const v16 vsum = v16{} + sum;
-    for (int64_t c = 0; c < W; ++c) {
-      const v16 o = (even[c] + odd[c]) / vsum;
-      std::memcpy(out + c * kLanes, &o, sizeof(v16));
+    for (int64_t x = 0; x < Q; ++x) {
+      const v16 vsum = v16{} + sum[x];
+      for (int64_t c = 0; c < W; ++c) {
+        const v16 o = (even[x][c] + odd[x][c]) / vsum;
+        std::memcpy(out[x] + c * kLanes, &o, sizeof(v16));
+      }
     }
   } else {
-    float acc[2][kMaxDim] = {};
-    for (int64_t j = 0; j < length; ++j) {
-      const float* vj = row(j);
-      for (int64_t d = 0; d < dim; ++d) acc[j % 2][d] = acc[j % 2][d] + p[j] * vj[d];
+    for (int64_t x = 0; x < Q; ++x) {
+      float acc[2][kMaxDim] = {};
+      for (int64_t j = 0; j < length; ++j) {
+        const float* vj = row(j);
+        for (int64_t d = 0; d < dim; ++d) acc[j % 2][d] = acc[j % 2][d] + p[x][j] * vj[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) out[x][d] = (acc[0][d] + acc[1][d]) / sum[x];
     }
-    for (int64_t d = 0; d < dim; ++d) out[d] = (acc[0][d] + acc[1][d]) / sum;
   }
 }
 
-// One query row after its scores (scores[0, start + tail_len)): the softmax and the weighted values into out[dim].
-HEADWAY_CLONES void finish_row(
-    const float* v, int64_t dim, int64_t start, const int64_t* tail, int64_t tail_len, float* scores, float* out) {
-  const float sum = softmax_numerators(scores, start + tail_len);
+// The weighted values of `queries` queries sharing their keys, up to Q at a time.
+template <int64_t W, int64_t Q>
+inline __attribute__((always_inline)) void values_of(const float* const* p, const float* v, int64_t dim, int64_t start,
+                                                     const int64_t* tail, int64_t tail_len, const float* sum,
+                                                     float* const* out, int64_t queries) {
+  int64_t x = 0;
+  for (; x + Q <= queries; x += Q) weighted_values<W, Q>(p + x, v, dim, start, tail, tail_len, sum + x, out + x);
+  for (; x < queries; ++x) weighted_values<W, 1>(p + x, v, dim, start, tail, tail_len, sum + x, out + x);
+}
+
+// Q: the queries whose accumulators (2 W vectors each) fit the registers beside a value row's W: 32 registers with
+// AVX-512, 16 narrower ones otherwise.
+template <int64_t Wide>
+inline __attribute__((always_inline)) void values(const float* const* p, const float* v, int64_t dim, int64_t start,
+                                                  const int64_t* tail, int64_t tail_len, const float* sum,
+                                                  float* const* out, int64_t queries) {
   switch (dim) {
     case 64:
-      return weighted_values<4>(scores, v, dim, start, tail, tail_len, sum, out);
+      return values_of<4, Wide ? 3 : 1>(p, v, dim, start, tail, tail_len, sum, out, queries);
     case 128:
-      return weighted_values<8>(scores, v, dim, start, tail, tail_len, sum, out);
+      return values_of<8, 1>(p, v, dim, start, tail, tail_len, sum, out, queries);
     case 32:
-      return weighted_values<2>(scores, v, dim, start, tail, tail_len, sum, out);
+      return values_of<2, Wide ? 6 : 2>(p, v, dim, start, tail, tail_len, sum, out, queries);
     case 16:
-      return weighted_values<1>(scores, v, dim, start, tail, tail_len, sum, out);
+      return values_of<1, Wide ? 8 : 3>(p, v, dim, start, tail, tail_len, sum, out, queries);
     default:
-      return weighted_values<0>(scores, v, dim, start, tail, tail_len, sum, out);
+      return values_of<0, 1>(p, v, dim, start, tail, tail_len, sum, out, queries);
   }
+}
+
+using ScoreFn = void (*)(const float*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, float, float*,
+                         int64_t);
+using ValuesFn = void (*)(const float* const*, const float*, int64_t, int64_t, const int64_t*, int64_t, const float*,
+                          float* const*, int64_t);
+
+// One build of the two arithmetic kernels per kind of CPU: fused multiply-adds where the CPU has them.
+#define HEADWAY_ROW_BUILD(NAME, ATTRS, WIDE)                                                                        \
+  ATTRS void score_##NAME(const float* q, int64_t row_stride, int64_t rows, int64_t group, const float* kt,        \
+                          int64_t valid, int64_t dim, float scale, float* scores, int64_t score_stride) {         \
+    score_block(q, row_stride, rows, group, kt, valid, dim, scale, scores, score_stride);                        \
+  }                                                                                                               \
+  ATTRS void values_##NAME(const float* const* p, const float* v, int64_t dim, int64_t start, const int64_t* tail, \
+                           int64_t tail_len, const float* sum, float* const* out, int64_t queries) {              \
+    values<WIDE>(p, v, dim, start, tail, tail_len, sum, out, queries);                                           \
+  }
+
+HEADWAY_ROW_BUILD(base, , 0)
+#if defined(__x86_64__) && defined(__GNUC__)
+HEADWAY_ROW_BUILD(avx512, __attribute__((target("avx512f,fma"), optimize("fp-contract=fast"))), 1)
+HEADWAY_ROW_BUILD(avx2, __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))), 0)
+#endif
+
+struct RowBuild {
+  ScoreFn score;
+  ValuesFn values;
+  const char* name;
+};
+
+// The build this CPU runs, or the one `isa` names (avx512, avx2, base: tests compare them); nullptr where it cannot.
+const RowBuild* pick_row_build(const std::string& isa) {
+  static const RowBuild base{score_base, values_base, "base"};
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const RowBuild avx512{score_avx512, values_avx512, "avx512"};
+  static const RowBuild avx2{score_avx2, values_avx2, "avx2"};
+  const bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+  const bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (isa == "auto") return has512 ? &avx512 : has2 ? &avx2 : &base;
+  if (isa == "avx512") return has512 ? &avx512 : nullptr;
+  if (isa == "avx2") return has2 ? &avx2 : nullptr;
+#else
+  if (isa == "auto") return &base;
+#endif
+  return isa == "base" ? &base : nullptr;
+}
+
+// Softmax numerators of each query's scores in place; their sums into sum[x] (never contracted: see the top).
+HEADWAY_CLONES void softmax_rows(float* const* scores, int64_t length, int64_t queries, float* sum) {
+  for (int64_t x = 0; x < queries; ++x) sum[x] = softmax_numerators(scores[x], length);
 }
 
 }  // namespace
 
-at::Tensor row_attention_forward(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 int64_t start, const at::Tensor& tails_in, const at::Tensor& lens_in, double scale_d,
-                                 const std::optional<at::Tensor>& kt_cache, int64_t kt_valid) {
+namespace {
+
+at::Tensor run_row_attention(const RowBuild& build, const at::Tensor& q_in, const at::Tensor& k_cache,
+                             const at::Tensor& v_cache, int64_t start, const at::Tensor& tails_in,
+                             const at::Tensor& lens_in, double scale_d, const std::optional<at::Tensor>& kt_cache,
+                             int64_t kt_valid) {
   TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
               "row attention: the cache must be float32");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "row attention: the cache must be contiguous");
@@ -226,47 +313,72 @@ at::Tensor row_attention_forward(const at::Tensor& q_in, const at::Tensor& k_cac
     ktp = kt_cache->data_ptr<float>();
     kt_blocks = kt_cache->size(1);
   }
-  // scores: the prefix's keys 16 at a time against every row's queries of the key head (row i's heads
-  // g * group .. (g + 1) * group are consecutive in q), then each row's tail against its own queries
-  const int64_t blocks = (start + kLanes - 1) / kLanes, tail_blocks = (width + kLanes - 1) / kLanes;
-  const int64_t prefix_items = kv * blocks;
-  at::parallel_for(0, prefix_items + kv * m * tail_blocks, 1, [&](int64_t b, int64_t e) {
+  // the prefix's scores: its keys 16 at a time against every row's queries of the key head (row i's heads
+  // g * group .. (g + 1) * group are consecutive in q); items of equal work, so the threads finish together
+  const int64_t blocks = (start + kLanes - 1) / kLanes;
+  at::parallel_for(0, kv * blocks, 1, [&](int64_t b, int64_t e) {
     const float* keys[kLanes];
     alignas(64) float kt[(kMaxDim + 3) * kLanes];
     for (int64_t item = b; item < e; ++item) {
-      if (item < prefix_items) {
-        const int64_t g = item / blocks, block = item % blocks, j0 = block * kLanes;
-        const int64_t valid = std::min(kLanes, start - j0);
-        float* kept = ktp == nullptr ? nullptr : ktp + (g * kt_blocks + block) * block_floats;
-        const float* block_kt = kept;
-        if (kept == nullptr || j0 + kLanes > kt_valid) {
-          for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + j0 + l) * dim;
-          transpose_block(keys, valid, dim, kt);
-          block_kt = kt;
-          if (kept != nullptr && valid == kLanes) std::memcpy(kept, kt, block_floats * sizeof(float));
-        }
-        score_block(qp + g * group * dim, heads * dim, m, group, block_kt, valid, dim, scale,
-                    scores.get() + g * queries * longest + j0, longest);
-        continue;
+      const int64_t g = item / blocks, block = item % blocks, j0 = block * kLanes;
+      const int64_t valid = std::min(kLanes, start - j0);
+      float* kept = ktp == nullptr ? nullptr : ktp + (g * kt_blocks + block) * block_floats;
+      const float* block_kt = kept;
+      if (kept == nullptr || j0 + kLanes > kt_valid) {
+        for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + j0 + l) * dim;
+        transpose_block(keys, valid, dim, kt);
+        block_kt = kt;
+        if (kept != nullptr && valid == kLanes) std::memcpy(kept, kt, block_floats * sizeof(float));
       }
-      const int64_t rest = item - prefix_items, g = rest / (m * tail_blocks);
-      const int64_t i = (rest / tail_blocks) % m, t0 = (rest % tail_blocks) * kLanes;
-      const int64_t valid = std::min(kLanes, len[i] - t0);
-      if (valid <= 0) continue;
-      for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + tail[i * width + t0 + l]) * dim;
-      transpose_block(keys, valid, dim, kt);
-      score_block(qp + (i * heads + g * group) * dim, heads * dim, 1, group, kt, valid, dim, scale,
-                  scores.get() + (g * queries + i * group) * longest + start + t0, longest);
+      build.score(qp + g * group * dim, heads * dim, m, group, block_kt, valid, dim, scale,
+                  scores.get() + g * queries * longest + j0, longest);
     }
   });
-  at::parallel_for(0, kv * queries, 1, [&](int64_t b, int64_t e) {
+  // then per row and key head: the tail's scores, the softmax and the weighted values of the row's queries of that
+  // key head together (they share the row's keys and values)
+  at::parallel_for(0, kv * m, 1, [&](int64_t b, int64_t e) {
+    const float* keys[kLanes];
+    alignas(64) float kt[(kMaxDim + 3) * kLanes];
+    std::vector<float*> p(group), o(group);
+    std::vector<float> sum(group);
     for (int64_t item = b; item < e; ++item) {
-      const int64_t g = item / queries, i = (item % queries) / group, h = item % group;
-      const int64_t head = g * group + h;
-      finish_row(vp + g * max_len * dim, dim, start, tail + i * width, len[i],
-                 scores.get() + (g * queries + i * group + h) * longest, op + (i * heads + head) * dim);
+      const int64_t g = item / m, i = item % m;
+      float* row_scores = scores.get() + (g * queries + i * group) * longest;
+      for (int64_t t0 = 0; t0 < len[i]; t0 += kLanes) {
+        const int64_t valid = std::min(kLanes, len[i] - t0);
+        for (int64_t l = 0; l < valid; ++l) keys[l] = kp + (g * max_len + tail[i * width + t0 + l]) * dim;
+        transpose_block(keys, valid, dim, kt);
+        build.score(qp + (i * heads + g * group) * dim, heads * dim, 1, group, kt, valid, dim, scale,
+                    row_scores + start + t0, longest);
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        p[h] = row_scores + h * longest;
+        o[h] = op + (i * heads + g * group + h) * dim;
+      }
+      softmax_rows(p.data(), start + len[i], group, sum.data());
+      build.values(p.data(), vp + g * max_len * dim, dim, start, tail + i * width, len[i], sum.data(), o.data(),
+                   group);
     }
   });
   for (int64_t i = m; i < rows; ++i) out[i].copy_(out[0]);
   return out.view({rows, heads * dim}).to(q_in.scalar_type());
 }
+
+}  // namespace
+
+at::Tensor row_attention_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 int64_t start, const at::Tensor& tails, const at::Tensor& lens, double scale,
+                                 const std::optional<at::Tensor>& kt_cache, int64_t kt_valid) {
+  static const RowBuild* build = pick_row_build("auto");
+  return run_row_attention(*build, q, k_cache, v_cache, start, tails, lens, scale, kt_cache, kt_valid);
+}
+
+at::Tensor row_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             int64_t start, const at::Tensor& tails, const at::Tensor& lens, double scale,
+                             const std::string& isa) {
+  const RowBuild* build = pick_row_build(isa);
+  TORCH_CHECK(build != nullptr, "row attention: this CPU has no ", isa, " build");
+  return run_row_attention(*build, q, k_cache, v_cache, start, tails, lens, scale, std::nullopt, 0);
+}
+
+std::string row_attention_build() { return pick_row_build("auto")->name; }

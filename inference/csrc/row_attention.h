@@ -12,3 +12,11 @@
 at::Tensor row_attention_forward(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  int64_t start, const at::Tensor& tails, const at::Tensor& lens, double scale,
                                  const std::optional<at::Tensor>& kt_cache, int64_t kt_valid);
+
+// row_attention_forward through one build (avx512, avx2, base), without the transposed cache: tests compare them.
+at::Tensor row_attention_isa(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             int64_t start, const at::Tensor& tails, const at::Tensor& lens, double scale,
+                             const std::string& isa);
+
+// The build row_attention_forward runs on this CPU: avx512, avx2 (both with FMA) or base.
+std::string row_attention_build();
