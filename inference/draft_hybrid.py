@@ -266,7 +266,7 @@ class HybridDrafter:
                 [t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending])
             )
             self._pending = []
-        ids, probs, parents = self.neural.proposals(root)
+        ids, probs, parents = _most_likely(*self.neural.proposals(root), self.hc.max_nodes)
         cands = list(cands)
         where = {(c.parent, c.token): i for i, c in enumerate(cands)}
         placed: list[int] = []
@@ -415,6 +415,28 @@ def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tupl
         cands[c].keys.append(key)
     cands[c].sources.add(source)
     return c
+
+
+def _most_likely(
+    ids: list[int], probs: list[float], parents: list[int], count: int
+) -> tuple[list[int], list[float], list[int]]:
+    """The `count` proposals most likely as paths (the product of the draft probabilities from the root; parents come
+    first, ties to the shallower), in their order, with parents renumbered: a verification holds at most `count` nodes,
+    and the drafter expands several times that many, which would only cost the choice time."""
+    if len(ids) <= count:
+        return ids, probs, parents
+    path = [0.0] * len(ids)
+    depth = [0] * len(ids)
+    for c, (prob, p) in enumerate(zip(probs, parents)):
+        path[c] = min(prob, 1.0) * (path[p] if p >= 0 else 1.0)  # never above its parent, whatever the rounding
+        depth[c] = depth[p] + 1 if p >= 0 else 1
+    keep = sorted(sorted(range(len(ids)), key=lambda c: (-path[c], depth[c], c))[:count])
+    index = {c: i for i, c in enumerate(keep)}
+    return (
+        [ids[c] for c in keep],
+        [probs[c] for c in keep],
+        [index[parents[c]] if parents[c] >= 0 else -1 for c in keep],
+    )
 
 
 def _source(sources: set) -> str:

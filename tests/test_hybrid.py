@@ -11,7 +11,7 @@ from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.cost_model import tree_cost, verify_costs
 from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter, Rate
+from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter, Rate, _most_likely
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.ngram import Continuation, NgramIndex
@@ -46,6 +46,20 @@ def test_tree_from_parents_keeps_sibling_order():
     assert tree.paths == [(), (0,), (1,), (0, 0), (1, 0), (0, 0, 0)]
     assert order == [0, 1, 2, 4, 3]  # candidate behind each node after the root
     assert tree.parent == [-1, 0, 0, 1, 2, 3]
+
+
+def test_neural_proposals_are_cut_to_the_most_likely_paths_with_their_parents():
+    # root -> a (0.6), b (0.3), c (0.1); a -> d (0.9), e (0.1); b -> f (0.5); d -> g (1.0000001: rounding above 1)
+    ids = [10, 11, 12, 13, 14, 15, 16]
+    probs = [0.6, 0.3, 0.1, 0.9, 0.1, 0.5, 1.0000001]
+    parents = [-1, -1, -1, 0, 0, 1, 3]
+    # paths: a .6, b .3, c .1, d .54, e .06, f .15, g .54 (its parent d first: same path, shallower)
+    assert _most_likely(ids, probs, parents, 4) == (
+        [10, 11, 13, 16],
+        [0.6, 0.3, 0.9, 1.0000001],
+        [-1, -1, 0, 2],
+    )
+    assert _most_likely(ids, probs, parents, 7) == (ids, probs, parents)
 
 
 def test_hybrid_settings_are_checked():
