@@ -11,8 +11,8 @@
 //  - the output is the sum of p_j * v_j[d] over the even keys j in order, plus the same over the odd keys, divided
 //    by the sum.
 // (Four and two partial sums: independent chains of additions that the CPU overlaps; one sum per output would wait on
-// each addition's latency.)
-// Threads split the work by output element (keys for scores, query rows for the rest), never a sum.
+// each addition's latency. Each step of a partial sum is one fused multiply-add in the FMA builds, below.)
+// Threads split the work by output element (the prefix's keys for scores, then rows), never a sum.
 //
 // The shared prefix is where the time goes: its keys are transposed 16 at a time so that 16 scores are one vector
 // operation per dimension, reused by every query of the key head, and a value row, once loaded, serves every query
