@@ -428,7 +428,8 @@ def _most_likely(
     path = [0.0] * len(ids)
     depth = [0] * len(ids)
     for c, (prob, p) in enumerate(zip(probs, parents)):
-        path[c] = min(prob, 1.0) * (path[p] if p >= 0 else 1.0)  # never above its parent, whatever the rounding
+        # never above its parent's, whatever the rounding of prob
+        path[c] = min(prob, 1.0) * (path[p] if p >= 0 else 1.0)
         depth[c] = depth[p] + 1 if p >= 0 else 1
     keep = sorted(sorted(range(len(ids)), key=lambda c: (-path[c], depth[c], c))[:count])
     index = {c: i for i, c in enumerate(keep)}
