@@ -166,6 +166,28 @@ def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(attention
     assert torch.equal(chain(q[:3], k_cache, v_cache, 0.125), gathered(q[:3], moved_k, moved_v, 0.125))
 
 
+def _attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, tail: list[int], scale: float
+) -> torch.Tensor:
+    """One row's attention (q [heads, dim]) over the cache's first `start` slots, then `tail`, by torch: [heads * dim]."""
+    slots = torch.tensor(list(range(start)) + tail)
+    out = F.scaled_dot_product_attention(
+        q[:, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
+    )
+    return out.reshape(-1)
+
+
+def _tail_moved_to_prefix(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, tail: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Copies of the caches with the tail's keys and values written right after the prefix, and the last of those
+    slots: the same sequence as plain decoding sees it (all prefix, the row itself last)."""
+    moved_k, moved_v = k_cache.clone(), v_cache.clone()
+    moved_k[:, start : start + len(tail)] = k_cache[:, tail]
+    moved_v[:, start : start + len(tail)] = v_cache[:, tail]
+    return moved_k, moved_v, start + len(tail) - 1
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (4, 4, 8), (2, 1, 128), (6, 2, 24)]
 )
@@ -181,18 +203,11 @@ def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_
     scale = head_dim**-0.5
     out = RowAttention(start, tails, q.device, kernel)(q, k_cache, v_cache, scale)
     for i, tail in enumerate(tails):
-        slots = torch.tensor(list(range(start)) + tail)
-        expected = F.scaled_dot_product_attention(
-            q[i, :, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
+        torch.testing.assert_close(
+            out[i], _attention(q[i], k_cache, v_cache, start, tail, scale), rtol=1e-5, atol=1e-5
         )
-        torch.testing.assert_close(out[i], expected.reshape(-1), rtol=1e-5, atol=1e-5)
         # the same sequence with a longer prefix and a shorter tail (plain decoding's split): the same bits
-        moved_k, moved_v = k_cache.clone(), v_cache.clone()
-        moved_k[:, start : start + len(tail)], moved_v[:, start : start + len(tail)] = (
-            k_cache[:, tail],
-            v_cache[:, tail],
-        )
-        last = start + len(tail) - 1
+        moved_k, moved_v, last = _tail_moved_to_prefix(k_cache, v_cache, start, tail)
         alone = RowAttention(last, [[last]], q.device, kernel)(q[i : i + 1], moved_k, moved_v, scale)
         assert torch.equal(out[i : i + 1], alone), i
     # a one-token step padded to 3 rows: every row is the first
@@ -238,15 +253,10 @@ def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
             continue
         outs[isa] = out
         for i, tail in enumerate(tails):
-            slots = torch.tensor(list(range(start)) + tail)
-            expected = F.scaled_dot_product_attention(
-                q[i, :, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
+            torch.testing.assert_close(
+                out[i], _attention(q[i], k_cache, v_cache, start, tail, scale), rtol=1e-5, atol=1e-5
             )
-            torch.testing.assert_close(out[i], expected.reshape(-1), rtol=1e-5, atol=1e-5)
-            moved_k, moved_v = k_cache.clone(), v_cache.clone()
-            moved_k[:, start : start + len(tail)] = k_cache[:, tail]
-            moved_v[:, start : start + len(tail)] = v_cache[:, tail]
-            last = start + len(tail) - 1
+            moved_k, moved_v, last = _tail_moved_to_prefix(k_cache, v_cache, start, tail)
             alone = ext.row_attention_isa(
                 q[i : i + 1], moved_k, moved_v, last, torch.tensor([[last]]), torch.tensor([1]), scale, isa
             )
