@@ -80,12 +80,13 @@ class DemoConfig:
     show_chars: int = 300
     # Results (results.json) and, with --train, the dataset, the training run and the export.
     output_dir: str = "outputs/demo"
-    # Decoding settings (tree, sampling). The head's tuned tree for this machine (tuned.json) wins when it has one;
-    # otherwise this small tree, `headway tune`'s choice for the shipped head on a 2-core CPU (a GPU gains from a
-    # larger one: run `headway tune`, or pass inference.depth=5 inference.total_tokens=15).
-    inference: InferenceConfig = field(
-        default_factory=lambda: InferenceConfig(depth=1, top_k=8, total_tokens=5)
-    )
+    # Decoding settings (tree, sampling): the recipe's (configs/eagle3_smollm2.yaml). The head's tuned tree for this
+    # machine (tuned.json) wins when it has one (`headway tune`).
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    # The drafter's depth where the demo decodes in float32, whose draft levels cost about twice bf16's: on the demo's
+    # prompts one level measured fastest in float32, while in bf16 one and three measured alike and three accept more
+    # per step (docs/benchmarks.md). null: inference.depth in float32 too.
+    float32_depth: Optional[int] = 1
     # --train: self-distillation budget (the target writes magpie.num_prompts prompts itself and answers them).
     magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=96))
     distill: DistillConfig = field(
@@ -118,6 +119,12 @@ class DemoConfig:
         )
     )
 
+    def __post_init__(self) -> None:
+        if self.float32_depth is not None and self.float32_depth < 1:
+            raise HeadwayError(
+                f"float32_depth={self.float32_depth}: give a depth >= 1, or null for inference.depth"
+            )
+
 
 def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:
     out = Path(cfg.output_dir)
@@ -139,6 +146,13 @@ def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:
 
 def _run_config(cfg: DemoConfig, **sections) -> RunConfig:
     return RunConfig(target=cfg.target, inference=cfg.inference, **sections)
+
+
+def decoding_inference(cfg: DemoConfig, target: TargetConfig) -> InferenceConfig:
+    """The demo's inference settings for decoding in `target`'s format: float32_depth in float32."""
+    if target.dtype == "float32" and cfg.float32_depth is not None:
+        return dataclasses.replace(cfg.inference, depth=cfg.float32_depth)
+    return cfg.inference
 
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
@@ -223,15 +237,14 @@ def _by_branch(sources: dict) -> str:
 def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     """Plain and speculative decoding of every prompt, alternating which goes first; prints as it goes."""
 
-    run = _run_config(dataclasses.replace(cfg, target=decoding_target(cfg)))
+    target = decoding_target(cfg)
+    run = _run_config(dataclasses.replace(cfg, target=target, inference=decoding_inference(cfg, target)))
     decoder = SpeculativeDecoder.load(head_dir, run)
     print(
         f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
         f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)"
     )
-    warm = decoder.fmt.first_turn("Hello")
-    decoder.generate(warm, 4)
-    decoder.generate_plain(warm, 4)
+    decoder.warm_up()
     greedy = decoder.cfg.inference.sampling.greedy
     runners = {
         "plain": lambda ids: decoder.generate_plain(ids, cfg.max_new_tokens),

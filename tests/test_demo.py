@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from headway.errors import HeadwayError
 from headway.target.packed_linear import kernels_missing
 
 
@@ -127,3 +128,15 @@ def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
         DemoConfig(target=TargetConfig(device="cpu", linear_weights="float16")),
     ):
         assert decoding_target(cfg) == cfg.target  # asked for something else: decoded as asked
+
+
+def test_demo_drafts_one_level_in_float32_and_the_recipe_tree_in_bf16():
+    from headway.demo import DemoConfig, decoding_inference
+    from headway.target.config import TargetConfig
+
+    cfg = DemoConfig()
+    assert decoding_inference(cfg, TargetConfig(dtype="bfloat16")).depth == cfg.inference.depth == 3
+    assert decoding_inference(cfg, TargetConfig(dtype="float32")).depth == 1
+    assert decoding_inference(DemoConfig(float32_depth=None), TargetConfig(dtype="float32")).depth == 3
+    with pytest.raises(HeadwayError, match="float32_depth=0: give a depth >= 1"):
+        DemoConfig(float32_depth=0)
