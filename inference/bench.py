@@ -52,6 +52,13 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
             sum(a >= d for a in accepted) / max(1, len(accepted)) for d in range(1, depth + 1)
         ],
         "tok_s": tok_s,
+        # tokens per target forward after the prompt's, of every method that verifies drafts (tau's definition above)
+        "tau_by_method": {
+            m: (sum(r[m]["tokens"] for r in rows) - len(rows))
+            / max(1, sum(r[m]["target_forwards"] for r in rows))
+            for m in methods
+            if m != PLAIN and all(r[m].get("target_forwards") for r in rows)
+        },
         # speculative tokens/s over each other method's
         "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
         # share of outputs equal to Headway's plain greedy decoding (None when sampling)
@@ -230,6 +237,10 @@ def markdown_table(result: dict) -> str:
         f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
         f"other (prefill, bookkeeping) {ms['other']:.1f} ms."
     )
+    if len(o.get("tau_by_method", {})) > 1:
+        lines.append(
+            "tau by method: " + ", ".join(f"{LABELS[m]} {t:.2f}" for m, t in o["tau_by_method"].items()) + "."
+        )
     lines.append(
         f"Acceptance at draft depth 1..{min(8, len(o['acceptance_by_depth']))}: {acc}. "
         f"Threads {st['threads']}, {st['dtype']}, {st['max_new_tokens']} new tokens."

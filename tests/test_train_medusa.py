@@ -254,6 +254,10 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     # float64: every method writes exactly plain greedy's tokens
     assert o["match_rate"] == 1.0 and o["matches_plain"] == {m: 1.0 for m in [*others, "speculative"]}
     assert set(o["speedup_over"]) == {"plain", *others}
+    # tau of every Headway method that verifies drafts (HF's decoders report no target forwards)
+    assert set(o["tau_by_method"]) == {"headway_neural", "headway_ngram", "speculative"}
+    assert o["tau_by_method"]["speculative"] == o["tau"]
+    assert "tau by method: Headway neural tree" in (tmp_path / "b.md").read_text()
     # which branch kind the accepted drafts came from, per category and overall (shares)
     for s in [o, *result["by_category"].values()]:
         assert s["accepted_from"] is None or sum(s["accepted_from"].values()) == pytest.approx(1.0)
