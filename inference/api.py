@@ -139,15 +139,17 @@ class SpeculativeDecoder:
             self.cfg.inference.engine,
         )
 
-    def warm_up(self, max_new_tokens: int = 4) -> None:
+    def warm_up(self, max_new_tokens: int = 4, drafters: Optional[list[str]] = None) -> None:
         """Decode a greeting plainly and speculatively, so that kernels, caches and the verify-cost curves are built
-        before anything is timed. The speculative pass runs on a throwaway copy of the drafter: a greeting's few
+        before anything is timed. The speculative passes run on throwaway copies of the drafters: a greeting's few
         verifications would otherwise set the hybrid's acceptance estimates for the requests that follow.
 
         Args:
-            max_new_tokens: tokens decoded each way."""
+            max_new_tokens: tokens decoded each way.
+            drafters: the drafter kinds to warm up (inference.drafter values); None = this decoder's own."""
         ids = self.fmt.first_turn("Hello")
-        self.with_drafter(self.cfg.inference.drafter).generate(ids, max_new_tokens)
+        for kind in drafters or [self.cfg.inference.drafter]:
+            self.with_drafter(kind).generate(ids, max_new_tokens)
         self.generate_plain(ids, max_new_tokens)
 
     def chat(self, message: str, max_new_tokens: Optional[int] = None) -> ChatResult:

@@ -36,10 +36,15 @@ def _rate(hits: list[bool]) -> float:
     return sum(hits) / max(1, len(hits))
 
 
+def _tau(rows: list[dict], method: str) -> float:
+    """Tokens per target forward after the prompt's (each answer's first token comes with the prompt)."""
+    tokens = sum(r[method]["tokens"] for r in rows)
+    return (tokens - len(rows)) / max(1, sum(r[method]["target_forwards"] for r in rows))
+
+
 def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> dict:
     spec = [r[SPEC] for r in rows]
     spec_tokens = sum(s["tokens"] for s in spec)
-    forwards = sum(s["target_forwards"] for s in spec)
     accepted = [a for s in spec for a in s["accepted"]]
     by_source = {k: sum(s.get("sources", {}).get(k, 0) for s in spec) for k in ("neural", "ngram", "both")}
     tok_s = {
@@ -47,17 +52,14 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
     }
     return {
         "prompts": len(rows),
-        "tau": (spec_tokens - len(rows)) / max(1, forwards),
+        "tau": _tau(rows, SPEC),
         "acceptance_by_depth": [
             sum(a >= d for a in accepted) / max(1, len(accepted)) for d in range(1, depth + 1)
         ],
         "tok_s": tok_s,
-        # tokens per target forward after the prompt's, of every method that verifies drafts (tau's definition above)
+        # tau of every method that verifies drafts
         "tau_by_method": {
-            m: (sum(r[m]["tokens"] for r in rows) - len(rows))
-            / max(1, sum(r[m]["target_forwards"] for r in rows))
-            for m in methods
-            if m != PLAIN and all(r[m].get("target_forwards") for r in rows)
+            m: _tau(rows, m) for m in methods if m != PLAIN and all(r[m].get("target_forwards") for r in rows)
         },
         # speculative tokens/s over each other method's
         "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
@@ -145,14 +147,13 @@ def run_bench(
     greedy = decoder.cfg.inference.sampling.greedy
     runners = _runners(decoder, bc, max_new_tokens)
     methods = [PLAIN, *[m for m in runners if m not in (PLAIN, SPEC)], SPEC]
-    # every method once before anything is timed; the speculative ones through throwaway copies of their drafters
-    # (SpeculativeDecoder.warm_up), so the greeting does not steer a hybrid's acceptance estimates
-    decoder.warm_up(max_new_tokens)
+    # every method once before anything is timed: Headway's through throwaway copies of their drafters, so the
+    # greeting does not steer a hybrid's acceptance estimates; Hugging Face's (no learnt state) as they are
+    kinds = [m.removeprefix("headway_") for m in runners if m.startswith("headway_")]
+    decoder.warm_up(max_new_tokens, [decoder.cfg.inference.drafter, *kinds])
     warm = decoder.fmt.first_turn("Hello")
     for name, run in runners.items():
-        if name.startswith("headway_"):
-            decoder.with_drafter(name.removeprefix("headway_")).generate(warm, max_new_tokens)
-        elif name not in (PLAIN, SPEC):
+        if name.startswith("hf_"):
             run(warm)
     work = [
         (c, t) for c in convs for t in range(len(c.turns) if bc.turns == 0 else min(bc.turns, len(c.turns)))

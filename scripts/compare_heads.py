@@ -70,7 +70,7 @@ def main() -> None:
             base = SpeculativeDecoder.load(
                 path, load_config(RunConfig, args.config, args.overrides + own[name])
             )
-            base.warm_up()
+            base.warm_up(drafters=drafters)
             decoders[name] = {kind: base.with_drafter(kind) for kind in drafters}
     except HeadwayError as e:
         raise SystemExit(str(e)) from None
