@@ -12,7 +12,8 @@ cache entries of the expansions are dropped again, so the cache always matches t
 from __future__ import annotations
 
 import math
-from typing import Any
+import time
+from typing import Any, Optional
 
 import torch
 
@@ -61,6 +62,9 @@ class EagleDrafter:
         self.committed = 0
         self.last_out: torch.Tensor | None = None  # drafter output at the last committed position [h]
         self.pending: list[int] = []  # tokens whose drafter positions are not in the cache yet
+        # seconds from the start of the last expansion to the end of each of its levels (the hybrid prices depth
+        # with them)
+        self.level_seconds: list[float] = []
 
     @property
     def max_depth(self) -> int:
@@ -114,10 +118,10 @@ class EagleDrafter:
     def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
         return self._select(root, *self.candidates())
 
-    def proposals(self, root: int) -> tuple[list[int], list[float], list[int]]:
+    def proposals(self, root: int, depth: Optional[int] = None) -> tuple[list[int], list[float], list[int]]:
         """Every expanded candidate for a hybrid tree: target token id, draft probability given its parent, and
-        parent candidate (-1: the root; parents come first)."""
-        tokens, scores, parents, _ = self.candidates()
+        parent candidate (-1: the root; parents come first). depth: levels to expand (None: this drafter's)."""
+        tokens, scores, parents, _ = self.candidates(depth)
         ids = self.heads.to_target_ids(torch.tensor(tokens, device=self.param.device)).tolist()
         probs = [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents)]
         return ids, probs, parents
@@ -129,6 +133,7 @@ class EagleDrafter:
         """Every node the expansion reaches (draft token id, cumulative log-prob, parent index or -1, depth),
         with this drafter's depth and top_k unless given; the drafter cache is left as it was."""
         heads, dev = self.heads, self.param.device
+        start = time.perf_counter()
         k = top_k or self.top_k
         # Candidates: draft token id, cumulative log-prob, parent candidate (-1: the root), depth.
         logp = torch.log_softmax(heads.logits(self.last_out.view(1, -1)).float(), -1)[0]
@@ -139,6 +144,7 @@ class EagleDrafter:
         depths = [1] * k
         layer = list(range(k))  # the nodes to expand next
         layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
+        self.level_seconds = [time.perf_counter() - start]
         # candidate index -> offset after the committed prefix of its drafter cache entry (added in this step)
         slot_of: dict[int, int] = {}
         for d in range(1, depth or self.depth):
@@ -173,6 +179,7 @@ class EagleDrafter:
             best = cum.topk(min(k, len(cum))).indices.tolist()
             layer = [first + b for b in best]
             layer_hidden = heads.next_hidden(out[0, [b // k for b in best]]).unsqueeze(0)
+            self.level_seconds.append(time.perf_counter() - start)
         if isinstance(self.cache, StaticLayerCache):
             self.cache.truncate(self.committed)
         else:

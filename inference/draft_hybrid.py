@@ -12,7 +12,9 @@ its parent), and N is chosen every step to maximise expected tokens per second, 
 enough to pay for the larger verification. The neural drafter itself runs only where it has paid: after each step it
 ran on, the tokens/s the target really gave is set against what the n-gram tree alone would have given on the same
 step (the tree chosen without the neural candidates, walked along the tokens the target wrote), separately for
-steps that continue an accepted copy and steps that do not. Verification, cache compaction and acceptance are the
+steps that continue an accepted copy and steps that do not. An EAGLE drafter also expands only as many levels as
+pay for their drafting time: every few steps it expands all of them, and the tree each shallower depth would have
+made on that step is priced with that depth's measured drafting time. Verification, cache compaction and acceptance are the
 shared code, so greedy output is exactly plain decoding's and sampling keeps the target's distribution.
 """
 
@@ -63,6 +65,11 @@ class HybridConfig:
     gain_memory: float = 0.97
     probe_every: int = 4
     probe_max: int = 32
+    # How many levels an EAGLE drafter expands (up to inference.depth): every depth_probe_every-th step it runs
+    # runs it expands all of them and prices the tree each shallower depth would have made on that step, with the
+    # drafting time measured for that depth; the other steps expand to the depth whose trees promised the most
+    # tokens/s. 0: always inference.depth.
+    depth_probe_every: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -81,6 +88,11 @@ class HybridConfig:
         if self.gain_floor < 0 or self.gain_steps < 1 or not 1 <= self.probe_every <= self.probe_max:
             raise HeadwayError(
                 "inference.hybrid: gain_floor must be >= 0, gain_steps >= 1 and 1 <= probe_every <= probe_max"
+            )
+        if self.depth_probe_every < 0:
+            raise HeadwayError(
+                f"inference.hybrid.depth_probe_every must be >= 0 (0: always inference.depth; got "
+                f"{self.depth_probe_every})"
             )
 
 
@@ -166,6 +178,10 @@ class HybridDrafter:
         self.copying = False  # the last verification accepted at least one n-gram token
         self.draft_seconds = 0.0  # moving average of the n-gram side's time per step (draft plus accept)
         self.neural_seconds = 0.0  # moving average of the neural drafter's time when it runs
+        # the depth an EAGLE drafter expands to, where drafting time counts and the drafter times its levels
+        self.depths: Optional[DepthChoice] = None
+        if timed and hc.depth_probe_every > 0 and hasattr(neural, "level_seconds") and neural.max_depth > 1:
+            self.depths = DepthChoice(neural.max_depth, hc.depth_probe_every)
         self.gate = NeuralGate(hc)
         self._step_seconds = 0.0
         self._pending: list[
@@ -214,16 +230,32 @@ class HybridDrafter:
         context = self.copying
         if self.neural is not None and self.gate.runs(context):
             without = self._choose(cands)[0]
+            depth, probe = self.depths.pick() if self.depths is not None else (None, False)
             t1 = time.perf_counter()
-            cands = self._with_neural(root, cands)  # the n-gram candidates keep their indices
+            proposed = self._neural_proposals(root, depth)
             spent = time.perf_counter() - t1
-            self.neural_seconds = _average(self.neural_seconds, spent)
-            chosen, _ = self._choose(cands, self.neural_seconds)
+            ngram_cands, cands = cands, _merge(cands, proposed)  # the n-gram candidates keep their indices
+            if self.depths is not None:
+                self.depths.timed(depth, spent, self.neural.level_seconds)
+                neural_seconds = self.depths.seconds[depth]
+            else:
+                neural_seconds = self.neural_seconds = _average(self.neural_seconds, spent)
+            chosen, rate = self._choose(cands, neural_seconds)
+            if probe:  # the trees the shallower depths would have made on this step, at their drafting time
+                self.depths.score(
+                    {
+                        **{
+                            d: self._choose(_merge(ngram_cands, proposed, d), self.depths.seconds[d])[1]
+                            for d in range(1, depth)
+                        },
+                        depth: rate,
+                    }
+                )
             self.gate.probe = Probe(
                 context,
                 {(cands[c].parent, cands[c].token): c for c in without},
                 self._tree_cost(cands, without),
-                self._tree_cost(cands, chosen) + (self.neural_seconds if self.timed else 0.0),
+                self._tree_cost(cands, chosen) + (neural_seconds if self.timed else 0.0),
             )
             t0 += spent  # the n-gram side's time is kept apart
         else:
@@ -258,23 +290,16 @@ class HybridDrafter:
                 )
         return cands
 
-    def _with_neural(self, root: int, cands: list[Candidate]) -> list[Candidate]:
-        """The neural drafter's candidates merged into the trie (a token proposed twice after the same path is
-        one node), after it has read the steps it has not seen yet."""
+    def _neural_proposals(self, root: int, depth: Optional[int]) -> tuple[list[int], list[float], list[int]]:
+        """The neural drafter's most likely proposals (`_most_likely`), `depth` levels deep (None: its own depth),
+        after it has read the steps it has not seen yet."""
         if self._pending:
             self.neural.accept(
                 [t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending])
             )
             self._pending = []
-        ids, probs, parents = _most_likely(*self.neural.proposals(root), self.hc.max_nodes)
-        cands = list(cands)
-        where = {(c.parent, c.token): i for i, c in enumerate(cands)}
-        placed: list[int] = []
-        for token, prob, p in zip(ids, probs, parents):
-            placed.append(
-                _add(cands, where, placed[p] if p >= 0 else -1, token, Calibration.neural_key(prob), NEURAL)
-            )
-        return cands
+        proposed = self.neural.proposals(root) if depth is None else self.neural.proposals(root, depth)
+        return _most_likely(*proposed, self.hc.max_nodes)
 
     def _choose(self, cands: list[Candidate], extra_seconds: float = 0.0) -> tuple[list[int], float]:
         """The candidates to verify, best first (the top N by value for the N with the best expected tokens/s), and
@@ -321,6 +346,44 @@ class HybridDrafter:
             self.draft_seconds = _average(self.draft_seconds or None, self._step_seconds + seconds)
         else:
             self._step_seconds = seconds
+
+
+class DepthChoice:
+    """How many levels the neural drafter expands: the depth whose trees promised the most tokens/s on the probe
+    steps (steps that expand every level, where each shallower depth's tree is priced too, as a ratio to the full
+    depth's), with each depth's drafting time measured on the steps that reach it."""
+
+    def __init__(self, most: int, probe_every: int):
+        self.most, self.probe_every = most, probe_every
+        self.ratio: dict[
+            int, float
+        ] = {}  # depth -> moving average of its promised tokens/s over the full depth's
+        self.seconds: dict[int, float] = {}  # depth -> moving average of drafting seconds to that depth
+        self.best, self.since = most, 0
+
+    def pick(self) -> tuple[int, bool]:
+        """The depth to expand this step, and whether it is a probe (every level, the shallower ones priced)."""
+        self.since += 1
+        if not self.ratio or self.since >= self.probe_every:
+            self.since = 0
+            return self.most, True
+        return self.best, False
+
+    def timed(self, depth: int, seconds: float, level_seconds: list[float]) -> None:
+        """A step expanded `depth` levels in `seconds` (the drafter's reading of accepted steps included); the
+        drafter's level_seconds split its expansion, so each depth up to it is timed too."""
+        fixed = seconds - level_seconds[depth - 1]
+        for d in range(1, depth + 1):
+            self.seconds[d] = _average(self.seconds.get(d), fixed + level_seconds[d - 1])
+
+    def score(self, rates: dict[int, float]) -> None:
+        """A probe's promised tokens/s per depth (the full depth's included)."""
+        for (
+            d,
+            rate,
+        ) in rates.items():  # probes are few: each weighs 0.3, so the prior-led first ones fade fast
+            self.ratio[d] = _average(self.ratio.get(d), rate / rates[self.most], 0.3)
+        self.best = max(self.ratio, key=lambda d: (self.ratio[d], -d))
 
 
 class NeuralGate:
@@ -399,9 +462,9 @@ class Gain:
         self.steps += 1
 
 
-def _average(mean: Optional[float], x: float) -> float:
-    """An exponential moving average (weight 0.1 on the new value); None starts it."""
-    return x if not mean else 0.9 * mean + 0.1 * x
+def _average(mean: Optional[float], x: float, weight: float = 0.1) -> float:
+    """An exponential moving average (`weight` on the new value); None starts it."""
+    return x if not mean else (1.0 - weight) * mean + weight * x
 
 
 def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tuple, source: str) -> int:
@@ -415,6 +478,36 @@ def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tupl
         cands[c].keys.append(key)
     cands[c].sources.add(source)
     return c
+
+
+def _merge(
+    cands: list[Candidate], proposed: tuple[list[int], list[float], list[int]], depth: Optional[int] = None
+) -> list[Candidate]:
+    """The trie with the neural proposals (ids, probs, parents; parents first) merged in, those at most `depth`
+    levels deep (None: all): a token proposed after the same path as a candidate joins its node. `cands` is left
+    as it was (a joined node is a new Candidate), so one trie can take several merges."""
+    cands = list(cands)
+    where = {(c.parent, c.token): i for i, c in enumerate(cands)}
+    placed: list[int] = []
+    levels: list[int] = []
+    for token, prob, p in zip(*proposed):
+        levels.append(levels[p] + 1 if p >= 0 else 1)
+        placed.append(-1)
+        if depth is not None and levels[-1] > depth:
+            continue  # its descendants are deeper still
+        parent, key = placed[p] if p >= 0 else -1, Calibration.neural_key(prob)
+        c = where.get((parent, token))
+        if c is None:
+            c = where[parent, token] = len(cands)
+            cands.append(
+                Candidate(token, parent, 1 if parent < 0 else cands[parent].depth + 1, [key], {NEURAL})
+            )
+        else:
+            old = cands[c]
+            keys = old.keys if key in old.keys else old.keys + [key]
+            cands[c] = Candidate(old.token, old.parent, old.depth, keys, old.sources | {NEURAL})
+        placed[-1] = c
+    return cands
 
 
 def _most_likely(

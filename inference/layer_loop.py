@@ -23,11 +23,14 @@ from transformers import activations
 from headway.errors import HeadwayError
 from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
 from headway.target.packed_linear import (
+    FBGEMM_CHUNKED_ROWS,
     MKL_PACKED_ROWS,
     STREAM_MAX_ROWS,
+    Float16Linear,
     MKLLinear,
     OneDNNLinear,
     StreamLinear,
+    fbgemm_rows_vary,
 )
 
 log = logging.getLogger("headway")
@@ -40,7 +43,7 @@ SOURCES = [
 # so that vector and scalar paths of the same arithmetic round alike
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
-_NATIVE, _ONEDNN, _MKL, _STREAM = 0, 1, 2, 3
+_NATIVE, _ONEDNN, _MKL, _STREAM, _FP16 = 0, 1, 2, 3, 4
 # the activations that are F.silu (transformers 5 has its own module for it)
 _SILU = tuple(c for c in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
 _BUILT: list[Any] = []  # [module] once built, [None] once a build failed
@@ -68,16 +71,20 @@ def extension() -> Optional[Any]:
 
 
 def _linear_spec(module: nn.Module) -> Optional[tuple]:
-    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows), or None for a format it lacks."""
+    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows, fbgemm's packed float16 weight or None,
+    its scale), or None for a format it lacks."""
     if isinstance(module, OneDNNLinear):
-        return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad)
+        return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad, None, 1.0)
     if isinstance(module, MKLLinear):
-        return (_MKL, module.weight.detach(), module.packed, module.bias, MKL_PACKED_ROWS)
+        return (_MKL, module.weight.detach(), module.packed, module.bias, MKL_PACKED_ROWS, None, 1.0)
     if isinstance(module, StreamLinear):
-        return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS)
+        return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS, None, 1.0)
+    if isinstance(module, Float16Linear):  # bf16 calls of up to `rows` rows go in row-exact chunks (0: never)
+        chunked = FBGEMM_CHUNKED_ROWS if fbgemm_rows_vary() else 0
+        return (_FP16, torch.empty(0), torch.empty(0), None, chunked, module.packed, module.scale)
     if type(module) is nn.Linear:
         bias = None if module.bias is None else module.bias.detach()
-        return (_NATIVE, module.weight.detach(), torch.empty(0), bias, 1)
+        return (_NATIVE, module.weight.detach(), torch.empty(0), bias, 1, None, 1.0)
     return None
 
 

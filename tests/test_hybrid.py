@@ -73,6 +73,8 @@ def test_hybrid_settings_are_checked():
         HybridConfig(gain_memory=1.5)
     with pytest.raises(HeadwayError, match="probe_every <= probe_max"):
         HybridConfig(probe_every=0)
+    with pytest.raises(HeadwayError, match="depth_probe_every must be >= 0"):
+        HybridConfig(depth_probe_every=-1)
 
 
 def test_acceptance_estimates_forget_at_the_configured_rate():
@@ -203,6 +205,89 @@ def test_the_neural_drafter_runs_only_while_it_pays():
             assert sum(ran) <= hc.gain_steps + 4 and drafter.gate.gains[False].value < hc.gain_floor
         else:
             assert sum(ran[hc.gain_steps : 30]) <= 4 and all(ran[-40:]), ran
+
+
+class FakeClock:
+    """perf_counter for the hybrid: time moves only when a stand-in drafter spends it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class LevelledNeural:
+    """A stand-in EAGLE drafter: one token per level (a chain 7, 8, 9, draft probabilities 0.95, 0.5, 0.5), each
+    level costing `level_cost` seconds of the fake clock and reported in level_seconds, as EagleDrafter's are."""
+
+    feature_layers: list = []
+    max_depth = 3
+
+    def __init__(self, clock: FakeClock, level_cost: float):
+        self.clock, self.level_cost, self.heads = clock, level_cost, torch.nn.Linear(1, 1)
+        self.level_seconds: list[float] = []
+        self.depths: list[int] = []
+
+    def begin(self, prompt, root, features) -> None:
+        pass
+
+    def accept(self, tokens, features) -> None:
+        pass
+
+    def proposals(self, root: int, depth=None):
+        depth = depth or self.max_depth
+        self.depths.append(depth)
+        self.level_seconds = [self.level_cost * (d + 1) for d in range(depth)]
+        self.clock.now += self.level_cost * depth
+        return [7, 8, 9][:depth], [0.95, 0.5, 0.5][:depth], [-1, 0, 1][:depth]
+
+
+@pytest.mark.parametrize(
+    "level_cost, deep_right, best",
+    [(1e-4, True, 3), (0.02, True, 1), (0.002, True, 3), (0.002, False, 1)],
+    ids=["cheap-levels", "costly-levels", "deep-levels-right", "deep-levels-wrong"],
+)
+def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(monkeypatch, level_cost, deep_right, best):
+    """Steps cost 10 ms + 1 ms a node and each level of the stand-in drafter `level_cost`, on a fake clock: where
+    the deeper levels' tokens are right and cost less than they bring, the drafter expands all three levels; where
+    they cost more (20 ms a level against ~16 ms of a step per token) or are wrong, it expands one, but for its
+    probes."""
+    from types import SimpleNamespace
+
+    from headway.inference import draft_hybrid
+
+    clock = FakeClock()
+    monkeypatch.setattr(draft_hybrid, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    hc = HybridConfig(
+        gain_floor=0.0, depth_probe_every=8
+    )  # the neural drafter always runs: depth is under test
+    neural = LevelledNeural(clock, level_cost)
+    drafter = HybridDrafter(neural, hc, lambda n, depth: 0.010 + 0.001 * (n - 1))
+    drafter.begin(list(range(100, 140)), 1, torch.empty(0, 0))  # nothing repeats: no n-gram candidates
+    for i in range(48):
+        nodes, tree = drafter.draft(200 + i)
+        ids, node, accepted = nodes.tolist(), 0, []
+        for token in [7, 8, 9] if deep_right else [7]:
+            node = next((c for c in tree.children[node] if ids[c] == token), None)
+            if node is None:
+                break
+            accepted.append(token)
+        drafter.accept(accepted + [1000 + i], torch.empty(0, 0))
+    assert drafter.depths.best == best, drafter.depths.ratio
+    probes = neural.depths[::8]
+    assert probes == [3] * len(probes)  # every 8th step expands every level
+    assert [d for i, d in enumerate(neural.depths[16:], start=16) if i % 8] == [best] * 28
+    assert drafter.depths.seconds[1] == pytest.approx(level_cost)
+
+
+def test_drafting_depth_is_fixed_where_drafting_time_does_not_count(tiny_dirs):
+    """Untimed hybrids (node_cost >= 0, tune's replays) and depth_probe_every=0 keep inference.depth."""
+    t = load64(tiny_dirs["llama"])
+    neural = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 3, 3, 8)
+    assert HybridDrafter(neural, HybridConfig(), linear_cost(0.1), timed=False).depths is None
+    assert HybridDrafter(neural, HybridConfig(depth_probe_every=0), linear_cost(0.1)).depths is None
+    assert HybridDrafter(neural, HybridConfig(), linear_cost(0.1)).depths.most == 3
 
 
 def repetitive_ids(t) -> list[list[int]]:

@@ -24,8 +24,10 @@ FORMATS = [
     ("float32", "onednn"),
     ("float32", "mkl"),
     ("float32", "stream"),
+    ("float32", "float16"),
     ("bfloat16", "native"),
     ("bfloat16", "onednn"),
+    ("bfloat16", "float16"),
 ]
 
 
@@ -60,14 +62,22 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+class ScaledLinear(torch.nn.Linear):
+    """A linear of a kind the loop does not know (a user's own module in a target's layer)."""
+
+
 @torch.inference_mode()
 def test_a_format_the_loop_lacks_keeps_the_python_loop(tiny_dirs, caplog):
-    t = load_packed(tiny_dirs["llama"], "float16", "float32")
+    t = load_packed(tiny_dirs["llama"], "native", "float32")
+    attn = t.model.model.layers[0].self_attn
+    o = ScaledLinear(attn.o_proj.in_features, attn.o_proj.out_features, bias=False)
+    o.weight = attn.o_proj.weight
+    attn.o_proj = o
     with caplog.at_level(logging.INFO, logger="headway"):
         assert StaticRunner(t.model, 32)._loop is None
-    assert "does not cover Float16Linear weights" in caplog.text
+    assert "does not cover ScaledLinear weights" in caplog.text
     with pytest.raises(
-        HeadwayError, match=r"target.layer_loop=cpp: .*Float16Linear weights.*layer_loop=auto or python"
+        HeadwayError, match=r"target.layer_loop=cpp: .*ScaledLinear weights.*layer_loop=auto or python"
     ):
         StaticRunner(t.model, 32, loop="cpp")
 

@@ -5,6 +5,7 @@
 // (`target.fused_ops`). Built on first use by `inference/layer_loop.py`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <torch/csrc/jit/api/object.h>
 #include <torch/extension.h>
 
 #include "fused_ops.h"
@@ -21,7 +22,7 @@ using at::Tensor;
 namespace {
 
 // How a linear's weights run (the formats of `target.linear_weights` the loop supports).
-enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2, kStream = 3 };
+enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2, kStream = 3, kFP16 = 4 };
 
 struct Linear {
   int64_t kind;
@@ -29,7 +30,9 @@ struct Linear {
   Tensor packed;  // oneDNN and MKL: the prepacked weight
   std::optional<Tensor> bias;
   int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for; stream: the
-                 // most rows its kernel takes
+                 // most rows its kernel takes; float16: bf16 calls of up to this many rows go in row-exact chunks
+  c10::IValue fp16;  // float16: fbgemm's packed weight (bias included)
+  double scale;      // float16: the power of two its bf16 weight was multiplied by to fit float16
 };
 
 c10::OperatorHandle op(const char* name) {
@@ -73,8 +76,39 @@ Tensor stream(const Linear& l, const Tensor& x) {
   return boxed(handle, {x, l.weight, bias});
 }
 
+// packed_linear._fp16_linear: fbgemm's float16 kernel in float32; bf16 rows converted in and out, in chunks of 3 to 6
+// rows (packed_linear._fbgemm_chunked) where this CPU's kernel gives a row bits that depend on the row count
+Tensor fp16(const Linear& l, const Tensor& x) {
+  static const c10::OperatorHandle handle = op("quantized::linear_dynamic_fp16");
+  if (x.scalar_type() == at::kFloat) {
+    return boxed(handle, {x, l.fp16});
+  }
+  const Tensor xf = x.to(at::kFloat);
+  const int64_t rows = xf.size(0), least = 3, most = 6;
+  Tensor y;
+  if (rows > l.rows) {
+    y = boxed(handle, {xf, l.fp16});
+  } else if (rows < least) {
+    y = boxed(handle, {at::cat({xf, xf.slice(0, 0, 1).expand({least - rows, -1})}), l.fp16}).slice(0, 0, rows);
+  } else if (rows <= most) {
+    y = boxed(handle, {xf, l.fp16});
+  } else {
+    const int64_t chunks = (rows + most - 1) / most;
+    std::vector<Tensor> parts;
+    for (int64_t i = 0, start = 0; i < chunks; ++i) {
+      const int64_t size = rows / chunks + (i < rows % chunks ? 1 : 0);
+      parts.push_back(boxed(handle, {xf.slice(0, start, start + size), l.fp16}));
+      start += size;
+    }
+    y = at::cat(parts);
+  }
+  return (l.scale == 1.0 ? y : y.mul_(l.scale)).to(x.scalar_type());
+}
+
 Tensor linear(const Linear& l, const Tensor& x) {
   switch (l.kind) {
+    case kFP16:
+      return fp16(l, x);
     case kOneDNN:
       return onednn(l, x);
     case kMKL:
@@ -142,13 +176,17 @@ Tensor row_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cac
   return out.to(q.scalar_type());
 }
 
-using Spec = std::tuple<int64_t, Tensor, Tensor, std::optional<Tensor>, int64_t>;
+// (kind, weight, packed, bias, rows, fbgemm's packed float16 weight or None, its scale)
+using Spec = std::tuple<int64_t, Tensor, Tensor, std::optional<Tensor>, int64_t, py::object, double>;
 // A layer's projections: qkv (one fused linear, or q, k, v), o, the MLP's (one fused gate_up, or gate and up), down.
 using LayerSpec = std::tuple<std::vector<Spec>, Spec, std::vector<Spec>, Spec>;
 
 Linear to_linear(const Spec& s) {
-  const auto& [kind, weight, packed, bias, rows] = s;
-  return Linear{kind, weight, packed, bias, rows};
+  const auto& [kind, weight, packed, bias, rows, fp16, scale] = s;
+  // fbgemm's packed weight is a TorchScript object (torch.ScriptObject); the dispatcher takes it as an IValue
+  c10::IValue packed_fp16 = fp16.is_none() ? c10::IValue() : c10::IValue(fp16.cast<torch::jit::Object>()._ivalue());
+  TORCH_CHECK(kind != kFP16 || packed_fp16.isObject(), "layer loop: a float16 linear without its packed weight");
+  return Linear{kind, weight, packed, bias, rows, packed_fp16, scale};
 }
 
 struct Layer {
