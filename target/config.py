@@ -36,7 +36,8 @@ class TargetConfig:
     # CPU inference format of the linear weights (decoder layers, lm_head): native (as `dtype`), or float16
     # (weights packed as fp16 for fbgemm, float32 accumulation. float32 targets: half the memory traffic, outputs
     # equal this format's plain decoding, which can differ from float32's where two tokens nearly tie. bfloat16
-    # targets: exact bf16 math, the fastest one-token step on CPUs), or onednn (bfloat16 and float32 CPU targets: the
+    # targets: exact bf16 math, the fastest one-token step on CPUs, prompts of 64+ rows on a oneDNN copy where the CPU
+    # has oneDNN's bf16 kernels), or onednn (bfloat16 and float32 CPU targets: the
     # same weights prepacked for oneDNN's kernels; bf16: cheaper than float16 for trees of 8+ nodes; float32: one-row
     # steps that use every thread), or mkl (float32 CPU targets: the same weights prepacked for MKL's sgemm, which
     # one-token steps run through), or stream (float32 CPU targets: the weights as loaded, decoding steps through
