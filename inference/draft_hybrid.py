@@ -14,8 +14,8 @@ ran on, the tokens/s the target really gave is set against what the n-gram tree 
 step (the tree chosen without the neural candidates, walked along the tokens the target wrote), separately for
 steps that continue an accepted copy and steps that do not. An EAGLE drafter also expands only as many levels as
 pay for their drafting time: every few steps it expands all of them, and the tree each shallower depth would have
-made on that step is priced with that depth's measured drafting time. Verification, cache compaction and acceptance are the
-shared code, so greedy output is exactly plain decoding's and sampling keeps the target's distribution.
+made on that step is priced with that depth's measured drafting time. Verification, cache compaction and acceptance
+are the shared code, so greedy output is exactly plain decoding's and sampling keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -65,10 +65,10 @@ class HybridConfig:
     gain_memory: float = 0.97
     probe_every: int = 4
     probe_max: int = 32
-    # How many levels an EAGLE drafter expands (up to inference.depth): every depth_probe_every-th step it runs
-    # runs it expands all of them and prices the tree each shallower depth would have made on that step, with the
-    # drafting time measured for that depth; the other steps expand to the depth whose trees promised the most
-    # tokens/s. 0: always inference.depth.
+    # How many levels an EAGLE drafter expands (up to inference.depth): on every depth_probe_every-th step it runs, it
+    # expands all of them and prices the tree each shallower depth would have made on that step, with the drafting
+    # time measured for that depth; the other steps expand to the depth whose trees promised the most tokens/s.
+    # 0: always inference.depth.
     depth_probe_every: int = 8
 
     def __post_init__(self) -> None:
@@ -355,10 +355,9 @@ class DepthChoice:
 
     def __init__(self, most: int, probe_every: int):
         self.most, self.probe_every = most, probe_every
-        self.ratio: dict[
-            int, float
-        ] = {}  # depth -> moving average of its promised tokens/s over the full depth's
-        self.seconds: dict[int, float] = {}  # depth -> moving average of drafting seconds to that depth
+        # per depth: moving averages of its promised tokens/s over the full depth's, and of its drafting seconds
+        self.ratio: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
         self.best, self.since = most, 0
 
     def pick(self) -> tuple[int, bool]:
@@ -377,11 +376,9 @@ class DepthChoice:
             self.seconds[d] = _average(self.seconds.get(d), fixed + level_seconds[d - 1])
 
     def score(self, rates: dict[int, float]) -> None:
-        """A probe's promised tokens/s per depth (the full depth's included)."""
-        for (
-            d,
-            rate,
-        ) in rates.items():  # probes are few: each weighs 0.3, so the prior-led first ones fade fast
+        """A probe's promised tokens/s per depth (the full depth's included). Probes are few, so each weighs 0.3:
+        the first ones, led by the acceptance estimates' priors, fade fast."""
+        for d, rate in rates.items():
             self.ratio[d] = _average(self.ratio.get(d), rate / rates[self.most], 0.3)
         self.best = max(self.ratio, key=lambda d: (self.ratio[d], -d))
 
