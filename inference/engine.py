@@ -707,13 +707,17 @@ class StaticRunner:
             fused_ops and self._loop is not None and self.dtype in (torch.bfloat16, torch.float32)
         )
         # a fresh prompt's attention in the C++ loop: Headway's kernel, on bf16 brgemm in the fused loop where the CPU
-        # has it, and for float32 targets on float32 brgemm where the CPU has AVX-512
+        # has it (AMX), else there on float32 brgemm over the bf16 values where the CPU has AVX-512 (AVX512-BF16), and
+        # for float32 targets on float32 brgemm where the CPU has AVX-512
         mode = prompt_attention or getattr(model, "headway_prompt_attention", "auto")
         self.prompt_kernel = mode == "auto" and (
             (
                 self.fused_ops
                 and self.prompt_attn_dtype == torch.bfloat16
-                and layer_loop.extension().prompt_attention_available()
+                and (
+                    layer_loop.extension().prompt_attention_available()
+                    or layer_loop.extension().prompt_attention_f32_available()
+                )
             )
             or (
                 self._loop is not None

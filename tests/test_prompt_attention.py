@@ -14,6 +14,7 @@ from decode_helpers import load_packed
 from headway.inference import layer_loop
 from headway.inference.engine import StaticRunner
 from headway.inference.tree import build_tree
+from headway.runtime import native_bf16
 
 needs_brgemm = pytest.mark.skipif(
     layer_loop.extension() is None or not layer_loop.extension().prompt_attention_available(),
@@ -90,10 +91,19 @@ def test_bad_shapes_are_refused():
         layer_loop.extension().prompt_attention(q, k, v, 0.125)
 
 
-@needs_brgemm
+@pytest.mark.skipif(
+    layer_loop.extension() is None
+    or not native_bf16()
+    or not (
+        layer_loop.extension().prompt_attention_available()
+        or layer_loop.extension().prompt_attention_f32_available()
+    ),
+    reason="bf16 prompts attend through torch here (no native bf16, or no brgemm for the kernel)",
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_steps(tiny_dirs, arch: str):
+    """On bf16 brgemm (AMX), or on float32 brgemm over the bf16 values (AVX512-BF16 without AMX)."""
     t = load_packed(tiny_dirs[arch], "native", "bfloat16")
     ours = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="auto")
     torchs = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="sdpa")
