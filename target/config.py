@@ -63,9 +63,10 @@ class TargetConfig:
     # near-ties. See inference/csrc/fused_ops.cpp.
     fused_ops: bool = True
     # The causal attention of a fresh prompt in the C++ loop: auto (Headway's kernel, which scores each block of rows
-    # only against the keys it sees: bf16 prompts in the fused loop on oneDNN's bf16 brgemm where the CPU has one, AMX
-    # or AVX512-BF16, ~1.4x faster than torch's flash attention at 1,000 tokens; float32 prompts on float32 brgemm
-    # where the CPU has AVX-512), or sdpa (torch's). Plain and speculative decoding share the prompt, so either gives
+    # only against the keys it sees: bf16 prompts in the fused loop on oneDNN's bf16 brgemm where the CPU has it
+    # (AMX), ~1.4x faster than torch's flash attention at 1,000 tokens, else on float32 brgemm over the bf16 values
+    # where the CPU has AVX-512 (AVX512-BF16 without AMX: ~1.7x faster than torch's bf16 attention); float32 prompts on
+    # float32 brgemm where the CPU has AVX-512), or sdpa (torch's). Plain and speculative decoding share the prompt, so either gives
     # them the same tokens. See inference/csrc/prompt_attention.cpp.
     prompt_attention: str = "auto"
 
