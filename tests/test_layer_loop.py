@@ -143,8 +143,12 @@ def test_the_target_settings_reach_the_engine(tiny_dirs):
             StaticRunner(f32.model, 32).prompt_kernel
             == layer_loop.extension().prompt_attention_f32_available()
         )
-        # a fresh prompt's attention: Headway's kernel where the CPU has bf16 brgemm, unless told not to
-        available = layer_loop.extension().prompt_attention_available() and native_bf16(torch.device("cpu"))
+        # a fresh bf16 prompt's attention (native bf16 CPUs): Headway's kernel on bf16 brgemm (AMX), or on float32
+        # brgemm over the bf16 values (AVX-512), unless told not to
+        ext = layer_loop.extension()
+        available = native_bf16(torch.device("cpu")) and (
+            ext.prompt_attention_available() or ext.prompt_attention_f32_available()
+        )
         assert StaticRunner(bf16.model, 32).prompt_kernel == available
         sdpa = load_target(
             dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", prompt_attention="sdpa")
