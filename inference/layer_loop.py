@@ -23,6 +23,7 @@ from transformers import activations
 from headway.errors import HeadwayError
 from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
 from headway.target.packed_linear import (
+    BF16_PROMPT_ROWS,
     FBGEMM_CHUNKED_ROWS,
     MKL_PACKED_ROWS,
     STREAM_MAX_ROWS,
@@ -77,11 +78,15 @@ def _linear_spec(module: nn.Module) -> Optional[tuple]:
         return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad, None, 1.0)
     if isinstance(module, MKLLinear):
         return (_MKL, module.weight.detach(), module.packed, module.bias, MKL_PACKED_ROWS, None, 1.0)
-    if isinstance(module, StreamLinear):
+    if isinstance(
+        module, StreamLinear
+    ):  # bf16: its packed copy, for calls of fewer than BF16_PROMPT_ROWS rows
+        if module.packed is not None:
+            return (_STREAM, module.weight.detach(), module.packed, module.bias, BF16_PROMPT_ROWS, None, 1.0)
         return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS, None, 1.0)
     if isinstance(module, Float16Linear):  # bf16 calls of up to `rows` rows go in row-exact chunks (0: never)
         chunked = FBGEMM_CHUNKED_ROWS if fbgemm_rows_vary() else 0
-        prompt, bias = module.prompt or (torch.empty(0), None)  # bf16 prompts' oneDNN copy (FP16_PROMPT_ROWS)
+        prompt, bias = module.prompt or (torch.empty(0), None)  # bf16 prompts' oneDNN copy (BF16_PROMPT_ROWS)
         return (_FP16, torch.empty(0), prompt, bias, chunked, module.packed, module.scale)
     if type(module) is nn.Linear:
         bias = None if module.bias is None else module.bias.detach()

@@ -40,6 +40,7 @@ from torch import nn
 
 from headway.errors import HeadwayError
 from headway.runtime import amx_bf16
+from headway.target.stream_kernel import bf16_unavailable as stream_bf16_unavailable
 from headway.target.stream_kernel import unavailable as stream_unavailable
 
 LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl", "stream")
@@ -110,11 +111,13 @@ def fbgemm_rows_vary() -> bool:
     return _fbgemm_probe()[0]
 
 
-# bf16 calls of at least this many rows (a prompt's prefill) go through a oneDNN-packed copy of the bf16 weight where
-# the CPU has oneDNN's bf16 kernels: fbgemm's float16 kernel computes in float32 and is ~1.8x slower there on an AVX-512
-# CPU, while its one-row steps are ~1.7x faster than oneDNN's (docs/benchmarks.md). The row count alone picks the
-# kernel, and trees stay far below it, so plain and speculative decoding make the same calls and keep equal tokens.
-FP16_PROMPT_ROWS = 64
+# bf16 calls of at least this many rows (a prompt's prefill) leave the decoding kernels: float16 weights for a
+# oneDNN-packed copy of the bf16 weight where the CPU has oneDNN's bf16 kernels (fbgemm's float16 kernel computes in
+# float32 and is ~1.8x slower there on an AVX-512 CPU, while its one-row steps are ~1.7x faster than oneDNN's;
+# docs/benchmarks.md), stream weights for torch's linear. The row count alone picks the kernel, and every tree Headway
+# verifies stays below it (tune's largest: 64 rows), so plain and speculative decoding make the same calls and keep
+# equal tokens.
+BF16_PROMPT_ROWS = 128
 
 
 def _fp16_linear(
@@ -123,10 +126,10 @@ def _fp16_linear(
     """x [rows, in] times a weight packed as float16 (fbgemm), in float32; a bf16 x is converted in and out (exactly
     in: bf16 values are float32 values), in row-count-independent chunks where this CPU's kernels need them.
     `scale`: the power of two the packed weight was multiplied by. `prompt`: (oneDNN-packed bf16 weight, bias) for
-    bf16 calls of FP16_PROMPT_ROWS rows or more."""
+    bf16 calls of BF16_PROMPT_ROWS rows or more."""
     if x.dtype == torch.float32:
         return _fbgemm_fp16(x, packed)
-    if prompt is not None and x.shape[0] >= FP16_PROMPT_ROWS:
+    if prompt is not None and x.shape[0] >= BF16_PROMPT_ROWS:
         return _onednn_linear(x, prompt[0], prompt[1], 1)
     xf = x.float()
     if x.shape[0] <= FBGEMM_CHUNKED_ROWS and fbgemm_rows_vary():
@@ -182,7 +185,7 @@ class Float16Linear(nn.Module):
         if linear.weight.dtype == torch.bfloat16 and exact:
             weight, bias, self.scale = _float16_exact(linear.weight, linear.bias)
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight, bias)
-        # bf16 prompts' rows: the bf16 weight prepacked for oneDNN too, where it has bf16 kernels (FP16_PROMPT_ROWS)
+        # bf16 prompts' rows: the bf16 weight prepacked for oneDNN too, where it has bf16 kernels (BF16_PROMPT_ROWS)
         self.prompt: Optional[tuple] = None
         if linear.weight.dtype == torch.bfloat16 and not kernels_missing("onednn", torch.bfloat16):
             self.prompt = (
@@ -316,29 +319,41 @@ STREAM_MAX_ROWS = 32
 
 
 class StreamLinear(nn.Module):
-    """nn.Linear's forward for a float32 weight as loaded, decoding steps (up to STREAM_MAX_ROWS rows) through
-    Headway's streaming kernel (`torch.ops.headway_kernels.stream_linear`), prompts through torch's linear."""
+    """nn.Linear's forward for a float32 or bf16 weight, decoding steps through Headway's streaming kernels, prompts
+    through torch's linear over the weight as loaded. float32: the weight as loaded, calls of up to STREAM_MAX_ROWS
+    rows (`torch.ops.headway_kernels.stream_linear`); bf16: a copy packed for the AVX512-BF16 kernel, calls of fewer
+    than BF16_PROMPT_ROWS rows (`stream_linear_bf16`), every row's bits independent of the row count."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
-        """keep_weight, exact: always (the weight as loaded is the one it reads)."""
+        """keep_weight, exact: always (prompts read the weight as loaded; both kernels compute in its dtype)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self.packed: Optional[torch.Tensor] = None  # bf16: [out / 4, in / 32, 4, 32], the kernel's layout
+        if linear.weight.dtype == torch.bfloat16:
+            self.packed = torch.ops.headway_kernels.stream_pack_bf16(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = _stream_linear(x2, self.weight.detach(), self.bias)
+        y = _stream_linear(x2, self.weight.detach(), self.bias, self.packed)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=float32 streamed"
+        kind = "float32 streamed" if self.packed is None else "bf16 packed for the streaming kernel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights={kind}"
 
 
-def _stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] times `weight` [out, in]: a decoding step's float32 rows through the streaming kernel; a prompt's,
-    another dtype's (a float64 head beside the target) or a traced graph's (which cannot call it) through torch's
-    linear."""
+def _stream_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [rows, in] times `weight` [out, in]: a decoding step's rows through the streaming kernel (bf16 ones over
+    `packed`, in a compiled graph too: row-exact decoding needs its bits); a prompt's, another dtype's (a float64 head
+    beside the target) or a traced float32 graph's (which cannot call it) through torch's linear."""
+    if packed is not None and x.dtype == torch.bfloat16:
+        if x.shape[0] >= BF16_PROMPT_ROWS:
+            return torch.nn.functional.linear(x, weight, bias)
+        return torch.ops.headway_kernels.stream_linear_bf16(x, packed, bias, weight.shape[0])
     if x.shape[0] > STREAM_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
     if torch.compiler.is_compiling():
@@ -365,8 +380,8 @@ def row_linear(module: nn.Module) -> Any:
         packed, weight, bias = module.packed, module.weight.detach(), module.bias
         return lambda x: module(x) if torch.compiler.is_compiling() else _mkl_linear(x, packed, weight, bias)
     if isinstance(module, StreamLinear):
-        weight, bias = module.weight.detach(), module.bias
-        return lambda x: _stream_linear(x, weight, bias)
+        weight, bias, packed = module.weight.detach(), module.bias, module.packed
+        return lambda x: _stream_linear(x, weight, bias, packed)
     if isinstance(module, nn.Linear):
         return lambda x: torch.nn.functional.linear(x, module.weight, module.bias)
     return module
@@ -513,7 +528,7 @@ def _check_format(model: Any, fmt: str) -> None:
         "float16": (torch.float32, torch.bfloat16),
         "onednn": (torch.bfloat16, torch.float32),
         "mkl": (torch.float32,),
-        "stream": (torch.float32,),
+        "stream": (torch.float32, torch.bfloat16),
     }[fmt]
     names = " or ".join(str(d).removeprefix("torch.") for d in want)
     if p.device.type != "cpu" or p.dtype not in want:
@@ -549,7 +564,7 @@ def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None
             return "oneDNN has no bf16 kernels for this CPU"
         return None
     if fmt == "stream":
-        return stream_unavailable()
+        return stream_bf16_unavailable() if dtype == torch.bfloat16 else stream_unavailable()
     if fmt == "mkl":
         if not torch.backends.mkl.is_available() or not torch.backends.mkldnn.is_available():
             return "this torch build has no MKL (or no oneDNN, whose tensors hold MKL's packed weights)"

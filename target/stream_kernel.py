@@ -1,8 +1,9 @@
-"""Headway's float32 streaming linear (csrc/stream_linear.cpp), built on first use with torch's extension builder.
+"""Headway's streaming linears (csrc/stream_linear.cpp), built on first use with torch's extension builder.
 
-It registers `torch.ops.headway_kernels.stream_linear`, which `StreamLinear` (target.linear_weights=stream) and the
-static engine's C++ layer loop call. Building needs a C++ compiler once (cached under TORCH_EXTENSIONS_DIR); where
-there is none, or the CPU has neither AVX-512 nor AVX2 with FMA, the format is refused with the reason.
+It registers `torch.ops.headway_kernels.stream_linear` (float32) and `stream_linear_bf16` (bf16 rows over a weight
+packed by `stream_pack_bf16`), which `StreamLinear` (target.linear_weights=stream) and the static engine's C++ layer
+loop call. Building needs a C++ compiler once (cached under TORCH_EXTENSIONS_DIR); where there is none, or the CPU
+lacks the instructions (float32: AVX-512, or AVX2 with FMA; bf16: AVX512-BF16), the format is refused with the reason.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import os
 from typing import Any, Optional
 
+import torch
 from torch.utils import cpp_extension
 
 log = logging.getLogger("headway")
@@ -22,11 +24,19 @@ CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _BUILT: list[tuple[Optional[Any], str]] = []  # [(module, "")] once built, [(None, why)] once a build failed
 
 
+def _bf16_shape(
+    x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], out: int
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], out)
+
+
 def _build() -> tuple[Optional[Any], str]:
     if not _BUILT:
         log.info("building Headway's float32 streaming linear (once; cached by torch's extension builder)")
         try:
             _BUILT.append((cpp_extension.load("headway_stream_linear", [SOURCE], extra_cflags=CFLAGS), ""))
+            # the bf16 op's output shape, for torch.compile (which traces the compiled engine's steps through it)
+            torch.library.register_fake("headway_kernels::stream_linear_bf16")(_bf16_shape)
         except Exception as e:  # no compiler, no headers
             lines = str(e).strip().splitlines()
             _BUILT.append((None, f"it did not build here ({lines[-1] if lines else type(e).__name__})"))
@@ -38,7 +48,7 @@ def stream_kernel() -> Any:
     `unavailable` gives a reason."""
     why = unavailable()
     if why:
-        raise RuntimeError(f"the float32 streaming linear cannot run: {why}")
+        raise RuntimeError(f"the streaming linear cannot run: {why}")
     return _build()[0]
 
 
@@ -49,4 +59,14 @@ def unavailable() -> Optional[str]:
         return why
     if not module.available():
         return "this CPU has neither AVX-512 nor AVX2 with FMA"
+    return None
+
+
+def bf16_unavailable() -> Optional[str]:
+    """Why the streaming linear cannot run bf16 rows here; None where it can (building it on the first call)."""
+    module, why = _build()
+    if module is None:
+        return why
+    if not module.bf16_available():
+        return "its bf16 kernel needs a CPU with AVX512-BF16"
     return None

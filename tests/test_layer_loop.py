@@ -16,7 +16,7 @@ from headway.inference.engine import StaticRunner
 from headway.runtime import native_bf16
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
-from headway.target.packed_linear import FP16_PROMPT_ROWS, kernels_missing
+from headway.target.packed_linear import BF16_PROMPT_ROWS, kernels_missing
 
 FORMATS = [
     ("float64", "native"),
@@ -28,6 +28,7 @@ FORMATS = [
     ("bfloat16", "native"),
     ("bfloat16", "onednn"),
     ("bfloat16", "float16"),
+    ("bfloat16", "stream"),
 ]
 
 
@@ -65,12 +66,12 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
 @pytest.mark.skipif(bool(kernels_missing("onednn", torch.bfloat16)), reason="no oneDNN bf16 kernels here")
 @torch.inference_mode()
 def test_cpp_loop_gives_the_python_loops_bits_after_a_long_bf16_prompt_on_float16_weights(tiny_dirs):
-    """A prompt of FP16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 linear in both loops, and the
+    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 linear in both loops, and the
     decoding steps after it fbgemm's. (The fused loop: test_packed_linear's long-prompt decoding test.)"""
     t = load_packed(tiny_dirs["qwen2"], "float16", "bfloat16")  # qwen2: q/k/v biases, which the copy keeps
     python = StaticRunner(t.model, 128, loop="python")
     cpp = StaticRunner(t.model, 128, loop="cpp", fused_ops=False, prompt_attention="sdpa")
-    for ids in (torch.arange(10, 10 + FP16_PROMPT_ROWS + 3), torch.tensor([7]), torch.tensor([8])):
+    for ids in (torch.arange(10, 10 + BF16_PROMPT_ROWS + 3), torch.tensor([7]), torch.tensor([8])):
         (la, ha), (lb, hb) = python.forward(ids, hidden=True), cpp.forward(ids, hidden=True)
         assert torch.equal(la[len(la) - 1], lb[len(lb) - 1])
         assert all(torch.equal(x, y) for x, y in zip(ha, hb))

@@ -23,11 +23,12 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.target.config import TargetConfig
 from headway.target.loading import export_target, load_target
 from headway.target.packed_linear import (
-    FP16_PROMPT_ROWS,
+    BF16_PROMPT_ROWS,
     Float16Linear,
     MKLLinear,
     OneDNNLinear,
     StreamLinear,
+    fewest_rows,
     kernels_missing,
     linear_weights,
     pack_head_linear_weights,
@@ -292,31 +293,35 @@ def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_bf16_float16_weights_take_onednn_for_a_prompts_rows(bias: bool):
-    """bf16 calls of FP16_PROMPT_ROWS rows or more (prompts) run on a oneDNN-packed copy of the bf16 weight, with its
+    """bf16 calls of BF16_PROMPT_ROWS rows or more (prompts) run on a oneDNN-packed copy of the bf16 weight, with its
     bits; fewer rows (decoding steps, trees) on fbgemm's float16 kernel, each row the same bits at any such count."""
     torch.manual_seed(0)
     lin = nn.Linear(96, 40, bias=bias).bfloat16()
     f16, dnn = Float16Linear(lin), OneDNNLinear(lin)
-    x = torch.randn(FP16_PROMPT_ROWS + 5, 96).bfloat16()
+    x = torch.randn(BF16_PROMPT_ROWS + 5, 96).bfloat16()
     assert f16.prompt is not None and torch.equal(f16(x), dnn(x))
-    assert torch.equal(f16(x[:FP16_PROMPT_ROWS]), dnn(x[:FP16_PROMPT_ROWS]))
-    below = f16(x[: FP16_PROMPT_ROWS - 1])
+    assert torch.equal(f16(x[:BF16_PROMPT_ROWS]), dnn(x[:BF16_PROMPT_ROWS]))
+    below = f16(x[: BF16_PROMPT_ROWS - 1])
     fbgemm = F.linear(
-        x[: FP16_PROMPT_ROWS - 1].float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
+        x[: BF16_PROMPT_ROWS - 1].float(), lin.weight.float(), None if lin.bias is None else lin.bias.float()
     )
     torch.testing.assert_close(below.float(), fbgemm.bfloat16().float(), rtol=1e-2, atol=1e-2)
-    assert all(torch.equal(f16(x[i : i + 1]), below[i : i + 1]) for i in range(0, FP16_PROMPT_ROWS - 1, 7))
+    assert all(torch.equal(f16(x[i : i + 1]), below[i : i + 1]) for i in range(0, BF16_PROMPT_ROWS - 1, 7))
     assert Float16Linear(nn.Linear(96, 40)).prompt is None  # float32 weights: fbgemm for every row count
 
 
 @pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 kernels for this CPU")
-def test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_float16_weights(tiny_dirs):
-    """A prompt long enough for the oneDNN copy (FP16_PROMPT_ROWS), then EAGLE-3 and n-gram trees on fbgemm."""
-    t = load_packed(tiny_dirs["llama"], "float16", "bfloat16")
+@pytest.mark.parametrize("fmt", ["float16", "stream"])
+def test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights(tiny_dirs, fmt: str):
+    """A prompt long enough to leave the decoding kernels (BF16_PROMPT_ROWS: float16 weights' oneDNN copy, stream
+    weights' torch linear), then EAGLE-3 and n-gram trees on them (fbgemm, the AVX512-BF16 streaming kernel)."""
+    if kernels_missing(fmt, torch.bfloat16):
+        pytest.skip(kernels_missing(fmt, torch.bfloat16))
+    t = load_packed(tiny_dirs["llama"], fmt, "bfloat16")
     heads = random_head(t, "eagle3").bfloat16()
-    pack_head_linear_weights(heads, "float16")
-    ids = chat_ids(t, "Repeat this list twice: " + ", ".join(f"item {i}" for i in range(30)))
-    assert len(ids) >= FP16_PROMPT_ROWS
+    pack_head_linear_weights(heads, fmt)
+    ids = chat_ids(t, "Repeat this list twice: " + ", ".join(f"item {i}" for i in range(40)))
+    assert len(ids) >= BF16_PROMPT_ROWS
     stop = [t.tokenizer.eos_token_id]
     ref = greedy_generate(t.model, ids, 32, stop, engine="static")
     for drafter in (EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8), ngram_only(0.05, min_ngram=1)):
@@ -426,9 +431,78 @@ def test_float32_stream_weights_decode_exactly(tiny_dirs, arch: str):
     for engine in ("hf", "static"):
         assert_speculative_equals_plain(t, heads, engine)
     with pytest.raises(
-        HeadwayError, match="target.linear_weights=stream is a CPU format for float32 targets"
+        HeadwayError, match="target.linear_weights=stream is a CPU format for float32 or bfloat16 targets"
     ):
-        load_packed(tiny_dirs[arch], "stream", "bfloat16")
+        load_packed(tiny_dirs[arch], "stream", "float16")
+
+
+needs_stream_bf16 = pytest.mark.skipif(
+    kernels_missing("stream", torch.bfloat16) is not None,
+    reason=str(kernels_missing("stream", torch.bfloat16)),
+)
+
+
+@needs_stream_bf16
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(bias: bool):
+    """The AVX512-BF16 streaming kernel computes each output from its own row and weight row alone, in one fixed
+    order, over its packed copy of the weight: a row gets the same bits alone, among 1 to 33 rows and at 1 or 2
+    threads, and the exact product rounded to bf16 (to within one bf16 step where the float32 sum sits at a tie)."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        # the default target's sizes, and ragged ones (inputs not a multiple of 32, outputs not of 4)
+        for out_features, in_features in [(960, 576), (576, 1536), (67, 40), (5, 3)]:
+            lin = nn.Linear(in_features, out_features, bias=bias, dtype=torch.bfloat16)
+            packed = StreamLinear(lin)
+            assert packed.packed is not None
+            x = torch.randn(33, in_features).bfloat16()
+            torch.set_num_threads(1)
+            alone = torch.cat([packed(x[i : i + 1]) for i in range(33)])
+            ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+            torch.testing.assert_close(alone.double(), ref.bfloat16().double(), rtol=8e-3, atol=1e-3)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (1, 2, 3, 4, 5, 8, 16, 33):
+                    assert torch.equal(packed(x[:rows]), alone[:rows]), (
+                        out_features,
+                        in_features,
+                        n_threads,
+                        rows,
+                    )
+            assert torch.equal(row_linear(packed)(x[:3]), alone[:3])
+            # a prompt's rows go through torch's linear over the weight as loaded
+            prompt = torch.randn(BF16_PROMPT_ROWS, in_features).bfloat16()
+            assert torch.equal(packed(prompt), F.linear(prompt, lin.weight, lin.bias))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_stream_bf16
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_stream_weights_decode_exactly(tiny_dirs, arch: str):
+    """bf16 weights through the AVX512-BF16 streaming kernel (decoding steps, a one-token step unpadded) and torch's
+    linear (prompts): speculative decoding equals this format's plain decoding on every engine (after a long prompt:
+    test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights)."""
+    t = load_packed(tiny_dirs[arch], "stream", "bfloat16")
+    assert linear_weights(t.model) == "stream" and fewest_rows(t.model) == 1
+    heads = random_head(t, "eagle3")
+    assert pack_head_linear_weights(heads, "stream") > 0
+    for engine in ("hf", "static"):
+        assert_speculative_equals_plain(t, heads, engine)
+
+
+def test_bf16_stream_weights_say_which_cpu_they_need(tiny_dirs, monkeypatch):
+    """A CPU without AVX512-BF16 runs the float32 streaming kernel only: a bf16 target is refused with the reason."""
+    monkeypatch.setattr(
+        "headway.target.packed_linear.stream_bf16_unavailable",
+        lambda: "its bf16 kernel needs a CPU with AVX512-BF16",
+    )
+    with pytest.raises(
+        HeadwayError,
+        match=r"target.linear_weights=stream: no kernels for it here \(its bf16 kernel needs a CPU with AVX512-BF16\)",
+    ):
+        load_packed(tiny_dirs["llama"], "stream", "bfloat16")
 
 
 def test_stream_weights_say_why_they_cannot_run(tiny_dirs, monkeypatch):
@@ -495,11 +569,17 @@ def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
-@pytest.mark.parametrize("fmt", ["native", "float16"] + (["onednn"] if ONEDNN_BF16 else []))
+@pytest.mark.parametrize(
+    "fmt",
+    ["native", "float16"]
+    + (["onednn"] if ONEDNN_BF16 else [])
+    + (["stream"] if not kernels_missing("stream", torch.bfloat16) else []),
+)
 def test_bf16_compiles_row_exact_without_graph_breaks(tiny_dirs, fmt: str):
     """bf16 on the compiled engine is row-exact too: speculative decoding equals the compiled engine's plain decoding
     (EAGLE-3 and n-gram trees of every shape), and one graph of dynamic row count serves every step (a single token
-    pads to 2 rows; RowAttention and oneDNN's linears are opaque ops), with no graph break."""
+    pads to 2 rows where the format needs it; RowAttention and the packed formats' linears are opaque ops), with no
+    graph break."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     t = load_target(

@@ -27,10 +27,11 @@ enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2, kStream = 3, kFP16 = 4
 struct Linear {
   int64_t kind;
   Tensor weight;  // native, MKL (its fallback for other row counts) and stream: [out, in]
-  Tensor packed;  // oneDNN and MKL: the prepacked weight; float16: the bf16 weight prepacked for oneDNN, or empty
+  Tensor packed;  // oneDNN and MKL: the prepacked weight; float16: the bf16 weight prepacked for oneDNN, or empty;
+                  // stream: bf16, the weight packed for its kernel (float32: empty)
   std::optional<Tensor> bias;  // float16: the oneDNN copy's (fbgemm's packed weight holds its own)
   int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for; stream: the
-                 // most rows its kernel takes; float16: bf16 calls of up to this many rows go in row-exact chunks
+                 // most rows its float32 kernel takes, or the fewest its bf16 kernel leaves to at::linear; float16: bf16 calls of up to this many rows go in row-exact chunks
   c10::IValue fp16;  // float16: fbgemm's packed weight (bias included)
   double scale;      // float16: the power of two its bf16 weight was multiplied by to fit float16
 };
@@ -61,8 +62,8 @@ Tensor onednn_rows(const Linear& l, Tensor x, int64_t pad) {
 
 Tensor onednn(const Linear& l, const Tensor& x) { return onednn_rows(l, x, l.rows); }
 
-// packed_linear.FP16_PROMPT_ROWS: bf16 calls of this many rows or more take the oneDNN copy of a float16 linear
-constexpr int64_t kFP16PromptRows = 64;
+// packed_linear.BF16_PROMPT_ROWS: bf16 calls of this many rows or more take the oneDNN copy of a float16 linear
+constexpr int64_t kBF16PromptRows = 128;
 
 // packed_linear._mkl_linear
 Tensor mkl(const Linear& l, const Tensor& x) {
@@ -71,8 +72,15 @@ Tensor mkl(const Linear& l, const Tensor& x) {
   return boxed(handle, {x, l.packed, l.weight, bias, l.rows});
 }
 
-// packed_linear._stream_linear: the streaming kernel is another extension's op (target/csrc/stream_linear.cpp)
+// packed_linear._stream_linear: the streaming kernels are another extension's ops (target/csrc/stream_linear.cpp);
+// bf16 calls of fewer than `rows` rows over the packed copy, float32 ones of up to `rows` over the weight as loaded
 Tensor stream(const Linear& l, const Tensor& x) {
+  if (l.packed.numel() > 0 && x.scalar_type() == at::kBFloat16) {
+    if (x.size(0) >= l.rows) return at::linear(x, l.weight, l.bias);
+    static const c10::OperatorHandle bf16 = op("headway_kernels::stream_linear_bf16");
+    c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
+    return boxed(bf16, {x, l.packed, bias, l.weight.size(0)});
+  }
   if (x.size(0) > l.rows || x.scalar_type() != at::kFloat || l.weight.scalar_type() != at::kFloat) {
     return at::linear(x, l.weight, l.bias);
   }
@@ -88,7 +96,7 @@ Tensor fp16(const Linear& l, const Tensor& x) {
   if (x.scalar_type() == at::kFloat) {
     return boxed(handle, {x, l.fp16});
   }
-  if (l.packed.numel() > 0 && x.size(0) >= kFP16PromptRows) {
+  if (l.packed.numel() > 0 && x.size(0) >= kBF16PromptRows) {
     return onednn_rows(l, x, 1);
   }
   const Tensor xf = x.to(at::kFloat);

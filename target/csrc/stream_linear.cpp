@@ -109,6 +109,19 @@ inline __attribute__((always_inline)) V finish16(const V* acc) {
   return fold<1>(e[0], e[1]);
 }
 
+// `finish16` of the first N accumulators (the rest zero), skipping the additions of zeros alone: the same bits in
+// lanes [0, N) in fewer vector additions (5 instead of 15 for 4).
+template <int N, typename V>
+inline __attribute__((always_inline)) V finish_n(const V* acc) {
+  static_assert(N >= 1 && N <= 16, "1 to 16 accumulators");
+  V c[8] = {}, d[4] = {}, e[2] = {};
+  const V zero{};
+  for (int p = 0; p < (N + 1) / 2; ++p) c[p] = fold<8>(acc[2 * p], 2 * p + 1 < N ? acc[2 * p + 1] : zero);
+  for (int p = 0; p < (N + 3) / 4; ++p) d[p] = fold<4>(c[2 * p], c[2 * p + 1]);
+  for (int p = 0; p < (N + 7) / 8; ++p) e[p] = fold<2>(d[2 * p], d[2 * p + 1]);
+  return fold<1>(e[0], e[1]);
+}
+
 // Outputs [o, o + NO) of rows [r, r + NR): acc = acc + w * x lane by lane over the inputs, contracted to a fused
 // multiply-add (the callers' fp-contract=fast), then `finish` (`finish16` where the tile has 3 to 16, padded with
 // zero accumulators, whose sums are dropped).
@@ -198,6 +211,117 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))) void block_avx
 }
 #endif
 
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// bf16 rows times bf16 weights (a bf16 target's decoding steps) on CPUs with AVX512-BF16: each output is one fixed
+// sequence of `vdpbf16ps` over 32 inputs at a time (16 float lanes, each adding two products a step), then `finish`'s
+// fixed tree and the bias, rounded once to bf16. The sequence depends on the output's own row and weight row alone, as
+// in the float32 kernel, so neither the row count nor the thread count changes a bit; a tree's rows cost little beside
+// the first (a vdpbf16ps does 32 multiply-adds, and every row shares each weight load), where fbgemm's float16 kernel
+// does 16 float32 ones after converting the weight.
+constexpr int kGroup = 4;  // outputs a bf16 tile computes together: the packed weight's groups
+// How far ahead a bf16 call prefetches the packed weight, in bf16 values (8 KB, in whole groups; 4 to 32 KB streamed
+// the default target's weights alike on an AVX512-BF16 EPYC, 2 threads), into the second-level cache. Each tile of a
+// call of several row tiles prefetches its share of the group ahead, so that the memory keeps streaming while a
+// group's later tiles compute on weights already in the first-level cache.
+constexpr int64_t kPrefetch = 4096;
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512bf16")
+#include <immintrin.h>
+
+inline __attribute__((always_inline)) __m512bh load_bf16(const uint16_t* p, int64_t count) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(count >= 32 ? ~0u : ((1u << count) - 1u), p);
+}
+
+inline __attribute__((always_inline)) uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // a quiet NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The weight packed by `pack_bf16`: [groups of kGroup outputs, blocks of 32 inputs, kGroup, 32], zero-padded, so a
+// tile reads one sequential stream (the prefetchers then run ahead of it; the weight as loaded has a stream per row).
+struct Prefetch {
+  const char* base;   // this tile's share of a group ahead
+  int64_t bytes;      // its size
+  int64_t per_block;  // cache lines to prefetch each block of 32 inputs
+};
+
+template <int NR>
+inline __attribute__((always_inline)) void tile_bf16(const uint16_t* x, int64_t r, const uint16_t* group,
+                                                     int64_t blocks, int64_t in, int64_t o, const float* bias,
+                                                     uint16_t* y, int64_t out, Prefetch pf) {
+  constexpr int NO = kGroup;
+  __m512 acc[NR * NO];
+#pragma GCC unroll 16
+  for (int a = 0; a < NR * NO; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    const int64_t k = kb * 2 * kLanes, count = std::min<int64_t>(2 * kLanes, in - k);
+    const uint16_t* p = group + kb * NO * 2 * kLanes;
+    for (int64_t l = 0; l < pf.per_block; ++l) {
+      const int64_t off = (kb * pf.per_block + l) * 64;
+      if (off < pf.bytes) __builtin_prefetch(pf.base + off, 0, 1);
+    }
+    __m512bh wv[NO];
+#pragma GCC unroll 4
+    for (int j = 0; j < NO; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(p + j * 2 * kLanes);
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; ++i) {
+      const __m512bh xv = load_bf16(x + (r + i) * in + k, count);
+#pragma GCC unroll 4
+      for (int j = 0; j < NO; ++j) acc[i * NO + j] = _mm512_dpbf16_ps(acc[i * NO + j], wv[j], xv);
+    }
+  }
+  float sums[kLanes];
+  v16 sum[NR * NO];
+#pragma GCC unroll 16
+  for (int a = 0; a < NR * NO; ++a) sum[a] = (v16)acc[a];
+  const v16 all = finish_n<NR * NO>(sum);
+  std::memcpy(sums, &all, sizeof(sums));
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NO && o + j < out; ++j) {
+      y[(r + i) * out + o + j] = round_bf16(sums[i * NO + j] + (bias == nullptr ? 0.0f : bias[o + j]));
+    }
+  }
+}
+
+// Output groups [begin, end) of every row, in tiles of 4 rows (the last tile shorter; 4 x 4 accumulators, 4 weight
+// vectors and an input vector in AVX-512's 32 registers).
+void block_bf16(const uint16_t* x, int64_t rows, const uint16_t* packed, int64_t blocks, int64_t in, int64_t begin,
+                int64_t end, const float* bias, uint16_t* y, int64_t out) {
+  const int64_t group_bytes = blocks * kGroup * 2 * kLanes * 2, tiles = (rows + 3) / 4;
+  const int64_t ahead = std::max<int64_t>(1, (kPrefetch * 2 + group_bytes - 1) / group_bytes);
+  const int64_t share = ((group_bytes + tiles - 1) / tiles + 63) / 64 * 64;
+  const int64_t per_block = (share / 64 + blocks - 1) / blocks;
+  for (int64_t g = begin; g < end; ++g) {
+    const uint16_t* group = packed + g * blocks * kGroup * 2 * kLanes;
+    const char* next = reinterpret_cast<const char*>(group) + ahead * group_bytes;
+    const int64_t o = g * kGroup;
+    int64_t r = 0, t = 0;
+    auto part = [&](int64_t tile) {
+      const int64_t start = std::min(tile * share, group_bytes);
+      return Prefetch{next + start, std::min(share, group_bytes - start), per_block};
+    };
+    for (; r + 4 <= rows; r += 4, ++t) tile_bf16<4>(x, r, group, blocks, in, o, bias, y, out, part(t));
+    switch (rows - r) {
+      case 3:
+        tile_bf16<3>(x, r, group, blocks, in, o, bias, y, out, part(t));
+        break;
+      case 2:
+        tile_bf16<2>(x, r, group, blocks, in, o, bias, y, out, part(t));
+        break;
+      case 1:
+        tile_bf16<1>(x, r, group, blocks, in, o, bias, y, out, part(t));
+        break;
+      default:
+        break;
+    }
+  }
+}
+#pragma GCC pop_options
+#endif
+
 using Block = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, float*, int64_t);
 
 // The widest build this CPU runs, or the one `isa` names (avx512, avx2; tests compare them); none: no build here.
@@ -231,6 +355,51 @@ Tensor run_stream(const Tensor& x_in, const Tensor& weight, const std::optional<
   return y;
 }
 
+bool bf16_supported() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// [out, in] bf16 -> [ceil(out / kGroup), ceil(in / 32), kGroup, 32], zero-padded (block_bf16's layout)
+Tensor pack_bf16(const Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2, "stream_linear: pack a [out, in] bf16 weight");
+  const int64_t out = weight.size(0), in = weight.size(1);
+  const int64_t groups = (out + kGroup - 1) / kGroup, blocks = (in + 2 * kLanes - 1) / (2 * kLanes);
+  Tensor padded = at::zeros({groups * kGroup, blocks * 2 * kLanes}, weight.options());
+  padded.slice(0, 0, out).slice(1, 0, in).copy_(weight);
+  return padded.view({groups, kGroup, blocks, 2 * kLanes}).permute({0, 2, 1, 3}).contiguous();
+}
+
+Tensor run_stream_bf16(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias, int64_t out) {
+  TORCH_CHECK(bf16_supported(), "stream_linear: bf16 rows need a CPU with AVX512-BF16");
+  const Tensor x = x_in.contiguous();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kGroup &&
+                  packed.size(3) == 2 * kLanes && packed.size(1) == (x.size(1) + 2 * kLanes - 1) / (2 * kLanes) &&
+                  packed.size(0) == (out + kGroup - 1) / kGroup,
+              "stream_linear_bf16: x [m, in] bfloat16 and a weight packed by stream_pack_bf16 for [out, in]");
+  const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(1), groups = packed.size(0);
+  Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == out, "stream_linear_bf16: bias [out]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  Tensor y = at::empty({rows, out}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if defined(__x86_64__) && defined(__GNUC__)
+  at::parallel_for(0, groups, kGrain / kGroup,
+                   [&](int64_t b0, int64_t e0) { block_bf16(xp, rows, wp, blocks, in, b0, e0, bp, yp, out); });
+#endif
+  return y;
+}
+
 }  // namespace
 
 bool stream_linear_available() { return pick_block() != nullptr; }
@@ -242,12 +411,21 @@ Tensor stream_linear(const Tensor& x, const Tensor& weight, const std::optional<
 }
 
 // The op the C++ layer loop calls through the dispatcher (it is another extension) and Python through torch.ops.
-TORCH_LIBRARY(headway_kernels, m) { m.def("stream_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor"); }
+TORCH_LIBRARY(headway_kernels, m) {
+  m.def("stream_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("stream_linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out) -> Tensor");
+  m.def("stream_pack_bf16(Tensor weight) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(headway_kernels, CPU, m) { m.impl("stream_linear", &stream_linear); }
+TORCH_LIBRARY_IMPL(headway_kernels, CPU, m) {
+  m.impl("stream_linear", &stream_linear);
+  m.impl("stream_linear_bf16", &run_stream_bf16);
+  m.impl("stream_pack_bf16", &pack_bf16);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &stream_linear_available, "whether this CPU runs stream_linear");
+  m.def("bf16_available", &bf16_supported, "whether this CPU runs stream_linear over bf16 rows (AVX512-BF16)");
   m.def(
       "stream_linear_isa",
       [](const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, const std::string& isa) {
