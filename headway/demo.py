@@ -66,8 +66,8 @@ class DemoConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     # Decode in bf16 where the CPU has oneDNN's bf16 kernels and target.* is left at float32 / native weights: with
     # the weights prepacked for oneDNN on AMX CPUs (target.linear_weights=onednn: the format whose trees are cheapest),
-    # with them packed as float16 elsewhere (AVX512-BF16: target.linear_weights=float16, the fastest step there;
-    # docs/benchmarks.md); both exact bf16; on other CPUs
+    # through Headway's bf16 streaming linear elsewhere (AVX512-BF16: target.linear_weights=stream, the fastest step
+    # there, or where it cannot build, float16-packed weights; docs/benchmarks.md); all exact bf16; on other CPUs
     # (AVX2) float32 through Headway's streaming linear (target.linear_weights=stream), which reads a step's weights
     # at about the memory's rate, or where it cannot build, oneDNN-packed weights (on one thread, MKL-packed ones).
     # --train still distils and trains in target.dtype. false: decode as target.* says.
@@ -158,8 +158,9 @@ def decoding_inference(cfg: DemoConfig, target: TargetConfig) -> InferenceConfig
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
     """The target settings the demo decodes with where `fast_cpu_format` applies: on CPUs with oneDNN's bf16 kernels,
-    bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost little), else bf16 with
-    float16-packed weights (fbgemm's one-row kernel streams the weights fastest; prompts take a oneDNN copy); on
+    bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost little), else bf16
+    through Headway's AVX512-BF16 streaming linear (the fastest step, and cheap tree rows), or where it cannot build,
+    float16-packed weights (fbgemm's one-row kernel; prompts take a oneDNN copy); on
     other CPUs float32 through the streaming linear, or where it cannot run, with oneDNN-packed weights (one-row
     steps that use every thread), or MKL-packed ones on one thread."""
 
@@ -186,6 +187,12 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
             f"{'MKL' if packed == 'mkl' else 'oneDNN'} (fast_cpu_format=false: torch's own float32 linears)"
         )
         return dataclasses.replace(t, linear_weights=packed)
+    if not amx_bf16() and not kernels_missing("stream", torch.bfloat16):
+        print(
+            "== this CPU has bf16 instructions without AMX: decoding the target in bf16 through Headway's AVX512-BF16 "
+            "streaming linear, the fastest step and cheapest tree rows here (fast_cpu_format=false: float32)"
+        )
+        return dataclasses.replace(t, dtype="bfloat16", linear_weights="stream")
     if amx_bf16() or kernels_missing("float16", torch.bfloat16):
         print(
             "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "

@@ -40,10 +40,10 @@ class TargetConfig:
     # has oneDNN's bf16 kernels), or onednn (bfloat16 and float32 CPU targets: the
     # same weights prepacked for oneDNN's kernels; bf16: cheaper than float16 for trees of 8+ nodes; float32: one-row
     # steps that use every thread), or mkl (float32 CPU targets: the same weights prepacked for MKL's sgemm, which
-    # one-token steps run through), or stream (float32 CPU targets: the weights as loaded, decoding steps through
-    # Headway's streaming kernel, the fastest float32 one-token step and a row's bits independent of the row count,
-    # thread count and vector width; needs AVX2 with FMA or AVX-512, and a C++ compiler once). See
-    # target/packed_linear.py.
+    # one-token steps run through), or stream (float32 and bfloat16 CPU targets: decoding steps through Headway's
+    # streaming kernels, a row's bits independent of the row count and thread count; float32: the weights as loaded,
+    # the fastest float32 one-token step, needs AVX2 with FMA or AVX-512; bfloat16: a packed copy, needs AVX512-BF16,
+    # the fastest bf16 step and cheapest tree rows without AMX; a C++ compiler once). See target/packed_linear.py.
     linear_weights: str = "native"
     # How the static engine runs the decoder layers of a CPU decoding step: cpp (one C++ call per step, built with
     # this machine's compiler on first use and cached; the same kernels in the same order as python, so the same

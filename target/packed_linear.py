@@ -16,10 +16,12 @@ and the kernels cost. Three formats replace every nn.Linear by a module over a p
 - `mkl` (float32 targets): the same float32 weights prepacked for MKL's packed sgemm, which one-row calls (a
   one-token step) run through: it streams the weights closer to the memory's rate than torch's or oneDNN's float32
   kernels. Calls of other row counts (trees, prompts) take torch's float32 linear over the weights as loaded.
-- `stream` (float32 targets): the float32 weights as loaded, decoding steps (up to STREAM_MAX_ROWS rows) through
-  Headway's own kernel (target/csrc/stream_linear.cpp), which streams a one-token step's weights at about the
-  memory's rate on every thread and gives a row the same bits whatever the other rows, the thread count or the CPU's
-  vector width. Prompts take torch's float32 linear.
+- `stream` (float32 and bfloat16 targets): decoding steps through Headway's own kernels (target/csrc/stream_linear.cpp),
+  which stream a one-token step's weights at about the memory's rate on every thread and give a row the same bits
+  whatever the other rows or the thread count. float32: the weights as loaded, calls of up to STREAM_MAX_ROWS rows,
+  AVX-512 or AVX2 builds alike. bfloat16 (CPUs with AVX512-BF16): a copy packed for its kernel, bf16 products summed
+  in float32 by `vdpbf16ps`, calls of fewer than BF16_PROMPT_ROWS rows; a tree's rows cost little beside the first
+  (the fastest bf16 format on AVX512-BF16 CPUs without AMX). Prompts take torch's linear over the weights as loaded.
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the

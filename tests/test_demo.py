@@ -98,23 +98,30 @@ def fast_format() -> tuple[str, str]:
     """The demo's format on this CPU (dtype, linear_weights)."""
     if kernels_missing("onednn") is not None:
         return ("float32", "stream")
-    return ("bfloat16", "onednn" if amx_bf16() else "float16")
+    if amx_bf16():
+        return ("bfloat16", "onednn")
+    return ("bfloat16", "float16" if kernels_missing("stream", torch.bfloat16) else "stream")
 
 
-@pytest.mark.parametrize("amx", [True, False])
-def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_float16_weights_elsewhere(
-    monkeypatch, amx: bool
+@pytest.mark.parametrize("amx,stream", [(True, True), (False, True), (False, False)])
+def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream_elsewhere(
+    monkeypatch, amx: bool, stream: bool
 ):
-    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) fbgemm's float16 one-row
-    kernel makes the faster step (docs/benchmarks.md)."""
+    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) Headway's bf16 streaming
+    linear makes the faster step and cheaper trees, or where it cannot build, fbgemm's float16 one-row kernel
+    (docs/benchmarks.md)."""
     from headway import demo
     from headway.demo import DemoConfig, decoding_target
     from headway.target.config import TargetConfig
 
-    monkeypatch.setattr(demo, "kernels_missing", lambda fmt, dtype=torch.bfloat16: None)
+    def missing(fmt: str, dtype=torch.bfloat16):
+        return "not built" if (fmt, dtype) == ("stream", torch.bfloat16) and not stream else None
+
+    monkeypatch.setattr(demo, "kernels_missing", missing)
     monkeypatch.setattr(demo, "amx_bf16", lambda: amx)
     t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
-    assert (t.dtype, t.linear_weights) == ("bfloat16", "onednn" if amx else "float16")
+    want = "onednn" if amx else "stream" if stream else "float16"
+    assert (t.dtype, t.linear_weights) == ("bfloat16", want)
 
 
 @pytest.mark.parametrize("stream", [True, False])
