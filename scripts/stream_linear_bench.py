@@ -1,9 +1,11 @@
-"""Time the streaming float32 linear beside oneDNN's packed float32 kernel on the default target's linears.
+"""Time the streaming linear beside the other packed formats' kernels on the default target's linears.
 
-target/csrc/stream_linear.cpp against OneDNNLinear: each of a SmolLM2-135M step's 121 products (random weights of its shapes) once per call
-count, for 1, 4 and 16 rows; the best of 5 passes, and the weights' bytes over that time.
+target/csrc/stream_linear.cpp against the other formats: each of a SmolLM2-135M step's 121 products (random weights of
+its shapes) once per call count; the best of 5 passes, and the weights' bytes over that time. float32 (1, 4 and 16
+rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8 and 16 rows; CPUs with AVX512-BF16):
+StreamLinear against Float16Linear (fbgemm) and OneDNNLinear, as a bf16 target's decoding calls them.
 
-    taskset -c 0,1 python scripts/stream_linear_bench.py --threads 2 [--isa avx2]
+    taskset -c 0,1 python scripts/stream_linear_bench.py --threads 2 [--isa avx2] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from headway.target.packed_linear import OneDNNLinear
+from headway.target.packed_linear import Float16Linear, OneDNNLinear, StreamLinear
 from headway.target.stream_kernel import stream_kernel
 
 # (out, in) of one decoder layer's fused q/k/v, o, fused gate/up and down, 30 layers, then the lm_head
@@ -35,9 +37,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads for both kernels")
     ap.add_argument("--isa", default="auto", help="the streaming kernel's build: auto, avx512 or avx2")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' and rows' dtype"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ext = stream_kernel()
+    if args.dtype == "bfloat16":
+        bf16(args.threads)
+        return
     linears = [nn.Linear(k, n, bias=False) for n, k in SHAPES]
     weights = [lin.weight.detach() for lin in linears]
     packed = [OneDNNLinear(lin) for lin in linears]
@@ -53,6 +61,24 @@ def main() -> None:
             f"rows {rows:2d}: stream ({isa}) {stream:6.1f} ms ({mb / stream:.1f} GB/s), "
             f"oneDNN {onednn:6.1f} ms ({mb / onednn:.1f} GB/s)"
         )
+
+
+def bf16(threads: int) -> None:
+    """The bf16 formats' modules over the same bf16 weights, as a bf16 target's decoding steps call them."""
+    linears = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for n, k in SHAPES]
+    formats = {
+        "stream": [StreamLinear(lin) for lin in linears],
+        "float16": [Float16Linear(lin) for lin in linears],
+        "onednn": [OneDNNLinear(lin) for lin in linears],
+    }
+    mb = sum(lin.weight.numel() * 2 for lin in linears) / 1e6
+    print(f"{len(SHAPES)} bf16 linears, {mb:.0f} MB of weights, {threads} thread(s): ms per pass (GB/s)")
+    for rows in (1, 2, 4, 8, 16):
+        xs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
+        ms = {
+            name: best_ms(lambda m=mods: [p(xs[p.in_features]) for p in m]) for name, mods in formats.items()
+        }
+        print(f"rows {rows:2d}: " + ", ".join(f"{name} {t:6.1f} ({mb / t:.1f})" for name, t in ms.items()))
 
 
 def _runs(ext, isa: str) -> bool:
