@@ -233,13 +233,6 @@ inline __attribute__((always_inline)) __m512bh load_bf16(const uint16_t* p, int6
   return (__m512bh)_mm512_maskz_loadu_epi16(count >= 32 ? ~0u : ((1u << count) - 1u), p);
 }
 
-inline __attribute__((always_inline)) uint16_t round_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // a quiet NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 // The weight packed by `pack_bf16`: [groups of kGroup outputs, blocks of 32 inputs, kGroup, 32], zero-padded, so a
 // tile reads one sequential stream (the prefetchers then run ahead of it; the weight as loaded has a stream per row).
 struct Prefetch {
@@ -250,7 +243,7 @@ struct Prefetch {
 
 template <int NR>
 inline __attribute__((always_inline)) void tile_bf16(const uint16_t* x, int64_t r, const uint16_t* group,
-                                                     int64_t blocks, int64_t in, int64_t o, const float* bias,
+                                                     int64_t blocks, int64_t in, int64_t o, __m512 bias,
                                                      uint16_t* y, int64_t out, Prefetch pf) {
   constexpr int NO = kGroup;
   __m512 acc[NR * NO];
@@ -273,15 +266,18 @@ inline __attribute__((always_inline)) void tile_bf16(const uint16_t* x, int64_t 
       for (int j = 0; j < NO; ++j) acc[i * NO + j] = _mm512_dpbf16_ps(acc[i * NO + j], wv[j], xv);
     }
   }
-  float sums[kLanes];
   v16 sum[NR * NO];
 #pragma GCC unroll 16
   for (int a = 0; a < NR * NO; ++a) sum[a] = (v16)acc[a];
-  const v16 all = finish_n<NR * NO>(sum);
-  std::memcpy(sums, &all, sizeof(sums));
+  // lane i * NO + j: row r + i, output o + j; plus its bias, rounded to bf16 (to nearest even) in one instruction
+  const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps((__m512)finish_n<NR * NO>(sum), bias));
+  uint16_t out16[kLanes];
+  std::memcpy(out16, &rounded, sizeof(out16));
   for (int i = 0; i < NR; ++i) {
-    for (int j = 0; j < NO && o + j < out; ++j) {
-      y[(r + i) * out + o + j] = round_bf16(sums[i * NO + j] + (bias == nullptr ? 0.0f : bias[o + j]));
+    if (o + NO <= out) {
+      std::memcpy(y + (r + i) * out + o, out16 + i * NO, NO * sizeof(uint16_t));
+    } else {
+      for (int j = 0; o + j < out; ++j) y[(r + i) * out + o + j] = out16[i * NO + j];
     }
   }
 }
@@ -298,21 +294,24 @@ void block_bf16(const uint16_t* x, int64_t rows, const uint16_t* packed, int64_t
     const uint16_t* group = packed + g * blocks * kGroup * 2 * kLanes;
     const char* next = reinterpret_cast<const char*>(group) + ahead * group_bytes;
     const int64_t o = g * kGroup;
+    float lanes[kLanes] = {};  // lane i * kGroup + j: output o + j's bias (zero past the last output)
+    for (int q = 0; q < kLanes && bias != nullptr; ++q) lanes[q] = o + q % kGroup < out ? bias[o + q % kGroup] : 0.0f;
+    const __m512 bias_lanes = _mm512_loadu_ps(lanes);
     int64_t r = 0, t = 0;
     auto part = [&](int64_t tile) {
       const int64_t start = std::min(tile * share, group_bytes);
       return Prefetch{next + start, std::min(share, group_bytes - start), per_block};
     };
-    for (; r + 4 <= rows; r += 4, ++t) tile_bf16<4>(x, r, group, blocks, in, o, bias, y, out, part(t));
+    for (; r + 4 <= rows; r += 4, ++t) tile_bf16<4>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
     switch (rows - r) {
       case 3:
-        tile_bf16<3>(x, r, group, blocks, in, o, bias, y, out, part(t));
+        tile_bf16<3>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
         break;
       case 2:
-        tile_bf16<2>(x, r, group, blocks, in, o, bias, y, out, part(t));
+        tile_bf16<2>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
         break;
       case 1:
-        tile_bf16<1>(x, r, group, blocks, in, o, bias, y, out, part(t));
+        tile_bf16<1>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
         break;
       default:
         break;
