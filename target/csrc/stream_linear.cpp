@@ -6,6 +6,7 @@
 // over 16 lanes and a fixed reduction that depend on its own row and weight row alone, so neither the row count, the
 // other rows, the thread count nor the CPU's vector width (AVX-512 or AVX2) changes a bit: a tree's rows stay
 // one-token steps. Prompts (many rows) are better read in cache blocks: `StreamLinear` gives them to at::linear.
+// bf16 targets (CPUs with AVX512-BF16) have their own kernel below, over a packed copy of the weight.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -211,7 +212,6 @@ __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))) void block_avx
 }
 #endif
 
-
 #if defined(__x86_64__) && defined(__GNUC__)
 // bf16 rows times bf16 weights (a bf16 target's decoding steps) on CPUs with AVX512-BF16: each output is one fixed
 // sequence of `vdpbf16ps` over 32 inputs at a time (16 float lanes, each adding two products a step), then `finish`'s
@@ -233,14 +233,15 @@ inline __attribute__((always_inline)) __m512bh load_bf16(const uint16_t* p, int6
   return (__m512bh)_mm512_maskz_loadu_epi16(count >= 32 ? ~0u : ((1u << count) - 1u), p);
 }
 
-// The weight packed by `pack_bf16`: [groups of kGroup outputs, blocks of 32 inputs, kGroup, 32], zero-padded, so a
-// tile reads one sequential stream (the prefetchers then run ahead of it; the weight as loaded has a stream per row).
 struct Prefetch {
   const char* base;   // this tile's share of a group ahead
   int64_t bytes;      // its size
   int64_t per_block;  // cache lines to prefetch each block of 32 inputs
 };
 
+// Outputs [o, o + kGroup) of rows [r, r + NR) over the weight packed by `pack_bf16` ([groups of kGroup outputs,
+// blocks of 32 inputs, kGroup, 32], zero-padded), so that a tile reads one sequential stream (the prefetchers then run
+// ahead of it; the weight as loaded has a stream per row). `bias`: lane i * kGroup + j holds output o + j's.
 template <int NR>
 inline __attribute__((always_inline)) void tile_bf16(const uint16_t* x, int64_t r, const uint16_t* group,
                                                      int64_t blocks, int64_t in, int64_t o, __m512 bias,
