@@ -23,7 +23,6 @@ from transformers import activations
 from headway.errors import HeadwayError
 from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
 from headway.target.packed_linear import (
-    BF16_PROMPT_ROWS,
     FBGEMM_CHUNKED_ROWS,
     MKL_PACKED_ROWS,
     STREAM_MAX_ROWS,
@@ -72,17 +71,20 @@ def extension() -> Optional[Any]:
 
 
 def _linear_spec(module: nn.Module) -> Optional[tuple]:
-    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows, fbgemm's packed float16 weight or None,
-    its scale), or None for a format it lacks."""
+    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows, fbgemm's packed float16 weight or the bf16
+    streaming kernel's packed tensor or None, float16's scale), or None for a format it lacks."""
     if isinstance(module, OneDNNLinear):
         return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad, None, 1.0)
     if isinstance(module, MKLLinear):
         return (_MKL, module.weight.detach(), module.packed, module.bias, MKL_PACKED_ROWS, None, 1.0)
-    if isinstance(
-        module, StreamLinear
-    ):  # bf16: its packed copy, for calls of fewer than BF16_PROMPT_ROWS rows
-        if module.packed is not None:
-            return (_STREAM, module.weight.detach(), module.packed, module.bias, BF16_PROMPT_ROWS, None, 1.0)
+    if isinstance(module, StreamLinear):
+        if (
+            module.packed is not None
+        ):  # bf16: the prompts' oneDNN copy, the output count, the kernel's packed copy
+            weight = module._weight()
+            prompt = module.prompt[0] if module.prompt else torch.empty(0)
+            weight = torch.empty(0) if weight is None else weight
+            return (_STREAM, weight, prompt, module.bias, module.out_features, module.packed, 1.0)
         return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS, None, 1.0)
     if isinstance(module, Float16Linear):  # bf16 calls of up to `rows` rows go in row-exact chunks (0: never)
         chunked = FBGEMM_CHUNKED_ROWS if fbgemm_rows_vary() else 0

@@ -21,7 +21,8 @@ and the kernels cost. Three formats replace every nn.Linear by a module over a p
   whatever the other rows or the thread count. float32: the weights as loaded, calls of up to STREAM_MAX_ROWS rows,
   AVX-512 or AVX2 builds alike. bfloat16 (CPUs with AVX512-BF16): a copy packed for its kernel, bf16 products summed
   in float32 by `vdpbf16ps`, calls of fewer than BF16_PROMPT_ROWS rows; a tree's rows cost little beside the first
-  (the fastest bf16 format on AVX512-BF16 CPUs without AMX). Prompts take torch's linear over the weights as loaded.
+  (the fastest bf16 format on AVX512-BF16 CPUs without AMX). Prompts take torch's linear over the float32 weights, and
+  a oneDNN-packed copy of the bf16 ones (torch's linear where oneDNN has no bf16 kernels).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
@@ -113,10 +114,10 @@ def fbgemm_rows_vary() -> bool:
     return _fbgemm_probe()[0]
 
 
-# bf16 calls of at least this many rows (a prompt's prefill) leave the decoding kernels: float16 weights for a
-# oneDNN-packed copy of the bf16 weight where the CPU has oneDNN's bf16 kernels (fbgemm's float16 kernel computes in
-# float32 and is ~1.8x slower there on an AVX-512 CPU, while its one-row steps are ~1.7x faster than oneDNN's;
-# docs/benchmarks.md), stream weights for torch's linear. The row count alone picks the kernel, and every tree Headway
+# bf16 calls of at least this many rows (a prompt's prefill) leave the decoding kernels for a oneDNN-packed copy of the
+# bf16 weight where the CPU has oneDNN's bf16 kernels: fbgemm's float16 kernel computes in float32 and is ~1.8x slower
+# there on an AVX-512 CPU, while its one-row steps are ~1.7x faster than oneDNN's; the bf16 streaming kernel reads the
+# weights again for every 4 rows (docs/benchmarks.md). The row count alone picks the kernel, and every tree Headway
 # verifies stays below it (tune's largest: 64 rows), so plain and speculative decoding make the same calls and keep
 # equal tokens.
 BF16_PROMPT_ROWS = 128
@@ -321,46 +322,79 @@ STREAM_MAX_ROWS = 32
 
 
 class StreamLinear(nn.Module):
-    """nn.Linear's forward for a float32 or bf16 weight, decoding steps through Headway's streaming kernels, prompts
-    through torch's linear over the weight as loaded. float32: the weight as loaded, calls of up to STREAM_MAX_ROWS
-    rows (`torch.ops.headway_kernels.stream_linear`); bf16: a copy packed for the AVX512-BF16 kernel, calls of fewer
-    than BF16_PROMPT_ROWS rows (`stream_linear_bf16`), every row's bits independent of the row count."""
+    """nn.Linear's forward for a float32 or bf16 weight, decoding steps through Headway's streaming kernels. float32:
+    the weight as loaded, calls of up to STREAM_MAX_ROWS rows (`torch.ops.headway_kernels.stream_linear`), prompts
+    through torch's linear. bf16: a copy packed for the AVX512-BF16 kernel, calls of fewer than BF16_PROMPT_ROWS rows
+    (`stream_linear_bf16`), every row's bits independent of the row count; prompts on a oneDNN-packed copy where the
+    CPU has oneDNN's bf16 kernels (the weight as loaded is then dropped unless kept), else torch's linear."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
-        """keep_weight, exact: always (prompts read the weight as loaded; both kernels compute in its dtype)."""
+        """keep_weight: keep a bf16 weight as `.weight` beside its oneDNN copy (the lm_head, whose weight the embedding
+        and the EAGLE heads share); float32, or bf16 without oneDNN: always (prompts read it). exact: always (both
+        kernels compute in the weight's dtype)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.packed: Optional[torch.Tensor] = None  # bf16: [out / 4, in / 32, 4, 32], the kernel's layout
+        self.prompt: Optional[tuple] = None  # bf16: (the weight prepacked for oneDNN, bias) for prompts' rows
+        self.key = -1  # the prompt copy's in _PACKED_ONEDNN, for compiled graphs
         if linear.weight.dtype == torch.bfloat16:
             self.packed = torch.ops.headway_kernels.stream_pack_bf16(linear.weight.detach())
+            if not kernels_missing("onednn", torch.bfloat16):
+                self.prompt = (torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1), self.bias)
+                self.key = _register(_PACKED_ONEDNN, (*self.prompt, 1), self)
+        if keep_weight or self.prompt is None:
+            self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = _stream_linear(x2, self.weight.detach(), self.bias, self.packed)
+        if self.packed is not None:
+            y = _stream_bf16(
+                x2, self.packed, self.bias, self.out_features, self.prompt, self.key, self._weight()
+            )
+        else:
+            y = _stream_linear(x2, self.weight.detach(), self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _weight(self) -> Optional[torch.Tensor]:
+        weight = getattr(self, "weight", None)
+        return None if weight is None else weight.detach()
 
     def extra_repr(self) -> str:
         kind = "float32 streamed" if self.packed is None else "bf16 packed for the streaming kernel"
         return f"in_features={self.in_features}, out_features={self.out_features}, weights={kind}"
 
 
-def _stream_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [rows, in] times `weight` [out, in]: a decoding step's rows through the streaming kernel (bf16 ones over
-    `packed`, in a compiled graph too: row-exact decoding needs its bits); a prompt's, another dtype's (a float64 head
-    beside the target) or a traced float32 graph's (which cannot call it) through torch's linear."""
-    if packed is not None and x.dtype == torch.bfloat16:
-        if x.shape[0] >= BF16_PROMPT_ROWS:
-            return torch.nn.functional.linear(x, weight, bias)
-        return torch.ops.headway_kernels.stream_linear_bf16(x, packed, bias, weight.shape[0])
+def _stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] times a float32 `weight` [out, in]: a decoding step's float32 rows through the streaming kernel; a
+    prompt's, another dtype's (a float64 head beside the target) or a traced graph's (which cannot call it) through
+    torch's linear."""
     if x.shape[0] > STREAM_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return torch.nn.functional.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return torch.nn.functional.linear(x, weight, bias)
     return torch.ops.headway_kernels.stream_linear(x, weight, bias)
+
+
+def _stream_bf16(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    prompt: Optional[tuple],
+    key: int,
+    weight: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """x [rows, in] bf16 times a weight packed for the bf16 streaming kernel: fewer than BF16_PROMPT_ROWS rows through
+    it (in a compiled graph too: row-exact decoding needs its bits), a prompt's on the oneDNN copy `prompt` (key: its
+    registry entry, for compiled graphs), or where there is none through torch's linear over `weight`."""
+    if x.shape[0] < BF16_PROMPT_ROWS:
+        return torch.ops.headway_kernels.stream_linear_bf16(x, packed, bias, out_features)
+    if prompt is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    if torch.compiler.is_compiling():
+        return torch.ops.headway.linear_onednn(x, key, out_features)
+    return _onednn_linear(x, prompt[0], prompt[1], 1)
 
 
 PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear, "mkl": MKLLinear, "stream": StreamLinear}
@@ -382,8 +416,18 @@ def row_linear(module: nn.Module) -> Any:
         packed, weight, bias = module.packed, module.weight.detach(), module.bias
         return lambda x: module(x) if torch.compiler.is_compiling() else _mkl_linear(x, packed, weight, bias)
     if isinstance(module, StreamLinear):
-        weight, bias, packed = module.weight.detach(), module.bias, module.packed
-        return lambda x: _stream_linear(x, weight, bias, packed)
+        if module.packed is not None:
+            args = (
+                module.packed,
+                module.bias,
+                module.out_features,
+                module.prompt,
+                module.key,
+                module._weight(),
+            )
+            return lambda x: _stream_bf16(x, *args)
+        weight, bias = module.weight.detach(), module.bias
+        return lambda x: _stream_linear(x, weight, bias)
     if isinstance(module, nn.Linear):
         return lambda x: torch.nn.functional.linear(x, module.weight, module.bias)
     return module

@@ -65,12 +65,16 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
 
 @pytest.mark.skipif(bool(kernels_missing("onednn", torch.bfloat16)), reason="no oneDNN bf16 kernels here")
 @torch.inference_mode()
-def test_cpp_loop_gives_the_python_loops_bits_after_a_long_bf16_prompt_on_float16_weights(tiny_dirs):
-    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 linear in both loops, and the
-    decoding steps after it fbgemm's. (The fused loop: test_packed_linear's long-prompt decoding test.)"""
-    t = load_packed(tiny_dirs["qwen2"], "float16", "bfloat16")  # qwen2: q/k/v biases, which the copy keeps
-    python = StaticRunner(t.model, 128, loop="python")
-    cpp = StaticRunner(t.model, 128, loop="cpp", fused_ops=False, prompt_attention="sdpa")
+@pytest.mark.parametrize("fmt", ["float16", "stream"])
+def test_cpp_loop_gives_the_python_loops_bits_after_a_long_bf16_prompt(tiny_dirs, fmt: str):
+    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 or bf16 stream linear in both
+    loops, and the decoding steps after it fbgemm's or the streaming kernel. (The fused loop: test_packed_linear's
+    long-prompt decoding test.)"""
+    if kernels_missing(fmt, torch.bfloat16):
+        pytest.skip(kernels_missing(fmt, torch.bfloat16))
+    t = load_packed(tiny_dirs["qwen2"], fmt, "bfloat16")  # qwen2: q/k/v biases, which the copy keeps
+    python = StaticRunner(t.model, 256, loop="python")
+    cpp = StaticRunner(t.model, 256, loop="cpp", fused_ops=False, prompt_attention="sdpa")
     for ids in (torch.arange(10, 10 + BF16_PROMPT_ROWS + 3), torch.tensor([7]), torch.tensor([8])):
         (la, ha), (lb, hb) = python.forward(ids, hidden=True), cpp.forward(ids, hidden=True)
         assert torch.equal(la[len(la) - 1], lb[len(lb) - 1])

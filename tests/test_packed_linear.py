@@ -471,9 +471,13 @@ def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(b
                         rows,
                     )
             assert torch.equal(row_linear(packed)(x[:3]), alone[:3])
-            # a prompt's rows go through torch's linear over the weight as loaded
+            # a prompt's rows go through oneDNN's kernels over a prepacked copy (where the CPU has them)
             prompt = torch.randn(BF16_PROMPT_ROWS, in_features).bfloat16()
-            assert torch.equal(packed(prompt), F.linear(prompt, lin.weight, lin.bias))
+            prompt_kernel = OneDNNLinear(lin) if packed.prompt is not None else lin
+            assert torch.equal(packed(prompt), prompt_kernel(prompt))
+            assert (packed.prompt is None) == hasattr(
+                packed, "weight"
+            )  # the weight as loaded only where prompts read it
     finally:
         torch.set_num_threads(threads)
 

@@ -26,13 +26,14 @@ enum Kind : int64_t { kNative = 0, kOneDNN = 1, kMKL = 2, kStream = 3, kFP16 = 4
 
 struct Linear {
   int64_t kind;
-  Tensor weight;  // native, MKL (its fallback for other row counts) and stream: [out, in]
-  Tensor packed;  // oneDNN and MKL: the prepacked weight; float16: the bf16 weight prepacked for oneDNN, or empty;
-                  // stream: bf16, the weight packed for its kernel (float32: empty)
+  Tensor weight;  // native, MKL (its fallback for other row counts) and stream: [out, in] (bf16 stream: or empty)
+  Tensor packed;  // oneDNN and MKL: the prepacked weight; float16 and bf16 stream: the bf16 weight prepacked for
+                  // oneDNN (prompts), or empty
   std::optional<Tensor> bias;  // float16: the oneDNN copy's (fbgemm's packed weight holds its own)
   int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for; stream: the
-                 // most rows its float32 kernel takes, or the fewest its bf16 kernel leaves to at::linear; float16: bf16 calls of up to this many rows go in row-exact chunks
-  c10::IValue fp16;  // float16: fbgemm's packed weight (bias included)
+                 // most rows its float32 kernel takes, or bf16's output count; float16: bf16 calls of up to this many
+                 // rows go in row-exact chunks
+  c10::IValue extra;  // float16: fbgemm's packed weight (bias included); stream: bf16's weight packed for its kernel
   double scale;      // float16: the power of two its bf16 weight was multiplied by to fit float16
 };
 
@@ -72,14 +73,18 @@ Tensor mkl(const Linear& l, const Tensor& x) {
   return boxed(handle, {x, l.packed, l.weight, bias, l.rows});
 }
 
-// packed_linear._stream_linear: the streaming kernels are another extension's ops (target/csrc/stream_linear.cpp);
-// bf16 calls of fewer than `rows` rows over the packed copy, float32 ones of up to `rows` over the weight as loaded
+// packed_linear._stream_linear and _stream_bf16: the streaming kernels are another extension's ops
+// (target/csrc/stream_linear.cpp). bf16 (`extra` holds the kernel's packed weight, `rows` the output count): calls of
+// fewer than kBF16PromptRows rows through it, prompts on the oneDNN copy (`packed`) or the weight as loaded; float32:
+// calls of up to `rows` rows over the weight as loaded.
 Tensor stream(const Linear& l, const Tensor& x) {
-  if (l.packed.numel() > 0 && x.scalar_type() == at::kBFloat16) {
-    if (x.size(0) >= l.rows) return at::linear(x, l.weight, l.bias);
+  if (l.extra.isTensor()) {
+    if (x.size(0) >= kBF16PromptRows) {
+      return l.packed.numel() > 0 ? onednn_rows(l, x, 1) : at::linear(x, l.weight, l.bias);
+    }
     static const c10::OperatorHandle bf16 = op("headway_kernels::stream_linear_bf16");
     c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
-    return boxed(bf16, {x, l.packed, bias, l.weight.size(0)});
+    return boxed(bf16, {x, l.extra, bias, l.rows});
   }
   if (x.size(0) > l.rows || x.scalar_type() != at::kFloat || l.weight.scalar_type() != at::kFloat) {
     return at::linear(x, l.weight, l.bias);
@@ -94,7 +99,7 @@ Tensor stream(const Linear& l, const Tensor& x) {
 Tensor fp16(const Linear& l, const Tensor& x) {
   static const c10::OperatorHandle handle = op("quantized::linear_dynamic_fp16");
   if (x.scalar_type() == at::kFloat) {
-    return boxed(handle, {x, l.fp16});
+    return boxed(handle, {x, l.extra});
   }
   if (l.packed.numel() > 0 && x.size(0) >= kBF16PromptRows) {
     return onednn_rows(l, x, 1);
@@ -103,17 +108,17 @@ Tensor fp16(const Linear& l, const Tensor& x) {
   const int64_t rows = xf.size(0), least = 3, most = 6;
   Tensor y;
   if (rows > l.rows) {
-    y = boxed(handle, {xf, l.fp16});
+    y = boxed(handle, {xf, l.extra});
   } else if (rows < least) {
-    y = boxed(handle, {at::cat({xf, xf.slice(0, 0, 1).expand({least - rows, -1})}), l.fp16}).slice(0, 0, rows);
+    y = boxed(handle, {at::cat({xf, xf.slice(0, 0, 1).expand({least - rows, -1})}), l.extra}).slice(0, 0, rows);
   } else if (rows <= most) {
-    y = boxed(handle, {xf, l.fp16});
+    y = boxed(handle, {xf, l.extra});
   } else {
     const int64_t chunks = (rows + most - 1) / most;
     std::vector<Tensor> parts;
     for (int64_t i = 0, start = 0; i < chunks; ++i) {
       const int64_t size = rows / chunks + (i < rows % chunks ? 1 : 0);
-      parts.push_back(boxed(handle, {xf.slice(0, start, start + size), l.fp16}));
+      parts.push_back(boxed(handle, {xf.slice(0, start, start + size), l.extra}));
       start += size;
     }
     y = at::cat(parts);
@@ -198,11 +203,17 @@ using Spec = std::tuple<int64_t, Tensor, Tensor, std::optional<Tensor>, int64_t,
 using LayerSpec = std::tuple<std::vector<Spec>, Spec, std::vector<Spec>, Spec>;
 
 Linear to_linear(const Spec& s) {
-  const auto& [kind, weight, packed, bias, rows, fp16, scale] = s;
-  // fbgemm's packed weight is a TorchScript object (torch.ScriptObject); the dispatcher takes it as an IValue
-  c10::IValue packed_fp16 = fp16.is_none() ? c10::IValue() : c10::IValue(fp16.cast<torch::jit::Object>()._ivalue());
-  TORCH_CHECK(kind != kFP16 || packed_fp16.isObject(), "layer loop: a float16 linear without its packed weight");
-  return Linear{kind, weight, packed, bias, rows, packed_fp16, scale};
+  const auto& [kind, weight, packed, bias, rows, extra, scale] = s;
+  // fbgemm's packed weight is a TorchScript object (torch.ScriptObject), the bf16 streaming kernel's a tensor; the
+  // dispatcher takes either as an IValue
+  c10::IValue held;
+  if (THPVariable_Check(extra.ptr())) {
+    held = c10::IValue(extra.cast<Tensor>());
+  } else if (!extra.is_none()) {
+    held = c10::IValue(extra.cast<torch::jit::Object>()._ivalue());
+  }
+  TORCH_CHECK(kind != kFP16 || held.isObject(), "layer loop: a float16 linear without its packed weight");
+  return Linear{kind, weight, packed, bias, rows, held, scale};
 }
 
 struct Layer {
