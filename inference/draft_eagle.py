@@ -21,6 +21,7 @@ from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
 from headway.inference.cache import truncate_cache
 from headway.inference.engine import StaticLayerCache
+from headway.inference.row_select import top_logprobs
 from headway.inference.tree import Tree, build_tree
 
 
@@ -136,10 +137,9 @@ class EagleDrafter:
         start = time.perf_counter()
         k = top_k or self.top_k
         # Candidates: draft token id, cumulative log-prob, parent candidate (-1: the root), depth.
-        logp = torch.log_softmax(heads.logits(self.last_out.view(1, -1)).float(), -1)[0]
-        top = logp.topk(k)
-        tokens = top.indices.tolist()
-        scores = top.values.tolist()
+        values, indices = top_logprobs(heads.logits(self.last_out.view(1, -1)), k)
+        tokens = indices[0].tolist()
+        scores = values[0].tolist()
         parents = [-1] * k
         depths = [1] * k
         layer = list(range(k))  # the nodes to expand next
@@ -168,11 +168,11 @@ class EagleDrafter:
             pos = torch.full((1, len(layer)), self.committed + d - 1, device=dev)
             out = heads(ids, layer_hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
             slot_of.update((c, n_prev + row) for row, c in enumerate(layer))
-            child = torch.log_softmax(heads.logits(out[0]).float(), -1).topk(k)
+            child_logp, child_ids = top_logprobs(heads.logits(out[0]), k)
             base = torch.tensor([scores[c] for c in layer], device=dev).unsqueeze(-1)
-            cum = (base + child.values).flatten()
+            cum = (base + child_logp).flatten()
             first = len(tokens)
-            tokens += child.indices.flatten().tolist()
+            tokens += child_ids.flatten().tolist()
             scores += cum.tolist()
             parents += [c for c in layer for _ in range(k)]
             depths += [d + 1] * (len(layer) * k)

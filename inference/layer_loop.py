@@ -37,7 +37,13 @@ log = logging.getLogger("headway")
 
 SOURCES = [
     os.path.join(os.path.dirname(__file__), "csrc", name)
-    for name in ("layer_loop.cpp", "row_attention.cpp", "fused_ops.cpp", "prompt_attention.cpp")
+    for name in (
+        "layer_loop.cpp",
+        "row_attention.cpp",
+        "fused_ops.cpp",
+        "prompt_attention.cpp",
+        "row_select.cpp",
+    )
 ]
 # -ffp-contract=off: no fused multiply-adds but where a kernel's build asks for them (the row attention's FMA builds),
 # so that vector and scalar paths of the same arithmetic round alike
@@ -68,6 +74,12 @@ def extension() -> Optional[Any]:
             )
             _BUILT.append(None)
     return _BUILT[0]
+
+
+def built() -> Optional[Any]:
+    """The extension module if this process has built it already (the static engine builds it as it loads), else None;
+    never starts a build."""
+    return _BUILT[0] if _BUILT else None
 
 
 def _linear_spec(module: nn.Module) -> Optional[tuple]:

@@ -18,6 +18,7 @@ import torch
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
+from headway.inference.row_select import first_max
 from headway.inference.tree import Tree
 
 
@@ -91,9 +92,8 @@ class Sampler:
 
 
 def greedy_token(logits: torch.Tensor) -> int:
-    """The index of the first largest of logits [V]: argmax's token. A max along the dimension returns the same first
-    index and runs several times faster than argmax over a bf16 row on CPUs."""
-    return int(logits.max(0).indices)
+    """The index of the first largest of logits [V]: argmax's token (row_select.first_max)."""
+    return int(first_max(logits))
 
 
 def accept_greedy(

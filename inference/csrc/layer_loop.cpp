@@ -11,6 +11,7 @@
 #include "fused_ops.h"
 #include "prompt_attention.h"
 #include "row_attention.h"
+#include "row_select.h"
 
 #include <optional>
 #include <string>
@@ -449,6 +450,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "a residual add and RMSNorm over bf16 rows (fused_ops.h)");
   m.def("rope_split", &rope_split, "rotary over bf16 qkv rows, split into heads (fused_ops.h)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over bf16 rows (fused_ops.h)");
+  m.def("first_max", &first_max, "the first largest logit of each row (row_select.h)");
+  m.def("top_logprobs", &top_logprobs, "each row's k most likely tokens and their log probabilities (row_select.h)");
   m.def("prompt_attention", &prompt_attention, "causal attention of a fresh bf16 prompt (prompt_attention.h)");
   m.def("prompt_attention_available", &prompt_attention_available, "whether this CPU runs prompt_attention");
   m.def("prompt_attention_f32", &prompt_attention_f32, "causal attention of a fresh float32 prompt (prompt_attention.h)");
