@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
@@ -20,6 +22,29 @@ from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.target.loading import Target, load_target
 from headway.target.packed_linear import linear_weights, pack_head_linear_weights
+from headway.target.stream_kernel import bf16_unavailable as stream_bf16_unavailable
+
+
+def drafter_dtype(choice: str, kind: Optional[str], target_model: Any) -> torch.dtype:
+    """The head's dtype while decoding (inference.drafter_dtype; see InferenceConfig).
+
+    Args:
+        choice: auto, target, bfloat16 or float32; kind: the head's kind; target_model: the loaded target.
+    Returns:
+        The dtype to load the head in."""
+    own = next(target_model.parameters())
+    if choice in ("bfloat16", "float32"):
+        return getattr(torch, choice)
+    if (
+        choice == "auto"
+        and kind == "eagle3"
+        and own.dtype == torch.float32
+        and own.device.type == "cpu"
+        and linear_weights(target_model) == "stream"
+        and stream_bf16_unavailable() is None
+    ):
+        return torch.bfloat16
+    return own.dtype
 
 
 def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: Any) -> Any:
@@ -94,7 +119,10 @@ class SpeculativeDecoder:
 
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
         heads = load_head(
-            head_dir, target.fingerprint, device=target.device, dtype=next(target.model.parameters()).dtype
+            head_dir,
+            target.fingerprint,
+            device=target.device,
+            dtype=drafter_dtype(cfg.inference.drafter_dtype, head_config.get("kind"), target.model),
         )
         heads.attach_target(target.model)
         if linear_weights(target.model) != "native":

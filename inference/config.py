@@ -32,6 +32,9 @@ LABELS = {
 DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 
+DRAFTER_DTYPES = ("auto", "target", "bfloat16", "float32")
+
+
 @dataclass
 class InferenceConfig:
     # Static trees (Medusa, DFlash): each node is a path of top-k indices, one per position ahead of the root;
@@ -58,6 +61,10 @@ class InferenceConfig:
     # and split chosen each step from calibrated confidence and this machine's verify cost; see inference.hybrid),
     # neural (the head's tree alone, sized by the settings above), ngram (prompt lookup alone, no head needed).
     drafter: str = "hybrid"
+    # The head's dtype while decoding (drafts steer only the speed, never the output): target (the target's dtype),
+    # bfloat16, float32, or auto: bfloat16 for an EAGLE-3 head beside a float32 target in the stream format on CPUs
+    # with AVX512-BF16 (its linears then read half the bytes, through the bf16 streaming kernel), else the target's.
+    drafter_dtype: str = "auto"
     hybrid: HybridConfig = field(default_factory=HybridConfig)
     # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in place
     # of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also turns it off.
@@ -72,6 +79,7 @@ class InferenceConfig:
     def __post_init__(self) -> None:
         check_choice("inference", "engine", self.engine, list(ENGINES))
         check_choice("inference", "drafter", self.drafter, list(DRAFTERS))
+        check_choice("inference", "drafter_dtype", self.drafter_dtype, list(DRAFTER_DTYPES))
 
 
 @dataclass
