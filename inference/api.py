@@ -25,7 +25,7 @@ from headway.target.packed_linear import linear_weights, pack_head_linear_weight
 from headway.target.stream_kernel import bf16_unavailable as stream_bf16_unavailable
 
 
-def drafter_dtype(choice: str, kind: Optional[str], target_model: Any) -> torch.dtype:
+def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
     """The head's dtype while decoding (inference.drafter_dtype; see InferenceConfig).
 
     Args:
@@ -37,7 +37,7 @@ def drafter_dtype(choice: str, kind: Optional[str], target_model: Any) -> torch.
         return getattr(torch, choice)
     if (
         choice == "auto"
-        and kind == "eagle3"
+        and head_kind(kind).drafts_in_bf16
         and own.dtype == torch.float32
         and own.device.type == "cpu"
         and linear_weights(target_model) == "stream"

@@ -33,4 +33,5 @@ EAGLE3 = HeadKind(
     draft_tokens=lambda head: int(head.get("ttt_steps", 3)),  # the unroll it was trained for
     for_target=_for_target,
     reduced_vocab=lambda cfg: True,
+    drafts_in_bf16=True,
 )

@@ -71,6 +71,9 @@ class HeadKind:
     upgrade: Callable[[dict, dict], dict] = _as_saved
     calibrate: Optional[Callable[..., Any]] = None
     adapts_target: bool = False  # may train LoRA adapters of the target with it (Medusa-2)
+    # may draft in bf16 beside a float32 target (inference.drafter_dtype=auto): every weight its drafting reads is its
+    # own (EAGLE-3's read-out is its own lm_head; EAGLE-1's is the target's, which a bf16 draft would copy per call)
+    drafts_in_bf16: bool = False
 
     def build(
         self,
