@@ -11,6 +11,16 @@ from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 
 
+def with_threads(n: int, fn):
+    """fn() run with torch set to n threads, then the thread count as it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
 def load64(path: Path):
     """A tiny target in float64 on one CPU thread: exactness tests compare tokens, not rounding."""
     return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from decode_helpers import load_packed
+from decode_helpers import load_packed, with_threads
 
 from headway.inference import layer_loop
 from headway.inference.engine import LeanRMSNorm, StaticRunner, rope_tables
@@ -25,15 +25,6 @@ def _ext():
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
     """One unit in the last place of each bf16 value (8 bits of mantissa)."""
     return torch.ldexp(torch.ones_like(x.float()), torch.frexp(x.float()).exponent - 8)
-
-
-def _threads(n: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("hidden", [576, 40, 7])  # whole blocks of 16, a tail, less than one block
@@ -110,7 +101,7 @@ def test_the_thread_count_changes_no_bit():
             e.silu_mul(gate_up[:, :inter], gate_up[:, inter:]),
         ]
 
-    one, two = _threads(1, run), _threads(2, run)
+    one, two = with_threads(1, run), with_threads(2, run)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
@@ -169,7 +160,7 @@ def test_float32_rows_take_the_same_passes_without_the_bf16_roundings():
         e = _ext()
         return [*e.add_rms_norm(x, delta, w, 1e-5), *e.rope_split(qkv, cos, sin, heads, kv, dim)]
 
-    assert all(torch.equal(a, b) for a, b in zip(_threads(1, run), _threads(2, run)))
+    assert all(torch.equal(a, b) for a, b in zip(with_threads(1, run), with_threads(2, run)))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_helpers import with_threads
 
 from headway.inference import layer_loop, row_select
 
@@ -23,15 +24,6 @@ WIDTHS = [
 ]  # the default target's and head's vocabularies, a tail, less than one block
 
 
-def _threads(n: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
-
 def _tied_rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     """Rows of a handful of distinct values, so that each row's largest repeats (bf16 logits tie often)."""
     gen = torch.Generator().manual_seed(seed)
@@ -40,7 +32,7 @@ def _tied_rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", WIDTHS)
-def test_first_max_is_argmaxs_first_index_at_any_rows_and_threads(dtype: torch.dtype, width: int):
+def test_first_max_is_argmaxs_first_index_at_any_rows_andwith_threads(dtype: torch.dtype, width: int):
     ext = layer_loop.extension()
     for rows in (1, 3, 8):
         x = _tied_rows(rows, width, dtype, seed=rows + width)
@@ -48,7 +40,7 @@ def test_first_max_is_argmaxs_first_index_at_any_rows_and_threads(dtype: torch.d
         want = torch.tensor([int((r == r.max()).nonzero()[0]) for r in x])
         assert torch.equal(want, x.float().argmax(-1))
         for threads in (1, 2):
-            assert torch.equal(_threads(threads, lambda: ext.first_max(x)), want)
+            assert torch.equal(with_threads(threads, lambda: ext.first_max(x)), want)
         assert torch.equal(row_select.first_max(x), want)
         assert int(row_select.first_max(x[rows - 1])) == int(want[-1])  # a [V] row gives a 0-d index
 
@@ -76,7 +68,7 @@ def test_top_logprobs_are_the_k_most_likely_with_torchs_log_probabilities(dtype:
         # the reference order: largest first, ties by index (a stable sort of the negated values)
         order = torch.sort(-x.float(), dim=-1, stable=True).indices[:, :k]
         for threads in (1, 2):
-            values, indices = _threads(threads, lambda: ext.top_logprobs(x, k))
+            values, indices = with_threads(threads, lambda: ext.top_logprobs(x, k))
             assert torch.equal(indices, order)
             torch.testing.assert_close(values, logp.gather(-1, order), atol=2e-5, rtol=1e-5)
         values, indices = row_select.top_logprobs(x, k)
