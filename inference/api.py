@@ -39,8 +39,7 @@ def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
         choice == "auto"
         and head_kind(kind).drafts_in_bf16
         and own.dtype == torch.float32
-        and own.device.type == "cpu"
-        and linear_weights(target_model) == "stream"
+        and linear_weights(target_model) == "stream"  # a CPU format
         and stream_bf16_unavailable() is None
     ):
         return torch.bfloat16

@@ -47,9 +47,6 @@ def features_at(hidden_states: tuple, layers: list[int], positions: Any) -> torc
     none: the target then skips collecting them)."""
     if not layers:
         return torch.empty(0, 0)
-    if isinstance(positions, list):  # one index tensor for every layer, not one conversion each
-        index = torch.tensor(positions, device=hidden_states[layers[0]].device)
-        return torch.cat([hidden_states[i][0].index_select(0, index) for i in layers], dim=-1)
     return torch.cat([hidden_states[i][0, positions] for i in layers], dim=-1)
 
 
