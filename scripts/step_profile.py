@@ -97,7 +97,7 @@ def main() -> None:
     ids = torch.randint(
         1000, 20000, (max(args.prompt_tokens, 64),), generator=torch.Generator().manual_seed(0)
     )
-    runner = make_runner(model, len(ids) + args.steps + 32, engine)
+    runner = make_runner(model, 32 + 16 + 2 * args.steps, engine)  # prompt, warm-up, timed and profiled steps
     runner.forward(ids[:32])
     token = ids[32:33]
     for _ in range(16):

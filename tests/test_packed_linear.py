@@ -378,8 +378,9 @@ needs_stream = pytest.mark.skipif(
 @pytest.mark.parametrize("bias", [False, True])
 def test_stream_linear_gives_a_row_the_same_bits_for_any_rows_threads_and_vector_width(bias: bool):
     """The streaming kernel computes each output from its own row alone, in one fixed order: a row gets the same bits
-    alone, among 1 to 32 rows, at 1 or 2 threads, and through the AVX-512 and the AVX2 build (where this CPU runs
-    both), and float32's product to within float32 rounding."""
+    alone, among 1 to 32 rows (read one weight row after another, or four weight rows at a time), at 1 or 2 threads,
+    and through the AVX-512 and the AVX2 build (where this CPU runs both), and float32's product to within float32
+    rounding."""
     ext = stream_kernel()
     isas = [isa for isa in ("avx512", "avx2") if _runs(ext, isa)]
     torch.manual_seed(0)
@@ -397,7 +398,7 @@ def test_stream_linear_gives_a_row_the_same_bits_for_any_rows_threads_and_vector
             for n_threads in (1, 2):
                 torch.set_num_threads(n_threads)
                 for isa in isas:
-                    for rows in (1, 2, 3, 5, 16, 32):
+                    for rows in (1, 2, 3, 4, 5, 6, 7, 16, 32):
                         assert torch.equal(ext.stream_linear_isa(x[:rows], w, b, isa), alone[:rows]), (
                             out_features,
                             in_features,

@@ -1,11 +1,12 @@
 // float32 linears for decoding steps, streamed from the weight as loaded (target.linear_weights=stream). A one-token
 // step of a float32 target reads every weight once and does two flops per float read, so its linears are a memory
-// stream; oneDNN's and MKL's float32 kernels read the default target's weights at about 16 GB/s with two threads of a machine that streams about 25.
-// Here each thread reads one contiguous block of the weight's rows, four rows at a time, and a tree's rows share each
-// weight row while it is in the first-level cache. Every output element is one fixed sequence of fused multiply-adds
-// over 16 lanes and a fixed reduction that depend on its own row and weight row alone, so neither the row count, the
-// other rows, the thread count nor the CPU's vector width (AVX-512 or AVX2) changes a bit: a tree's rows stay
-// one-token steps. Prompts (many rows) are better read in cache blocks: `StreamLinear` gives them to at::linear.
+// stream, best read as one sequential stream that the hardware prefetchers follow. Each thread reads one contiguous
+// block of the weight's rows: one weight row after another for a few rows of x, and for more rows four weight rows
+// at a time, shared by four rows of x while they are in the first-level cache. Every output element is one fixed
+// sequence of fused multiply-adds over 16 lanes and a fixed reduction that depend on its own row and weight row
+// alone, so neither the row count, the other rows, the thread count nor the CPU's vector width (AVX-512 or AVX2)
+// changes a bit: a tree's rows stay one-token steps. Prompts (many rows) are better read in cache blocks:
+// `StreamLinear` gives them to at::linear.
 // bf16 targets (CPUs with AVX512-BF16) have their own kernel below, over a packed copy of the weight.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -125,29 +126,48 @@ inline __attribute__((always_inline)) V finish_n(const V* acc) {
 
 // Outputs [o, o + NO) of rows [r, r + NR): acc = acc + w * x lane by lane over the inputs, contracted to a fused
 // multiply-add (the callers' fp-contract=fast), then `finish` (`finish16` where the tile has 3 to 16, padded with
-// zero accumulators, whose sums are dropped).
-template <typename V, int NO, int NR>
+// zero accumulators, whose sums are dropped). The order of the loops only changes which loads come first, never an
+// output's sequence of operations. SEQ: one weight row's whole sum after another, so the tile reads its weight as one
+// sequential stream, which the hardware prefetchers follow best (a few rows); else all NO weight rows block by block,
+// each block used by every row of the tile (more rows: fewer loads per multiply-add).
+template <typename V, int NO, int NR, bool SEQ>
 inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const float* w, int64_t in, int64_t o,
                                                 const float* bias, float* y, int64_t out) {
   V acc[NR * NO >= 3 ? 16 : NR * NO] = {};  // acc[i * NO + j]: row r + i, output o + j
-  int64_t k = 0;
-  for (; k + kLanes <= in; k += kLanes) {  // whole blocks: the accumulators stay in registers
-    V wv[NO];
+  const int64_t whole = in / kLanes * kLanes, tail = in - whole;  // whole blocks of 16 inputs, then the partial one
+  if constexpr (SEQ) {
+#pragma GCC unroll 8
+    for (int j = 0; j < NO; ++j) {
+      const float* wj = w + (o + j) * in;
+      for (int64_t k = 0; k < whole; k += kLanes) {
+        const V wv = load_whole<V>(wj + k);
 #pragma GCC unroll 4
-    for (int j = 0; j < NO; ++j) wv[j] = load_whole<V>(w + (o + j) * in + k);
-#pragma GCC unroll 4
-    for (int i = 0; i < NR; ++i) {
-      const V xv = load_whole<V>(x + (r + i) * in + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
+        for (int i = 0; i < NR; ++i) acc[i * NO + j] = acc[i * NO + j] + wv * load_whole<V>(x + (r + i) * in + k);
+      }
+      if (tail > 0) {
+        const V wv = load<V>(wj + whole, tail);
+        for (int i = 0; i < NR; ++i) acc[i * NO + j] = acc[i * NO + j] + wv * load<V>(x + (r + i) * in + whole, tail);
+      }
     }
-  }
-  if (k < in) {  // the last, partial block
-    V wv[NO];
-    for (int j = 0; j < NO; ++j) wv[j] = load<V>(w + (o + j) * in + k, in - k);
-    for (int i = 0; i < NR; ++i) {
-      const V xv = load<V>(x + (r + i) * in + k, in - k);
-      for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
+  } else {
+    for (int64_t k = 0; k < whole; k += kLanes) {  // the accumulators stay in registers
+      V wv[NO];
+#pragma GCC unroll 4
+      for (int j = 0; j < NO; ++j) wv[j] = load_whole<V>(w + (o + j) * in + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < NR; ++i) {
+        const V xv = load_whole<V>(x + (r + i) * in + k);
+#pragma GCC unroll 4
+        for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
+      }
+    }
+    if (tail > 0) {
+      V wv[NO];
+      for (int j = 0; j < NO; ++j) wv[j] = load<V>(w + (o + j) * in + whole, tail);
+      for (int i = 0; i < NR; ++i) {
+        const V xv = load<V>(x + (r + i) * in + whole, tail);
+        for (int j = 0; j < NO; ++j) acc[i * NO + j] = acc[i * NO + j] + wv[j] * xv;
+      }
     }
   }
   if constexpr (NR * NO >= 3) {
@@ -167,48 +187,60 @@ inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const
 }
 
 // Outputs [o, o + NO) of every row, in tiles of RB rows (the last tile shorter).
-template <typename V, int NO, int RB>
+template <typename V, int NO, int RB, bool SEQ>
 inline __attribute__((always_inline)) void outputs(const float* x, int64_t rows, const float* w, int64_t in,
                                                    int64_t o, const float* bias, float* y, int64_t out) {
   int64_t r = 0;
-  for (; r + RB <= rows; r += RB) tile<V, NO, RB>(x, r, w, in, o, bias, y, out);
+  for (; r + RB <= rows; r += RB) tile<V, NO, RB, SEQ>(x, r, w, in, o, bias, y, out);
   switch (rows - r) {
     case 3:
-      tile<V, NO, 3>(x, r, w, in, o, bias, y, out);
+      if constexpr (RB > 3) tile<V, NO, 3, SEQ>(x, r, w, in, o, bias, y, out);
       break;
     case 2:
-      tile<V, NO, 2>(x, r, w, in, o, bias, y, out);
+      if constexpr (RB > 2) tile<V, NO, 2, SEQ>(x, r, w, in, o, bias, y, out);
       break;
     case 1:
-      tile<V, NO, 1>(x, r, w, in, o, bias, y, out);
+      if constexpr (RB > 1) tile<V, NO, 1, SEQ>(x, r, w, in, o, bias, y, out);
       break;
     default:
       break;
   }
 }
 
-// Outputs [begin, end) of every row: NO weight rows at a time, then one at a time, in tiles of RB rows: as many
-// accumulators as the registers hold (4 x 4 with AVX-512's 32 registers, 2 x 2 with AVX2's 16, each 16 lanes two).
-template <typename V, int NO, int RB>
+// Outputs [begin, end) of every row: NO weight rows at a time, then one at a time, in tiles of RB rows, at most 16
+// accumulators (AVX-512 has 32 registers; AVX2's 16 hold 8 of them, two registers each, and the rest spill to the
+// first-level cache, which still streamed the weight faster than fewer).
+template <typename V, int NO, int RB, bool SEQ>
 inline __attribute__((always_inline)) void block(const float* x, int64_t rows, const float* w, int64_t in,
                                                  int64_t begin, int64_t end, const float* bias, float* y,
                                                  int64_t out) {
   int64_t o = begin;
-  for (; o + NO <= end; o += NO) outputs<V, NO, RB>(x, rows, w, in, o, bias, y, out);
-  for (; o < end; ++o) outputs<V, 1, RB>(x, rows, w, in, o, bias, y, out);
+  for (; o + NO <= end; o += NO) outputs<V, NO, RB, SEQ>(x, rows, w, in, o, bias, y, out);
+  for (; o < end; ++o) outputs<V, 1, RB, SEQ>(x, rows, w, in, o, bias, y, out);
 }
+
+// Calls of up to this many rows read the weight one row after another (`tile`'s SEQ) on AVX-512; more rows share each
+// block of 4 weight rows among 4 rows of x. On the AVX512-BF16 EPYC (1 and 2 threads) the sequential read streamed the
+// default target's weights up to 1.5x faster for 1 to 6 rows, and slower from 8 (docs/benchmarks.md).
+constexpr int64_t kSeqRows = 6;
 
 #if defined(__x86_64__) && defined(__GNUC__)
 __attribute__((target("avx512f,fma"), optimize("fp-contract=fast"))) void block_avx512(
     const float* x, int64_t rows, const float* w, int64_t in, int64_t begin, int64_t end, const float* bias, float* y,
     int64_t out) {
-  block<v16, 4, 4>(x, rows, w, in, begin, end, bias, y, out);
+  if (rows == 1) {
+    block<v16, 4, 1, true>(x, rows, w, in, begin, end, bias, y, out);
+  } else if (rows <= kSeqRows) {
+    block<v16, 8, 2, true>(x, rows, w, in, begin, end, bias, y, out);
+  } else {
+    block<v16, 4, 4, false>(x, rows, w, in, begin, end, bias, y, out);
+  }
 }
 
 __attribute__((target("avx2,fma"), optimize("fp-contract=fast"))) void block_avx2(
     const float* x, int64_t rows, const float* w, int64_t in, int64_t begin, int64_t end, const float* bias, float* y,
     int64_t out) {
-  block<v16x2, 2, 2>(x, rows, w, in, begin, end, bias, y, out);
+  block<v16x2, 4, 2, true>(x, rows, w, in, begin, end, bias, y, out);
 }
 #endif
 
