@@ -130,6 +130,11 @@ inline __attribute__((always_inline)) V finish_n(const V* acc) {
 // output's sequence of operations. SEQ: one weight row's whole sum after another, so the tile reads its weight as one
 // sequential stream, which the hardware prefetchers follow best (a few rows); else all NO weight rows block by block,
 // each block used by every row of the tile (more rows: fewer loads per multiply-add).
+// The shared-block tiles (many rows) prefetch the weight this many floats (16 KB) ahead into the first-level cache;
+// 4 to 16 KB read trees of 8 to 24 rows 10-20% faster on the AVX512-BF16 EPYC (1 and 2 threads), 2 KB no faster.
+// The sequential tiles need none: the hardware prefetchers follow their one stream (a hint made them slower).
+constexpr int64_t kAhead = 4096;
+
 template <typename V, int NO, int NR, bool SEQ>
 inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const float* w, int64_t in, int64_t o,
                                                 const float* bias, float* y, int64_t out) {
@@ -150,7 +155,15 @@ inline __attribute__((always_inline)) void tile(const float* x, int64_t r, const
       }
     }
   } else {
+    const float* w_end = w + out * in;
     for (int64_t k = 0; k < whole; k += kLanes) {  // the accumulators stay in registers
+      if (r == 0) {  // the first row tile of these weight rows fetches the ones ahead (one line per row per block)
+#pragma GCC unroll 4
+        for (int j = 0; j < NO; ++j) {
+          const float* p = w + (o + j) * in + k + kAhead;
+          if (p < w_end) __builtin_prefetch(p, 0, 3);
+        }
+      }
       V wv[NO];
 #pragma GCC unroll 4
       for (int j = 0; j < NO; ++j) wv[j] = load_whole<V>(w + (o + j) * in + k);
