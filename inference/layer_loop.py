@@ -97,7 +97,10 @@ def _linear_spec(module: nn.Module) -> Optional[tuple]:
             prompt = module.prompt[0] if module.prompt else torch.empty(0)
             weight = torch.empty(0) if weight is None else weight
             return (_STREAM, weight, prompt, module.bias, module.out_features, module.packed, 1.0)
-        return (_STREAM, module.weight.detach(), torch.empty(0), module.bias, STREAM_MAX_ROWS, None, 1.0)
+        # float32: prompts through oneDNN over the weight as loaded (`packed` then holds it too), else torch's linear
+        weight = module.weight.detach()
+        prompt = weight if module.prompt is not None else torch.empty(0)
+        return (_STREAM, weight, prompt, module.bias, STREAM_MAX_ROWS, None, 1.0)
     if isinstance(module, Float16Linear):  # bf16 calls of up to `rows` rows go in row-exact chunks (0: never)
         chunked = FBGEMM_CHUNKED_ROWS if fbgemm_rows_vary() else 0
         prompt, bias = module.prompt or (torch.empty(0), None)  # bf16 prompts' oneDNN copy (BF16_PROMPT_ROWS)

@@ -21,8 +21,9 @@ and the kernels cost. Three formats replace every nn.Linear by a module over a p
   whatever the other rows or the thread count. float32: the weights as loaded, calls of up to STREAM_MAX_ROWS rows,
   AVX-512 or AVX2 builds alike. bfloat16 (CPUs with AVX512-BF16): a copy packed for its kernel, bf16 products summed
   in float32 by `vdpbf16ps`, calls of fewer than BF16_PROMPT_ROWS rows; a tree's rows cost little beside the first
-  (the fastest bf16 format on AVX512-BF16 CPUs without AMX). Prompts take torch's linear over the float32 weights, and
-  a oneDNN-packed copy of the bf16 ones (torch's linear where oneDNN has no bf16 kernels).
+  (the fastest bf16 format on AVX512-BF16 CPUs without AMX). Prompts take oneDNN's linear over the float32 weights as
+  loaded (torch's linear where torch has no oneDNN), and a oneDNN-packed copy of the bf16 ones (torch's linear where
+  oneDNN has no bf16 kernels).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
@@ -317,14 +318,15 @@ class MKLLinear(nn.Module):
 
 
 # StreamLinear's kernel takes calls of up to this many rows (decoding steps: one token, a tree); more (a prompt) read the
-# weight better in cache blocks, through torch's linear
+# weight better in cache blocks, through oneDNN's linear (its float32 kernels prefilled a 1,000-token prompt 1.2x faster
+# than torch's, MKL's, on the AVX512-BF16 EPYC at 1 thread, alike at 2; docs/benchmarks.md)
 STREAM_MAX_ROWS = 32
 
 
 class StreamLinear(nn.Module):
     """nn.Linear's forward for a float32 or bf16 weight, decoding steps through Headway's streaming kernels. float32:
     the weight as loaded, calls of up to STREAM_MAX_ROWS rows (`torch.ops.headway_kernels.stream_linear`), prompts
-    through torch's linear. bf16: a copy packed for the AVX512-BF16 kernel, calls of fewer than BF16_PROMPT_ROWS rows
+    through oneDNN's linear over that weight (torch's where torch has no oneDNN). bf16: a copy packed for the AVX512-BF16 kernel, calls of fewer than BF16_PROMPT_ROWS rows
     (`stream_linear_bf16`), every row's bits independent of the row count; prompts on a oneDNN-packed copy where the
     CPU has oneDNN's bf16 kernels (the weight as loaded is then dropped unless kept), else torch's linear."""
 
@@ -336,14 +338,17 @@ class StreamLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         self.packed: Optional[torch.Tensor] = None  # bf16: [out / 4, in / 32, 4, 32], the kernel's layout
-        self.prompt: Optional[tuple] = None  # bf16: (the weight prepacked for oneDNN, bias) for prompts' rows
+        # prompts' rows through oneDNN: bf16, (the weight prepacked for it, bias); float32, (the weight as loaded, bias)
+        self.prompt: Optional[tuple] = None
         self.key = -1  # the prompt copy's in _PACKED_ONEDNN, for compiled graphs
         if linear.weight.dtype == torch.bfloat16:
             self.packed = torch.ops.headway_kernels.stream_pack_bf16(linear.weight.detach())
             if not kernels_missing("onednn", torch.bfloat16):
                 self.prompt = (torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1), self.bias)
                 self.key = _register(_PACKED_ONEDNN, (*self.prompt, 1), self)
-        if keep_weight or self.prompt is None:
+        elif linear.weight.dtype == torch.float32 and not kernels_missing("onednn", torch.float32):
+            self.prompt = (linear.weight.detach(), self.bias)
+        if keep_weight or self.prompt is None or self.packed is None:
             self.weight = linear.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,7 +358,7 @@ class StreamLinear(nn.Module):
                 x2, self.packed, self.bias, self.out_features, self.prompt, self.key, self._weight()
             )
         else:
-            y = _stream_linear(x2, self.weight.detach(), self.bias)
+            y = _stream_linear(x2, self.weight.detach(), self.bias, self.prompt is not None)
         return y.view(*x.shape[:-1], self.out_features)
 
     def _weight(self) -> Optional[torch.Tensor]:
@@ -365,11 +370,17 @@ class StreamLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weights={kind}"
 
 
-def _stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _stream_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool = False
+) -> torch.Tensor:
     """x [rows, in] times a float32 `weight` [out, in]: a decoding step's float32 rows through the streaming kernel; a
-    prompt's, another dtype's (a float64 head beside the target) or a traced graph's (which cannot call it) through
-    torch's linear."""
-    if x.shape[0] > STREAM_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    prompt's through oneDNN's linear over the same weight (`onednn`) or torch's; another dtype's (a float64 head beside
+    the target) or a traced graph's (which cannot call the kernel) through torch's linear."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return torch.nn.functional.linear(x, weight, bias)
+    if x.shape[0] > STREAM_MAX_ROWS:
+        if onednn and not torch.compiler.is_compiling():
+            return _onednn_linear(x, weight, bias, 1)
         return torch.nn.functional.linear(x, weight, bias)
     if torch.compiler.is_compiling():
         return torch.nn.functional.linear(x, weight, bias)
@@ -426,8 +437,8 @@ def row_linear(module: nn.Module) -> Any:
                 module._weight(),
             )
             return lambda x: _stream_bf16(x, *args)
-        weight, bias = module.weight.detach(), module.bias
-        return lambda x: _stream_linear(x, weight, bias)
+        weight, bias, onednn = module.weight.detach(), module.bias, module.prompt is not None
+        return lambda x: _stream_linear(x, weight, bias, onednn)
     if isinstance(module, nn.Linear):
         return lambda x: torch.nn.functional.linear(x, module.weight, module.bias)
     return module

@@ -29,7 +29,7 @@ struct Linear {
   int64_t kind;
   Tensor weight;  // native, MKL (its fallback for other row counts) and stream: [out, in] (bf16 stream: or empty)
   Tensor packed;  // oneDNN and MKL: the prepacked weight; float16 and bf16 stream: the bf16 weight prepacked for
-                  // oneDNN (prompts), or empty
+                  // oneDNN (prompts), or empty; float32 stream: the weight as loaded for oneDNN's prompts, or empty
   std::optional<Tensor> bias;  // float16: the oneDNN copy's (fbgemm's packed weight holds its own)
   int64_t rows;  // oneDNN: pad fewer rows to this many; MKL: the row count its weight was packed for; stream: the
                  // most rows its float32 kernel takes, or bf16's output count; float16: bf16 calls of up to this many
@@ -77,7 +77,7 @@ Tensor mkl(const Linear& l, const Tensor& x) {
 // packed_linear._stream_linear and _stream_bf16: the streaming kernels are another extension's ops
 // (target/csrc/stream_linear.cpp). bf16 (`extra` holds the kernel's packed weight, `rows` the output count): calls of
 // fewer than kBF16PromptRows rows through it, prompts on the oneDNN copy (`packed`) or the weight as loaded; float32:
-// calls of up to `rows` rows over the weight as loaded.
+// calls of up to `rows` rows over the weight as loaded, more (prompts) through oneDNN over it where `packed` holds it.
 Tensor stream(const Linear& l, const Tensor& x) {
   if (l.extra.isTensor()) {
     if (x.size(0) >= kBF16PromptRows) {
@@ -87,8 +87,11 @@ Tensor stream(const Linear& l, const Tensor& x) {
     c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
     return boxed(bf16, {x, l.extra, bias, l.rows});
   }
-  if (x.size(0) > l.rows || x.scalar_type() != at::kFloat || l.weight.scalar_type() != at::kFloat) {
+  if (x.scalar_type() != at::kFloat || l.weight.scalar_type() != at::kFloat) {
     return at::linear(x, l.weight, l.bias);
+  }
+  if (x.size(0) > l.rows) {
+    return l.packed.numel() > 0 ? onednn_rows(l, x, 1) : at::linear(x, l.weight, l.bias);
   }
   static const c10::OperatorHandle handle = op("headway_kernels::stream_linear");
   c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
