@@ -2,8 +2,9 @@
 
 target/csrc/stream_linear.cpp against the other formats: each of a SmolLM2-135M step's 121 products (random weights of
 its shapes) once per call count; the best of 5 passes, and the weights' bytes over that time. float32 (1, 4 and 16
-rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8 and 16 rows; CPUs with AVX512-BF16):
-StreamLinear against Float16Linear (fbgemm) and OneDNNLinear, as a bf16 target's decoding calls them.
+rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8 and 16 rows): StreamLinear (its
+AVX512-BF16 or AVX2 build) against Float16Linear (fbgemm) and OneDNNLinear where their kernels run here, as a bf16
+target's decoding calls them, and the float32 streaming kernel over the same weights in float32.
 
     taskset -c 0,1 python scripts/stream_linear_bench.py --threads 2 [--isa avx2] [--dtype bfloat16]
 """
@@ -16,7 +17,13 @@ import time
 import torch
 from torch import nn
 
-from headway.target.packed_linear import Float16Linear, OneDNNLinear, StreamLinear
+from headway.target.packed_linear import (
+    Float16Linear,
+    OneDNNLinear,
+    StreamLinear,
+    kernels_missing,
+)
+from headway.target.stream_kernel import bf16_build as stream_bf16_build
 from headway.target.stream_kernel import stream_kernel
 
 # (out, in) of one decoder layer's fused q/k/v, o, fused gate/up and down, 30 layers, then the lm_head
@@ -66,18 +73,24 @@ def main() -> None:
 def bf16(threads: int) -> None:
     """The bf16 formats' modules over the same bf16 weights, as a bf16 target's decoding steps call them."""
     linears = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for n, k in SHAPES]
-    formats = {
-        "stream": [StreamLinear(lin) for lin in linears],
-        "float16": [Float16Linear(lin) for lin in linears],
-        "onednn": [OneDNNLinear(lin) for lin in linears],
-    }
+    formats = {f"stream ({stream_bf16_build()})": [StreamLinear(lin) for lin in linears]}
+    for name, cls in (("float16", Float16Linear), ("onednn", OneDNNLinear)):
+        if kernels_missing(name, torch.bfloat16) is None:
+            formats[name] = [cls(lin) for lin in linears]
+    f32 = [lin.weight.detach().float() for lin in linears]
     mb = sum(lin.weight.numel() * 2 for lin in linears) / 1e6
-    print(f"{len(SHAPES)} bf16 linears, {mb:.0f} MB of weights, {threads} thread(s): ms per pass (GB/s)")
+    print(
+        f"{len(SHAPES)} bf16 linears, {mb:.0f} MB of weights, {threads} thread(s): ms per pass (GB/s of bf16)"
+    )
     for rows in (1, 2, 4, 8, 16):
         xs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
         ms = {
             name: best_ms(lambda m=mods: [p(xs[p.in_features]) for p in m]) for name, mods in formats.items()
         }
+        x32 = {k: v.float() for k, v in xs.items()}
+        ms["float32 stream"] = best_ms(
+            lambda: [torch.ops.headway_kernels.stream_linear(x32[w.shape[1]], w, None) for w in f32]
+        )
         print(f"rows {rows:2d}: " + ", ".join(f"{name} {t:6.1f} ({mb / t:.1f})" for name, t in ms.items()))
 
 

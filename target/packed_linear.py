@@ -19,11 +19,12 @@ and the kernels cost. Three formats replace every nn.Linear by a module over a p
 - `stream` (float32 and bfloat16 targets): decoding steps through Headway's own kernels (target/csrc/stream_linear.cpp),
   which stream a one-token step's weights at about the memory's rate on every thread and give a row the same bits
   whatever the other rows or the thread count. float32: the weights as loaded, calls of up to STREAM_MAX_ROWS rows,
-  AVX-512 or AVX2 builds alike. bfloat16 (CPUs with AVX512-BF16): a copy packed for its kernel, bf16 products summed
-  in float32 by `vdpbf16ps`, calls of fewer than BF16_PROMPT_ROWS rows; a tree's rows cost little beside the first
-  (the fastest bf16 format on AVX512-BF16 CPUs without AMX). Prompts take oneDNN's linear over the float32 weights as
-  loaded (torch's linear where torch has no oneDNN), and a oneDNN-packed copy of the bf16 ones (torch's linear where
-  oneDNN has no bf16 kernels).
+  AVX-512 or AVX2 builds alike. bfloat16: a copy packed for its kernel, bf16 products summed in float32 by
+  `vdpbf16ps` on AVX512-BF16 CPUs (a tree's rows cost little beside the first: the fastest bf16 format there without
+  AMX), or in the same order by float32 fused multiply-adds on AVX2 ones, calls of fewer than BF16_PROMPT_ROWS rows.
+  Prompts take oneDNN's linear over the float32 weights as loaded (torch's linear where torch has no oneDNN), and a
+  oneDNN-packed copy of the bf16 ones (where oneDNN has no bf16 kernels, torch's float32 linear over a float32 copy
+  made for the call).
 
 The lm_head's own weight stays too (the embedding and the EAGLE heads share it); the embedding, norms and
 attention run as loaded. In Llama-style layers the query, key and value projections are packed as one weight, and the
@@ -326,9 +327,10 @@ STREAM_MAX_ROWS = 32
 class StreamLinear(nn.Module):
     """nn.Linear's forward for a float32 or bf16 weight, decoding steps through Headway's streaming kernels. float32:
     the weight as loaded, calls of up to STREAM_MAX_ROWS rows (`torch.ops.headway_kernels.stream_linear`), prompts
-    through oneDNN's linear over that weight (torch's where torch has no oneDNN). bf16: a copy packed for the AVX512-BF16 kernel, calls of fewer than BF16_PROMPT_ROWS rows
-    (`stream_linear_bf16`), every row's bits independent of the row count; prompts on a oneDNN-packed copy where the
-    CPU has oneDNN's bf16 kernels (the weight as loaded is then dropped unless kept), else torch's linear."""
+    through oneDNN's linear over that weight (torch's where torch has no oneDNN). bf16: a copy packed for the bf16
+    kernel, calls of fewer than BF16_PROMPT_ROWS rows (`stream_linear_bf16`), every row's bits independent of the row
+    count; prompts on a oneDNN-packed copy where the CPU has oneDNN's bf16 kernels (the weight as loaded is then
+    dropped unless kept), else in float32 (`_float32_prompt`)."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
         """keep_weight: keep a bf16 weight as `.weight` beside its oneDNN copy (the lm_head, whose weight the embedding
@@ -398,14 +400,24 @@ def _stream_bf16(
 ) -> torch.Tensor:
     """x [rows, in] bf16 times a weight packed for the bf16 streaming kernel: fewer than BF16_PROMPT_ROWS rows through
     it (in a compiled graph too: row-exact decoding needs its bits), a prompt's on the oneDNN copy `prompt` (key: its
-    registry entry, for compiled graphs), or where there is none through torch's linear over `weight`."""
+    registry entry, for compiled graphs), or where there is none in float32 over `weight` (`_float32_prompt`)."""
     if x.shape[0] < BF16_PROMPT_ROWS:
         return torch.ops.headway_kernels.stream_linear_bf16(x, packed, bias, out_features)
     if prompt is None:
-        return torch.nn.functional.linear(x, weight, bias)
+        return _float32_prompt(x, weight, bias)
     if torch.compiler.is_compiling():
         return torch.ops.headway.linear_onednn(x, key, out_features)
     return _onednn_linear(x, prompt[0], prompt[1], 1)
+
+
+def _float32_prompt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A bf16 prompt's rows [rows, in] times a bf16 weight [out, in] where oneDNN has no bf16 kernels (AVX2 CPUs):
+    in float32 over a float32 copy of the weight made for the call (bf16 products are exact in float32), rounded once
+    to bf16. torch's bf16 linear emulates bf16 on such CPUs, ~4x slower than its float32 one (MKL's sgemm); the copy
+    costs a small part of that. The C++ layer loop computes the same (`stream` in inference/csrc/layer_loop.cpp)."""
+    return torch.nn.functional.linear(
+        x.float(), weight.float(), None if bias is None else bias.float()
+    ).bfloat16()
 
 
 PACKED = {"float16": Float16Linear, "onednn": OneDNNLinear, "mkl": MKLLinear, "stream": StreamLinear}

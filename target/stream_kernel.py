@@ -3,7 +3,8 @@
 It registers `torch.ops.headway_kernels.stream_linear` (float32) and `stream_linear_bf16` (bf16 rows over a weight
 packed by `stream_pack_bf16`), which `StreamLinear` (target.linear_weights=stream) and the static engine's C++ layer
 loop call. Building needs a C++ compiler once (cached under TORCH_EXTENSIONS_DIR); where there is none, or the CPU
-lacks the instructions (float32: AVX-512, or AVX2 with FMA; bf16: AVX512-BF16), the format is refused with the reason.
+lacks the instructions (AVX-512, or AVX2 with FMA), the format is refused with the reason. bf16 rows run on
+`vdpbf16ps` where the CPU has AVX512-BF16, else in float32 fused multiply-adds on AVX2 (`bf16_build`).
 """
 
 from __future__ import annotations
@@ -68,5 +69,12 @@ def bf16_unavailable() -> Optional[str]:
     if module is None:
         return why
     if not module.bf16_available():
-        return "its bf16 kernel needs a CPU with AVX512-BF16"
+        return "its bf16 kernel needs a CPU with AVX512-BF16, or AVX2 with FMA"
     return None
+
+
+def bf16_build() -> str:
+    """The bf16 build this CPU runs: "avx512bf16" (vdpbf16ps), "avx2" (float32 fused multiply-adds) or "" (none, or
+    the kernel did not build)."""
+    module, _ = _build()
+    return "" if module is None else module.bf16_build()

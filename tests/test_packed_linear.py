@@ -36,6 +36,7 @@ from headway.target.packed_linear import (
     pack_head_linear_weights,
     row_linear,
 )
+from headway.target.stream_kernel import bf16_build as stream_bf16_build
 from headway.target.stream_kernel import stream_kernel
 
 
@@ -312,11 +313,13 @@ def test_bf16_float16_weights_take_onednn_for_a_prompts_rows(bias: bool):
     assert Float16Linear(nn.Linear(96, 40)).prompt is None  # float32 weights: fbgemm for every row count
 
 
-@pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bf16 kernels for this CPU")
 @pytest.mark.parametrize("fmt", ["float16", "stream"])
 def test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights(tiny_dirs, fmt: str):
     """A prompt long enough to leave the decoding kernels (BF16_PROMPT_ROWS: float16 weights' oneDNN copy, stream
-    weights' torch linear), then EAGLE-3 and n-gram trees on them (fbgemm, the AVX512-BF16 streaming kernel)."""
+    weights' oneDNN copy or float32 linear), then EAGLE-3 and n-gram trees on them (fbgemm, the bf16 streaming
+    kernel)."""
+    if fmt == "float16" and not ONEDNN_BF16:
+        pytest.skip("oneDNN has no bf16 kernels for this CPU")
     if kernels_missing(fmt, torch.bfloat16):
         pytest.skip(kernels_missing(fmt, torch.bfloat16))
     t = load_packed(tiny_dirs["llama"], fmt, "bfloat16")
@@ -454,8 +457,8 @@ needs_stream_bf16 = pytest.mark.skipif(
 @needs_stream_bf16
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(bias: bool):
-    """The AVX512-BF16 streaming kernel computes each output from its own row and weight row alone, in one fixed
-    order, over its packed copy of the weight: a row gets the same bits alone, among 1 to 33 rows and at 1 or 2
+    """The bf16 streaming kernel (either build) computes each output from its own row and weight row alone, in one
+    fixed order, over its packed copy of the weight: a row gets the same bits alone, among 1 to 33 rows and at 1 or 2
     threads, and the exact product rounded to bf16 (to within one bf16 step where the float32 sum sits at a tie)."""
     torch.manual_seed(0)
     threads = torch.get_num_threads()
@@ -480,10 +483,15 @@ def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(b
                         rows,
                     )
             assert torch.equal(row_linear(packed)(x[:3]), alone[:3])
-            # a prompt's rows go through oneDNN's kernels over a prepacked copy (where the CPU has them)
+            # a prompt's rows go through oneDNN's kernels over a prepacked copy where the CPU has them, else through
+            # torch's float32 linear over the weight in float32, rounded once to bf16
             prompt = torch.randn(BF16_PROMPT_ROWS, in_features).bfloat16()
-            prompt_kernel = OneDNNLinear(lin) if packed.prompt is not None else lin
-            assert torch.equal(packed(prompt), prompt_kernel(prompt))
+            if packed.prompt is not None:
+                want = OneDNNLinear(lin)(prompt)
+            else:
+                b32 = None if lin.bias is None else lin.bias.float()
+                want = F.linear(prompt.float(), lin.weight.float(), b32).bfloat16()
+            assert torch.equal(packed(prompt), want)
             assert (packed.prompt is None) == hasattr(
                 packed, "weight"
             )  # the weight as loaded only where prompts read it
@@ -491,11 +499,55 @@ def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(b
         torch.set_num_threads(threads)
 
 
+def _dpbf16_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] bf16 times weight [out, in] bf16 in vdpbf16ps's documented order, in float32: per block of 32
+    inputs, lane l adds the product of inputs 2l + 1, then of 2l (bf16 products are exact in float32, so each addition
+    rounds once, as a fused multiply-add would); then lane l plus lane l + 8, + 4, + 2, + 1, the bias, and one
+    rounding to bf16."""
+    rows, n_in = x.shape
+    pad = -n_in % 32
+    xs = F.pad(x.float(), (0, pad)).view(rows, 1, -1, 16, 2)
+    ws = F.pad(weight.float(), (0, pad)).view(1, weight.shape[0], -1, 16, 2)
+    acc = torch.zeros(rows, weight.shape[0], 16)
+    for kb in range(xs.shape[2]):
+        acc = acc + xs[:, :, kb, :, 1] * ws[:, :, kb, :, 1]
+        acc = acc + xs[:, :, kb, :, 0] * ws[:, :, kb, :, 0]
+    for width in (8, 4, 2, 1):
+        acc = acc[..., :width] + acc[..., width : 2 * width]
+    y = acc[..., 0]
+    return (y if bias is None else y + bias.float()).bfloat16()
+
+
+@pytest.mark.skipif(stream_bf16_build() == "", reason="no bf16 streaming kernel here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_stream_avx2_build_follows_vdpbf16ps_order(bias: bool):
+    """The AVX2 build of the bf16 streaming kernel (CPUs without AVX512-BF16; forced here on any CPU with AVX2) sums in
+    the order vdpbf16ps documents, bit for bit: each output from its own row and weight row alone, whatever the row and
+    thread counts."""
+    torch.manual_seed(0)
+    ext = stream_kernel()
+    threads = torch.get_num_threads()
+    try:
+        for out_features, in_features in [(960, 576), (576, 1536), (67, 40), (5, 3)]:
+            weight = torch.randn(out_features, in_features).bfloat16()
+            b = torch.randn(out_features).bfloat16() if bias else None
+            packed = torch.ops.headway_kernels.stream_pack_bf16(weight)
+            x = torch.randn(9, in_features).bfloat16()
+            want = _dpbf16_order(x, weight, b)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                for rows in (1, 2, 3, 9):
+                    got = ext.stream_linear_bf16_isa(x[:rows], packed, b, out_features, "avx2")
+                    assert torch.equal(got, want[:rows]), (out_features, in_features, n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @needs_stream_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bf16_stream_weights_decode_exactly(tiny_dirs, arch: str):
-    """bf16 weights through the AVX512-BF16 streaming kernel (decoding steps, a one-token step unpadded) and torch's
-    linear (prompts): speculative decoding equals this format's plain decoding on every engine (after a long prompt:
+    """bf16 weights through the bf16 streaming kernel (decoding steps, a one-token step unpadded; AVX512-BF16 or AVX2
+    build) and oneDNN's or float32 linear (prompts): speculative decoding equals this format's plain decoding on every engine (after a long prompt:
     test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights)."""
     t = load_packed(tiny_dirs[arch], "stream", "bfloat16")
     assert linear_weights(t.model) == "stream" and fewest_rows(t.model) == 1
@@ -529,14 +581,16 @@ def test_float32_stream_target_drafts_with_a_bf16_eagle3_head_exactly(tiny_dirs,
 
 
 def test_bf16_stream_weights_say_which_cpu_they_need(tiny_dirs, monkeypatch):
-    """A CPU without AVX512-BF16 runs the float32 streaming kernel only: a bf16 target is refused with the reason."""
+    """A CPU where the bf16 streaming kernel cannot run (no AVX2 with FMA, or no compiler): a bf16 target is refused
+    with the reason."""
     monkeypatch.setattr(
         "headway.target.packed_linear.stream_bf16_unavailable",
-        lambda: "its bf16 kernel needs a CPU with AVX512-BF16",
+        lambda: "its bf16 kernel needs a CPU with AVX512-BF16, or AVX2 with FMA",
     )
     with pytest.raises(
         HeadwayError,
-        match=r"target.linear_weights=stream: no kernels for it here \(its bf16 kernel needs a CPU with AVX512-BF16\)",
+        match=r"target.linear_weights=stream: no kernels for it here \(its bf16 kernel needs a CPU with AVX512-BF16, "
+        r"or AVX2 with FMA\)",
     ):
         load_packed(tiny_dirs["llama"], "stream", "bfloat16")
 

@@ -76,12 +76,17 @@ Tensor mkl(const Linear& l, const Tensor& x) {
 
 // packed_linear._stream_linear and _stream_bf16: the streaming kernels are another extension's ops
 // (target/csrc/stream_linear.cpp). bf16 (`extra` holds the kernel's packed weight, `rows` the output count): calls of
-// fewer than kBF16PromptRows rows through it, prompts on the oneDNN copy (`packed`) or the weight as loaded; float32:
-// calls of up to `rows` rows over the weight as loaded, more (prompts) through oneDNN over it where `packed` holds it.
+// fewer than kBF16PromptRows rows through it, prompts on the oneDNN copy (`packed`) or in float32 over the weight as
+// loaded; float32: calls of up to `rows` rows over the weight as loaded, more (prompts) through oneDNN over it where
+// `packed` holds it.
 Tensor stream(const Linear& l, const Tensor& x) {
   if (l.extra.isTensor()) {
     if (x.size(0) >= kBF16PromptRows) {
-      return l.packed.numel() > 0 ? onednn_rows(l, x, 1) : at::linear(x, l.weight, l.bias);
+      if (l.packed.numel() > 0) return onednn_rows(l, x, 1);
+      // packed_linear._float32_prompt: no oneDNN bf16 kernels here, so float32 over a copy of the weight
+      const std::optional<Tensor> bias32 =
+          l.bias.has_value() ? std::optional<Tensor>(l.bias->to(at::kFloat)) : std::nullopt;
+      return at::linear(x.to(at::kFloat), l.weight.to(at::kFloat), bias32).to(at::kBFloat16);
     }
     static const c10::OperatorHandle bf16 = op("headway_kernels::stream_linear_bf16");
     c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();

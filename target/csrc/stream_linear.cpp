@@ -367,6 +367,138 @@ void block_bf16(const uint16_t* x, int64_t rows, const uint16_t* packed, int64_t
 #pragma GCC pop_options
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// bf16 rows times the same packed bf16 weights on CPUs with AVX2 and FMA but no AVX512-BF16: each output follows
+// vdpbf16ps's documented order in float32 fused multiply-adds (a lane adds its odd input's product, then its even
+// one's; a product of two bf16 values is exact in float32, so the fused and the unfused sum agree), then the same
+// `finish` tree, the bias and one rounding to bf16 (to nearest even). A call reads half the bytes of the float32
+// kernel; a row's bits depend on its own row and weight row alone, so no row count or thread count changes them.
+// vdpbf16ps also flushes denormal inputs and sums to zero, which this build does not: the builds may part there.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include <immintrin.h>
+
+// rows of x [rows, in] bf16 as float32 in the kernel's order: per row and block of 32 inputs, the odd inputs of
+// lanes 0-7 (inputs 1, 3, ..., 15), their even ones (0, 2, ..., 14), then the same for lanes 8-15 (inputs 16-31);
+// zero past `in`. The tile then reads each row's operands straight from the first-level cache.
+void split_bf16_rows(const uint16_t* x, int64_t rows, int64_t in, int64_t blocks, float* xs) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = x + r * in;
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+      float* dst = xs + (r * blocks + kb) * 2 * kLanes;
+      for (int h = 0; h < 2; ++h) {
+        for (int l = 0; l < 8; ++l) {
+          const int64_t k = kb * 2 * kLanes + h * kLanes + 2 * l;
+          const uint32_t even = k < in ? uint32_t(row[k]) << 16 : 0u, odd = k + 1 < in ? uint32_t(row[k + 1]) << 16 : 0u;
+          std::memcpy(dst + h * kLanes + l, &odd, sizeof(float));
+          std::memcpy(dst + h * kLanes + 8 + l, &even, sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+// float32 lanes rounded to bf16 (to nearest even; a NaN stays a quiet NaN), as vcvtneps2bf16 rounds
+inline __attribute__((always_inline)) __m256i round_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// Outputs [o, o + kGroup) of rows [r, r + NR), as `tile_bf16` computes them: 16 lanes as two AVX2 registers, each
+// lane one chain of fused multiply-adds (odd input, then even, block by block).
+template <int NR>
+inline __attribute__((always_inline)) void tile_bf16_avx2(const float* xs, int64_t r, const uint16_t* group,
+                                                          int64_t blocks, int64_t o, const float* bias,
+                                                          uint16_t* y, int64_t out, Prefetch pf) {
+  constexpr int NO = kGroup;
+  const __m256i odd_mask = _mm256_set1_epi32(int32_t(0xffff0000u));
+  __m256 acc[NR * NO][2];  // [row i * NO + output j][lanes 0-7, 8-15]
+#pragma GCC unroll 16
+  for (int a = 0; a < NR * NO; ++a) acc[a][0] = acc[a][1] = _mm256_setzero_ps();
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    for (int64_t l = 0; l < pf.per_block; ++l) {
+      const int64_t off = (kb * pf.per_block + l) * 64;
+      if (off < pf.bytes) __builtin_prefetch(pf.base + off, 0, 1);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t* p = group + kb * NO * 2 * kLanes + h * kLanes;
+#pragma GCC unroll 4
+      for (int j = 0; j < NO; ++j) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 2 * kLanes));
+        const __m256 w_odd = _mm256_castsi256_ps(_mm256_and_si256(w, odd_mask));
+        const __m256 w_even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; ++i) {
+          const float* xp = xs + ((r + i) * blocks + kb) * 2 * kLanes + h * kLanes;
+          acc[i * NO + j][h] = _mm256_fmadd_ps(w_odd, _mm256_loadu_ps(xp), acc[i * NO + j][h]);
+          acc[i * NO + j][h] = _mm256_fmadd_ps(w_even, _mm256_loadu_ps(xp + 8), acc[i * NO + j][h]);
+        }
+      }
+    }
+  }
+  v16x2 sum[NR * NO];
+#pragma GCC unroll 16
+  for (int a = 0; a < NR * NO; ++a) sum[a] = {(v8)acc[a][0], (v8)acc[a][1]};
+  const v16x2 all = finish_n<NR * NO>(sum);
+  const __m256i lo = round_bf16(_mm256_add_ps((__m256)all.lo, _mm256_loadu_ps(bias)));
+  const __m256i hi = round_bf16(_mm256_add_ps((__m256)all.hi, _mm256_loadu_ps(bias + 8)));
+  uint32_t out32[kLanes];
+  std::memcpy(out32, &lo, sizeof(lo));
+  std::memcpy(out32 + 8, &hi, sizeof(hi));
+  for (int i = 0; i < NR; ++i) {
+    for (int j = 0; j < NO && o + j < out; ++j) y[(r + i) * out + o + j] = uint16_t(out32[i * NO + j]);
+  }
+}
+
+// Output groups [begin, end) of every row from rows split by `split_bf16_rows`, in tiles of kRowsAvx2 rows (the last
+// tile shorter), prefetching as `block_bf16` does.
+// Rows per tile: 2 x 4 outputs x 2 registers fill AVX2's 16 registers and spill a few to the first-level cache; on the
+// AVX2 EPYC that read the default target's weights 1.2-1.5x faster for 4 to 16 rows than 1 or 3 rows a tile, and than
+// two passes of lanes 0-7 then 8-15 (8 accumulators, no spills) for every row count (docs/benchmarks.md).
+constexpr int kRowsAvx2 = 2;
+
+void block_bf16_avx2(const float* xs, int64_t rows, const uint16_t* packed, int64_t blocks, int64_t begin,
+                     int64_t end, const float* bias, uint16_t* y, int64_t out) {
+  const int64_t group_bytes = blocks * kGroup * 2 * kLanes * 2, tiles = (rows + kRowsAvx2 - 1) / kRowsAvx2;
+  const int64_t ahead = std::max<int64_t>(1, (kPrefetch * 2 + group_bytes - 1) / group_bytes);
+  const int64_t share = ((group_bytes + tiles - 1) / tiles + 63) / 64 * 64;
+  const int64_t per_block = (share / 64 + blocks - 1) / blocks;
+  for (int64_t g = begin; g < end; ++g) {
+    const uint16_t* group = packed + g * blocks * kGroup * 2 * kLanes;
+    const char* next = reinterpret_cast<const char*>(group) + ahead * group_bytes;
+    const int64_t o = g * kGroup;
+    float lanes[kLanes] = {};  // lane i * kGroup + j: output o + j's bias (zero past the last output)
+    for (int q = 0; q < kLanes && bias != nullptr; ++q) lanes[q] = o + q % kGroup < out ? bias[o + q % kGroup] : 0.0f;
+    int64_t r = 0, t = 0;
+    auto part = [&](int64_t tile) {
+      const int64_t start = std::min(tile * share, group_bytes);
+      return Prefetch{next + start, std::min(share, group_bytes - start), per_block};
+    };
+    for (; r + kRowsAvx2 <= rows; r += kRowsAvx2, ++t) {
+      tile_bf16_avx2<kRowsAvx2>(xs, r, group, blocks, o, lanes, y, out, part(t));
+    }
+    switch (rows - r) {
+      case 3:
+        if constexpr (kRowsAvx2 > 3) tile_bf16_avx2<3>(xs, r, group, blocks, o, lanes, y, out, part(t));
+        break;
+      case 2:
+        if constexpr (kRowsAvx2 > 2) tile_bf16_avx2<2>(xs, r, group, blocks, o, lanes, y, out, part(t));
+        break;
+      case 1:
+        if constexpr (kRowsAvx2 > 1) tile_bf16_avx2<1>(xs, r, group, blocks, o, lanes, y, out, part(t));
+        break;
+      default:
+        break;
+    }
+  }
+}
+#pragma GCC pop_options
+#endif
+
 using Block = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, const float*, float*, int64_t);
 
 // The widest build this CPU runs, or the one `isa` names (avx512, avx2; tests compare them); none: no build here.
@@ -400,14 +532,19 @@ Tensor run_stream(const Tensor& x_in, const Tensor& weight, const std::optional<
   return y;
 }
 
-bool bf16_supported() {
+// The bf16 build this CPU runs: "avx512bf16" (vdpbf16ps), "avx2" (float32 fused multiply-adds), or "" (none).
+std::string bf16_build() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512bf16")) {
+    return "avx512bf16";
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
 #endif
+  return "";
 }
+
+bool bf16_supported() { return !bf16_build().empty(); }
 
 // [out, in] bf16 -> [ceil(out / kGroup), ceil(in / 32), kGroup, 32], zero-padded (block_bf16's layout)
 Tensor pack_bf16(const Tensor& weight) {
@@ -419,8 +556,10 @@ Tensor pack_bf16(const Tensor& weight) {
   return padded.view({groups, kGroup, blocks, 2 * kLanes}).permute({0, 2, 1, 3}).contiguous();
 }
 
-Tensor run_stream_bf16(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias, int64_t out) {
-  TORCH_CHECK(bf16_supported(), "stream_linear: bf16 rows need a CPU with AVX512-BF16");
+// x [m, in] bf16 times a weight packed by `pack_bf16` for [out, in], through the bf16 build `build` names
+Tensor run_bf16_build(const Tensor& x_in, const Tensor& packed, const std::optional<Tensor>& bias, int64_t out,
+                      const std::string& build) {
+  TORCH_CHECK(build == "avx512bf16" || build == "avx2", "stream_linear: bf16 rows need a CPU with AVX512-BF16, or AVX2 with FMA");
   const Tensor x = x_in.contiguous();
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
                   packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kGroup &&
@@ -439,10 +578,23 @@ Tensor run_stream_bf16(const Tensor& x_in, const Tensor& packed, const std::opti
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
 #if defined(__x86_64__) && defined(__GNUC__)
-  at::parallel_for(0, groups, kGrain / kGroup,
-                   [&](int64_t b0, int64_t e0) { block_bf16(xp, rows, wp, blocks, in, b0, e0, bp, yp, out); });
+  if (build == "avx512bf16") {
+    at::parallel_for(0, groups, kGrain / kGroup,
+                     [&](int64_t b0, int64_t e0) { block_bf16(xp, rows, wp, blocks, in, b0, e0, bp, yp, out); });
+  } else {
+    Tensor split = at::empty({rows, blocks * 2 * kLanes}, x.options().dtype(at::kFloat));
+    float* xs = split.data_ptr<float>();
+    split_bf16_rows(xp, rows, in, blocks, xs);
+    at::parallel_for(0, groups, kGrain / kGroup,
+                     [&](int64_t b0, int64_t e0) { block_bf16_avx2(xs, rows, wp, blocks, b0, e0, bp, yp, out); });
+  }
 #endif
   return y;
+}
+
+Tensor run_stream_bf16(const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t out) {
+  static const std::string build = bf16_build();
+  return run_bf16_build(x, packed, bias, out, build);
 }
 
 }  // namespace
@@ -470,7 +622,8 @@ TORCH_LIBRARY_IMPL(headway_kernels, CPU, m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &stream_linear_available, "whether this CPU runs stream_linear");
-  m.def("bf16_available", &bf16_supported, "whether this CPU runs stream_linear over bf16 rows (AVX512-BF16)");
+  m.def("bf16_available", &bf16_supported, "whether this CPU runs stream_linear over bf16 rows");
+  m.def("bf16_build", &bf16_build, "the bf16 build this CPU runs: avx512bf16, avx2, or empty (none)");
   m.def(
       "stream_linear_isa",
       [](const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias, const std::string& isa) {
@@ -479,4 +632,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return run_stream(x, weight, bias, run);
       },
       "stream_linear through one build (avx512, avx2), for tests");
+  m.def(
+      "stream_linear_bf16_isa",
+      [](const Tensor& x, const Tensor& packed, const std::optional<Tensor>& bias, int64_t out,
+         const std::string& isa) {
+        TORCH_CHECK(isa == bf16_build() || (isa == "avx2" && !bf16_build().empty()), "stream_linear: this CPU has no ",
+                    isa, " bf16 build");
+        return run_bf16_build(x, packed, bias, out, isa);
+      },
+      "stream_linear_bf16 through one build (avx512bf16, avx2), for tests");
 }
