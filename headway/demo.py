@@ -161,8 +161,8 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
     bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost little), else bf16
     through Headway's AVX512-BF16 streaming linear (the fastest step, and cheap tree rows), or where it cannot build,
     float16-packed weights (fbgemm's one-row kernel; prompts take a oneDNN copy); on
-    other CPUs float32 through the streaming linear, or where it cannot run, with oneDNN-packed weights (one-row
-    steps that use every thread), or MKL-packed ones on one thread."""
+    other CPUs (AVX2) bf16 through the streaming linear's AVX2 build, else float32 through it, or where it cannot run,
+    float32 with oneDNN-packed weights (one-row steps that use every thread), or MKL-packed ones on one thread."""
 
     t = cfg.target
     if (
@@ -174,6 +174,12 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
     ):
         return t
     if kernels_missing("onednn", torch.bfloat16):
+        if not kernels_missing("stream", torch.bfloat16):
+            print(
+                "== no oneDNN bf16 kernels on this CPU: decoding the target in bf16 through the AVX2 build of Headway's "
+                "streaming linear, half the float32 format's bytes (fast_cpu_format=false: torch's float32 linears)"
+            )
+            return dataclasses.replace(t, dtype="bfloat16", linear_weights="stream")
         if not kernels_missing("stream", torch.float32):
             print(
                 "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 through Headway's streaming "

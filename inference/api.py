@@ -22,7 +22,7 @@ from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.target.loading import Target, load_target
 from headway.target.packed_linear import linear_weights, pack_head_linear_weights
-from headway.target.stream_kernel import bf16_unavailable as stream_bf16_unavailable
+from headway.target.stream_kernel import bf16_build as stream_bf16_build
 
 
 def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
@@ -40,7 +40,7 @@ def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
         and head_kind(kind).drafts_in_bf16
         and own.dtype == torch.float32
         and linear_weights(target_model) == "stream"  # a CPU format
-        and stream_bf16_unavailable() is None
+        and stream_bf16_build() == "avx512bf16"  # the AVX2 build: unmeasured for heads
     ):
         return torch.bfloat16
     return own.dtype

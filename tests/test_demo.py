@@ -97,7 +97,7 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
 def fast_format() -> tuple[str, str]:
     """The demo's format on this CPU (dtype, linear_weights)."""
     if kernels_missing("onednn") is not None:
-        return ("float32", "stream")
+        return ("bfloat16" if kernels_missing("stream", torch.bfloat16) is None else "float32", "stream")
     if amx_bf16():
         return ("bfloat16", "onednn")
     return ("bfloat16", "float16" if kernels_missing("stream", torch.bfloat16) else "stream")
@@ -124,23 +124,31 @@ def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream
     assert (t.dtype, t.linear_weights) == ("bfloat16", want)
 
 
-@pytest.mark.parametrize("stream", [True, False])
-def test_demo_on_a_cpu_without_bf16_kernels_decodes_float32_in_its_fastest_format(monkeypatch, stream: bool):
-    """An AVX2 CPU (no oneDNN bf16 kernels): float32 through the streaming linear, or where it cannot build,
-    oneDNN-packed weights (MKL-packed on one thread)."""
+@pytest.mark.parametrize("stream", ["bf16", "float32", "none"])
+def test_demo_on_a_cpu_without_bf16_kernels_decodes_in_its_fastest_format(monkeypatch, stream: str):
+    """An AVX2 CPU (no oneDNN bf16 kernels): bf16 through the streaming linear's AVX2 build, or float32 through it
+    where its bf16 rows cannot run, or where it cannot build at all, float32 with oneDNN-packed weights (MKL-packed
+    on one thread)."""
     from headway import demo
     from headway.demo import DemoConfig, decoding_target
     from headway.target.config import TargetConfig
 
     def missing(fmt: str, dtype=torch.bfloat16):
-        if (fmt, dtype) == ("onednn", torch.bfloat16) or (fmt == "stream" and not stream):
+        if (fmt, dtype) == ("onednn", torch.bfloat16):
             return "not on this CPU"
+        if fmt == "stream" and (stream == "none" or (stream == "float32" and dtype == torch.bfloat16)):
+            return "not built"
         return None
 
     monkeypatch.setattr(demo, "kernels_missing", missing)
     for threads, fallback in ((2, "onednn"), (1, "mkl")):
         t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=threads)))
-        assert (t.dtype, t.linear_weights) == ("float32", "stream" if stream else fallback)
+        want = {
+            "bf16": ("bfloat16", "stream"),
+            "float32": ("float32", "stream"),
+            "none": ("float32", fallback),
+        }
+        assert (t.dtype, t.linear_weights) == want[stream]
 
 
 def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():

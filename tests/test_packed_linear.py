@@ -560,20 +560,19 @@ def test_bf16_stream_weights_decode_exactly(tiny_dirs, arch: str):
 @needs_stream_bf16
 def test_float32_stream_target_drafts_with_a_bf16_eagle3_head_exactly(tiny_dirs, monkeypatch):
     """inference.drafter_dtype=auto loads an EAGLE-3 head in bf16 beside a float32 target in the stream format where
-    the CPU has AVX512-BF16 (its linears then stream half the bytes), and the target's dtype elsewhere; the drafts only
-    steer the speed, so speculative decoding still equals plain decoding."""
+    the CPU has AVX512-BF16 (its linears then stream half the bytes), and the target's dtype elsewhere (the AVX2 bf16
+    build included); the drafts only steer the speed, so speculative decoding still equals plain decoding."""
     t = load_packed(tiny_dirs["llama"], "stream", "float32")
+    monkeypatch.setattr("headway.inference.api.stream_bf16_build", lambda: "avx512bf16")
     assert drafter_dtype("auto", "eagle3", t.model) == torch.bfloat16
     assert (
         drafter_dtype("auto", "eagle", t.model) == torch.float32
     )  # EAGLE-1 reads out through the target's lm_head
     assert drafter_dtype("target", "eagle3", t.model) == torch.float32
     assert drafter_dtype("bfloat16", "medusa", t.model) == torch.bfloat16
-    monkeypatch.setattr(
-        "headway.inference.api.stream_bf16_unavailable",
-        lambda: "its bf16 kernel needs a CPU with AVX512-BF16",
-    )
-    assert drafter_dtype("auto", "eagle3", t.model) == torch.float32
+    for build in ("avx2", ""):
+        monkeypatch.setattr("headway.inference.api.stream_bf16_build", lambda b=build: b)
+        assert drafter_dtype("auto", "eagle3", t.model) == torch.float32
     heads = random_head(t, "eagle3").to(torch.bfloat16)
     assert pack_head_linear_weights(heads, "stream") > 0
     for engine in ("hf", "static"):
