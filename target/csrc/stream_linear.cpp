@@ -270,6 +270,33 @@ constexpr int kGroup = 4;  // outputs a bf16 tile computes together: the packed 
 // call of several row tiles prefetches its share of the group ahead, so that the memory keeps streaming while a
 // group's later tiles compute on weights already in the first-level cache.
 constexpr int64_t kPrefetch = 4096;
+struct Prefetch {
+  const char* base;   // this tile's share of a group ahead
+  int64_t bytes;      // its size
+  int64_t per_block;  // cache lines to prefetch each block of 32 inputs
+};
+
+// Where a call's row tiles prefetch a packed group's successor: each of `tiles` tiles over a group prefetches its share
+// of the group `ahead` groups on, spread over the blocks of 32 inputs (the AVX-512 and AVX2 bf16 blocks alike).
+struct GroupPrefetch {
+  int64_t group_bytes, ahead, share, per_block;
+  GroupPrefetch(int64_t blocks, int64_t tiles)
+      : group_bytes(blocks * kGroup * 2 * kLanes * 2),
+        ahead(std::max<int64_t>(1, (kPrefetch * 2 + group_bytes - 1) / group_bytes)),
+        share(((group_bytes + tiles - 1) / tiles + 63) / 64 * 64),
+        per_block((share / 64 + blocks - 1) / blocks) {}
+  Prefetch part(const uint16_t* group, int64_t tile) const {
+    const char* next = reinterpret_cast<const char*>(group) + ahead * group_bytes;
+    const int64_t start = std::min(tile * share, group_bytes);
+    return Prefetch{next + start, std::min(share, group_bytes - start), per_block};
+  }
+};
+
+// lanes[i * kGroup + j]: output o + j's bias, zero past the last output or without one
+inline void bias_lanes(const float* bias, int64_t o, int64_t out, float* lanes) {
+  for (int q = 0; q < kLanes; ++q) lanes[q] = bias != nullptr && o + q % kGroup < out ? bias[o + q % kGroup] : 0.0f;
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512bf16")
 #include <immintrin.h>
@@ -277,12 +304,6 @@ constexpr int64_t kPrefetch = 4096;
 inline __attribute__((always_inline)) __m512bh load_bf16(const uint16_t* p, int64_t count) {
   return (__m512bh)_mm512_maskz_loadu_epi16(count >= 32 ? ~0u : ((1u << count) - 1u), p);
 }
-
-struct Prefetch {
-  const char* base;   // this tile's share of a group ahead
-  int64_t bytes;      // its size
-  int64_t per_block;  // cache lines to prefetch each block of 32 inputs
-};
 
 // Outputs [o, o + kGroup) of rows [r, r + NR) over the weight packed by `pack_bf16` ([groups of kGroup outputs,
 // blocks of 32 inputs, kGroup, 32], zero-padded), so that a tile reads one sequential stream (the prefetchers then run
@@ -332,32 +353,25 @@ inline __attribute__((always_inline)) void tile_bf16(const uint16_t* x, int64_t 
 // vectors and an input vector in AVX-512's 32 registers).
 void block_bf16(const uint16_t* x, int64_t rows, const uint16_t* packed, int64_t blocks, int64_t in, int64_t begin,
                 int64_t end, const float* bias, uint16_t* y, int64_t out) {
-  const int64_t group_bytes = blocks * kGroup * 2 * kLanes * 2, tiles = (rows + 3) / 4;
-  const int64_t ahead = std::max<int64_t>(1, (kPrefetch * 2 + group_bytes - 1) / group_bytes);
-  const int64_t share = ((group_bytes + tiles - 1) / tiles + 63) / 64 * 64;
-  const int64_t per_block = (share / 64 + blocks - 1) / blocks;
+  const GroupPrefetch plan(blocks, (rows + 3) / 4);
   for (int64_t g = begin; g < end; ++g) {
     const uint16_t* group = packed + g * blocks * kGroup * 2 * kLanes;
-    const char* next = reinterpret_cast<const char*>(group) + ahead * group_bytes;
     const int64_t o = g * kGroup;
-    float lanes[kLanes] = {};  // lane i * kGroup + j: output o + j's bias (zero past the last output)
-    for (int q = 0; q < kLanes && bias != nullptr; ++q) lanes[q] = o + q % kGroup < out ? bias[o + q % kGroup] : 0.0f;
-    const __m512 bias_lanes = _mm512_loadu_ps(lanes);
+    float lanes[kLanes];
+    bias_lanes(bias, o, out, lanes);
+    const __m512 bias_v = _mm512_loadu_ps(lanes);
     int64_t r = 0, t = 0;
-    auto part = [&](int64_t tile) {
-      const int64_t start = std::min(tile * share, group_bytes);
-      return Prefetch{next + start, std::min(share, group_bytes - start), per_block};
-    };
-    for (; r + 4 <= rows; r += 4, ++t) tile_bf16<4>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
+    auto part = [&](int64_t tile) { return plan.part(group, tile); };
+    for (; r + 4 <= rows; r += 4, ++t) tile_bf16<4>(x, r, group, blocks, in, o, bias_v, y, out, part(t));
     switch (rows - r) {
       case 3:
-        tile_bf16<3>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
+        tile_bf16<3>(x, r, group, blocks, in, o, bias_v, y, out, part(t));
         break;
       case 2:
-        tile_bf16<2>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
+        tile_bf16<2>(x, r, group, blocks, in, o, bias_v, y, out, part(t));
         break;
       case 1:
-        tile_bf16<1>(x, r, group, blocks, in, o, bias_lanes, y, out, part(t));
+        tile_bf16<1>(x, r, group, blocks, in, o, bias_v, y, out, part(t));
         break;
       default:
         break;
@@ -463,21 +477,14 @@ constexpr int kRowsAvx2 = 2;
 
 void block_bf16_avx2(const float* xs, int64_t rows, const uint16_t* packed, int64_t blocks, int64_t begin,
                      int64_t end, const float* bias, uint16_t* y, int64_t out) {
-  const int64_t group_bytes = blocks * kGroup * 2 * kLanes * 2, tiles = (rows + kRowsAvx2 - 1) / kRowsAvx2;
-  const int64_t ahead = std::max<int64_t>(1, (kPrefetch * 2 + group_bytes - 1) / group_bytes);
-  const int64_t share = ((group_bytes + tiles - 1) / tiles + 63) / 64 * 64;
-  const int64_t per_block = (share / 64 + blocks - 1) / blocks;
+  const GroupPrefetch plan(blocks, (rows + kRowsAvx2 - 1) / kRowsAvx2);
   for (int64_t g = begin; g < end; ++g) {
     const uint16_t* group = packed + g * blocks * kGroup * 2 * kLanes;
-    const char* next = reinterpret_cast<const char*>(group) + ahead * group_bytes;
     const int64_t o = g * kGroup;
-    float lanes[kLanes] = {};  // lane i * kGroup + j: output o + j's bias (zero past the last output)
-    for (int q = 0; q < kLanes && bias != nullptr; ++q) lanes[q] = o + q % kGroup < out ? bias[o + q % kGroup] : 0.0f;
+    float lanes[kLanes];
+    bias_lanes(bias, o, out, lanes);
     int64_t r = 0, t = 0;
-    auto part = [&](int64_t tile) {
-      const int64_t start = std::min(tile * share, group_bytes);
-      return Prefetch{next + start, std::min(share, group_bytes - start), per_block};
-    };
+    auto part = [&](int64_t tile) { return plan.part(group, tile); };
     for (; r + kRowsAvx2 <= rows; r += kRowsAvx2, ++t) {
       tile_bf16_avx2<kRowsAvx2>(xs, r, group, blocks, o, lanes, y, out, part(t));
     }
