@@ -7,7 +7,8 @@
 // alone, so neither the row count, the other rows, the thread count nor the CPU's vector width (AVX-512 or AVX2)
 // changes a bit: a tree's rows stay one-token steps. Prompts (many rows) are better read in cache blocks:
 // `StreamLinear` gives them to at::linear.
-// bf16 targets (CPUs with AVX512-BF16) have their own kernel below, over a packed copy of the weight.
+// bf16 targets have their own kernel below, over a packed copy of the weight: vdpbf16ps on CPUs with AVX512-BF16,
+// the same order in float32 fused multiply-adds on AVX2 ones.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
