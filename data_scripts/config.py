@@ -9,6 +9,10 @@ from typing import Optional
 from headway.config import check_choice
 from headway.errors import HeadwayError
 
+# A distilled dataset's files: its manifest (written last: the dataset is whole) and the state of an unfinished run.
+MANIFEST = "manifest.json"
+RUN_STATE = "run.json"
+
 
 @dataclass
 class PromptConfig:

@@ -22,14 +22,15 @@ from tqdm import tqdm
 import headway
 from headway.config import save_config
 from headway.data_scripts.chat import ChatFormat
-from headway.data_scripts.config import DistillConfig
+from headway.data_scripts.config import MANIFEST, RUN_STATE, DistillConfig
 from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLLMEngine, vllm_available
 from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
 from headway.faults import fault_point
 from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
-from headway.runtime import DistInfo, barrier, dist_info
+from headway.ranks import DistInfo, dist_info
+from headway.runtime import barrier
 from headway.target.loading import Target, load_target
 
 if TYPE_CHECKING:
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("headway")
 
-MANIFEST = "manifest.json"
-RUN_STATE = "run.json"
 CHUNK_DIR = "chunks"
 
 

@@ -25,7 +25,8 @@ from headway.export.layouts import Converter
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
-from headway.kinds.checkpoint import load_head, read_head_config, rebuild_head, write_head_config
+from headway.kinds.checkpoint import load_head, rebuild_head, write_head_config
+from headway.kinds.head_dir import read_head_config, resolve_head_dir
 from headway.kinds.registry import head_kind
 from headway.runtime import parse_dtype
 from headway.target.loading import fingerprint_mismatch
@@ -135,14 +136,6 @@ def draft_tokens(native: dict) -> int:
     """The draft length an engine should run the head with (the kind's: Medusa's head count, EAGLE-3's
     trained unroll, 3 for EAGLE-1)."""
     return head_kind(native.get("kind")).draft_tokens(native.get("head", {}))
-
-
-def resolve_head_dir(path: str | os.PathLike) -> Path:
-    """A head directory as given, or a training run's directory's head/."""
-    path = Path(path)
-    if not (path / "config.json").is_file() and (path / "head" / "config.json").is_file():
-        return path / "head"
-    return path
 
 
 def needs_target_lm_head(native: dict) -> bool:

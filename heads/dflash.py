@@ -11,8 +11,7 @@ own frozen lm_head over its whole vocabulary, the read-out SGLang's DFlash serve
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,53 +19,9 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from headway.config import check_choice
 from headway.errors import HeadwayError
-from headway.heads.eagle3 import DRAFT_LOSSES, check_fused_layers, fused_layers
-
-
-@dataclass
-class DFlashConfig:
-    # Tokens per block: the anchor (the last accepted token) and block_size - 1 mask slots, each drafting one
-    # token; one drafter forward drafts them all.
-    block_size: int = 8
-    # Decoder layers in the drafter (each reads the context through its own key/value projections).
-    num_layers: int = 1
-    # Target hidden-state indices (HF output_hidden_states) fused as the context; empty = (2, L//2, L-3), what
-    # vLLM feeds a DFlash draft by default.
-    feature_layers: list[int] = field(default_factory=list)
-    # The token the mask slots embed (through the target's embedding); -1 = the target's last vocabulary id.
-    mask_token_id: int = -1
-    # The read-out: own (an lm_head of the head's own over a reduced draft vocabulary, started from the target's
-    # rows; vLLM serves it) or target (the target's frozen lm_head over its whole vocabulary, shared and never
-    # saved; SGLang and vLLM serve it).
-    lm_head: str = "own"
-    # Reduced draft vocabulary (lm_head=own): the most frequent tokens of the training data (d2t maps it to the
-    # target's).
-    draft_vocab_size: int = 8192
-    # Anchors drawn per training sequence (answer positions; each anchor trains one block).
-    anchors: int = 32
-    # Slot j's loss weighs exp(-(j - 1) / loss_gamma): near slots matter most, since a chain stops at a miss.
-    loss_gamma: float = 4.0
-    # What each slot learns (train/losses.py): soft_ce, argmax_ce, tv or soft_ce+tv.
-    loss: str = "soft_ce"
-    # The drafter's layer shape: llama (the target's sizes, GQA and RoPE, with per-head q/k norms).
-    draft_layer: str = "llama"
-
-    # Fields that shape training only: a head trained with other values can continue under these.
-    training_fields: ClassVar[tuple[str, ...]] = ("anchors", "loss_gamma", "loss")
-
-    def __post_init__(self) -> None:
-        if self.block_size < 2 or self.num_layers < 1 or self.draft_vocab_size < 2 or self.anchors < 1:
-            raise HeadwayError(
-                "head.dflash: block_size must be >= 2, num_layers, anchors >= 1 and draft_vocab_size >= 2"
-            )
-        if self.mask_token_id < -1 or self.loss_gamma <= 0:
-            raise HeadwayError("head.dflash: mask_token_id must be a token id or -1, and loss_gamma > 0")
-        check_choice("head.dflash", "loss", self.loss, list(DRAFT_LOSSES))
-        check_choice("head.dflash", "lm_head", self.lm_head, ["own", "target"])
-        check_choice("head.dflash", "draft_layer", self.draft_layer, ["llama"])
-        check_fused_layers("head.dflash", list(self.feature_layers))
+from headway.heads.config import DFlashConfig
+from headway.heads.eagle3 import fused_layers
 
 
 def mask_token(configured: int, vocab_size: int) -> int:

@@ -21,11 +21,6 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-# What an EAGLE head's decoder layer is: a Llama layer sized from the target (what vLLM, SGLang and
-# TensorRT-LLM build for an EAGLE draft, whatever the target's family), or the target's own layer class.
-DRAFT_LAYERS = ("llama", "target")
-
-
 def draft_layer_config(target_config: Any, style: str = "target") -> dict:
     """The draft layer's config as a dict, saved with the head: one full-attention layer of the target's
     own class (style=target), or a Llama layer with the target's sizes, GQA, RoPE and norm epsilon (style=llama)."""

@@ -9,35 +9,15 @@ shared target embedding, the one-layer decoder and the step that runs it over a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headway.config import check_choice
 from headway.errors import HeadwayError
-from headway.heads.draft_layer import DRAFT_LAYERS, build_draft_layer, cache_kwarg
-
-
-@dataclass
-class EagleConfig:
-    # Width of the uniform noise added to the target's features in training (EAGLE: U(-0.1, 0.1)).
-    feature_noise: float = 0.2
-    # Loss = feature_weight x smooth-L1(feature) + token_weight x cross-entropy to the target's distribution.
-    feature_weight: float = 1.0
-    token_weight: float = 0.1
-    # A bias in fc (the original EAGLE has one; vLLM's EAGLE-1 has none, so an fc bias keeps the head out of vLLM).
-    fc_bias: bool = False
-    # The draft layer: llama (a Llama layer with the target's sizes: what vLLM, SGLang and TensorRT-LLM
-    # serve, whatever the target's family) or target (the target's own layer class: Headway decoding only).
-    draft_layer: str = "llama"
-
-    def __post_init__(self) -> None:
-        check_choice("head.eagle", "draft_layer", self.draft_layer, list(DRAFT_LAYERS))
-        if self.feature_noise < 0 or self.feature_weight < 0 or self.token_weight < 0:
-            raise HeadwayError("head.eagle: feature_noise, feature_weight and token_weight must be >= 0")
+from headway.heads.config import EagleConfig
+from headway.heads.draft_layer import build_draft_layer, cache_kwarg
 
 
 class EagleBase(nn.Module):

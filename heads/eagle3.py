@@ -10,30 +10,14 @@ fused feature, which is what training-time test unrolls in training.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from headway.config import check_choice
 from headway.errors import HeadwayError
-from headway.heads.draft_layer import DRAFT_LAYERS
+from headway.heads.config import Eagle3Config
 from headway.heads.eagle import EagleBase
-
-# The per-step losses training can use (train/losses.py computes them).
-DRAFT_LOSSES = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
-
-
-def check_fused_layers(section: str, layers: list[int]) -> None:
-    """Fused feature layers as a config gives them: 3 distinct ascending layer outputs (>= 1), or [] (default)."""
-    if layers and (len(layers) != 3 or layers != sorted(set(layers)) or layers[0] < 1):
-        raise HeadwayError(
-            f"{section}.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, each "
-            "from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the last layer's "
-            "index minus one (engines capture layer outputs in ascending order, before the final norm), e.g. [2, 15, 27] "
-            "on a 30-layer target; or [] for the default"
-        )
 
 
 def fused_layers(section: str, layers: list[int], num_target_layers: int) -> list[int]:
@@ -65,43 +49,6 @@ def check_servable_layers(section: str, layers: list[int], num_target_layers: in
             f"layer's output, {L}, is post-norm in HF and not what engines capture): choose from "
             f"1..{L - 1}"
         )
-
-
-@dataclass
-class Eagle3Config:
-    # Target hidden-state indices (HF output_hidden_states) fused as features; empty = (2, L//2, L-3),
-    # the EAGLE-3 paper's low/middle/high layers and what vLLM and SGLang feed by default.
-    feature_layers: list[int] = field(default_factory=list)
-    # Reduced draft vocabulary: the most frequent tokens of the training data (d2t/t2d map it).
-    draft_vocab_size: int = 8192
-    # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i.
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
-    # What each step learns: soft_ce (cross-entropy to the target's distribution over the draft vocabulary,
-    # EAGLE-3's), argmax_ce (cross-entropy on the target's greedy token, what greedy verification accepts),
-    # tv (total variation: 1 - TV is lossless sampling's acceptance rate) or soft_ce+tv.
-    loss: str = "soft_ce"
-    # The draft layer: llama (a Llama layer with the target's sizes: what vLLM, SGLang and TensorRT-LLM
-    # serve, whatever the target's family) or target (the target's own layer class: Headway decoding only).
-    draft_layer: str = "llama"
-    # Start the draft layer as a copy of this target layer (attention on the hidden half of its input, MLP,
-    # norms); -1 = random initialisation.
-    init_layer: int = -1
-
-    # Fields that shape training only: a head trained with other values can continue under these
-    # (train.init_from); every other field shapes the weights.
-    training_fields: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "loss", "init_layer")
-
-    def __post_init__(self) -> None:
-        check_fused_layers("head.eagle3", list(self.feature_layers))
-        check_choice("head.eagle3", "draft_layer", self.draft_layer, list(DRAFT_LAYERS))
-        if self.draft_vocab_size < 2 or self.ttt_steps < 1:
-            raise HeadwayError("head.eagle3: draft_vocab_size must be >= 2 and ttt_steps >= 1")
-        check_choice("head.eagle3", "loss", self.loss, list(DRAFT_LOSSES))
-        if self.init_layer < -1:
-            raise HeadwayError(
-                f"head.eagle3.init_layer={self.init_layer}: use a target layer index, or -1 for random"
-            )
 
 
 class FusedInputNorm(nn.Module):

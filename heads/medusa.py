@@ -8,32 +8,13 @@ by all heads, or a reduced draft vocabulary (the most frequent tokens) with a ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from headway.config import check_choice
 from headway.errors import HeadwayError
-
-
-@dataclass
-class MedusaConfig:
-    # Number of heads: head i guesses the token i+2 positions after the hidden state's token.
-    num_heads: int = 4
-    # Residual blocks per head.
-    num_layers: int = 1
-    # Vocabulary projection: own (per head, from the target's lm_head), shared (the frozen target lm_head),
-    # reduced (per head, over the draft_vocab_size most frequent training tokens).
-    lm_head: str = "reduced"
-    # Size of the reduced draft vocabulary (lm_head=reduced).
-    draft_vocab_size: int = 8192
-
-    def __post_init__(self) -> None:
-        check_choice("head", "lm_head", self.lm_head, ["own", "shared", "reduced"])
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise HeadwayError("head.num_heads must be >= 1 and head.num_layers >= 0")
+from headway.heads.config import MedusaConfig
 
 
 class ResBlock(nn.Module):

@@ -1,37 +1,28 @@
-"""The `headway` command: one subcommand per job, each driven by a typed config plus key=value overrides."""
+"""The `headway` command: one subcommand per job, each driven by a typed config plus key=value overrides.
+
+It answers at once: parsing the arguments, loading and checking the config, and checking every input a command
+reads (headway/checks.py) need neither torch nor transformers. Each command imports its job's modules only when it
+runs, after those checks, so `--help`, `--version`, `--print-config` and every argument, config or input error come
+back in well under a second, before any model loads or kernel builds.
+"""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from headway import __version__
+from headway import __version__, checks
 from headway.config import config_to_yaml, load_config
-from headway.data_scripts.distill import distill
-from headway.demo import DemoConfig, run_demo
+from headway.demo_config import DemoConfig
 from headway.errors import HeadwayError
-from headway.export.exporter import (
-    export_head,
-    needs_target_lm_head,
-    read_export,
-    resolve_head_dir,
-    serve_hint,
-)
-from headway.inference.api import SpeculativeDecoder
-from headway.inference.bench import markdown_table, run_bench, write_results
-from headway.inference.tune import tune
-from headway.inference.tuned import TREE_KEYS
-from headway.kinds.checkpoint import read_head_config
+from headway.inference.config import TREE_KEYS
+from headway.ranks import dist_info
 from headway.run_config import RunConfig
-from headway.runtime import dist_info
-from headway.target.loading import export_target, load_target
-from headway.train.feature_cache import run_cache_features
-from headway.train.loop import train
 
 log = logging.getLogger("headway")
 
@@ -43,12 +34,8 @@ def _setup_logging(verbose: bool) -> None:
     level = logging.DEBUG if verbose else logging.INFO if info.is_main else logging.WARNING
     tag = f"headway rank {info.rank}" if info.world_size > 1 else "headway"
     logging.basicConfig(level=level, format=f"%(asctime)s [{tag}] %(message)s", datefmt="%H:%M:%S")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    # transformers reads its verbosity when it is first imported, which only a command that needs it does
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _add_config_args(
@@ -63,9 +50,11 @@ def _add_config_args(
 
 
 def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
-
+    checks.before_distill(cfg)
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "distill", cfg, args)
+    from headway.data_scripts.distill import distill
+
     out = distill(cfg)
     if not dist_info().is_main:
         return 0
@@ -77,9 +66,11 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
-
+    checks.before_cache_features(cfg)
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "cache-features", cfg, args)
+    from headway.train.feature_cache import run_cache_features
+
     out = run_cache_features(cfg)
     if not dist_info().is_main:
         return 0
@@ -157,9 +148,11 @@ def _cuda_available() -> bool:
 
 
 def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
-
+    checks.before_train(cfg)
     if args.nproc and args.nproc > 1:
         return launch(args.nproc, "train", cfg, args)
+    from headway.train.loop import train
+
     head = train(cfg)
     if dist_info().is_main:
         print(f"head: {head}")
@@ -167,6 +160,10 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
+    checks.before_export(args)
+    from headway.export.exporter import export_head, needs_target_lm_head, read_export, serve_hint
+    from headway.kinds.head_dir import read_head_config, resolve_head_dir
+    from headway.target.loading import load_target
 
     if args.check:
         fmt, config, tensors = read_export(args.check)
@@ -174,8 +171,6 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
             f"{args.check}: a valid {fmt} export of a {config['headway']['kind']} head ({len(tensors)} tensors)"
         )
         return 0
-    if not (args.head and args.format and args.out):
-        raise HeadwayError("headway export needs --head DIR --format FORMAT --out DIR (or --check DIR)")
     head = resolve_head_dir(args.head)
     with_model = args.format != "native" and needs_target_lm_head(read_head_config(head))
     target = load_target(cfg.target, with_model=with_model)
@@ -207,6 +202,8 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
+    checks.before_decoding(cfg, args.head)
+    from headway.inference.api import SpeculativeDecoder
 
     _explicit_tree(cfg, args)
     decoder = SpeculativeDecoder.load(args.head, cfg)
@@ -226,7 +223,9 @@ def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
-    from pathlib import Path
+    prompts = checks.before_bench(cfg, args)
+    from headway.inference.api import SpeculativeDecoder
+    from headway.inference.bench import markdown_table, run_bench, write_results
 
     cfg.inference.compare_plain = False
     if args.per_category is not None:
@@ -235,15 +234,6 @@ def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg.bench.turns = args.turns
     _explicit_tree(cfg, args)
     decoder = SpeculativeDecoder.load(args.head, cfg)
-    prompts = dataclasses.replace(
-        cfg.prompts,
-        path=args.prompts or cfg.prompts.path,
-        limit=args.limit if args.limit is not None else cfg.prompts.limit,
-    )
-    if not prompts.path:
-        raise HeadwayError(
-            "headway bench needs prompts: --prompts FILE (jsonl with a `turns` or `prompt` field)"
-        )
     result = run_bench(decoder, prompts, cfg.inference.max_new_tokens, cfg.bench)
     out = Path(args.out)
     written = write_results(result, out, cfg.bench.plot)
@@ -261,9 +251,11 @@ def _explicit_tree(cfg: RunConfig, args: argparse.Namespace) -> None:
 
 
 def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
-
     if args.prompts:
         cfg.tune.prompts = args.prompts
+    checks.before_tune(cfg, args.head)
+    from headway.inference.tune import tune
+
     entry = tune(args.head, cfg)
     chosen = entry["chosen"]
     print("\nbest settings on this machine (expected tokens/s from measured costs and acceptance):")
@@ -298,6 +290,8 @@ def _settings_text(s: dict) -> str:
 
 
 def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
+    checks.before_demo(cfg, args.train)
+    from headway.demo import run_demo
 
     result = run_demo(cfg, train_first=args.train)
     if cfg.inference.sampling.greedy and not result["overall"]["all_equal_plain"]:
@@ -307,6 +301,8 @@ def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_target_info(cfg: RunConfig, args: argparse.Namespace) -> int:
+    checks.check_target(cfg.target)
+    from headway.target.loading import load_target
 
     target = load_target(cfg.target, with_model=False)
     print(json.dumps({"path": str(target.path), "fingerprint": target.fingerprint}, indent=2))
@@ -314,6 +310,9 @@ def cmd_target_info(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_target_export(cfg: RunConfig, args: argparse.Namespace) -> int:
+    checks.check_target(cfg.target)
+    checks.check_writable(args.out, "--out")
+    from headway.target.loading import export_target, load_target
 
     cfg.target.device = "cpu"
     target = load_target(cfg.target)

@@ -21,6 +21,17 @@ from headway.io import atomic_write_text
 T = TypeVar("T")
 
 CONFIG_FILENAME = "config.yaml"
+# The dtype names configs accept, and the torch dtype each means (headway/runtime.py maps them to torch's).
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "float64": "float64",
+    "fp64": "float64",
+}
 
 
 def _valid_keys(schema: type, dotted: str) -> list[str]:

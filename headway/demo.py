@@ -13,118 +13,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 from tqdm import tqdm
 
-from headway.data_scripts.config import DistillConfig, MagpieConfig
 from headway.data_scripts.distill import distill, load_distilled
+from headway.demo_config import DemoConfig, reference_head
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head
-from headway.heads.eagle3 import Eagle3Config
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.config import InferenceConfig
 from headway.inference.generate import alternate, pooled
 from headway.io import atomic_write_json
-from headway.kinds.config import HeadConfig
 from headway.run_config import RunConfig
 from headway.runtime import amx_bf16, resolve_device, resolve_threads
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 from headway.target.packed_linear import kernels_missing
-from headway.train.config import TrainConfig
 from headway.train.loop import train
 
 log = logging.getLogger("headway")
-
-
-def reference_head() -> Path:
-    """The EAGLE-3 head shipped with Headway for the default target (its README.md says how it was made)."""
-    from importlib.resources import files
-
-    return Path(str(files("headway.heads"))) / "reference" / "smollm2-135m-instruct-eagle3"
-
-
-DEMO_PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "What is 15% of 240? Show your steps.",
-    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
-    "Summarize in two sentences: The town library will close for renovation from June to August. During "
-    "that time, books can be borrowed from the school library on Main Street, which will open every weekday "
-    "from 9 am to 6 pm. The renovated library will have a new children's room and a cafe.",
-    "Give me a packing list for a three-day hiking trip.",
-]
-
-
-@dataclass
-class DemoConfig:
-    """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
-
-    target: TargetConfig = field(default_factory=TargetConfig)
-    # Decode in bf16 where the CPU has oneDNN's bf16 kernels and target.* is left at float32 / native weights: with
-    # the weights prepacked for oneDNN on AMX CPUs (target.linear_weights=onednn: the format whose trees are cheapest),
-    # through Headway's bf16 streaming linear elsewhere (AVX512-BF16: target.linear_weights=stream, the fastest step
-    # there, or where it cannot build, float16-packed weights; docs/benchmarks.md); all exact bf16; on other CPUs
-    # (AVX2) float32 through Headway's streaming linear (target.linear_weights=stream), which reads a step's weights
-    # at about the memory's rate, or where it cannot build, oneDNN-packed weights (on one thread, MKL-packed ones).
-    # --train still distils and trains in target.dtype. false: decode as target.* says.
-    fast_cpu_format: bool = True
-    # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
-    head_dir: Optional[str] = None
-    # User messages decoded with plain and speculative decoding; a mix of kinds.
-    prompts: list[str] = field(default_factory=lambda: list(DEMO_PROMPTS))
-    max_new_tokens: int = 128
-    # Characters of each answer to print.
-    show_chars: int = 300
-    # Results (results.json) and, with --train, the dataset, the training run and the export.
-    output_dir: str = "outputs/demo"
-    # Decoding settings (tree, sampling): the recipe's (configs/eagle3_smollm2.yaml). The head's tuned tree for this
-    # machine (tuned.json) wins when it has one (`headway tune`).
-    inference: InferenceConfig = field(default_factory=InferenceConfig)
-    # The drafter's depth where the demo decodes in float32, whose draft levels cost about twice bf16's: on the demo's
-    # prompts one level measured fastest in float32, while in bf16 one and three measured alike and three accept more
-    # per step (docs/benchmarks.md). null: inference.depth in float32 too.
-    float32_depth: Optional[int] = 1
-    # --train: self-distillation budget (the target writes magpie.num_prompts prompts itself and answers them).
-    magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=96))
-    distill: DistillConfig = field(
-        default_factory=lambda: DistillConfig(
-            output_dir="", engine="hf", max_new_tokens=160, batch_size=16, chunk_size=16, max_length=512
-        )
-    )
-    # --train: the head trained (EAGLE-3 with a small draft vocabulary and a short training-time test).
-    head: HeadConfig = field(
-        default_factory=lambda: HeadConfig(
-            kind="eagle3", eagle3=Eagle3Config(draft_vocab_size=2048, ttt_steps=3)
-        )
-    )
-    # --train: the training budget.
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            output_dir="",
-            max_steps=150,
-            micro_batch_size=4,
-            grad_accum=1,
-            max_length=512,
-            lr=1e-3,
-            warmup_steps=10,
-            grad_clip=0.5,
-            eval_every=50,
-            eval_fraction=0.05,
-            save_every=50,
-            log_every=10,
-            resume_from="auto",
-        )
-    )
-
-    def __post_init__(self) -> None:
-        if self.float32_depth is not None and self.float32_depth < 1:
-            raise HeadwayError(
-                f"float32_depth={self.float32_depth}: give a depth >= 1, or null for inference.depth"
-            )
 
 
 def run_demo(cfg: DemoConfig, train_first: bool = False) -> dict:

@@ -5,49 +5,16 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
+from headway.config import DTYPE_NAMES
 from headway.errors import HeadwayError
+from headway.ranks import DistInfo, dist_info
 
 log = logging.getLogger("headway")
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-}
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process stands in a torchrun launch (rank 0 of 1 when launched alone)."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def dist_info() -> DistInfo:
-    """Read the launcher's environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
-    env = os.environ
-    return DistInfo(
-        rank=int(env.get("RANK", 0)),
-        world_size=int(env.get("WORLD_SIZE", 1)),
-        local_rank=int(env.get("LOCAL_RANK", 0)),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-    )
+DTYPES = {name: getattr(torch, dtype) for name, dtype in DTYPE_NAMES.items()}
 
 
 def barrier(info: DistInfo) -> None:

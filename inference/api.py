@@ -17,7 +17,8 @@ from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tuned import apply_tuned, tuned_entry
-from headway.kinds.checkpoint import load_head, read_head_config
+from headway.kinds.checkpoint import load_head
+from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.target.loading import Target, load_target

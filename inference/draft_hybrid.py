@@ -26,74 +26,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from headway.errors import HeadwayError
+from headway.inference.config import HybridConfig
 from headway.inference.ngram import NgramIndex
 from headway.inference.tree import Tree, build_tree, tree_from_parents
 
 NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
 SOURCES = (NEURAL, NGRAM, BOTH)
-
-
-@dataclass
-class HybridConfig:
-    # Prompt lookup: the longest and the shortest suffix n-gram matched in the prompt and the text so far.
-    max_ngram: int = 4
-    min_ngram: int = 2
-    # Tokens one matched continuation proposes, and how many distinct continuations (most recent match first).
-    max_tokens: int = 12
-    branches: int = 2
-    # The most draft nodes one verification may hold; each step verifies as many as pay for themselves (maybe none).
-    max_nodes: int = 32
-    # Verify time of n tokens relative to one: < 0 = measured on this machine (the curve `headway tune` saved, else
-    # measured once when the decoder loads); >= 0 = the model 1 + node_cost * (n - 1) (e.g. 0 on a large GPU).
-    node_cost: float = -1.0
-    # Starting acceptance estimates (optimistic, so every kind of branch is tried) and their weight in pseudo-counts;
-    # each verification then adds what the target accepted.
-    ngram_prior: float = 0.7
-    prior_weight: float = 2.0
-    # How much an acceptance estimate remembers: each observation of an edge kind scales the weight of the earlier
-    # ones (and of the prior) by this, so the estimates follow the text being written (1.0: plain averages over
-    # everything decoded so far, however long ago).
-    memory: float = 1.0
-    # Whether the neural drafter runs (hybrid): its gain is the tokens/s the target gave on the steps it ran on over
-    # what the n-gram tree alone would have given on them. It stops running where the gain is below gain_floor
-    # (judged after gain_steps steps, each scaling the weight of the earlier ones by gain_memory) and then runs on
-    # probes only, so the gain follows the text: probe_every steps apart at first, twice as far apart after each
-    # probe that leaves the gain below the floor, up to probe_max.
-    gain_floor: float = 0.95
-    gain_steps: int = 8
-    gain_memory: float = 0.97
-    probe_every: int = 4
-    probe_max: int = 32
-    # How many levels an EAGLE drafter expands (up to inference.depth): on every depth_probe_every-th step it runs, it
-    # expands all of them and prices the tree each shallower depth would have made on that step, with the drafting
-    # time measured for that depth; the other steps expand to the depth whose trees promised the most tokens/s.
-    # 0: always inference.depth.
-    depth_probe_every: int = 8
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise HeadwayError(
-                f"inference.hybrid needs 1 <= min_ngram <= max_ngram (got {self.min_ngram}, {self.max_ngram})"
-            )
-        if self.max_tokens < 1 or self.branches < 1 or self.max_nodes < 1:
-            raise HeadwayError("inference.hybrid.max_tokens, branches and max_nodes must be >= 1")
-        if not 0 < self.ngram_prior <= 1 or self.prior_weight <= 0:
-            raise HeadwayError("inference.hybrid.ngram_prior must be in (0, 1] and prior_weight > 0")
-        if not 0 < self.memory <= 1 or not 0 < self.gain_memory <= 1:
-            raise HeadwayError(
-                f"inference.hybrid.memory and gain_memory must be in (0, 1] (got {self.memory}, "
-                f"{self.gain_memory})"
-            )
-        if self.gain_floor < 0 or self.gain_steps < 1 or not 1 <= self.probe_every <= self.probe_max:
-            raise HeadwayError(
-                "inference.hybrid: gain_floor must be >= 0, gain_steps >= 1 and 1 <= probe_every <= probe_max"
-            )
-        if self.depth_probe_every < 0:
-            raise HeadwayError(
-                f"inference.hybrid.depth_probe_every must be >= 0 (0: always inference.depth; got "
-                f"{self.depth_probe_every})"
-            )
 
 
 class Rate:

@@ -888,9 +888,6 @@ class StaticRunner:
         self.length = min(self.length, length)
 
 
-ENGINES = ("auto", "static", "compiled", "hf")
-
-
 def engine_name(model: Any, engine: str = "auto") -> str:
     """The engine `engine` means for this model: auto is static where supported, else hf."""
     if engine in ("static", "compiled") and not static_supported(model):

@@ -12,46 +12,11 @@ Medusa's typical acceptance: faster, and lossy (the output is not the target's d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from headway.config import check_choice
-from headway.errors import HeadwayError
+from headway.inference.config import SamplingConfig
 from headway.inference.row_select import first_max
 from headway.inference.tree import Tree
-
-
-@dataclass
-class SamplingConfig:
-    # 0 = greedy decoding (exactly the target's argmax); > 0 samples from the target's distribution.
-    temperature: float = 0.0
-    # Keep only the k most likely tokens before sampling; 0 = all (applied after temperature).
-    top_k: int = 0
-    # Nucleus: keep the smallest set of tokens whose probability reaches top_p; 1.0 = all (after top_k).
-    top_p: float = 1.0
-    # Seed of the sampler's random generator: with the same seed a run is reproducible.
-    seed: int = 0
-    # exact: tree rejection sampling, the target's own distribution. typical: Medusa's typical
-    # acceptance, LOSSY (accepts any draft the target finds plausible enough; the output distribution
-    # is not the target's).
-    acceptance: str = "exact"
-    # typical: accept a draft x when p(x) > min(typical_epsilon, typical_delta * exp(-entropy(p))).
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
-
-    def __post_init__(self) -> None:
-        check_choice("inference.sampling", "acceptance", self.acceptance, ["exact", "typical"])
-        if self.temperature < 0:
-            raise HeadwayError(f"inference.sampling.temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise HeadwayError(f"inference.sampling.top_k={self.top_k} must be >= 0 (0 = no top-k filter)")
-        if not 0 < self.top_p <= 1:
-            raise HeadwayError(f"inference.sampling.top_p={self.top_p} must be in (0, 1]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 def target_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:

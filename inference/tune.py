@@ -36,13 +36,13 @@ from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.api import SpeculativeDecoder, make_drafter
-from headway.inference.config import TuneConfig
+from headway.inference.config import TREE_KEYS, TuneConfig
 from headway.inference.cost_model import machine_key, verify_cost, verify_costs
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
 from headway.inference.generate import alternate, pooled
 from headway.inference.replay import Replay, replay_answers, simulate
-from headway.inference.tuned import TREE_KEYS, save_tuned
+from headway.inference.tuned import save_tuned
 from headway.kinds.registry import head_kind
 
 log = logging.getLogger("headway")

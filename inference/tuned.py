@@ -14,14 +14,6 @@ from headway.io import atomic_write_json, read_json
 log = logging.getLogger("headway")
 
 TUNED_FILENAME = "tuned.json"
-TREE_KEYS = (
-    "tree",
-    "tree_nodes",
-    "depth",
-    "top_k",
-    "total_tokens",
-    "drafter",
-)  # the inference keys a tuned setting replaces
 
 
 def read_tuned(head_dir: str | Path) -> list[dict]:

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 import headway
 from headway.errors import HeadwayError
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
+from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import KINDS, head_kind
 from headway.target.loading import fingerprint_mismatch
 
@@ -54,18 +55,6 @@ def write_head_config(directory: Path, config: dict) -> None:
     """config.json, with the sha256 of every weight file beside it (written last, so it seals the directory)."""
     files = file_checksums(directory, [f.name for f in directory.glob("*.safetensors")])
     (directory / "config.json").write_text(json.dumps({**config, "files": files}, indent=2) + "\n")
-
-
-def read_head_config(path: str | os.PathLike) -> dict:
-    p = Path(path)
-    if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-        raise HeadwayError(
-            f"{p} is not a head directory (needs config.json and model.safetensors): train one with `headway train`"
-        )
-    try:
-        return json.loads((p / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise HeadwayError(f"{p / 'config.json'} is not valid JSON: {e}") from None
 
 
 def saved_head_config(kind: str, saved: dict, state: dict) -> Any:

@@ -1,28 +1,37 @@
-"""The `head` config section: which kind to train, and one sub-section per registered kind (head.<kind>)."""
+"""The `head` config section: which kind to train, and one sub-section per registered kind (head.<kind>).
+
+Torch-free, like every config module (the command line checks a config before it loads torch), so it names each
+kind's section class itself; tests/test_structure.py checks that the sections are exactly the registered kinds
+(kinds/registry.py) with their config classes.
+"""
 
 from __future__ import annotations
 
-from dataclasses import field, make_dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from headway.config import check_choice
-from headway.kinds.registry import KINDS
+from headway.heads.config import DFlashConfig, Eagle3Config, EagleConfig, MedusaConfig
 
 
-def _check(self: Any) -> None:
-    check_choice("head", "kind", self.kind, list(KINDS))
+@dataclass
+class HeadConfig:
+    # Which draft head to train: medusa, eagle (EAGLE-1, decoded with EAGLE-2 trees), eagle3 or dflash; then each
+    # kind's settings, so a recipe can hold several and switch with head.kind.
+    kind: str = "medusa"
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    eagle: EagleConfig = field(default_factory=EagleConfig)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("head", "kind", self.kind, kind_names())
+
+    def kind_config(self) -> Any:
+        """The selected kind's own section."""
+        return getattr(self, self.kind)
 
 
-def _kind_config(self: Any) -> Any:
-    """The selected kind's own section."""
-    return getattr(self, self.kind)
-
-
-# kind: which draft head to train (medusa, eagle: EAGLE-1 decoded with EAGLE-2 trees, eagle3); then each
-# registered kind's settings, so a recipe can hold several and switch with head.kind.
-HeadConfig = make_dataclass(
-    "HeadConfig",
-    [("kind", str, field(default="medusa"))]
-    + [(name, kind.config, field(default_factory=kind.config)) for name, kind in KINDS.items()],
-    namespace={"__post_init__": _check, "kind_config": _kind_config, "__module__": __name__},
-)
+def kind_names() -> list[str]:
+    """The kinds a config may name (one section each)."""
+    return [f.name for f in fields(HeadConfig) if f.name != "kind"]

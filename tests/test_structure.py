@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
@@ -37,18 +40,13 @@ def _modules() -> dict[str, ast.Module]:
 MODULES = _modules()
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-
-
 def _imports(tree: ast.Module) -> set[str]:
-    """The Headway modules a module imports when it runs (TYPE_CHECKING blocks aside)."""
+    """The Headway modules a module imports anywhere: at the top, inside functions and in TYPE_CHECKING blocks (a
+    type-only import is still an arrow a reader follows, so it may not close a circle either)."""
     found: set[str] = set()
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
-        if _is_type_checking(node):
-            continue
         if isinstance(node, ast.ImportFrom) and node.module:
             found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
@@ -74,10 +72,19 @@ def test_no_import_cycles():
         visit(name, [])
 
 
+# The command line imports each command's job inside the command's function, after checking its inputs, so that
+# `--help`, `--version` and every argument, config or input error answer before torch and transformers load
+# (test_cli_answers_without_heavy_imports). Its imports still count as arrows in test_no_import_cycles.
+LAZY_IMPORTERS = {"headway.cli"}
+
+
 def test_no_headway_imports_inside_functions():
-    """A function-level import hides a cycle; every Headway import sits at the top of its module."""
+    """A function-level import hides an arrow from a reader; every Headway import sits at the top of its module,
+    except the command line's (LAZY_IMPORTERS)."""
     hidden = []
     for name, tree in MODULES.items():
+        if name in LAZY_IMPORTERS:
+            continue
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
@@ -109,3 +116,41 @@ def test_every_registered_kind_is_complete():
         assert set(spec.exports) | set(spec.refused_exports) <= set(FORMATS) - {"native"}
         assert not set(spec.exports) & set(spec.refused_exports)
         assert callable(spec.objective) and callable(spec.drafter)
+
+
+HEAVY = ("torch", "transformers", "datasets", "safetensors", "numpy")
+
+
+def _modules_loaded_by(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys, json; print(json.dumps(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def test_cli_answers_without_heavy_imports(tmp_path):
+    """The command line's start-up, counted in modules imported rather than seconds: --version, --print-config, a
+    config error and an input error each load none of torch, transformers, datasets or numpy."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["hi"]}\n{bad\n')
+    for argv in (
+        ["--version"],
+        ["train", "--print-config"],
+        ["demo", "--print-config"],
+        ["train", "train.lr=abc"],
+        ["bench", "--head", "heads/reference/smollm2-135m-instruct-eagle3", "--prompts", str(bad)],
+    ):
+        code = f"from headway.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+        loaded = _modules_loaded_by(f"import os; os.chdir({str(ROOT)!r})\n" + code)
+        heavy = sorted(m for m in loaded if m.split(".")[0] in HEAVY)
+        assert not heavy, f"headway {' '.join(argv)} imported {heavy[:5]}"
+
+
+def test_config_modules_are_torch_free():
+    """Every config section (and the run config that holds them) loads without torch: the command line checks a
+    config before anything heavy loads."""
+    loaded = _modules_loaded_by("import headway.run_config, headway.demo_config, headway.checks")
+    assert not [m for m in loaded if m.split(".")[0] in HEAVY]

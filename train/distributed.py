@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from headway.errors import HeadwayError
-from headway.runtime import dist_info
+from headway.ranks import dist_info
 
 log = logging.getLogger("headway")
 

@@ -28,7 +28,8 @@ from headway.faults import fault_point
 from headway.heads.draft_layer import text_config
 from headway.io import atomic_file, atomic_write_json, sha256_file
 from headway.kinds.registry import head_kind
-from headway.runtime import barrier, dist_info, parse_dtype
+from headway.ranks import dist_info
+from headway.runtime import barrier, parse_dtype
 from headway.target.loading import fingerprint_mismatch, load_target
 from headway.train.config import FeaturesConfig
 from headway.train.data import collate, load_samples

@@ -24,7 +24,8 @@ from headway.config import CONFIG_FILENAME, save_config
 from headway.errors import HeadwayError
 from headway.faults import fault_point
 from headway.heads.draft_layer import draft_layer_config, text_config
-from headway.kinds.checkpoint import load_head, read_head_config, save_head
+from headway.kinds.checkpoint import load_head, save_head
+from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.runtime import autocast_dtype
