@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.utils import cpp_extension
 from transformers import activations
 
 from headway.errors import HeadwayError
+from headway.target.build import load_extension
 from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
 from headway.target.packed_linear import (
     FBGEMM_CHUNKED_ROWS,
@@ -63,9 +63,7 @@ def extension() -> Optional[Any]:
             "building the static engine's C++ layer loop and row attention (once; cached by torch's extension builder)"
         )
         try:
-            _BUILT.append(
-                cpp_extension.load("headway_layer_loop", SOURCES, extra_cflags=CFLAGS, verbose=False)
-            )
+            _BUILT.append(load_extension("headway_layer_loop", SOURCES, CFLAGS, verbose=False))
         except Exception as e:  # no compiler, no headers: decoding still works, in the Python loop
             log.warning(
                 "the C++ layer loop did not build (%s); the static engine runs its Python loop and torch's attention "

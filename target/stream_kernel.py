@@ -14,7 +14,8 @@ import os
 from typing import Any, Optional
 
 import torch
-from torch.utils import cpp_extension
+
+from headway.target.build import load_extension
 
 log = logging.getLogger("headway")
 
@@ -35,7 +36,7 @@ def _build() -> tuple[Optional[Any], str]:
     if not _BUILT:
         log.info("building Headway's float32 streaming linear (once; cached by torch's extension builder)")
         try:
-            _BUILT.append((cpp_extension.load("headway_stream_linear", [SOURCE], extra_cflags=CFLAGS), ""))
+            _BUILT.append((load_extension("headway_stream_linear", [SOURCE], CFLAGS), ""))
             # the bf16 op's output shape, for torch.compile (which traces the compiled engine's steps through it)
             torch.library.register_fake("headway_kernels::stream_linear_bf16")(_bf16_shape)
         except Exception as e:  # no compiler, no headers

@@ -108,7 +108,7 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
         raise RuntimeError("Error building extension 'headway_layer_loop'\ng++: command not found")
 
     monkeypatch.setattr(layer_loop, "_BUILT", [])
-    monkeypatch.setattr(layer_loop.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(layer_loop, "load_extension", no_compiler)
     t = load_packed(tiny_dirs["qwen2"], "native", "float32")
     with caplog.at_level(logging.WARNING, logger="headway"):
         assert StaticRunner(t.model, 32, loop="auto")._loop is None
