@@ -235,7 +235,8 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
         out.append(Conversation(id=index, turns=turns, system=system, meta=meta))
     if not out:
         raise HeadwayError(
-            f"no prompts selected from {path} (offset={cfg.offset}, limit={cfg.limit}, {len(records)} records)"
+            f"no prompts selected from {path} (offset={cfg.offset}, limit={cfg.limit}, {len(records)} records): "
+            "lower prompts.offset below the record count, or raise prompts.limit"
         )
     return out
 

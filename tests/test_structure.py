@@ -110,6 +110,7 @@ def test_no_stage_branches_on_a_kind_name():
 
 def test_every_registered_kind_is_complete():
     sections = {f.name for f in fields(HeadConfig)}
+    assert sections - {"kind"} == set(KINDS)  # HeadConfig names each registered kind's section, and no other
     for name, spec in KINDS.items():
         assert spec.name == name and name in sections
         assert isinstance(getattr(HeadConfig(), name), spec.config)
