@@ -1,0 +1,369 @@
+"""The steps of the prepared GPU check (scripts/gpu_check.sh), each appending JSON lines to one results file.
+
+Every figure is written as soon as it is measured, so a run killed at its time limit still leaves what it measured.
+With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the script cannot rot).
+
+    python scripts/gpu_check.py env|exact|decode|profile --results FILE [--dry-run] [--prompts FILE.jsonl]
+
+- env: the GPU, torch, CUDA and transformers versions, the commit.
+- exact: greedy speculative output against plain greedy output on the same engine and dtype, per prompt, on tiny
+  random models of four architectures (an untrained EAGLE-3 head) and on the default target (the shipped head);
+  each (model, dtype, engine) records how many prompts were equal and where the first one parted.
+- decode: tok/s, tau, ms per verification and per draft step of plain and speculative decoding (every drafter), per
+  engine and dtype, beside Hugging Face `generate` and its prompt-lookup (assisted) generation, at batch 1.
+- profile: one plain and one speculative decode under torch's profiler: kernels launched per target forward, and
+  the time in drafting, verification and the rest (bookkeeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny random models the test suite builds
+
+from decode_helpers import chat_ids  # noqa: E402
+from tiny_models import ARCHS, make_tiny_model  # noqa: E402
+
+from headway.config import load_config  # noqa: E402
+from headway.data_scripts.config import PromptConfig  # noqa: E402
+from headway.data_scripts.prompts import load_conversations  # noqa: E402
+from headway.demo_config import reference_head  # noqa: E402
+from headway.heads.config import Eagle3Config  # noqa: E402
+from headway.heads.draft_layer import draft_layer_config  # noqa: E402
+from headway.heads.eagle3 import Eagle3Head  # noqa: E402
+from headway.inference.api import SpeculativeDecoder  # noqa: E402
+from headway.inference.baselines import hf_generate  # noqa: E402
+from headway.inference.draft_eagle import EagleDrafter  # noqa: E402
+from headway.inference.engine import static_supported  # noqa: E402
+from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
+from headway.kinds.registry import build_head  # noqa: E402
+from headway.run_config import RunConfig  # noqa: E402
+from headway.target.config import TargetConfig  # noqa: E402
+from headway.target.loading import load_target  # noqa: E402
+
+BUILT_IN = [
+    "Explain how a hash map works, with a Python example.",
+    "Write a short story about a lighthouse keeper.",
+    "What is 17 times 23? Show your steps.",
+    "List ten countries in Europe and their capitals.",
+]
+# the budgets: (prompts per set, new tokens) on the GPU and in the dry run
+# (dtype, engine) pairs decoded: every pair on the GPU; in the dry run one pair per dtype, covering both engines
+PAIRS = {
+    "gpu": [("bfloat16", "static"), ("bfloat16", "hf"), ("float32", "static"), ("float32", "hf")],
+    "dry": [("bfloat16", "static"), ("float32", "hf")],
+}
+BUDGET = {
+    "gpu": {"prompts": 14, "tokens": 128, "tiny_tokens": 48},
+    "dry": {"prompts": 2, "tokens": 8, "tiny_tokens": 8},
+}
+
+
+class Results:
+    """Appends one JSON object per line, flushed at once (a killed run keeps every line written)."""
+
+    def __init__(self, path: Path, step: str):
+        self.path, self.step = path, step
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, **record: Any) -> None:
+        line = json.dumps({"step": self.step, "time": round(time.time(), 1), **record})
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+        print(line, flush=True)
+
+
+def _device(dry: bool) -> str:
+    if dry:
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: run with --dry-run on a CPU")
+    return "cuda"
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step_env(res: Results, dry: bool) -> None:
+    import transformers
+
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    res.write(
+        dry_run=dry,
+        gpu=gpu,
+        gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if gpu else None,
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        transformers=transformers.__version__,
+        python=platform.python_version(),
+        cpu=platform.processor() or platform.machine(),
+        commit=commit,
+    )
+
+
+def _prompt_texts(path: str | None, n: int) -> list[str]:
+    """The first turns of the prompt file's first prompt per category (MT-bench: 8), then the copy prompts shipped
+    with Headway; without a file, built-in prompts then the copy prompts. At most n."""
+    first: dict[str, str] = {}
+    if path:
+        for c in load_conversations(PromptConfig(path=path)):
+            first.setdefault(str(c.meta.get("category", c.id)), c.turns[0])
+    copy = load_conversations(PromptConfig(path=str(ROOT / "inference" / "bench_prompts_copy.jsonl")))
+    texts = list(first.values()) or BUILT_IN
+    return (texts[: max(1, n - len(copy))] + [c.turns[0] for c in copy])[:n]
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
+    device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
+    tiny_root = Path(tempfile.mkdtemp(prefix="headway-tiny-"))
+    texts = ["What is two plus three?", "Write a short poem about the sea.", "def add(a, b):"]
+    for arch in ARCHS:
+        path = make_tiny_model(arch, tiny_root / arch)
+        for dtype in ("float32", "bfloat16"):
+            t = load_target(TargetConfig(name_or_path=str(path), device=device, dtype=dtype, num_threads=1))
+            torch.manual_seed(0)
+            L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
+            cfg = Eagle3Config(draft_vocab_size=min(96, V), ttt_steps=3, draft_layer="llama")
+            cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
+            heads = build_head(
+                "eagle3",
+                cfg,
+                h,
+                V,
+                d2t=torch.arange(min(96, V)),
+                layer_config=draft_layer_config(t.model.config, "llama"),
+            )
+            heads.init_from_target(t.model)
+            heads.attach_target(t.model)
+            heads = heads.to(device=t.device, dtype=t.model.dtype).eval()
+            drafter = EagleDrafter(heads, L, 4, 3, 10)
+            stop = [t.tokenizer.eos_token_id]
+            engines = ["hf"] + (["static"] if static_supported(t.model) else [])
+            for engine in engines:
+                equal, firsts = 0, []
+                for text in texts:
+                    ids = chat_ids(t, text)
+                    ref = plain_generate(t.model, ids, budget["tiny_tokens"], stop, engine=engine)
+                    spec = speculative_generate(
+                        t.model, drafter, ids, budget["tiny_tokens"], stop, engine=engine
+                    )
+                    equal += spec.tokens == ref.tokens
+                    firsts.append(
+                        None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens)
+                    )
+                res.write(
+                    model=f"tiny-{arch}",
+                    dtype=dtype,
+                    engine=engine,
+                    device=device,
+                    prompts=len(texts),
+                    equal=equal,
+                    first_difference=firsts,
+                )
+            del t, heads, drafter
+    for dtype in ("float32", "bfloat16"):
+        decoder = _decoder(device, dtype, dry)
+        texts = _prompt_texts(prompts, budget["prompts"])
+        engines = ["hf", "static"]
+        for engine in engines:
+            equal, firsts = 0, []
+            for text in texts:
+                ids = decoder.fmt.first_turn(text)
+                ref = plain_generate(
+                    decoder.target.model, ids, budget["tokens"], decoder.fmt.stop_ids, engine=engine
+                )
+                spec = speculative_generate(
+                    decoder.target.model,
+                    decoder.drafter,
+                    ids,
+                    budget["tokens"],
+                    decoder.fmt.stop_ids,
+                    engine=engine,
+                )
+                equal += spec.tokens == ref.tokens
+                firsts.append(
+                    None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens)
+                )
+            res.write(
+                model="default-target",
+                dtype=dtype,
+                engine=engine,
+                device=device,
+                prompts=len(texts),
+                equal=equal,
+                first_difference=firsts,
+            )
+
+
+def _decoder(device: str, dtype: str, dry: bool, *overrides: str) -> SpeculativeDecoder:
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            f"target.device={device}",
+            f"target.dtype={dtype}",
+            "target.num_threads=1" if dry else "target.num_threads=0",
+            "inference.use_tuned=false",
+            *overrides,
+        ],
+    )
+    return SpeculativeDecoder.load(reference_head(), cfg)
+
+
+def _decoders(device: str, dry: bool) -> Any:
+    """(dtype, engine, decoder) for each pair decoded: the target is loaded once per dtype."""
+    loaded: dict[str, SpeculativeDecoder] = {}
+    for dtype, engine in PAIRS["dry" if dry else "gpu"]:
+        if dtype not in loaded:
+            loaded = {dtype: _decoder(device, dtype, dry)}  # one target in memory at a time
+        d = loaded[dtype]
+        inference = dataclasses.replace(d.cfg.inference, engine=engine)
+        yield (
+            dtype,
+            engine,
+            SpeculativeDecoder(
+                d.target,
+                d.heads,
+                dataclasses.replace(d.cfg, inference=inference),
+                d.head_config,
+                d.saved_costs,
+            ),
+        )
+
+
+def step_decode(res: Results, dry: bool, prompts: str | None) -> None:
+    device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
+    texts, n = _prompt_texts(prompts, budget["prompts"]), budget["tokens"]
+    for dtype, engine, decoder in _decoders(device, dry):
+        start = time.time()
+        model, stops = decoder.target.model, decoder.fmt.stop_ids
+        decoder.warm_up(4, ["hybrid", "neural", "ngram"])
+        runners: dict[str, Callable[[list[int]], Any]] = {
+            "plain": lambda ids: decoder.generate_plain(ids, n),
+            "hf_generate": lambda ids: hf_generate(model, ids, n, stops, decoder.cfg.inference.sampling),
+            "hf_prompt_lookup": lambda ids: hf_generate(
+                model, ids, n, stops, decoder.cfg.inference.sampling, 10, 2
+            ),
+        }
+        for kind in ("hybrid", "neural", "ngram"):
+            d = decoder.with_drafter(kind)
+            runners[kind] = lambda ids, d=d: d.generate(ids, n)
+        results: dict[str, list] = {k: [] for k in runners}
+        for i, text in enumerate(texts):
+            out = alternate(runners, decoder.fmt.first_turn(text), i)
+            for k, r in out.items():
+                results[k].append(r)
+        plain = pooled(results["plain"])
+        for k, rs in results.items():
+            p, forwards = pooled(rs), max(1, sum(r.target_forwards for r in rs))
+            res.write(
+                device=device,
+                dtype=dtype,
+                engine=engine,
+                method=k,
+                prompts=len(texts),
+                max_new_tokens=n,
+                tok_s=round(p["tok_s"], 2),
+                vs_plain=round(p["tok_s"] / plain["tok_s"], 3),
+                tau=None if k.startswith("hf_") else round(p["tau"], 3),  # HF counts no forwards
+                verify_ms=round(1e3 * sum(r.verify_seconds for r in rs) / forwards, 3),
+                draft_ms=round(1e3 * sum(r.draft_seconds for r in rs) / forwards, 3),
+                ms_per_plain_step=round(1e3 / plain["tok_s"], 3) if k == "plain" else None,
+                equal_to_plain=sum(a.tokens == b.tokens for a, b in zip(rs, results["plain"])),
+            )
+        res.write(
+            device=device,
+            dtype=dtype,
+            engine=engine,
+            method="(all)",
+            wall_seconds=round(time.time() - start, 1),
+        )
+
+
+def _kernels(prof: Any, device: str) -> int:
+    """Kernels launched (CUDA) or operators run (CPU, where there are no kernels to count)."""
+    events = prof.events()
+    if device.startswith("cuda"):
+        return sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::"))
+
+
+def step_profile(res: Results, dry: bool, prompts: str | None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    device = _device(dry)
+    n = 8 if dry else 32
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    for dtype, engine, decoder in _decoders(device, dry):
+        ids = decoder.fmt.first_turn(BUILT_IN[0])
+        decoder.warm_up(4)
+        for method, run in (
+            ("plain", lambda: decoder.generate_plain(ids, n)),
+            ("hybrid", lambda: decoder.generate(ids, n)),
+        ):
+            _sync(device)
+            with profile(activities=activities) as prof:
+                r = run()
+                _sync(device)
+            forwards = max(1, r.target_forwards)
+            rest = r.seconds - r.verify_seconds - r.draft_seconds
+            res.write(
+                device=device,
+                dtype=dtype,
+                engine=engine,
+                method=method,
+                tokens=len(r.tokens),
+                target_forwards=r.target_forwards,
+                kernels_per_forward=round(_kernels(prof, device) / forwards, 1),
+                verify_ms_per_forward=round(1e3 * r.verify_seconds / forwards, 3),
+                draft_ms_per_forward=round(1e3 * r.draft_seconds / forwards, 3),
+                other_ms_per_forward=round(1e3 * rest / forwards, 3),
+                top_kernels=[
+                    (e.key, e.count) for e in sorted(prof.key_averages(), key=lambda e: -e.count)[:8]
+                ],
+            )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step", choices=["env", "exact", "decode", "profile"])
+    ap.add_argument("--results", required=True, help="the JSON-lines file every figure is appended to")
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU, with tiny budgets")
+    ap.add_argument(
+        "--prompts", default=None, help="prompt file (MT-bench questions); default: built-in prompts"
+    )
+    args = ap.parse_args()
+    res = Results(Path(args.results), args.step)
+    if args.step == "env":
+        step_env(res, args.dry_run)
+    else:
+        {"exact": step_exact, "decode": step_decode, "profile": step_profile}[args.step](
+            res, args.dry_run, args.prompts
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

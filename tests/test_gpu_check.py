@@ -1,0 +1,59 @@
+"""The prepared GPU check (scripts/gpu_check.sh) runs its every step on the CPU with tiny budgets (--dry-run), so
+that the script a GPU session runs in its few minutes cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_WHEELS": str(tmp_path / "none")}
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    runs = {r["name"]: r["rc"] for r in records if r["step"] == "run"}
+    assert runs == dict.fromkeys(["setup", "env", "exact", "decode", "profile", "bench"], 0), (
+        tmp_path / "gpu_check.log"
+    ).read_text()[-3000:]
+    exact = [r for r in records if r["step"] == "exact"]
+    assert {r["model"] for r in exact} == {
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-mistral",
+        "tiny-gemma3",
+        "default-target",
+    }
+    assert {(r["dtype"], r["engine"]) for r in exact if r["model"] == "default-target"} == {
+        (d, e) for d in ("float32", "bfloat16") for e in ("hf", "static")
+    }
+    # on a CPU, bf16 verification on the static engine is row-exact: every output equals plain greedy decoding
+    for r in exact:
+        if r["dtype"] == "bfloat16" and r["engine"] == "static":
+            assert r["equal"] == r["prompts"], r
+    decode = [r for r in records if r["step"] == "decode" and r["method"] != "(all)"]
+    assert {r["method"] for r in decode} == {
+        "plain",
+        "hf_generate",
+        "hf_prompt_lookup",
+        "hybrid",
+        "neural",
+        "ngram",
+    }
+    assert all(
+        r["tok_s"] > 0 and r["equal_to_plain"] == r["prompts"] for r in decode if r["dtype"] == "bfloat16"
+    )
+    profile = [r for r in records if r["step"] == "profile"]
+    assert profile and all(r["kernels_per_forward"] > 0 for r in profile)
+    assert json.loads((tmp_path / "bench.json").read_text())
