@@ -181,11 +181,19 @@ def _eagle3_specs(config: dict) -> dict[str, Spec]:
             "fc.weight": Spec((h, 3 * target_h)),
             "norm.weight": Spec((h,)),
             "lm_head.weight": Spec((int(config["draft_vocab_size"]), h)),
-            "d2t": Spec((int(config["draft_vocab_size"]),), "int64"),
+            "d2t": Spec((int(config["draft_vocab_size"]),), "int64", D2T_MISSING),
             "t2d": Spec((int(config["vocab_size"]),), "bool"),
         }
     )
     return specs
+
+
+# What an engine does with a reduced draft vocabulary and no d2t: it reads draft id i as target id i, silently, and
+# the draft's guesses land on the wrong tokens (acceptance collapses, the output stays correct).
+D2T_MISSING = (
+    "without it vLLM reads draft id i as target id i, silently, and accepts almost nothing; export the head "
+    "directory `headway train` wrote (its model.safetensors holds d2t)"
+)
 
 
 def _check_d2t(config: dict, tensors: dict) -> list[str]:
@@ -199,6 +207,12 @@ def _check_d2t(config: dict, tensors: dict) -> list[str]:
         )
     elif len(torch.unique(target)) != len(target):
         problems.append("d2t maps two draft ids to one target id")
+    elif len(d2t) < int(config["vocab_size"]) and not bool(d2t.any()):
+        problems.append(
+            f"d2t maps the {len(d2t)} draft ids onto the target's first {len(d2t)} ids (all offsets 0): a reduced "
+            "draft vocabulary holds the training data's most frequent tokens, so this head's d2t was lost or never "
+            "built, and vLLM would serve it accepting almost nothing; export the head directory `headway train` wrote"
+        )
     elif int(t2d.sum()) != len(d2t) or not bool(t2d[target].all()):
         problems.append(
             "t2d does not mark exactly the target ids d2t maps to (the draft vocabulary does not match d2t)"
@@ -654,7 +668,7 @@ def _dflash_specs(config: dict) -> dict[str, Spec]:
         specs.update(
             {
                 "lm_head.weight": Spec((int(config["draft_vocab_size"]), h)),
-                "d2t": Spec((int(config["draft_vocab_size"]),), "int64"),
+                "d2t": Spec((int(config["draft_vocab_size"]),), "int64", D2T_MISSING),
                 "t2d": Spec((int(config["vocab_size"]),), "bool"),
             }
         )

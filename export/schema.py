@@ -22,6 +22,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class Spec:
     shape: tuple[int, ...]
     dtype: str = FLOAT  # FLOAT, "int64" or "bool"
+    missing: str = ""  # what an engine does without this tensor, said when it is missing
 
     def dtype_ok(self, t: torch.Tensor) -> bool:
         if self.dtype == FLOAT:
@@ -54,6 +55,7 @@ def check(layout: Layout, config: dict, tensors: dict[str, torch.Tensor], where:
         expected = layout.tensors(config)
         problems += [
             f"tensor '{k}' is missing (expected shape {list(s.shape)})"
+            + (f": {s.missing}" if s.missing else "")
             for k, s in expected.items()
             if k not in tensors
         ]

@@ -402,6 +402,45 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
         load_export(out)
 
 
+@pytest.mark.parametrize("fmt", ["vllm", "sglang", "speculators"])
+@pytest.mark.parametrize("damage", ["no d2t", "identity d2t"])
+def test_an_eagle3_export_whose_draft_ids_would_map_silently_is_refused(
+    llama, tmp_path: Path, fmt: str, damage: str
+):
+    """vLLM reads a reduced draft vocabulary without d2t (or with all offsets 0) as target ids 0..N-1, silently:
+    the draft then accepts almost nothing. Such an export is refused, with that reason, at `--check` and at export."""
+    head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
+    out = export_head(head, fmt, tmp_path / "e", verifier="tiny-llama")
+    assert read_export(out)[0] == fmt  # the whole export is accepted
+    weights, config_file = out / "model.safetensors", out / "config.json"
+    tensors = load_file(str(weights))
+    key = "d2t" if "d2t" in tensors else "draft_id_to_target_id"
+    if damage == "no d2t":
+        del tensors[key]
+        message = "is missing .*: without it vLLM reads draft id i as target id i, silently"
+    else:
+        tensors[key] = torch.zeros_like(tensors[key])
+        tensors["t2d"] = torch.zeros_like(tensors["t2d"])
+        tensors["t2d"][: len(tensors[key])] = True
+        message = "d2t maps the 64 draft ids onto the target's first 64 ids .* accepting almost nothing"
+    save_file(tensors, str(weights))
+    config = json.loads(config_file.read_text())
+    config["headway"].pop("files", None)
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(HeadwayError, match=message):
+        read_export(out)
+    # a native head whose d2t is the identity (lost, or never built from the data) is refused at export too
+    state = load_file(str(head / "model.safetensors"))
+    state["d2t"] = torch.arange(64)
+    save_file(state, str(head / "model.safetensors"))
+    native = json.loads((head / "config.json").read_text())
+    native.pop("files", None)
+    (head / "config.json").write_text(json.dumps(native))
+    with pytest.raises(HeadwayError, match="onto the target's first 64 ids"):
+        export_head(head, fmt, tmp_path / "e2", verifier="tiny-llama")
+    assert not (tmp_path / "e2").exists()
+
+
 def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
     head = save_head(
         random_head(llama, "medusa", lm_head="own"), tmp_path / "run" / "head", llama.fingerprint
