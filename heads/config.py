@@ -16,6 +16,8 @@ from headway.errors import HeadwayError
 # TensorRT-LLM build for an EAGLE draft, whatever the target's family), or the target's own layer class.
 DRAFT_LAYERS = ("llama", "target")
 
+# How EAGLE-3.1 normalises the fused target features before fc (Eagle3Config.input_norm).
+INPUT_NORMS = ("none", "per_layer", "concat")
 # The per-step losses training can use (train/losses.py computes them).
 DRAFT_LOSSES = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
 
@@ -88,10 +90,20 @@ class Eagle3Config:
     # Start the draft layer as a copy of this target layer (attention on the hidden half of its input, MLP,
     # norms); -1 = random initialisation.
     init_layer: int = -1
+    # EAGLE-3.1's norms (off by default, and for heads saved before they existed). input_norm: what normalises the
+    # fused target features before fc: none; per_layer (an RMSNorm on each fused layer's hidden state, EAGLE-3.1's;
+    # speculators' fc_norm); or concat (one RMSNorm over the three concatenated; speculators' norm_before_fc).
+    input_norm: str = "none"
+    # Feed the drafter's output back as the next step's hidden after its final norm (EAGLE-3.1; speculators'
+    # norm_output), in training-time test and in drafting alike, instead of the raw layer output.
+    norm_output: bool = False
 
     # Fields that shape training only: a head trained with other values can continue under these
     # (train.init_from); every other field shapes the weights.
     training_fields: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "loss", "init_layer")
+    # Fields a head trained without can be continued under (train.init_from): the norms they add start at their
+    # initial weights (ones); every other weight is the head's.
+    added_fields: ClassVar[tuple[str, ...]] = ("input_norm", "norm_output")
 
     def __post_init__(self) -> None:
         check_fused_layers("head.eagle3", list(self.feature_layers))
@@ -103,6 +115,7 @@ class Eagle3Config:
             raise HeadwayError(
                 f"head.eagle3.init_layer={self.init_layer}: use a target layer index, or -1 for random"
             )
+        check_choice("head.eagle3", "input_norm", self.input_norm, list(INPUT_NORMS))
 
 
 @dataclass

@@ -97,6 +97,14 @@ class Eagle3Head(EagleBase):
                 nn.init.zeros_(new.bias)
             setattr(attn, name, new)
         self.norm = copy.deepcopy(fused.hidden_norm)
+        # EAGLE-3.1's input norms, copied from the fresh layer's norm (its initial weights, the norm class of the
+        # layer's family); speculators' names, which its export keeps
+        if cfg.input_norm == "per_layer":
+            self.fc_norm = nn.ModuleList(copy.deepcopy(fused.hidden_norm) for _ in range(3))
+        elif cfg.input_norm == "concat":
+            norm = fused.hidden_norm
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+            self.input_norm = type(norm)(3 * hidden_size, eps=eps)
         if d2t is None:
             d2t = torch.arange(min(cfg.draft_vocab_size, vocab_size))
         if len(d2t) > vocab_size or int(d2t.max()) >= vocab_size:
@@ -178,8 +186,14 @@ class Eagle3Head(EagleBase):
                     value[:, h:] = src
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
-        """The drafter's h-wide input from the concatenated low/middle/high target features [.., 3h]."""
-        return self.fc(target_features.to(self.fc.weight.dtype))
+        """The drafter's h-wide input [.., h] from the concatenated low/middle/high target features [.., 3h]
+        (each normalised first with head.eagle3.input_norm=per_layer, all three with concat)."""
+        x = target_features.to(self.fc.weight.dtype)
+        if self.cfg.input_norm == "per_layer":
+            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+        elif self.cfg.input_norm == "concat":
+            x = self.input_norm(x)
+        return self.fc(x)
 
     def forward(
         self,
@@ -201,4 +215,5 @@ class Eagle3Head(EagleBase):
         return self.lm_head(self.norm(out))
 
     def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
-        return out
+        """The hidden the next drafting step reads: the layer's output, or (norm_output) its final-normed form."""
+        return self.norm(out) if self.cfg.norm_output else out

@@ -384,3 +384,74 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
                 tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{caches[0]}]"
             )
         )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eagle31_heads_are_exact(tiny_dirs, arch: str):
+    """EAGLE-3.1's norms (input norms before fc, the normed output fed back) draft through the same tree code: greedy
+    output equals plain decoding, float64, on each architecture, with the norms' weights random."""
+    t = load64(tiny_dirs[arch])
+    L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
+    for input_norm, norm_output in (("per_layer", True), ("concat", False)):
+        torch.manual_seed(0)
+        cfg = Eagle3Config(draft_vocab_size=96, ttt_steps=3, input_norm=input_norm, norm_output=norm_output)
+        cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
+        d2t = torch.sort(torch.randperm(V)[:96]).values
+        heads = build_head(
+            "eagle3", cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, "target")
+        )
+        heads.init_from_target(t.model)
+        heads.attach_target(t.model)
+        heads = heads.double().eval()
+        with torch.no_grad():
+            for name, p in heads.named_parameters():
+                if "fc_norm" in name or "input_norm." in name:
+                    p.mul_(1 + 0.5 * torch.randn_like(p))
+        drafter = EagleDrafter(heads, L, 4, 3, 10)
+        for text in ["What is two plus three?", "Write a short poem about the sea."]:
+            ids = chat_ids(t, text)
+            ref = greedy_generate(t.model, ids, 32, [t.tokenizer.eos_token_id])
+            spec = speculative_generate(t.model, drafter, ids, 32, [t.tokenizer.eos_token_id])
+            assert spec.tokens == ref.tokens, (arch, input_norm, norm_output)
+
+
+def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_data, tmp_path: Path, caplog):
+    """train.init_from a plain EAGLE-3 head with EAGLE-3.1's norms turned on: every weight starts as the head's, the
+    added norms at ones; it trains, resumes, and its directory records the norms."""
+    from headway.train.loop import heads_from, train
+
+    base = [
+        "head.kind=eagle3",
+        "head.eagle3.draft_vocab_size=64",
+        "head.eagle3.ttt_steps=2",
+        "train.max_steps=3",
+    ]
+    first = train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "plain", *base))
+    more = [
+        *base,
+        f"train.init_from={first}",
+        "head.eagle3.input_norm=per_layer",
+        "head.eagle3.norm_output=true",
+    ]
+    cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "v31", *more)
+    target = load_target(cfg.target)
+    with caplog.at_level("INFO", logger="headway"):
+        grown = heads_from(cfg, target)
+    assert "head.eagle3.input_norm, head.eagle3.norm_output start at their initial weights" in caplog.text
+    old = load_head(first, target.fingerprint)
+    for k, v in old.state_dict().items():
+        assert torch.equal(grown.state_dict()[k], v), k
+    assert all(bool((p == 1).all()) for n, p in grown.named_parameters() if n.startswith("fc_norm."))
+    head = train(cfg)
+    assert json.loads((head / "config.json").read_text())["head"]["input_norm"] == "per_layer"
+    assert all(v == v for _, v in losses(tmp_path / "v31"))  # finite
+    steps = [s for s, _ in losses(tmp_path / "v31")]
+    train(cfg)  # rerun: resumes at its last checkpoint, logs no step twice
+    assert [s for s, _ in losses(tmp_path / "v31")] == steps
+    with pytest.raises(HeadwayError, match="draft_vocab_size=64"):  # a shape-defining change is still refused
+        heads_from(
+            small_run(
+                tiny_dirs["llama"], tiny_data, tmp_path / "x", *more, "head.eagle3.draft_vocab_size=32"
+            ),
+            target,
+        )

@@ -647,3 +647,81 @@ def test_the_last_layer_is_refused_for_training(tiny_dirs, tiny_data, tmp_path: 
                 "head.eagle3.feature_layers=[1,2,4]",
             )
         )
+
+
+# ---------------------------------------------------------------- EAGLE-3.1's norms
+
+
+def eagle31_head(t, input_norm: str, norm_output: bool):
+    """An EAGLE-3 head with EAGLE-3.1's norms, every weight random (the norms' too, so a lost norm shows)."""
+    torch.manual_seed(1)
+    L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
+    cfg = Eagle3Config(
+        draft_vocab_size=64, ttt_steps=2, draft_layer="llama", input_norm=input_norm, norm_output=norm_output
+    )
+    cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
+    d2t = torch.sort(torch.randperm(V)[:64]).values
+    heads = build_head("eagle3", cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, "llama"))
+    heads.init_from_target(t.model)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return heads.eval()
+
+
+@pytest.mark.parametrize("input_norm,norm_output", [("per_layer", True), ("concat", False), ("none", True)])
+def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
+    llama, tmp_path: Path, input_norm: str, norm_output: bool
+):
+    """speculators' keys for the norms are written (and its own config class accepts them), the weights under its
+    names; the re-imported head drafts exactly as the original. Engine layouts without the keys refuse the head."""
+    speculators = pytest.importorskip("speculators")
+    from speculators import SpeculatorModelConfig
+
+    t = llama
+    heads = eagle31_head(t, input_norm, norm_output)
+    native = save_head(heads, tmp_path / "head", t.fingerprint)
+    out = export_head(native, "speculators", tmp_path / "s", "float32", verifier="/models/target")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (
+        input_norm == "concat",
+        input_norm == "per_layer",
+        norm_output,
+    )
+    parsed = SpeculatorModelConfig.from_dict({k: v for k, v in config.items() if k != "headway"})
+    assert (parsed.norm_before_fc, parsed.fc_norm, parsed.norm_output) == (
+        config["norm_before_fc"],
+        config["fc_norm"],
+        config["norm_output"],
+    ) and speculators is not None
+    tensors = load_file(str(out / "model.safetensors"))
+    norms = {k for k in tensors if k.startswith(("fc_norm.", "input_norm."))}
+    assert (
+        norms
+        == {
+            "per_layer": {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"},
+            "concat": {"input_norm.weight"},
+            "none": set(),
+        }[input_norm]
+    )
+    again = load_export(out, t.fingerprint)
+    assert (again.cfg.input_norm, again.cfg.norm_output) == (input_norm, norm_output)
+    assert trace(t, again) == trace(t, heads)
+    for fmt in ("vllm", "sglang", "trtllm"):
+        with pytest.raises(HeadwayError, match="EAGLE-3.1's .* the .* layout has no keys for"):
+            export_head(native, fmt, tmp_path / fmt)
+
+
+def test_a_head_saved_before_eagle31_keeps_its_meaning(llama, tmp_path: Path):
+    """A head directory without the EAGLE-3.1 settings (written before they existed) loads with both off."""
+    from headway.kinds.checkpoint import load_head
+
+    heads = random_head(llama, "eagle3")
+    out = save_head(heads, tmp_path / "h", llama.fingerprint)
+    config = json.loads((out / "config.json").read_text())
+    for key in ("input_norm", "norm_output"):
+        config["head"].pop(key)
+    (out / "config.json").write_text(json.dumps(config))
+    again = load_head(out, llama.fingerprint)
+    assert (again.cfg.input_norm, again.cfg.norm_output) == ("none", False)
+    assert trace(llama, again) == trace(llama, heads)

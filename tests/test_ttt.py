@@ -59,11 +59,13 @@ def padded_batch(t, seed: int = 3) -> tuple[dict, Features]:
     return batch, Features(hidden, logits)
 
 
+@pytest.mark.parametrize("norm_output", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str):
+def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str, norm_output: bool):
     t = load64(tiny_dirs[arch])
     heads = random_head(t, "eagle3").train()
     heads.cfg.ttt_steps = 4
+    heads.cfg.norm_output = norm_output  # EAGLE-3.1: each step reads the previous one's normed output
     batch, feats = padded_batch(t)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
 

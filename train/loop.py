@@ -124,11 +124,22 @@ def heads_from(cfg: RunConfig, target: Any) -> Any:
     heads = load_head(path, target.fingerprint, device=target.device, dtype=torch.float32)
     run_cfg = kind_config(cfg, int(text_config(target.config).num_hidden_layers))
     free = getattr(type(run_cfg), "training_fields", ())
+    added = [
+        name
+        for name in getattr(type(run_cfg), "added_fields", ())
+        if getattr(run_cfg, name) != getattr(heads.cfg, name)
+        and getattr(heads.cfg, name) == getattr(type(run_cfg)(), name)
+    ]
     differ = [
         f.name
         for f in fields(run_cfg)
-        if f.name not in free and getattr(run_cfg, f.name) != getattr(heads.cfg, f.name)
+        if f.name not in (*free, *added) and getattr(run_cfg, f.name) != getattr(heads.cfg, f.name)
     ]
+    if added and not differ:  # the head, with the parts these settings add at their initial weights
+        heads = with_added_parts(heads, replace(heads.cfg, **{k: getattr(run_cfg, k) for k in added}))
+        log.info(
+            "train.init_from: %s start at their initial weights", ", ".join(f"head.{kind}.{k}" for k in added)
+        )
     if differ:
         shown = ", ".join(f"{k}={getattr(heads.cfg, k)!r}" for k in differ)
         raise HeadwayError(
@@ -139,6 +150,19 @@ def heads_from(cfg: RunConfig, target: Any) -> Any:
     heads.attach_target(target.model)
     log.info("starting from the weights of %s", path)
     return heads.train()
+
+
+def with_added_parts(heads: Any, cfg: Any) -> Any:
+    """`heads` rebuilt under `cfg`, which adds parts (EAGLE-3.1's norms): every weight of `heads` kept, the added
+    ones at their initial values."""
+    spec = head_kind(heads.kind)
+    layer_config = getattr(heads, "layer_config", None)
+    grown = spec.build(cfg, heads.hidden_size, heads.vocab_size, heads.d2t, layer_config).to(heads.d2t.device)
+    missing, unexpected = grown.load_state_dict(heads.state_dict(), strict=False)
+    fresh = {k for k, v in grown.state_dict().items()} - set(heads.state_dict())
+    if unexpected or set(missing) != fresh:
+        raise HeadwayError(f"internal: {cfg} does not only add parts to the head ({unexpected or missing})")
+    return grown
 
 
 def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
