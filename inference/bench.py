@@ -186,6 +186,10 @@ def run_bench(
         "by_category": {
             c: _summary([r for r in rows if r["category"] == c], methods, depth, greedy) for c in categories
         },
+        "by_prompt_length": {
+            label: _summary(bucket, methods, depth, greedy)
+            for label, bucket in length_buckets(rows, bc.length_buckets).items()
+        },
         "methods": methods,
         "settings": {
             "max_new_tokens": max_new_tokens,
@@ -202,6 +206,17 @@ def run_bench(
         },
         "per_prompt": rows,
     }
+
+
+def length_buckets(rows: list[dict], edges: list[int]) -> dict[str, list[dict]]:
+    """The rows by prompt length, the non-empty buckets only, labelled by their token range ("1000-1999",
+    "3000+"); `edges` are the buckets' ascending lower edges."""
+    out: dict[str, list[dict]] = {}
+    for lo, hi in zip(edges, [*edges[1:], None]):
+        bucket = [r for r in rows if r["prompt_tokens"] >= lo and (hi is None or r["prompt_tokens"] < hi)]
+        if bucket:
+            out[f"{lo}+" if hi is None else f"{lo}-{hi - 1}"] = bucket
+    return out
 
 
 def _match(rate: float | None) -> str:
@@ -238,6 +253,14 @@ def markdown_table(result: dict) -> str:
         f"\nPer generated token: drafting {ms['drafting']:.1f} ms, verification {ms['verification']:.1f} ms, "
         f"other (prefill, bookkeeping) {ms['other']:.1f} ms."
     )
+    if len(result.get("by_prompt_length", {})) > 1:
+        lines.append(
+            "tau by prompt length (tokens): "
+            + ", ".join(
+                f"{k} {s['tau']:.2f} ({s['prompts']} prompts)" for k, s in result["by_prompt_length"].items()
+            )
+            + "."
+        )
     if len(o.get("tau_by_method", {})) > 1:
         lines.append(
             "tau by method: " + ", ".join(f"{LABELS[m]} {t:.2f}" for m, t in o["tau_by_method"].items()) + "."

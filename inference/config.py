@@ -195,6 +195,9 @@ class BenchConfig:
     per_category: int = 0
     # Also draw a PNG (acceptance by depth; speedup by category and method) beside the JSON.
     plot: bool = True
+    # Prompt-length buckets results are also reported by (their lower edges, in prompt tokens, ascending): long prompts
+    # are where drafts drift (summarisation, RAG, multi-turn chat).
+    length_buckets: list[int] = field(default_factory=lambda: [0, 256, 1000, 2000, 3000])
 
     def __post_init__(self) -> None:
         for b in self.baselines:
@@ -208,6 +211,14 @@ class BenchConfig:
             or self.prompt_lookup_max_ngram < 1
         ):
             raise HeadwayError("bench.turns and bench.per_category must be >= 0, bench.prompt_lookup_* >= 1")
+        if (
+            not self.length_buckets
+            or self.length_buckets != sorted(set(self.length_buckets))
+            or self.length_buckets[0]
+        ):
+            raise HeadwayError(
+                f"bench.length_buckets={self.length_buckets}: give ascending lower edges in prompt tokens, from 0"
+            )
 
 
 @dataclass

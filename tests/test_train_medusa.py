@@ -239,6 +239,8 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
     o = result["overall"]
     # both turns of each record: 6 rows; later turns continue from the plain answer
     assert o["prompts"] == 6 and set(result["by_category"]) == {"math", "writing"}
+    # by prompt length too: the buckets together hold every prompt, each bucket its own summary
+    assert sum(s["prompts"] for s in result["by_prompt_length"].values()) == 6
     assert [r["turn"] for r in result["per_prompt"]] == [1, 2] * 3
     assert (
         result["per_prompt"][1]["prompt_tokens"]
@@ -284,3 +286,18 @@ def test_bench_subset_takes_the_first_prompts_of_each_category():
 
     convs = [SimpleNamespace(id=i, meta={"category": c}) for i, c in enumerate("aaabbbc")]
     assert [c.id for c in per_category(convs, 2)] == [0, 1, 3, 4, 6]
+
+
+def test_length_buckets_hold_each_prompt_once_by_its_token_count():
+    from headway.inference.bench import length_buckets
+
+    rows = [{"prompt_tokens": n} for n in (10, 255, 256, 999, 1000, 2999, 3000, 9000)]
+    got = length_buckets(rows, [0, 256, 1000, 2000, 3000])
+    assert {k: [r["prompt_tokens"] for r in v] for k, v in got.items()} == {
+        "0-255": [10, 255],
+        "256-999": [256, 999],
+        "1000-1999": [1000],
+        "2000-2999": [2999],
+        "3000+": [3000, 9000],
+    }
+    assert list(length_buckets(rows[:2], [0, 256])) == ["0-255"]  # empty buckets are left out
