@@ -4,6 +4,7 @@ target writes itself) and distill (self-distillation)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from headway.config import check_choice
@@ -90,3 +91,16 @@ class DistillConfig:
         for key in ("batch_size", "max_new_tokens", "vllm_max_num_seqs"):
             if getattr(self, key) < 1:
                 raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
+
+
+def require_finished(path: Path) -> None:
+    """`path` holds a finished `headway distill` dataset (its manifest.json, written last); else one message saying
+    whether it is unfinished (rerun distill) or no dataset at all."""
+    if not (path / MANIFEST).is_file():
+        if (path / RUN_STATE).is_file():
+            raise HeadwayError(
+                f"dataset {path} is incomplete (no manifest.json): rerun the same `headway distill` to finish it"
+            )
+        raise HeadwayError(
+            f"{path} is not a headway dataset (no manifest.json): make one with `headway distill`"
+        )

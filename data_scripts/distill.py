@@ -22,7 +22,7 @@ from tqdm import tqdm
 import headway
 from headway.config import save_config
 from headway.data_scripts.chat import ChatFormat
-from headway.data_scripts.config import MANIFEST, RUN_STATE, DistillConfig
+from headway.data_scripts.config import MANIFEST, RUN_STATE, DistillConfig, require_finished
 from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLLMEngine, vllm_available
 from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
@@ -383,14 +383,7 @@ def load_distilled(path: str | os.PathLike) -> tuple[Any, dict]:
     from datasets import load_from_disk
 
     p = Path(path)
-    if not (p / MANIFEST).is_file():
-        if (p / RUN_STATE).is_file():
-            raise HeadwayError(
-                f"dataset {p} is incomplete (no manifest.json): rerun the same `headway distill` to finish it"
-            )
-        raise HeadwayError(
-            f"{p} is not a headway dataset (no manifest.json): make one with `headway distill`"
-        )
+    require_finished(p)
     manifest = json.loads((p / MANIFEST).read_text())
     verify_checksums(
         p,

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from headway.data_scripts.config import MANIFEST, RUN_STATE, PromptConfig
+from headway.data_scripts.config import MANIFEST, PromptConfig, require_finished
 from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.kinds.config import kind_names
@@ -103,14 +103,7 @@ def check_datasets(paths: Sequence[str], setting: str) -> list[dict]:
         p = Path(path).expanduser()
         if not p.is_dir():
             raise HeadwayError(f"{setting}: dataset {p} does not exist: make it with `headway distill`")
-        if not (p / MANIFEST).is_file():
-            if (p / RUN_STATE).is_file():
-                raise HeadwayError(
-                    f"dataset {p} is incomplete (no manifest.json): rerun the same `headway distill` to finish it"
-                )
-            raise HeadwayError(
-                f"{p} is not a headway dataset (no manifest.json): make one with `headway distill`"
-            )
+        require_finished(p)
         manifest = _read_json(p / MANIFEST, "rerun the same `headway distill` to rewrite it")
         if not isinstance(manifest.get("target_fingerprint"), dict):
             raise HeadwayError(

@@ -135,6 +135,19 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _exactness(
+    model: Any, drafter: Any, prompt_ids: list[list[int]], n: int, stop: list[int], engine: str
+) -> dict:
+    """How many prompts speculative greedy decoding writes exactly as plain greedy decoding (same engine), and
+    where each other one parts."""
+    firsts = []
+    for ids in prompt_ids:
+        ref = plain_generate(model, ids, n, stop, engine=engine)
+        spec = speculative_generate(model, drafter, ids, n, stop, engine=engine)
+        firsts.append(None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens))
+    return {"prompts": len(prompt_ids), "equal": firsts.count(None), "first_difference": firsts}
+
+
 def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
     tiny_root = Path(tempfile.mkdtemp(prefix="headway-tiny-"))
@@ -147,74 +160,24 @@ def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
             L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
             cfg = Eagle3Config(draft_vocab_size=min(96, V), ttt_steps=3, draft_layer="llama")
             cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
-            heads = build_head(
-                "eagle3",
-                cfg,
-                h,
-                V,
-                d2t=torch.arange(min(96, V)),
-                layer_config=draft_layer_config(t.model.config, "llama"),
-            )
+            layer = draft_layer_config(t.model.config, "llama")
+            heads = build_head("eagle3", cfg, h, V, d2t=torch.arange(min(96, V)), layer_config=layer)
             heads.init_from_target(t.model)
             heads.attach_target(t.model)
             heads = heads.to(device=t.device, dtype=t.model.dtype).eval()
             drafter = EagleDrafter(heads, L, 4, 3, 10)
-            stop = [t.tokenizer.eos_token_id]
-            engines = ["hf"] + (["static"] if static_supported(t.model) else [])
-            for engine in engines:
-                equal, firsts = 0, []
-                for text in texts:
-                    ids = chat_ids(t, text)
-                    ref = plain_generate(t.model, ids, budget["tiny_tokens"], stop, engine=engine)
-                    spec = speculative_generate(
-                        t.model, drafter, ids, budget["tiny_tokens"], stop, engine=engine
-                    )
-                    equal += spec.tokens == ref.tokens
-                    firsts.append(
-                        None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens)
-                    )
-                res.write(
-                    model=f"tiny-{arch}",
-                    dtype=dtype,
-                    engine=engine,
-                    device=device,
-                    prompts=len(texts),
-                    equal=equal,
-                    first_difference=firsts,
+            ids = [chat_ids(t, text) for text in texts]
+            for engine in ["hf"] + (["static"] if static_supported(t.model) else []):
+                got = _exactness(
+                    t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine
                 )
-            del t, heads, drafter
+                res.write(model=f"tiny-{arch}", dtype=dtype, engine=engine, device=device, **got)
     for dtype in ("float32", "bfloat16"):
-        decoder = _decoder(device, dtype, dry)
-        texts = _prompt_texts(prompts, budget["prompts"])
-        engines = ["hf", "static"]
-        for engine in engines:
-            equal, firsts = 0, []
-            for text in texts:
-                ids = decoder.fmt.first_turn(text)
-                ref = plain_generate(
-                    decoder.target.model, ids, budget["tokens"], decoder.fmt.stop_ids, engine=engine
-                )
-                spec = speculative_generate(
-                    decoder.target.model,
-                    decoder.drafter,
-                    ids,
-                    budget["tokens"],
-                    decoder.fmt.stop_ids,
-                    engine=engine,
-                )
-                equal += spec.tokens == ref.tokens
-                firsts.append(
-                    None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens)
-                )
-            res.write(
-                model="default-target",
-                dtype=dtype,
-                engine=engine,
-                device=device,
-                prompts=len(texts),
-                equal=equal,
-                first_difference=firsts,
-            )
+        d = _decoder(device, dtype, dry)
+        ids = [d.fmt.first_turn(text) for text in _prompt_texts(prompts, budget["prompts"])]
+        for engine in ("hf", "static"):
+            got = _exactness(d.target.model, d.drafter, ids, budget["tokens"], d.fmt.stop_ids, engine)
+            res.write(model="default-target", dtype=dtype, engine=engine, device=device, **got)
 
 
 def _decoder(device: str, dtype: str, dry: bool, *overrides: str) -> SpeculativeDecoder:
