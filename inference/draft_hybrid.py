@@ -31,7 +31,6 @@ from headway.inference.ngram import NgramIndex
 from headway.inference.tree import Tree, build_tree, tree_from_parents
 
 NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
-SOURCES = (NEURAL, NGRAM, BOTH)
 
 
 class Rate:

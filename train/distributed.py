@@ -209,8 +209,3 @@ class TorchStep:
         self.optimizer.step()
         self.scheduler.step()
         return float(norm)
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    """The HeadObjective inside a DDP wrapper (FSDP2 modifies the module in place)."""
-    return getattr(module, "module", module)
