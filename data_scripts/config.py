@@ -61,6 +61,10 @@ class DistillConfig:
     engine: str = "auto"
     # hf engine: sequences per generate call (batched with left padding).
     batch_size: int = 32
+    # hf engine: the KV cache transformers' generate keeps: dynamic (grows per step), static (preallocated for the
+    # batch's longest prompt + max_new_tokens, which lets transformers compile the decoding step on GPUs), or auto
+    # (static on CUDA, dynamic on CPUs, where compiling costs more than it saves).
+    hf_cache: str = "auto"
     # Prompts per chunk file: the unit of resume and of the split between ranks.
     # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf.
     chunk_size: int = 0
@@ -84,6 +88,7 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         check_choice("distill", "engine", self.engine, ["auto", "hf", "vllm"])
+        check_choice("distill", "hf_cache", self.hf_cache, ["auto", "dynamic", "static"])
         if self.chunk_size < 0:
             raise HeadwayError(f"distill.chunk_size must be 0 (auto) or positive, got {self.chunk_size}")
         check_choice("distill", "on_too_long", self.on_too_long, ["skip", "error"])

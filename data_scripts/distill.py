@@ -151,10 +151,16 @@ def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
             target.num_threads,
             cfg.target.trust_remote_code,
         )
-    log.info("generation engine: hf (transformers), batch %d", cfg.distill.batch_size)
+    log.info(
+        "generation engine: hf (transformers), batch %d, %s cache",
+        cfg.distill.batch_size,
+        cfg.distill.hf_cache,
+    )
     if target.model is None:
         raise HeadwayError("internal: the hf engine needs the target model loaded")
-    return HFEngine(target.model, target.tokenizer.pad_token_id, stop_ids, cfg.distill.batch_size)
+    return HFEngine(
+        target.model, target.tokenizer.pad_token_id, stop_ids, cfg.distill.batch_size, cfg.distill.hf_cache
+    )
 
 
 def _run_identity(cfg: RunConfig, target: Target, source: str, total: int) -> dict:

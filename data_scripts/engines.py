@@ -61,11 +61,17 @@ class HFEngine:
 
     name = "hf"
 
-    def __init__(self, model: Any, pad_token_id: int, stop_ids: list[int], batch_size: int = 32):
+    def __init__(
+        self, model: Any, pad_token_id: int, stop_ids: list[int], batch_size: int = 32, cache: str = "auto"
+    ):
+        """cache: transformers' KV cache for generate, dynamic or static; auto = static on CUDA (DistillConfig.hf_cache)."""
         self.model = model
         self.pad_id = pad_token_id
         self.stop_ids = list(stop_ids)
         self.batch_size = batch_size
+        if cache == "auto":
+            cache = "static" if next(model.parameters()).device.type == "cuda" else "dynamic"
+        self.cache = cache
 
     @torch.inference_mode()
     def generate(
@@ -86,6 +92,7 @@ class HFEngine:
             top_k=settings.top_k if sample and settings.top_k > 0 else None,
             eos_token_id=self.stop_ids,
             pad_token_id=self.pad_id,
+            **({"cache_implementation": "static"} if self.cache == "static" else {}),
         )
         device = next(self.model.parameters()).device
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))

@@ -13,6 +13,8 @@ With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the s
   engine and dtype, beside Hugging Face `generate` and its prompt-lookup (assisted) generation, at batch 1.
 - profile: one plain and one speculative decode under torch's profiler: kernels launched per target forward, and
   the time in drafting, verification and the rest (bookkeeping).
+- distill: `headway distill`'s hf engine (transformers' batched generate) in generated tokens/s, per dtype, KV cache
+  (dynamic, static) and batch size.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ from decode_helpers import chat_ids  # noqa: E402
 from tiny_models import ARCHS, make_tiny_model  # noqa: E402
 
 from headway.config import load_config  # noqa: E402
+from headway.data_scripts.chat import ChatFormat  # noqa: E402
 from headway.data_scripts.config import PromptConfig  # noqa: E402
+from headway.data_scripts.engines import HFEngine, SamplingSettings  # noqa: E402
 from headway.data_scripts.prompts import load_conversations  # noqa: E402
 from headway.demo_config import reference_head  # noqa: E402
 from headway.heads.config import Eagle3Config  # noqa: E402
@@ -309,9 +313,55 @@ def step_profile(res: Results, dry: bool, prompts: str | None) -> None:
             )
 
 
+# distill: (dtype, cache, batch size), most telling first (a run cut at its limit keeps those)
+DISTILL = {
+    "gpu": [
+        ("bfloat16", "static", 256),
+        ("bfloat16", "dynamic", 256),
+        ("float32", "static", 256),
+        ("float32", "dynamic", 256),
+        ("bfloat16", "static", 1024),
+    ],
+    "dry": [("bfloat16", "static", 4), ("float32", "dynamic", 4)],
+}
+
+
+def step_distill(res: Results, dry: bool, prompts: str | None) -> None:
+    device = _device(dry)
+    n = 8 if dry else 128
+    texts = _prompt_texts(prompts, 100)
+    loaded: dict[str, Any] = {}
+    for dtype, cache, batch in DISTILL["dry" if dry else "gpu"]:
+        if dtype not in loaded:
+            loaded = {
+                dtype: load_target(TargetConfig(device=device, dtype=dtype, num_threads=1 if dry else 0))
+            }
+        t = loaded[dtype]
+        fmt = ChatFormat(t.tokenizer, None, t.generation_config)
+        ids = [fmt.first_turn(texts[i % len(texts)]) for i in range(batch)]
+        engine = HFEngine(t.model, t.tokenizer.pad_token_id, fmt.stop_ids, batch_size=batch, cache=cache)
+        engine.generate(ids[: min(batch, 8)], SamplingSettings(max_new_tokens=4), 0)  # warm-up (and compiles)
+        _sync(device)
+        start = time.time()
+        out = engine.generate(ids, SamplingSettings(max_new_tokens=n), 0)
+        _sync(device)
+        seconds = time.time() - start
+        tokens = sum(len(g.token_ids) for g in out)
+        res.write(
+            device=device,
+            dtype=dtype,
+            cache=cache,
+            batch=batch,
+            max_new_tokens=n,
+            generated_tokens=tokens,
+            seconds=round(seconds, 2),
+            tok_s=round(tokens / seconds, 1),
+        )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=["env", "exact", "decode", "profile"])
+    ap.add_argument("step", choices=["env", "exact", "decode", "profile", "distill"])
     ap.add_argument("--results", required=True, help="the JSON-lines file every figure is appended to")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, with tiny budgets")
     ap.add_argument(
@@ -322,9 +372,9 @@ def main() -> int:
     if args.step == "env":
         step_env(res, args.dry_run)
     else:
-        {"exact": step_exact, "decode": step_decode, "profile": step_profile}[args.step](
-            res, args.dry_run, args.prompts
-        )
+        {"exact": step_exact, "decode": step_decode, "profile": step_profile, "distill": step_distill}[
+            args.step
+        ](res, args.dry_run, args.prompts)
     return 0
 
 

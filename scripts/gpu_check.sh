@@ -15,6 +15,7 @@
 #   decode   tok/s, tau, verify and draft ms per forward of plain and speculative decoding (hybrid, neural, n-gram),
 #            per engine and dtype, beside HF generate and HF prompt lookup, at batch 1
 #   profile  kernels per target forward and ms in drafting, verification and the rest, per engine and dtype
+#   distill  `headway distill`'s hf engine: generated tokens/s per dtype, KV cache and batch size
 #   bench    `headway bench` in bf16: 2 prompts per category (16 of MT-bench), 6 methods, timed whole
 # Prompts: $PROMPTS (MT-bench questions: copy ../shared/data/prompts/mt_bench_question.jsonl into the checkout
 # before the run, since ../shared does not travel); without it, built-in prompts. The copy prompts are always added.
@@ -33,7 +34,7 @@ export HEADWAY_CACHE=${HEADWAY_CACHE:-$HOME/.cache/headway}
 export TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python}
 # per-step limits in seconds (the GPU run must end within 8 minutes in all)
-if [ -n "$DRY" ]; then LIMITS=(60 60 300 300 300 300); else LIMITS=(120 30 120 150 60 120); fi
+if [ -n "$DRY" ]; then LIMITS=(60 60 300 300 300 300 300); else LIMITS=(60 20 90 120 40 60 80); fi
 
 record() { # step, rc, seconds
     printf '{"step": "run", "name": "%s", "rc": %s, "seconds": %s, "dry_run": %s}\n' "$1" "$2" "$3" \
@@ -83,6 +84,7 @@ if [ -n "$PROMPTS" ]; then P=(--prompts "$PROMPTS"); fi
 run_step exact "${LIMITS[2]}" $PY scripts/gpu_check.py exact --results "$RESULTS" $DRY "${P[@]}"
 run_step decode "${LIMITS[3]}" $PY scripts/gpu_check.py decode --results "$RESULTS" $DRY "${P[@]}"
 run_step profile "${LIMITS[4]}" $PY scripts/gpu_check.py profile --results "$RESULTS" $DRY "${P[@]}"
+run_step distill "${LIMITS[5]}" $PY scripts/gpu_check.py distill --results "$RESULTS" $DRY "${P[@]}"
 if [ -n "$DRY" ]; then
     BENCH=(--prompts inference/bench_prompts_copy.jsonl --limit 2 target.device=cpu target.num_threads=1
         inference.max_new_tokens=8)
@@ -90,6 +92,6 @@ else
     BENCH=(--prompts "${PROMPTS:-inference/bench_prompts_copy.jsonl}" --per-category 2 --turns 1
         target.device=cuda inference.max_new_tokens=128)
 fi
-run_step bench "${LIMITS[5]}" $PY -m headway bench --head heads/reference/smollm2-135m-instruct-eagle3 \
+run_step bench "${LIMITS[6]}" $PY -m headway bench --head heads/reference/smollm2-135m-instruct-eagle3 \
     --out "$OUT/bench.json" "${BENCH[@]}" target.dtype=bfloat16 "bench.drafters=[neural,ngram]" bench.plot=false
 echo "results: $RESULTS (log: $LOG)"

@@ -208,6 +208,14 @@ def test_hf_engine_batches_like_batch_one(tiny_dirs):
         prompts, settings, 0
     )
     assert [g.token_ids for g in batched] == [g.token_ids for g in single]
+    # a static KV cache (distill.hf_cache=static, the default on GPUs) writes the same answers
+    static = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3, cache="static")
+    assert static.cache == "static" and [g.token_ids for g in static.generate(prompts, settings, 0)] == [
+        g.token_ids for g in single
+    ]
+    assert (
+        HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids).cache == "dynamic"
+    )  # auto, on a CPU
     sampled = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3)
     s = SamplingSettings(max_new_tokens=10, temperature=1.0)
     assert [g.token_ids for g in sampled.generate(prompts, s, 7)] == [

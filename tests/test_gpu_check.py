@@ -24,7 +24,7 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     runs = {r["name"]: r["rc"] for r in records if r["step"] == "run"}
-    assert runs == dict.fromkeys(["setup", "env", "exact", "decode", "profile", "bench"], 0), (
+    assert runs == dict.fromkeys(["setup", "env", "exact", "decode", "profile", "distill", "bench"], 0), (
         tmp_path / "gpu_check.log"
     ).read_text()[-3000:]
     exact = [r for r in records if r["step"] == "exact"]
@@ -56,4 +56,7 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     )
     profile = [r for r in records if r["step"] == "profile"]
     assert profile and all(r["kernels_per_forward"] > 0 for r in profile)
+    distill = [r for r in records if r["step"] == "distill"]
+    assert {(r["dtype"], r["cache"]) for r in distill} == {("bfloat16", "static"), ("float32", "dynamic")}
+    assert all(r["generated_tokens"] > 0 and r["tok_s"] > 0 for r in distill)
     assert json.loads((tmp_path / "bench.json").read_text())
