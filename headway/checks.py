@@ -252,7 +252,11 @@ def before_tune(cfg: RunConfig, head: str) -> None:
 def before_demo(cfg: Any, train_first: bool) -> None:
     check_target(cfg.target)
     if cfg.head_dir and not train_first:
-        check_head(cfg.head_dir, "head_dir")
+        if not (Path(cfg.head_dir).expanduser() / "model.safetensors").is_file():
+            raise HeadwayError(
+                f"no head at {cfg.head_dir}: pass head_dir=DIR, or run `headway demo --train` to make one"
+            )
+        check_head(cfg.head_dir, "head_dir", run_dir=False)
     check_writable(cfg.output_dir, "output_dir")
 
 

@@ -156,7 +156,7 @@ def test_export_demo_and_target_refuse_bad_paths(tmp_path, capsys):
         capsys, ["export", "--head", HEAD, "--format", "vllm", "--out", HEAD], "is the head directory itself"
     )
     _refused(capsys, ["export", "--check", str(tmp_path / "none")], "no such directory")
-    _refused(capsys, ["demo", f"head_dir={tmp_path}"], "is not a head directory")
+    _refused(capsys, ["demo", f"head_dir={tmp_path}"], "no head at", "headway demo --train")
     _refused(capsys, ["target", "info", "target.name_or_path=/nonexistent/model.gguf"], "GGUF file not found")
     _refused(capsys, ["target", "info", "target.name_or_path=./nowhere"], "target path does not exist")
 
