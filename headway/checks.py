@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 from headway.data_scripts.config import MANIFEST, PromptConfig, require_finished
 from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
+from headway.io import read_json
 from headway.kinds.config import kind_names
 from headway.kinds.head_dir import read_head_config, resolve_head_dir
 from headway.run_config import RunConfig
@@ -73,7 +74,7 @@ def check_file_parent(path: str | os.PathLike, setting: str) -> None:
     p = Path(path).expanduser()
     if p.is_dir():
         raise HeadwayError(f"{setting} {p} is a directory: give a file name")
-    check_writable(p.parent if str(p.parent) else Path("."), setting)
+    check_writable(p.parent, setting)
 
 
 def check_head(path: Optional[str], setting: str = "--head", run_dir: bool = True) -> dict:
@@ -256,7 +257,7 @@ def before_demo(cfg: Any, train_first: bool) -> None:
 
 def _read_json(path: Path, fix: str) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HeadwayError(f"{path} cannot be read as JSON ({e}): {fix}") from None
     if not isinstance(data, dict):
