@@ -599,13 +599,13 @@ def test_gemma3_engine_exports_are_refused_with_the_reason(tiny_dirs, tmp_path: 
 
 
 def test_medusa_for_vllm_is_refused_where_vllm_has_dropped_it(llama, tmp_path: Path, monkeypatch):
-    from headway.export import layouts
+    from headway.export.layouts import medusa as medusa_layouts
 
     head = save_head(random_head(llama, "medusa", lm_head="own"), tmp_path / "m", llama.fingerprint)
-    monkeypatch.setattr(layouts, "installed_vllm", lambda: (0, 33))
+    monkeypatch.setattr(medusa_layouts, "installed_vllm", lambda: (0, 33))
     with pytest.raises(HeadwayError, match=r"vLLM 0.33 is installed here, and vLLM 0.33 removed Medusa"):
         export_head(head, "vllm", tmp_path / "v")
-    monkeypatch.setattr(layouts, "installed_vllm", lambda: (0, 32))
+    monkeypatch.setattr(medusa_layouts, "installed_vllm", lambda: (0, 32))
     out = export_head(head, "vllm", tmp_path / "v", "float32")
     hint = serve_hint("vllm", json.loads((out / "config.json").read_text()), out)
     assert (
@@ -674,7 +674,8 @@ def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
     llama, tmp_path: Path, input_norm: str, norm_output: bool
 ):
     """speculators' keys for the norms are written (and its own config class accepts them), the weights under its
-    names; the re-imported head drafts exactly as the original. Engine layouts without the keys refuse the head."""
+    names, and in vLLM's own layout; the re-imported head drafts exactly as the original. Engine layouts without the
+    keys (SGLang's, TensorRT-LLM's) refuse the head."""
     speculators = pytest.importorskip("speculators")
     from speculators import SpeculatorModelConfig
 
@@ -707,7 +708,19 @@ def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
     again = load_export(out, t.fingerprint)
     assert (again.cfg.input_norm, again.cfg.norm_output) == (input_norm, norm_output)
     assert trace(t, again) == trace(t, heads)
-    for fmt in ("vllm", "sglang", "trtllm"):
+    # vLLM's own layout carries them too (its Eagle3LlamaForCausalLM reads the same keys and weight names)
+    vllm = export_head(native, "vllm", tmp_path / "v", "float32")
+    vconfig = json.loads((vllm / "config.json").read_text())
+    assert {k: vconfig[k] for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
+        k: config[k] for k in ("norm_before_fc", "fc_norm", "norm_output")
+    }
+    assert {
+        k for k in load_file(str(vllm / "model.safetensors")) if k.startswith(("fc_norm.", "input_norm."))
+    } == norms
+    again = load_export(vllm, t.fingerprint)
+    assert (again.cfg.input_norm, again.cfg.norm_output) == (input_norm, norm_output)
+    assert trace(t, again) == trace(t, heads)
+    for fmt in ("sglang", "trtllm"):
         with pytest.raises(HeadwayError, match="EAGLE-3.1's .* the .* layout has no keys for"):
             export_head(native, fmt, tmp_path / fmt)
 
