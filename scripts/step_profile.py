@@ -22,7 +22,7 @@ from headway.config import load_config
 from headway.inference.engine import make_runner
 from headway.run_config import RunConfig
 from headway.target.loading import load_target
-from headway.target.packed_linear import FusedPart
+from headway.target.packed_fusion import FusedPart
 
 # kernel names (profiler keys) by what they do; the first matching part names the kind
 KINDS = (

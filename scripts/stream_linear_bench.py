@@ -17,12 +17,10 @@ import time
 import torch
 from torch import nn
 
-from headway.target.packed_linear import (
-    Float16Linear,
-    OneDNNLinear,
-    StreamLinear,
-    kernels_missing,
-)
+from headway.target.packed_capability import kernels_missing
+from headway.target.packed_float16 import Float16Linear
+from headway.target.packed_onednn import OneDNNLinear
+from headway.target.packed_stream import StreamLinear
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
 from headway.target.stream_kernel import stream_kernel
 

@@ -12,7 +12,8 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 LAYER_LOOPS = ("auto", "cpp", "python")
 ROW_ATTENTIONS = ("auto", "cpp", "sdpa")
 PROMPT_ATTENTIONS = ("auto", "sdpa")
-# CPU inference formats of the linear weights (TargetConfig.linear_weights; target/packed_linear.py builds them)
+# CPU inference formats of the linear weights (TargetConfig.linear_weights; target/packed_model.py packs a target in
+# them, each format in its own target/packed_<format>.py)
 LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl", "stream")
 
 
@@ -69,7 +70,7 @@ class TargetConfig:
     # one-token steps run through), or stream (float32 and bfloat16 CPU targets: decoding steps through Headway's
     # streaming kernels, a row's bits independent of the row count and thread count; float32: the weights as loaded,
     # the fastest float32 one-token step, needs AVX2 with FMA or AVX-512; bfloat16: a packed copy, needs AVX512-BF16,
-    # the fastest bf16 step and cheapest tree rows without AMX; a C++ compiler once). See target/packed_linear.py.
+    # the fastest bf16 step and cheapest tree rows without AMX; a C++ compiler once). See target/packed_formats.py.
     linear_weights: str = "native"
     # How the static engine runs the decoder layers of a CPU decoding step: cpp (one C++ call per step, built with
     # this machine's compiler on first use and cached; the same kernels in the same order as python, so the same

@@ -22,7 +22,7 @@ from headway.errors import HeadwayError
 from headway.runtime import configure_threads, parse_dtype, resolve_device
 from headway.target import sources
 from headway.target.config import TargetConfig
-from headway.target.packed_linear import linear_weights, pack_linear_weights
+from headway.target.packed_model import linear_weights, pack_linear_weights
 
 log = logging.getLogger("headway")
 

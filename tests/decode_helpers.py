@@ -27,7 +27,7 @@ def load64(path: Path):
 
 
 def load_packed(path: Path, linear_weights: str = "float16", dtype: str = "float32"):
-    """A tiny target on one CPU thread with its linear weights in a packed CPU format (target/packed_linear.py)."""
+    """A tiny target on one CPU thread with its linear weights in a packed CPU format (target/packed_*.py)."""
     return load_target(
         TargetConfig(
             name_or_path=str(path), device="cpu", num_threads=1, dtype=dtype, linear_weights=linear_weights

@@ -16,7 +16,8 @@ from headway.inference.engine import StaticRunner
 from headway.runtime import native_bf16
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
-from headway.target.packed_linear import BF16_PROMPT_ROWS, kernels_missing
+from headway.target.packed_capability import kernels_missing
+from headway.target.packed_onednn import BF16_PROMPT_ROWS
 
 FORMATS = [
     ("float64", "native"),

@@ -23,19 +23,13 @@ from headway.inference.engine import make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.target.config import TargetConfig
 from headway.target.loading import export_target, load_target
-from headway.target.packed_linear import (
-    BF16_PROMPT_ROWS,
-    STREAM_MAX_ROWS,
-    Float16Linear,
-    MKLLinear,
-    OneDNNLinear,
-    StreamLinear,
-    fewest_rows,
-    kernels_missing,
-    linear_weights,
-    pack_head_linear_weights,
-    row_linear,
-)
+from headway.target.packed_capability import kernels_missing
+from headway.target.packed_float16 import Float16Linear
+from headway.target.packed_formats import row_linear
+from headway.target.packed_mkl import MKLLinear
+from headway.target.packed_model import fewest_rows, linear_weights, pack_head_linear_weights
+from headway.target.packed_onednn import BF16_PROMPT_ROWS, OneDNNLinear
+from headway.target.packed_stream import STREAM_MAX_ROWS, StreamLinear
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
 from headway.target.stream_kernel import stream_kernel
 
@@ -105,7 +99,7 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
     t = load_packed(tiny_dirs["llama"])
     with pytest.raises(HeadwayError, match="export with target.linear_weights=native"):
         export_target(t, tmp_path / "out", dtype="float32")
-    from headway.train.config import LoraConfig
+    from headway.heads.config import LoraConfig
     from headway.train.loop import add_lora
 
     with pytest.raises(HeadwayError, match="train with target.linear_weights=native"):
@@ -162,7 +156,8 @@ FBGEMM_ISAS = {
 ROW_COUNTS = """
 import torch
 from torch import nn
-from headway.target.packed_linear import Float16Linear, fbgemm_rows_vary
+from headway.target.packed_fbgemm import fbgemm_rows_vary
+from headway.target.packed_float16 import Float16Linear
 torch.manual_seed(0)
 torch.set_num_threads({threads})
 for out_features, in_features in [(960, 576), (576, 1536), (4096, 576)]:  # the default target's sizes
@@ -583,7 +578,7 @@ def test_bf16_stream_weights_say_which_cpu_they_need(tiny_dirs, monkeypatch):
     """A CPU where the bf16 streaming kernel cannot run (no AVX2 with FMA, or no compiler): a bf16 target is refused
     with the reason."""
     monkeypatch.setattr(
-        "headway.target.packed_linear.stream_bf16_unavailable",
+        "headway.target.packed_capability.stream_bf16_unavailable",
         lambda: "its bf16 kernel needs a CPU with AVX512-BF16, or AVX2 with FMA",
     )
     with pytest.raises(
@@ -597,7 +592,7 @@ def test_bf16_stream_weights_say_which_cpu_they_need(tiny_dirs, monkeypatch):
 def test_stream_weights_say_why_they_cannot_run(tiny_dirs, monkeypatch):
     """Where the kernel did not build (no compiler) or the CPU lacks AVX2: one message with the reason and the fix."""
     monkeypatch.setattr(
-        "headway.target.packed_linear.stream_unavailable", lambda: "it did not build here (no compiler)"
+        "headway.target.packed_capability.stream_unavailable", lambda: "it did not build here (no compiler)"
     )
     with pytest.raises(
         HeadwayError,

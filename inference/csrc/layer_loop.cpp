@@ -47,7 +47,7 @@ Tensor boxed(const c10::OperatorHandle& handle, torch::jit::Stack stack) {
   return stack[0].toTensor();
 }
 
-// packed_linear._onednn_linear, fewer rows than `pad` padded with copies of the first
+// packed_onednn.onednn_linear, fewer rows than `pad` padded with copies of the first
 Tensor onednn_rows(const Linear& l, Tensor x, int64_t pad) {
   static const c10::OperatorHandle handle = op("mkldnn::_linear_pointwise");
   const int64_t rows = x.size(0);
@@ -64,17 +64,17 @@ Tensor onednn_rows(const Linear& l, Tensor x, int64_t pad) {
 
 Tensor onednn(const Linear& l, const Tensor& x) { return onednn_rows(l, x, l.rows); }
 
-// packed_linear.BF16_PROMPT_ROWS: bf16 calls of this many rows or more take the oneDNN copy of a float16 linear
+// packed_onednn.BF16_PROMPT_ROWS: bf16 calls of this many rows or more take the oneDNN copy of a float16 linear
 constexpr int64_t kBF16PromptRows = 128;
 
-// packed_linear._mkl_linear
+// packed_mkl.mkl_linear
 Tensor mkl(const Linear& l, const Tensor& x) {
   static const c10::OperatorHandle handle = op("mkl::_mkl_linear");
   c10::IValue bias = l.bias.has_value() ? c10::IValue(*l.bias) : c10::IValue();
   return boxed(handle, {x, l.packed, l.weight, bias, l.rows});
 }
 
-// packed_linear._stream_linear and _stream_bf16: the streaming kernels are another extension's ops
+// packed_stream.stream_linear and stream_bf16: the streaming kernels are another extension's ops
 // (target/csrc/stream_linear.cpp). bf16 (`extra` holds the kernel's packed weight, `rows` the output count): calls of
 // fewer than kBF16PromptRows rows through it, prompts on the oneDNN copy (`packed`) or in float32 over the weight as
 // loaded; float32: calls of up to `rows` rows over the weight as loaded, more (prompts) through oneDNN over it where
@@ -83,7 +83,7 @@ Tensor stream(const Linear& l, const Tensor& x) {
   if (l.extra.isTensor()) {
     if (x.size(0) >= kBF16PromptRows) {
       if (l.packed.numel() > 0) return onednn_rows(l, x, 1);
-      // packed_linear._float32_prompt: no oneDNN bf16 kernels here, so float32 over a copy of the weight
+      // packed_stream._float32_prompt: no oneDNN bf16 kernels here, so float32 over a copy of the weight
       const std::optional<Tensor> bias32 =
           l.bias.has_value() ? std::optional<Tensor>(l.bias->to(at::kFloat)) : std::nullopt;
       return at::linear(x.to(at::kFloat), l.weight.to(at::kFloat), bias32).to(at::kBFloat16);
@@ -103,8 +103,8 @@ Tensor stream(const Linear& l, const Tensor& x) {
   return boxed(handle, {x, l.weight, bias});
 }
 
-// packed_linear._fp16_linear: fbgemm's float16 kernel in float32; bf16 rows converted in and out, in chunks of 3 to 6
-// rows (packed_linear._fbgemm_chunked) where this CPU's kernel gives a row bits that depend on the row count
+// packed_float16.fp16_linear: fbgemm's float16 kernel in float32; bf16 rows converted in and out, in chunks of 3 to 6
+// rows (packed_fbgemm.fbgemm_chunked) where this CPU's kernel gives a row bits that depend on the row count
 Tensor fp16(const Linear& l, const Tensor& x) {
   static const c10::OperatorHandle handle = op("quantized::linear_dynamic_fp16");
   if (x.scalar_type() == at::kFloat) {
