@@ -34,6 +34,25 @@ def check_fused_layers(section: str, layers: list[int]) -> None:
 
 
 @dataclass
+class LoraConfig:
+    """Medusa-2 (head.medusa.lora): LoRA adapters on the target, trained with the heads after a heads-only warm-up."""
+
+    # Off = Medusa-1 (frozen target). On = Medusa-2: decoding then runs the adapted target, whose output
+    # is what speculative decoding reproduces exactly (not the original target's).
+    enabled: bool = False
+    r: int = 8
+    alpha: int = 16
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # Learning rate of the adapters (the heads use train.lr).
+    lr: float = 1e-4
+    # Steps that train the heads alone before the adapters join.
+    heads_warmup_steps: int = 100
+    # Weight of the distillation loss: KL from the frozen target's next-token distribution to the adapted one's.
+    distill_weight: float = 1.0
+
+
+@dataclass
 class MedusaConfig:
     # Number of heads: head i guesses the token i+2 positions after the hidden state's token.
     num_heads: int = 4
@@ -44,9 +63,19 @@ class MedusaConfig:
     lm_head: str = "reduced"
     # Size of the reduced draft vocabulary (lm_head=reduced).
     draft_vocab_size: int = 8192
+    # Loss to the self-distilled token (ce) or to the target's own distribution there (kl).
+    loss: str = "ce"
+    # Head i's loss weight is decay ** i.
+    decay: float = 0.8
+    # Medusa-2: LoRA adapters on the target, trained with the heads; off by default (Medusa-1).
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    # Fields that shape training only: a head trained with other values can continue under these (train.init_from).
+    training_fields: ClassVar[tuple[str, ...]] = ("loss", "decay", "lora")
 
     def __post_init__(self) -> None:
         check_choice("head", "lm_head", self.lm_head, ["own", "shared", "reduced"])
+        check_choice("head.medusa", "loss", self.loss, ["ce", "kl"])
         if self.num_heads < 1 or self.num_layers < 0:
             raise HeadwayError("head.num_heads must be >= 1 and head.num_layers >= 0")
 
@@ -77,8 +106,9 @@ class Eagle3Config:
     feature_layers: list[int] = field(default_factory=list)
     # Reduced draft vocabulary: the most frequent tokens of the training data (d2t/t2d map it).
     draft_vocab_size: int = 8192
-    # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i.
-    ttt_steps: int = 7
+    # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i. 3 beat 7 at
+    # an hour of CPU training (docs/benchmarks.md), and is what vLLM's speculators trains.
+    ttt_steps: int = 3
     ttt_decay: float = 0.8
     # What each step learns: soft_ce (cross-entropy to the target's distribution over the draft vocabulary,
     # EAGLE-3's), argmax_ce (cross-entropy on the target's greedy token, what greedy verification accepts),

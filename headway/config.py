@@ -7,6 +7,7 @@ line) stops the run with a message that names the key and the nearest valid one.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ from headway.errors import HeadwayError
 from headway.io import atomic_write_text
 
 T = TypeVar("T")
+
+log = logging.getLogger("headway")
 
 CONFIG_FILENAME = "config.yaml"
 # The dtype names configs accept, and the torch dtype each means (headway/runtime.py maps them to torch's).
@@ -53,6 +56,42 @@ def _unknown_key_error(schema: type, exc: OmegaConfBaseException, source: str) -
     if valid:
         msg += f" (valid keys here: {', '.join(valid)})"
     return HeadwayError(msg)
+
+
+def _section_of(layer: DictConfig, key: str) -> tuple[Any, str]:
+    """The section of `layer` that holds the dotted `key` (None where the layer has no such section), and its name
+    there."""
+    *path, leaf = key.split(".")
+    node: Any = layer
+    for part in path:
+        node = node.get(part) if isinstance(node, DictConfig) and part in node else None
+    return (node if isinstance(node, DictConfig) else None), leaf
+
+
+def _rename_old_keys(schema: DictConfig, layer: DictConfig, source: str, prefix: str = "") -> None:
+    """Read the keys a config section renamed (the RENAMED_KEYS class attribute of its dataclass: old -> new, dotted
+    paths within the section, so that a key may also move to another sub-section, with the issue that renamed them)
+    as the new ones, in place, so that configs saved before keep loading; a layer that sets both is an error.
+    schema: the structured config `layer` is merged into."""
+    for old, new in getattr(OmegaConf.get_type(schema), "RENAMED_KEYS", {}).items():
+        section, leaf = _section_of(layer, old)
+        if section is not None and leaf in section:
+            there, new_leaf = _section_of(layer, new)
+            if there is not None and new_leaf in there:
+                raise HeadwayError(f"{source} sets both {prefix}{old} and {prefix}{new}: keep {prefix}{new}")
+            log.warning("%s: %s%s was renamed %s%s; reading it as that", source, prefix, old, prefix, new)
+            OmegaConf.update(layer, new, section.pop(leaf), merge=False)
+    for key, value in layer.items_ex(resolve=False):
+        section = schema.get(key) if isinstance(value, DictConfig) else None
+        if isinstance(section, DictConfig):
+            _rename_old_keys(section, value, source, f"{prefix}{key}.")
+
+
+def read_renamed_keys(schema: type, layer: DictConfig, source: str) -> DictConfig:
+    """`layer` (a config file, such as a run's saved config.yaml) with the keys `schema` renamed read as the new
+    ones, as load_config reads them (in place)."""
+    _rename_old_keys(OmegaConf.structured(schema), layer, source)
+    return layer
 
 
 def _first_line(e: Exception) -> str:
@@ -97,6 +136,7 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
             ) from None
     cfg = base
     for source, layer in layers:
+        _rename_old_keys(base, layer, source)
         try:
             cfg = OmegaConf.merge(cfg, layer)
         except (ConfigKeyError, ConfigAttributeError) as e:

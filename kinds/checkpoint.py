@@ -70,6 +70,9 @@ def rebuild_head(config: dict, head_section: dict, state: dict, mismatch: str) -
     """The head a saved config (kind, sizes, draft_layer) and its `head` section describe, holding `state`; a
     state that does not fit is an error that starts with `mismatch` and names the keys."""
     kind = config["kind"]
+    if config.get("adapted_target") and head_kind(kind).adapts_target and "lora" not in head_section:
+        # a Medusa-2 head saved before its LoRA settings were a head setting (head.medusa.lora) said so only here
+        head_section = {**head_section, "lora": {"enabled": True}}
     heads = head_kind(kind).build(
         saved_head_config(kind, head_section, state),
         config["hidden_size"],

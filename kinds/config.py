@@ -17,8 +17,9 @@ from headway.heads.config import DFlashConfig, Eagle3Config, EagleConfig, Medusa
 @dataclass
 class HeadConfig:
     # Which draft head to train: medusa, eagle (EAGLE-1, decoded with EAGLE-2 trees), eagle3 or dflash; then each
-    # kind's settings, so a recipe can hold several and switch with head.kind.
-    kind: str = "medusa"
+    # kind's settings, so a recipe can hold several and switch with head.kind. eagle3: the recipe's and the shipped
+    # head's kind.
+    kind: str = "eagle3"
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)

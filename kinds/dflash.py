@@ -11,7 +11,7 @@ from headway.heads.eagle3 import check_servable_layers
 from headway.inference.draft_dflash import DFlashDrafter
 from headway.inference.tree_search import StaticTrees
 from headway.kinds.spec import HeadKind
-from headway.train.objectives import dflash_objective
+from headway.train.objectives.dflash import DFlashObjective
 
 
 def _for_target(cfg: DFlashConfig, num_target_layers: int) -> DFlashConfig:
@@ -27,7 +27,7 @@ DFLASH = HeadKind(
     config=DFlashConfig,
     module=DFlashHead,
     layered=True,
-    objective=dflash_objective,
+    objective=DFlashObjective,
     drafter=DFlashDrafter.from_config,
     tree_space=StaticTrees(),
     exports=DFLASH_EXPORTS,

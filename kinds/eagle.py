@@ -7,7 +7,7 @@ from headway.heads.eagle import EagleConfig, EagleHead
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.tree_search import EagleTrees
 from headway.kinds.spec import HeadKind
-from headway.train.objectives import eagle_objective
+from headway.train.objectives.eagle import EagleObjective
 
 
 def _upgrade(head: dict, state: dict) -> dict:
@@ -21,7 +21,7 @@ EAGLE = HeadKind(
     config=EagleConfig,
     module=EagleHead,
     layered=True,
-    objective=eagle_objective,
+    objective=EagleObjective,
     drafter=EagleDrafter.from_config,
     tree_space=EagleTrees(),
     exports=EAGLE_EXPORTS,

@@ -10,7 +10,7 @@ from headway.heads.eagle3 import Eagle3Config, Eagle3Head
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.tree_search import EagleTrees
 from headway.kinds.spec import HeadKind
-from headway.train.objectives import eagle3_objective
+from headway.train.objectives.eagle3 import Eagle3Objective
 
 
 def _for_target(cfg: Eagle3Config, num_target_layers: int) -> Eagle3Config:
@@ -26,7 +26,7 @@ EAGLE3 = HeadKind(
     config=Eagle3Config,
     module=Eagle3Head,
     layered=True,
-    objective=eagle3_objective,
+    objective=Eagle3Objective,
     drafter=EagleDrafter.from_config,
     tree_space=EagleTrees(),
     exports=EAGLE3_EXPORTS,

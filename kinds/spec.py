@@ -41,7 +41,8 @@ class HeadKind:
     """A head kind: its `head.<name>` config section and module, how it trains, drafts, is tuned and exported.
 
     Callables, with the arguments each stage passes:
-        objective(run cfg, heads, batch, Features, t2d) -> (loss, metrics): one batch's loss (train/objectives.py).
+        objective(kind config, seed=train.seed) -> the kind's Objective (train/objectives/), called
+            (heads, batch, Features, t2d) -> (loss, metrics) on each batch.
         drafter(heads, InferenceConfig, head config.json, num target layers) -> the neural drafter.
         draft_tokens(saved head section) -> the draft length a serving engine runs the head with.
         for_target(kind config, num target layers) -> the config with its target-dependent defaults resolved
@@ -59,7 +60,7 @@ class HeadKind:
     config: type  # the dataclass of the head.<name> section
     module: type  # the torch module: (cfg, hidden, vocab[, layer_config], d2t=) -> head
     layered: bool  # carries one decoder layer built from the target's config (head.<name>.draft_layer)
-    objective: Callable[..., tuple[torch.Tensor, dict]]
+    objective: type  # a train.objectives.Objective subclass: (kind config, seed=) -> objective
     drafter: Callable[[Any, Any, dict, int], Any]
     tree_space: TreeSpace
     exports: dict[str, Any]  # export format -> export.layouts.Converter

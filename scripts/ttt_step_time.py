@@ -21,7 +21,8 @@ from headway.target.loading import load_target
 from headway.train.data import Sample, collate, load_samples
 from headway.train.loop import build_heads
 from headway.train.losses import target_to_draft
-from headway.train.objectives import Features, eagle3_objective
+from headway.train.objectives import Features
+from headway.train.objectives.eagle3 import Eagle3Objective
 
 
 def batches(args: argparse.Namespace, target, vocab: int) -> list[list[Sample]]:
@@ -74,6 +75,7 @@ def main() -> None:
     torch.manual_seed(0)
     heads = build_heads(cfg, target, [s for b in data for s in b]).train()
     t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
+    objective = Eagle3Objective(heads.cfg, seed=cfg.train.seed)
     L, h = target.model.config.num_hidden_layers, target.model.config.hidden_size
     layers = sorted(set(heads.cfg.feature_layers) | {L})
     compute = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
@@ -84,7 +86,7 @@ def main() -> None:
         feats = Features({i: torch.randn(B, T, h, dtype=torch.bfloat16) for i in layers}, model=target.model)
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32):
-            loss, _ = eagle3_objective(cfg, heads, batch, feats, t2d)
+            loss, _ = objective(heads, batch, feats, t2d)
         loss.backward()
         heads.zero_grad(set_to_none=True)
         if k:

@@ -64,7 +64,16 @@ def test_missing_or_broken_file_is_named(tmp_path: Path):
 
 
 def test_lora_with_deepspeed_is_refused():
-    from headway.train.config import LoraConfig
+    from headway.config import load_config
+    from headway.run_config import RunConfig
 
-    with pytest.raises(HeadwayError, match="train Medusa-2 with train.backend=ddp"):
-        TrainConfig(backend="deepspeed", lora=LoraConfig(enabled=True))
+    with pytest.raises(
+        HeadwayError, match=r"head.medusa.lora.enabled.*train Medusa-2 with train.backend=ddp"
+    ):
+        load_config(
+            RunConfig, None, ["train.backend=deepspeed", "head.kind=medusa", "head.medusa.lora.enabled=true"]
+        )
+    # the setting is Medusa's: another kind trains no adapters, whatever its section says
+    load_config(
+        RunConfig, None, ["train.backend=deepspeed", "head.medusa.lora.enabled=true", "head.kind=eagle3"]
+    )

@@ -21,7 +21,7 @@ from headway.kinds.checkpoint import load_head
 from headway.kinds.registry import build_head
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
-from headway.train.objectives import ttt_unroll
+from headway.train.ttt import ttt_unroll
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from train_helpers import losses, small_run
 
-from headway.config import load_config
+from headway.config import load_config, save_config
 from headway.errors import HeadwayError
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.generate import greedy_generate, speculative_generate
@@ -54,7 +55,12 @@ def test_loss_matches_hand_computation():
     assert loss_kl.item() == pytest.approx(expected, rel=1e-6)
 
 
-MEDUSA_HEAD = ("head.medusa.num_heads=3", "head.medusa.lm_head=reduced", "head.medusa.draft_vocab_size=64")
+MEDUSA_HEAD = (
+    "head.kind=medusa",
+    "head.medusa.num_heads=3",
+    "head.medusa.lm_head=reduced",
+    "head.medusa.draft_vocab_size=64",
+)
 
 
 def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
@@ -62,10 +68,10 @@ def train_cfg(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
 
 
 MEDUSA2 = (
-    "train.lora.enabled=true",
-    "train.lora.heads_warmup_steps=2",
-    "train.lora.lr=0.01",
-    "train.lora.r=4",
+    "head.medusa.lora.enabled=true",
+    "head.medusa.lora.heads_warmup_steps=2",
+    "head.medusa.lora.lr=0.01",
+    "head.medusa.lora.r=4",
 )
 
 
@@ -159,6 +165,85 @@ def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_
         rf"{other.fingerprint['id']} \(architecture: LlamaForCausalLM vs Qwen2ForCausalLM",
     ):
         load_head(head_dir, other.fingerprint)
+
+
+def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_path: Path, caplog):
+    """train.loss, train.decay and train.lora (before issue 54) are read as head.medusa.*, from a file or the command
+    line, with a warning naming the new key; the config saved from it uses the new keys."""
+    old = tmp_path / "old.yaml"
+    old.write_text("train:\n  loss: kl\n  decay: 0.5\n  lora:\n    enabled: true\n    r: 4\n  max_steps: 7\n")
+    with caplog.at_level("WARNING", logger="headway"):
+        cfg = load_config(RunConfig, old, ["train.lora.lr=0.01", "train.lora.heads_warmup_steps=3"])
+    medusa = cfg.head.medusa
+    assert (medusa.loss, medusa.decay, medusa.lora.enabled, medusa.lora.r) == ("kl", 0.5, True, 4)
+    assert (medusa.lora.lr, medusa.lora.heads_warmup_steps, cfg.train.max_steps) == (0.01, 3, 7)
+    assert cfg.target_lora() is medusa.lora
+    for key in ("loss", "decay", "lora"):
+        assert f"{old}: train.{key} was renamed head.medusa.{key}" in caplog.text
+    assert "the command line: train.lora was renamed head.medusa.lora" in caplog.text
+    saved = OmegaConf.load(save_config(cfg, tmp_path / "run"))
+    assert "loss" not in saved.train and "lora" not in saved.train and saved.head.medusa.lora.r == 4
+    assert load_config(RunConfig, tmp_path / "run" / "config.yaml") == cfg
+    with pytest.raises(
+        HeadwayError, match="sets both train.loss and head.medusa.loss: keep head.medusa.loss"
+    ):
+        load_config(RunConfig, None, ["train.loss=kl", "head.medusa.loss=ce"])
+    with pytest.raises(HeadwayError, match="head.medusa.loss='mse' is not allowed"):
+        load_config(RunConfig, None, ["train.loss=mse"])
+    with pytest.raises(
+        HeadwayError, match=r"\(head.medusa.lora.enabled\): its LoRA target must run in every step"
+    ):
+        load_config(RunConfig, None, ["train.lora.enabled=true", "train.features_dir=[x]"])
+
+
+def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path):
+    """A run whose config.yaml was saved with train.loss, train.decay and train.lora resumes under the same settings
+    as head.medusa.*; a changed LoRA setting is refused, a changed loss or decay is allowed (as it was)."""
+    from headway.train.loop import _check_same_run
+
+    cfg = load_config(RunConfig, None, [*MEDUSA2, "head.medusa.loss=kl"])
+    saved = OmegaConf.to_container(OmegaConf.structured(cfg))
+    medusa = saved["head"]["medusa"]
+    saved["train"].update(loss=medusa.pop("loss"), decay=medusa.pop("decay"), lora=medusa.pop("lora"))
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    _check_same_run(tmp_path / "config.yaml", cfg)
+    _check_same_run(
+        tmp_path / "config.yaml", load_config(RunConfig, None, [*MEDUSA2, "head.medusa.decay=0.5"])
+    )
+    with pytest.raises(HeadwayError, match=r"\(head changed\)"):
+        _check_same_run(
+            tmp_path / "config.yaml", load_config(RunConfig, None, [*MEDUSA2, "head.medusa.lora.r=8"])
+        )
+
+
+@pytest.mark.parametrize("medusa2", [False, True])
+def test_a_medusa_head_saved_before_its_training_settings_moved_loads(tmp_path: Path, medusa2: bool):
+    """A head directory written before head.medusa held loss, decay and lora (its config.json has none of them; a
+    Medusa-2 one says adapted_target) loads with the defaults, LoRA on for Medusa-2; a new one keeps its own."""
+    from headway.heads.config import LoraConfig, MedusaConfig
+    from headway.kinds.checkpoint import save_head
+    from headway.kinds.registry import build_head
+
+    lora = LoraConfig(enabled=medusa2, r=4, target_modules=["q_proj"])
+    cfg = MedusaConfig(num_heads=2, lm_head="reduced", draft_vocab_size=16, loss="kl", decay=0.5, lora=lora)
+    torch.manual_seed(0)
+    heads = build_head("medusa", cfg, 8, 32)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p)
+    fingerprint = {"id": "tiny"}
+    new = save_head(heads, tmp_path / "new", fingerprint, {"adapted_target": "lora"} if medusa2 else {})
+    assert load_head(new, fingerprint).cfg == cfg  # saved with the head: config.json holds them
+    config = json.loads((new / "config.json").read_text())
+    for key in ("loss", "decay", "lora"):
+        config["head"].pop(key)
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.json").write_text(json.dumps(config))
+    (old / "model.safetensors").write_bytes((new / "model.safetensors").read_bytes())
+    again = load_head(old, fingerprint)
+    assert (again.cfg.loss, again.cfg.decay, again.cfg.lora) == ("ce", 0.8, LoraConfig(enabled=medusa2))
+    for k, v in heads.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
 
 
 def test_dataset_from_another_target_is_refused(tiny_dirs, tiny_data, tmp_path: Path):

@@ -10,9 +10,9 @@ from test_eagle import ARCHS, random_head
 from transformers import DynamicCache
 
 from headway.heads.draft_layer import drafter_mask
-from headway.run_config import RunConfig
 from headway.train.losses import target_to_draft
-from headway.train.objectives import Features, eagle3_objective
+from headway.train.objectives import Features
+from headway.train.objectives.eagle3 import Eagle3Objective
 from headway.train.ttt import causal_allowed, kept_positions, shifted, ttt_unroll
 
 
@@ -75,9 +75,8 @@ def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str, 
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in heads.named_parameters() if p.grad is not None}
 
-    cfg = RunConfig()
     dense_loss, dense_grads = grads(lambda: dense_eagle3_loss(heads, batch, feats, t2d))
-    sparse_loss, sparse_grads = grads(lambda: eagle3_objective(cfg, heads, batch, feats, t2d)[0])
+    sparse_loss, sparse_grads = grads(lambda: Eagle3Objective(heads.cfg)(heads, batch, feats, t2d)[0])
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-10, atol=1e-12)
     assert dense_grads.keys() == sparse_grads.keys() and len(dense_grads) > 5
     for name, g in dense_grads.items():
@@ -144,7 +143,7 @@ def test_eagle3_logs_simulated_tau_and_takes_each_loss(tiny_dirs):
     seen = {}
     for loss in ("soft_ce", "argmax_ce", "tv", "soft_ce+tv"):
         heads.cfg.loss = loss
-        value, metrics = eagle3_objective(RunConfig(), heads, batch, feats, t2d)
+        value, metrics = Eagle3Objective(heads.cfg)(heads, batch, feats, t2d)
         seen[loss] = float(value.detach())
         assert 1.0 <= metrics["tau/chain"] <= 1 + heads.cfg.ttt_steps
     assert seen["soft_ce+tv"] == pytest.approx(seen["soft_ce"] + seen["tv"])

@@ -131,7 +131,7 @@ def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoi
     if with_adapters:
         if not (path / "adapters.safetensors").is_file():
             raise HeadwayError(
-                f"checkpoint {path} has no adapters.safetensors but train.lora.enabled is true"
+                f"checkpoint {path} has no adapters.safetensors but head.medusa.lora.enabled is true"
             )
         adapters = load_file(str(path / "adapters.safetensors"))
     try:

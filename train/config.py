@@ -1,5 +1,6 @@
-"""The train package's config sections: train (with Medusa-2's LoRA), logging, and features (the offline
-feature cache `headway cache-features` writes and training reads)."""
+"""The train package's config sections: train, logging, and features (the offline feature cache `headway
+cache-features` writes and training reads). A kind's own training settings are its head.<kind> section's
+(heads/config.py), such as Medusa's loss, decay and Medusa-2's LoRA."""
 
 from __future__ import annotations
 
@@ -8,25 +9,6 @@ from typing import Optional
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
-
-
-@dataclass
-class LoraConfig:
-    """Medusa-2: LoRA adapters on the target, trained with the heads after a heads-only warm-up."""
-
-    # Off = Medusa-1 (frozen target). On = Medusa-2: decoding then runs the adapted target, whose output
-    # is what speculative decoding reproduces exactly (not the original target's).
-    enabled: bool = False
-    r: int = 8
-    alpha: int = 16
-    dropout: float = 0.0
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    # Learning rate of the adapters (the heads use train.lr).
-    lr: float = 1e-4
-    # Steps that train the heads alone before the adapters join.
-    heads_warmup_steps: int = 100
-    # Weight of the distillation loss: KL from the frozen target's next-token distribution to the adapted one's.
-    distill_weight: float = 1.0
 
 
 @dataclass
@@ -46,7 +28,7 @@ class TrainConfig:
     grad_accum: int = 1
     # Read the target's features from caches written by `headway cache-features` (together covering
     # train.datasets, same max_length) instead of running the target in every step; [] = online.
-    # Not with Medusa-2.
+    # Not with Medusa-2 (head.medusa.lora).
     features_dir: list[str] = field(default_factory=list)
     # Duplicate answers dropped before the held-out split (the first of each group is kept): none, exact
     # (the same answer tokens) or near (estimated Jaccard similarity of their token 5-grams >= dedup_threshold).
@@ -54,7 +36,8 @@ class TrainConfig:
     dedup_threshold: float = 0.8
     # Longer sequences are cut to this many tokens.
     max_length: int = 1024
-    # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr.
+    # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr. 1e-3 beat 5e-4 for EAGLE-3 at an hour of
+    # CPU training (docs/benchmarks.md).
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
@@ -65,10 +48,6 @@ class TrainConfig:
     # with native bf16 such as AVX512_BF16/AMX, float32 on AVX2-only CPUs that emulate it slowly),
     # bfloat16 or float32.
     autocast_dtype: str = "auto"
-    # Loss to the self-distilled token (ce) or to the target's own distribution there (kl).
-    loss: str = "ce"
-    # Head i's loss weight is decay ** i.
-    decay: float = 0.8
     # Fraction of samples held out for evaluation (chosen by sample id, stable across runs).
     eval_fraction: float = 0.02
     # Datasets evaluated instead of the held-out split (never trained on), e.g. the target's answers to
@@ -88,8 +67,6 @@ class TrainConfig:
     init_from: Optional[str] = None
     seed: int = 0
     log_every: int = 10
-    # Medusa-2 (LoRA on the target); off by default.
-    lora: LoraConfig = field(default_factory=LoraConfig)
     # Several processes (launched by torchrun, or `headway train --nproc N`): ddp replicates the head,
     # fsdp (FSDP2) shards it and its optimizer state; none = one process. Each rank reads its own share
     # of every batch, so the effective batch is micro_batch_size x grad_accum x world size.
@@ -103,7 +80,6 @@ class TrainConfig:
     shard_target: bool = False
 
     def __post_init__(self) -> None:
-        check_choice("train", "loss", self.loss, ["ce", "kl"])
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
         overlap = sorted(set(self.eval_datasets) & set(self.datasets))
         if overlap:
@@ -115,22 +91,12 @@ class TrainConfig:
             raise HeadwayError(f"train.dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
-        if self.backend in ("fsdp", "deepspeed") and self.lora.enabled:
-            raise HeadwayError(
-                f"train.backend={self.backend} wraps the head alone, but Medusa-2's LoRA adapters live in the "
-                "target: train Medusa-2 with train.backend=ddp"
-            )
         if self.shard_target and self.backend != "fsdp":
             raise HeadwayError("train.shard_target shards the target with FSDP2: set train.backend=fsdp")
         if self.length_window < 0:
             raise HeadwayError(f"train.length_window must be 0 (off) or positive, got {self.length_window}")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
-        if self.features_dir and self.lora.enabled:
-            raise HeadwayError(
-                "train.features_dir (offline features) cannot train Medusa-2: its LoRA target must run in "
-                "every step; unset one of them"
-            )
         if not 0 <= self.eval_fraction < 1:
             raise HeadwayError(f"train.eval_fraction must be in [0, 1), got {self.eval_fraction}")
 

@@ -23,16 +23,16 @@ log = logging.getLogger("headway")
 
 
 class HeadObjective(torch.nn.Module):
-    """A head with its training objective: forward(batch, features, t2d) -> (loss, metrics)."""
+    """A head with its kind's training objective (train/objectives/): forward(batch, features, t2d) -> (loss,
+    metrics)."""
 
-    def __init__(self, heads: torch.nn.Module, objective: Any, cfg: Any):
+    def __init__(self, heads: torch.nn.Module, objective: Any):
         super().__init__()
         self.heads = heads
         self._objective = objective
-        self._cfg = cfg
 
     def forward(self, batch: dict, feats: Any, t2d: Any) -> tuple[torch.Tensor, dict]:
-        return self._objective(self._cfg, self.heads, batch, feats, t2d)
+        return self._objective(self.heads, batch, feats, t2d)
 
 
 @dataclass

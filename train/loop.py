@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from tqdm import tqdm
 
-from headway.config import CONFIG_FILENAME, save_config
+from headway.config import CONFIG_FILENAME, read_renamed_keys, save_config
 from headway.errors import HeadwayError
 from headway.faults import fault_point
 from headway.heads.draft_layer import draft_layer_config, text_config
@@ -30,7 +30,7 @@ from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.runtime import autocast_dtype
 from headway.target.loading import load_target
-from headway.target.packed_linear import linear_weights
+from headway.target.packed_model import linear_weights
 from headway.train import deepspeed_engine
 from headway.train.checkpointing import latest_checkpoint, read_checkpoint, save_checkpoint
 from headway.train.data import (
@@ -83,7 +83,7 @@ def add_lora(model: Any, lora: Any) -> Any:
         )
     except ValueError as e:
         raise HeadwayError(
-            f"train.lora.target_modules {list(lora.target_modules)} do not fit this target: {e}"
+            f"head.medusa.lora.target_modules {list(lora.target_modules)} do not fit this target: {e}"
         ) from None
 
 
@@ -231,11 +231,11 @@ def _checkpoint(
     optimizer: Any,
     scheduler: Any,
     target: Any,
-    tc: Any,
+    adapted: bool,
     par: Parallel,
     progress: dict,
 ) -> None:
-    model_state, optim_state, fmt = _gather_state(objective, heads, optimizer, par, tc.lora.enabled)
+    model_state, optim_state, fmt = _gather_state(objective, heads, optimizer, par, adapted)
     rngs = par.gather_objects(torch.get_rng_state())
     shards = {}
     if fmt == "deepspeed":  # every rank writes its shard beside the checkpoint; rank 0 moves them in
@@ -254,7 +254,7 @@ def _checkpoint(
             optim_state,
             scheduler,
             consumed,
-            adapter_state(target.model, tc.lora.enabled),
+            adapter_state(target.model, adapted),
             rngs,
             fmt,
             shards,
@@ -275,10 +275,12 @@ RUN_IDENTITY = (
     "train.max_length",
     "train.seed",
     "train.length_window",
-    "train.lora",
     "train.dedup",
     "train.dedup_threshold",
 )
+# Settings within RUN_IDENTITY that a resumed run may still change: Medusa's loss and decay (they could be changed as
+# train.loss and train.decay, before they moved into the head section).
+RESUME_MAY_CHANGE = ("head.medusa.loss", "head.medusa.decay")
 
 
 def _check_same_run(saved: Path, cfg: RunConfig) -> None:
@@ -287,11 +289,13 @@ def _check_same_run(saved: Path, cfg: RunConfig) -> None:
         return
     from omegaconf import OmegaConf
 
-    old, new = OmegaConf.load(saved), OmegaConf.structured(cfg)
+    old, new = read_renamed_keys(RunConfig, OmegaConf.load(saved), str(saved)), OmegaConf.structured(cfg)
     try:  # a key the saved config lacks was written before it existed: it had the default then
         old = OmegaConf.merge(OmegaConf.structured(RunConfig()), old)
     except Exception:  # a key since removed: compare what both have
         pass
+    for key in RESUME_MAY_CHANGE:
+        OmegaConf.update(old, key, OmegaConf.select(new, key), merge=False)
     changed = [k for k in RUN_IDENTITY if OmegaConf.select(old, k) != OmegaConf.select(new, k)]
     if changed:
         raise HeadwayError(
@@ -308,9 +312,10 @@ def _resume(
     scheduler: Any,
     target: Any,
     tc: Any,
+    adapted: bool,
     par: Parallel,
 ) -> tuple[int, int, dict]:
-    ck = read_checkpoint(path, scheduler, tc.lora.enabled)
+    ck = read_checkpoint(path, scheduler, adapted)
     if par.backend == "deepspeed":
         deepspeed_engine.load_shards(objective, path, par.world_size, len(ck.rng_states))
     elif ck.optimizer_format == "deepspeed":
@@ -379,7 +384,7 @@ def _step_loss(
             frozen = target.model(input_ids=ids, attention_mask=attn).logits
         kl = distill_kl(out.logits, frozen, attn)
         metrics["loss/distill"] = float(kl.detach())
-        loss = loss + cfg.train.lora.distill_weight * kl
+        loss = loss + cfg.target_lora().distill_weight * kl
     return loss, metrics
 
 
@@ -472,20 +477,23 @@ def train(cfg: RunConfig) -> Path:
         )
         log.info("offline: the target's features come from %s", tc.features_dir)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
-    objective = wrap(HeadObjective(heads, head_kind(cfg.head.kind).objective, cfg), par, device)
+    # the kind's objective reads the head's own config section (as built: the run's, resolved for this target)
+    objective = wrap(
+        HeadObjective(heads, head_kind(cfg.head.kind).objective(heads.cfg, seed=tc.seed)), par, device
+    )
     params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
-    lora_params: list = []
-    if tc.lora.enabled:
-        target.model = add_lora(target.model, tc.lora)
+    lora, lora_params = cfg.target_lora(), []
+    if lora is not None:
+        target.model = add_lora(target.model, lora)
         lora_params = [p for p in target.model.parameters() if p.requires_grad]
-        groups.append({"params": lora_params, "lr": tc.lora.lr})
+        groups.append({"params": lora_params, "lr": lora.lr})
         log.info(
             "Medusa-2: LoRA r=%d on %s (%d parameters), joining after %d heads-only steps",
-            tc.lora.r,
-            ",".join(tc.lora.target_modules),
+            lora.r,
+            ",".join(lora.target_modules),
             sum(p.numel() for p in lora_params),
-            tc.lora.heads_warmup_steps,
+            lora.heads_warmup_steps,
         )
     optimizer = torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas))
     scheduler = cosine_schedule(optimizer, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
@@ -513,7 +521,9 @@ def train(cfg: RunConfig) -> Path:
         if path is None:
             log.info("resume_from=auto: no checkpoint in %s yet, starting fresh", ckpt_root)
         else:
-            step, consumed, progress = _resume(path, objective, heads, optimizer, scheduler, target, tc, par)
+            step, consumed, progress = _resume(
+                path, objective, heads, optimizer, scheduler, target, tc, lora is not None, par
+            )
             log.info("resumed from %s at step %d", path, step)
     logger = None
     if par.is_main:
@@ -533,7 +543,7 @@ def train(cfg: RunConfig) -> Path:
     started, tokens = time.time(), 0
     while step < tc.max_steps:
         stepper.zero_grad()
-        adapt = tc.lora.enabled and step >= tc.lora.heads_warmup_steps
+        adapt = lora is not None and step >= lora.heads_warmup_steps
         metrics_sum: dict[str, float] = {}
         loss_sum = 0.0
         bad_batch = None
@@ -593,7 +603,17 @@ def train(cfg: RunConfig) -> Path:
             )
         if (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps:
             _checkpoint(
-                ckpt_root, step, consumed, objective, heads, optimizer, scheduler, target, tc, par, progress
+                ckpt_root,
+                step,
+                consumed,
+                objective,
+                heads,
+                optimizer,
+                scheduler,
+                target,
+                lora is not None,
+                par,
+                progress,
             )
     bar.close()
     head_dir = out / "head"
@@ -642,8 +662,9 @@ def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: 
             "measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)",
             len(calib),
         )
-    write_lora = (lambda d: target.model.save_pretrained(str(d / "lora"))) if tc.lora.enabled else None
-    if tc.lora.enabled:
+    adapted = cfg.target_lora() is not None
+    write_lora = (lambda d: target.model.save_pretrained(str(d / "lora"))) if adapted else None
+    if adapted:
         extra["adapted_target"] = "lora"
     head_dir = save_head(heads, out / "head", target.fingerprint, extra, write_extra=write_lora)
     log.info("trained head written to %s", head_dir)

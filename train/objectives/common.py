@@ -1,0 +1,96 @@
+"""What every kind's training objective shares: the target's side of a batch (`Features`) and the interface an
+objective implements (`Objective`).
+
+`Features` is made by running the target (online) or read back from a feature cache (offline): the objectives cannot
+tell which, so both modes give the same loss on the same batch. Each kind's objective lives in its own module beside
+this one (medusa.py, eagle.py, eagle3.py, dflash.py); its kind's spec (kinds/<kind>.py) names the class.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class Features:
+    """hidden: HF output_hidden_states index -> [B, T, h]; logits: the target's next-token logits [B, T, V],
+    given (online) or recomputed on first use from the last hidden state through `model`'s lm_head
+    (offline); argmax: the target's greedy next token [B, T], given by the cache or read off the logits."""
+
+    def __init__(
+        self,
+        hidden: dict[int, torch.Tensor],
+        logits: Optional[torch.Tensor] = None,
+        model: Any = None,
+        argmax: Optional[torch.Tensor] = None,
+    ):
+        self.hidden = hidden
+        self._logits = logits
+        self._model = model
+        self._argmax = argmax
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            with torch.no_grad():
+                self._logits = target_logits(self._model, self.hidden[max(self.hidden)])
+        return self._logits
+
+    @property
+    def argmax(self) -> torch.Tensor:
+        if self._argmax is None:
+            self._argmax = self.logits.argmax(-1)
+        return self._argmax
+
+    def draft_logits(self, d2t: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the draft vocabulary only: just those rows of its lm_head over the final hidden
+        state where the model is known (a product a sixth the size of the full one, and no gather of columns out of
+        [B, T, V] logits), else those columns of the given logits."""
+        if self._model is None:
+            return self._logits[..., d2t]
+        with torch.no_grad():
+            return target_logits(self._model, self.hidden[max(self.hidden)], rows=d2t)
+
+    def cat(self, layers: list[int]) -> torch.Tensor:
+        return torch.cat([self.hidden[i].float() for i in layers], dim=-1)
+
+
+def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The target's logits from its final (post-norm) hidden state, as its own forward computes them;
+    `rows`: only those vocabulary entries."""
+    head = model.get_output_embeddings()
+    weight = head.weight if rows is None else head.weight[rows.to(head.weight.device)]
+    bias = getattr(head, "bias", None)
+    if bias is not None and rows is not None:
+        bias = bias[rows.to(bias.device)]
+    logits = F.linear(last_hidden.to(weight.dtype), weight, bias)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+class Objective(ABC):
+    """A head kind's training objective: what its head learns from the target's features on one batch.
+
+    Built once per run from the kind's own config section, as the head was built with (`heads.cfg`: head.<kind>,
+    its target-dependent defaults resolved), and the few train settings an objective needs, passed by name; it reads
+    nothing else of the run's config. Then called on every micro-batch.
+
+    Args:
+        cfg: the kind's config section (heads/config.py).
+        seed: train.seed, for objectives that draw at random (DFlash's anchors): the same draws on a resumed run.
+    """
+
+    def __init__(self, cfg: Any, *, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.seed = seed
+
+    @abstractmethod
+    def __call__(
+        self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict]:
+        """(loss, metrics) on one micro-batch. batch: input_ids, attention_mask and loss_mask (1 on answer tokens),
+        [B, T]; t2d: target id -> draft id (-1 outside the draft vocabulary), or None for a full vocabulary."""

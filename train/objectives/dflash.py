@@ -1,0 +1,90 @@
+"""DFlash's training objective: blocks at random answer anchors, each slot learning the target's distribution for
+its token over the draft vocabulary, all of a sequence's blocks in one masked forward."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from headway.train.losses import chain_acceptance, draft_loss
+from headway.train.objectives.common import Features, Objective
+
+
+def dflash_anchors(batch: dict, count: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `count` anchors per sequence, [B, A] with a validity mask: positions whose next token is an answer
+    token, drawn at random but fixed by the batch's tokens and the seed (a resumed or offline run draws the same)."""
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+    B, T = ids.shape
+    g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(ids.long().sum()) % 1_000_000_007)
+    nxt = torch.zeros_like(loss_mask)
+    nxt[:, :-1] = loss_mask[:, 1:]
+    rows = []
+    for b in range(B):
+        where = nxt[b].nonzero().view(-1).cpu()
+        if len(where) > count:
+            where = torch.sort(where[torch.randperm(len(where), generator=g)[:count]]).values
+        rows.append(where)
+    A = max(1, max(len(r) for r in rows))
+    anchors = torch.zeros(B, A, dtype=torch.long)
+    valid = torch.zeros(B, A, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        anchors[b, : len(r)], valid[b, : len(r)] = r, True
+    return anchors.to(ids.device), valid.to(ids.device)
+
+
+class DFlashObjective(Objective):
+    """DFlash: a block at each anchor a (its token, then mask tokens) sees the target's features before a and
+    itself; slot j learns the target's distribution at a + j - 1 (the token at a + j) over the draft vocabulary,
+    weighted exp(-(j - 1) / loss_gamma). Slots whose token is not an answer token, or whose target argmax is
+    outside the draft vocabulary, are skipped. The anchors are drawn with the objective's seed (train.seed)."""
+
+    def __call__(
+        self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict]:
+        dc = self.cfg
+        ids = batch["input_ids"]
+        B, T = ids.shape
+        bs, device = dc.block_size, ids.device
+        anchors, anchor_ok = dflash_anchors(batch, dc.anchors, bs, self.seed)
+        A = anchors.shape[1]
+        slots = torch.arange(bs, device=device)
+        pos = anchors.unsqueeze(-1) + slots  # [B, A, bs]
+        tokens = torch.full((B, A, bs), heads.mask_token_id, dtype=ids.dtype, device=device)
+        tokens[..., 0] = torch.gather(ids, 1, anchors)
+        # queries of block i see context positions < its anchor and their own block, both ways
+        ctx_ok = torch.arange(T, device=device).view(1, 1, T) < anchors.view(B, A, 1)
+        same = torch.eye(A, dtype=torch.bool, device=device).repeat_interleave(bs, 0).repeat_interleave(bs, 1)
+        allowed = torch.cat(
+            (ctx_ok.repeat_interleave(bs, 1), same.unsqueeze(0).expand(B, -1, -1)), dim=2
+        )  # [B, A*bs, T + A*bs]
+        context = heads.context(feats.cat(dc.feature_layers), torch.arange(T, device=device).expand(B, T))
+        logits = heads.block(tokens.view(B, A * bs), pos.view(B, A * bs), context, allowed).view(B, A, bs, -1)
+        target_p = torch.softmax(feats.draft_logits(heads.d2t.to(device)).detach().float(), -1)
+        in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
+        total = target_p.new_zeros(())
+        metrics: dict[str, float] = {}
+        correct, valid0 = [], None
+        for j in range(1, bs):
+            t = (anchors + j - 1).clamp(max=T - 1)  # the target's distribution here is the token at a + j's
+            ok = anchor_ok & (anchors + j < T)
+            ok = (
+                ok
+                & torch.gather(batch["loss_mask"].bool(), 1, (anchors + j).clamp(max=T - 1))
+                & torch.gather(in_draft, 1, t)
+            )
+            valid0 = ok if valid0 is None else valid0
+            hit = torch.zeros_like(ok)
+            if bool(ok.any()):
+                slot_logits = logits[:, :, j][ok].float()
+                p = torch.gather(target_p, 1, t.unsqueeze(-1).expand(-1, -1, target_p.shape[-1]))[ok]
+                loss_j = draft_loss(dc.loss, slot_logits, p)
+                total = total + math.exp(-(j - 1) / dc.loss_gamma) * loss_j
+                right = slot_logits.argmax(-1) == p.argmax(-1)
+                metrics[f"loss/slot{j}"] = float(loss_j.detach())
+                metrics[f"top1/slot{j}"] = float(right.float().mean())
+                hit[ok] = right
+            correct.append(hit)
+        metrics["tau/chain"] = float(chain_acceptance(correct, valid0))
+        return total, metrics
