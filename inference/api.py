@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,7 +22,7 @@ from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.target.loading import Target, load_target
-from headway.target.packed_linear import linear_weights, pack_head_linear_weights
+from headway.target.packed_model import linear_weights, pack_head_linear_weights
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
 
 
@@ -63,6 +63,34 @@ def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[d
     return HybridDrafter(neural, hc, verify_costs(verify_cost_curve(model, engine, most, saved_costs), flat))
 
 
+def build_drafter(
+    choice: str,
+    heads: Any,
+    cfg: RunConfig,
+    head_config: dict,
+    target: Target,
+    saved_costs: Optional[dict] = None,
+    cost: Optional[Callable[[int, int], float]] = None,
+) -> Any:
+    """The drafter inference.drafter names: neural (the head's tree alone), ngram (prompt lookup alone) or hybrid
+    (both in one tree sized per step).
+
+    Args:
+        choice: neural, ngram or hybrid; heads, head_config: the head and its config.json; cfg: the run config
+            (its inference section); target: the loaded target.
+        saved_costs: verify_ms of the head's tuned.json entry, for `make_hybrid`.
+        cost: cost(n, depth), the verify seconds an n-gram or hybrid tree sizes itself with (a replay's); None =
+            `make_hybrid`'s (inference.hybrid.node_cost, or this machine's curve).
+    Returns:
+        The neural drafter of the head's kind, or a HybridDrafter (for ngram, without the neural drafter)."""
+    neural = make_drafter(heads, cfg, head_config, target.config) if choice != "ngram" else None
+    if choice == "neural":
+        return neural
+    if cost is not None:
+        return HybridDrafter(neural, cfg.inference.hybrid, cost)
+    return make_hybrid(neural, cfg, target.model, saved_costs)
+
+
 @dataclass
 class ChatResult:
     text: str
@@ -94,9 +122,7 @@ class SpeculativeDecoder:
             themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
         self.head_config, self.saved_costs = head_config or {}, saved_costs
-        kind = cfg.inference.drafter
-        neural = make_drafter(heads, cfg, self.head_config, target.config) if kind != "ngram" else None
-        self.drafter = neural if kind == "neural" else make_hybrid(neural, cfg, target.model, saved_costs)
+        self.drafter = build_drafter(cfg.inference.drafter, heads, cfg, self.head_config, target, saved_costs)
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod

@@ -6,7 +6,7 @@ Torch-free, like every config module: the command line checks a config before it
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from headway.config import check_choice
 from headway.errors import HeadwayError
@@ -30,9 +30,15 @@ LABELS = {
 }
 
 
-# A small static tree (8 nodes + root) for 4 Medusa heads: on a CPU, verifying many nodes costs more
-# than it gains (the verify cost grows with the node count, docs/benchmarks.md), so the default stays small.
-DEFAULT_MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+# The static tree inference.tree=null means for a static-tree kind without a default of its own (Medusa; DFlash's
+# is the chain of its whole block): small (8 nodes + root, 4 positions deep), since on a CPU verifying many nodes
+# costs more than it gains (the verify cost grows with the node count, docs/benchmarks.md).
+DEFAULT_STATIC_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
+
+# The tree sizes `headway tune` scores (draft nodes, root excluded; tune.total_tokens and tune.static_nodes): each
+# up to 6, then sparser; the largest, 63, verifies 64 tokens with its root. The verify-cost curves are measured at
+# the same counts, as tokens (cost_model.CURVE_TOKENS).
+TREE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63)
 
 
 DRAFTER_DTYPES = ("auto", "target", "bfloat16", "float32")
@@ -135,7 +141,7 @@ class HybridConfig:
 @dataclass
 class InferenceConfig:
     # Static trees (Medusa, DFlash): each node is a path of top-k indices, one per position ahead of the root;
-    # null = the head kind's default (Medusa: DEFAULT_MEDUSA_TREE; DFlash: the chain of its whole block).
+    # null = the head kind's default (Medusa: DEFAULT_STATIC_TREE; DFlash: the chain of its whole block).
     tree: Optional[list[list[int]]] = None
     # > 0: build the best tree of this many nodes from the head's measured per-rank accuracy
     # (saved at the end of training), instead of `tree`.
@@ -223,6 +229,13 @@ class BenchConfig:
 
 @dataclass
 class TuneConfig:
+    # Keys older configs (a run's saved config.yaml) may hold -> the keys they are read as; load_config renames them
+    # before merging. Renamed in issue 54: the static-tree search serves DFlash's block as well as Medusa's heads.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        "medusa_nodes": "static_nodes",
+        "medusa_top_k": "static_top_k",
+    }
+
     # Calibration prompts (jsonl/json/parquet, first user turns); null = the prompts shipped with Headway.
     prompts: Optional[str] = None
     num_prompts: int = 8
@@ -235,10 +248,11 @@ class TuneConfig:
     # EAGLE-2 search space (every combination is scored; total_tokens larger than the expansion are skipped).
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     top_ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    total_tokens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
-    # Medusa search space: tree sizes (draft nodes), and how many ranked guesses per head are considered.
-    medusa_nodes: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
-    medusa_top_k: int = 8
+    total_tokens: list[int] = field(default_factory=lambda: list(TREE_SIZES))
+    # Static-tree search space (Medusa's heads, DFlash's block slots): tree sizes (draft nodes), and how many ranked
+    # guesses per position are considered.
+    static_nodes: list[int] = field(default_factory=lambda: list(TREE_SIZES))
+    static_top_k: int = 8
     # The drafters compared (neural: the best tree above; ngram; hybrid: that tree's neural branches with n-gram ones),
     # each replayed along the calibration answers with its own per-step choices.
     drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
@@ -246,7 +260,7 @@ class TuneConfig:
     validate: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("verify_sizes", "depths", "top_ks", "total_tokens", "medusa_nodes"):
+        for name in ("verify_sizes", "depths", "top_ks", "total_tokens", "static_nodes"):
             values = getattr(self, name)
             if (not values and name != "verify_sizes") or (values and min(values) < 1):
                 raise HeadwayError(f"tune.{name} must be a non-empty list of numbers >= 1 (got {values})")
@@ -254,7 +268,7 @@ class TuneConfig:
             check_choice("tune", "drafters", d, list(DRAFTERS))
         if not self.drafters:
             raise HeadwayError("tune.drafters must name at least one of " + ", ".join(DRAFTERS))
-        if self.num_prompts < 1 or self.max_new_tokens < 2 or self.repeats < 1 or self.medusa_top_k < 1:
+        if self.num_prompts < 1 or self.max_new_tokens < 2 or self.repeats < 1 or self.static_top_k < 1:
             raise HeadwayError(
-                "tune.num_prompts, tune.repeats and tune.medusa_top_k must be >= 1, tune.max_new_tokens >= 2"
+                "tune.num_prompts, tune.repeats and tune.static_top_k must be >= 1, tune.max_new_tokens >= 2"
             )

@@ -17,12 +17,17 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from headway.inference.config import TREE_SIZES
 from headway.inference.engine import engine_name, make_runner
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule, greedy_token
 from headway.inference.tree import build_tree
-from headway.target.packed_linear import linear_weights
+from headway.target.packed_model import linear_weights
 
 log = logging.getLogger("headway")
+
+# The verified-token counts a curve is measured at (besides its last): the tree sizes tune scores, as tokens, up to
+# the largest tree's 64 with its root.
+CURVE_TOKENS = (*TREE_SIZES[:-1], TREE_SIZES[-1] + 1)
 
 
 def machine_key(model: Any, engine: str = "auto") -> dict:
@@ -148,9 +153,7 @@ def verify_cost_curve(
     cache = _measured_costs.setdefault(model, {})
     key = (engine_name(model, engine), torch.get_num_threads(), max_tokens, shape)
     if key not in cache:
-        sizes = sorted(
-            {n for n in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64) if n < max_tokens} | {max_tokens}
-        )
+        sizes = sorted({n for n in CURVE_TOKENS if n < max_tokens} | {max_tokens})
         log.info(
             "measuring the target's verification time over 1..%d tokens in a %s tree (once)",
             max_tokens,

@@ -6,28 +6,24 @@ runs the block alone ([root, mask, ...]) against that cache: its cost does not g
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from headway.heads.dflash import DFlashHead
-from headway.inference.draft_medusa import MedusaDrafter, choose_tree
-from headway.inference.tree import Tree, build_tree, chain_choices
+from headway.inference.draft_static import StaticTreeDrafter
+from headway.inference.tree import Tree, chain_choices
 
 
-class DFlashDrafter(MedusaDrafter):
+class DFlashDrafter(StaticTreeDrafter):
     """A static tree over the block's slots (inference.tree; a chain as deep as the block by default)."""
 
     @classmethod
-    def from_config(
-        cls, heads: DFlashHead, ic: Any, head_config: dict, num_target_layers: int
-    ) -> "DFlashDrafter":
-        """The tree the inference section asks for (inference.tree / tree_nodes); by default the chain of every
-        block slot, which one forward drafts."""
-        choices = choose_tree(ic, head_config, chain_choices(heads.draft_depth))
-        return cls(heads, build_tree(choices), num_target_layers)
+    def default_tree(cls, heads: DFlashHead) -> list[list[int]]:
+        """The chain of every block slot, which one forward drafts."""
+        return chain_choices(heads.draft_depth)
 
     def __init__(self, heads: DFlashHead, tree: Tree, num_target_layers: int):
+        """Args: heads: the DFlash head; tree: the static tree over its block slots; num_target_layers: the
+        target's."""
         super().__init__(heads, tree, num_target_layers)
         self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, [1, kv_heads, capacity, head_dim]
         self.length = 0  # context positions cached: the root's position

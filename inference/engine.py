@@ -31,13 +31,9 @@ from headway.inference.cache import (
 )
 from headway.inference.tree import Tree, tree_attention_bias
 from headway.runtime import native_bf16
-from headway.target.packed_linear import (
-    fewest_rows,
-    fused_projections,
-    linear_weights,
-    row_linear,
-    rows_for_one,
-)
+from headway.target.packed_formats import row_linear
+from headway.target.packed_fusion import fused_projections
+from headway.target.packed_model import fewest_rows, linear_weights, rows_for_one
 
 STATIC_FAMILIES = ("llama", "qwen2", "mistral")
 

@@ -22,16 +22,11 @@ from transformers import activations
 from headway.errors import HeadwayError
 from headway.target.build import load_extension
 from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
-from headway.target.packed_linear import (
-    FBGEMM_CHUNKED_ROWS,
-    MKL_PACKED_ROWS,
-    STREAM_MAX_ROWS,
-    Float16Linear,
-    MKLLinear,
-    OneDNNLinear,
-    StreamLinear,
-    fbgemm_rows_vary,
-)
+from headway.target.packed_fbgemm import FBGEMM_CHUNKED_ROWS, fbgemm_rows_vary
+from headway.target.packed_float16 import Float16Linear
+from headway.target.packed_mkl import MKL_PACKED_ROWS, MKLLinear
+from headway.target.packed_onednn import OneDNNLinear
+from headway.target.packed_stream import STREAM_MAX_ROWS, StreamLinear
 
 log = logging.getLogger("headway")
 

@@ -33,18 +33,18 @@ def candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draf
 
 
 class StaticTrees:
-    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.medusa_nodes, the nodes (paths
+    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.static_nodes, the nodes (paths
     of per-position ranks) that matched the target's next tokens most often."""
 
     def verify_sizes(self, tc: TuneConfig) -> list[int]:
-        return [n + 1 for n in tc.medusa_nodes]
+        return [n + 1 for n in tc.static_nodes]
 
     def candidates(
         self, heads: Any, drafter: Any, replays: list[Replay], cost: Cost, tc: TuneConfig, num_layers: int
     ) -> list[dict]:
         """Every tree size's best tree, scored; `drafter` (the decoder's own) gives the drafter class."""
         deep = type(drafter)(heads, build_tree(chain_choices(heads.draft_depth)), num_layers)
-        trees = best_static_trees(static_node_rates(deep, replays, tc.medusa_top_k), tc.medusa_nodes)
+        trees = best_static_trees(static_node_rates(deep, replays, tc.static_top_k), tc.static_nodes)
         out = []
         for n, (choices, acc) in trees.items():
             d_cost = draft_cost(type(drafter)(heads, build_tree(choices), num_layers), replays[0])

@@ -35,10 +35,9 @@ from headway.data_scripts.config import PromptConfig
 from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.api import SpeculativeDecoder, make_drafter
+from headway.inference.api import SpeculativeDecoder, build_drafter
 from headway.inference.config import TREE_KEYS, TuneConfig
 from headway.inference.cost_model import machine_key, verify_cost, verify_costs
-from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
 from headway.inference.generate import alternate, pooled
 from headway.inference.replay import Replay, replay_answers, simulate
@@ -82,12 +81,7 @@ def compare_drafters(
     )
     out = []
     for kind in kinds:
-        neural = (
-            make_drafter(decoder.heads, cfg, decoder.head_config, decoder.target.config)
-            if kind != "ngram"
-            else None
-        )
-        drafter = neural if kind == "neural" else HybridDrafter(neural, cfg.inference.hybrid, cost)
+        drafter = build_drafter(kind, decoder.heads, cfg, decoder.head_config, decoder.target, cost=cost)
         out.append({"drafter": kind, **simulate(drafter, replays, cost)})
     return sorted(out, key=lambda d: -d["tok_s"])
 

@@ -145,7 +145,7 @@ def test_replayed_static_tree_matches_equal_real_verification(tiny_dirs, trained
             assert sum(1 for k in range(1, len(along[p]) + 1) if along[p][:k] in nodes) == acc
             seen += acc
     assert seen > 0
-    best = search(d, replays, lambda n, depth: 1e-3 * (1 + 0.1 * n), TuneConfig(medusa_nodes=[1, 3, 6]))[0]
+    best = search(d, replays, lambda n, depth: 1e-3 * (1 + 0.1 * n), TuneConfig(static_nodes=[1, 3, 6]))[0]
     tuned = Drafter(d.heads, build_tree(best["inference"]["tree"]), L)
     for r in replays:
         assert speculative_generate(d.target.model, tuned, r.prompt, 24, d.fmt.stop_ids).tokens == r.answer
@@ -172,6 +172,20 @@ def test_tune_settings_are_checked():
         TuneConfig(depths=[0, 2])
     with pytest.raises(HeadwayError, match="tune.num_prompts"):
         TuneConfig(num_prompts=0)
+
+
+def test_renamed_tune_keys_still_load(tmp_path: Path):
+    """A run config saved before issue 54 (tune.medusa_nodes, tune.medusa_top_k) loads into the renamed fields,
+    from a file and from the command line; setting an old key and its new name together is an error."""
+    saved = tmp_path / "config.yaml"
+    saved.write_text("tune:\n  medusa_nodes: [2, 5]\n  medusa_top_k: 3\n")
+    cfg = load_config(RunConfig, saved)
+    assert cfg.tune.static_nodes == [2, 5] and cfg.tune.static_top_k == 3
+    assert load_config(RunConfig, None, ["tune.medusa_top_k=4"]).tune.static_top_k == 4
+    # the command line's new key wins over the file's old one, as any later layer does
+    assert load_config(RunConfig, saved, ["tune.static_top_k=6"]).tune.static_top_k == 6
+    with pytest.raises(HeadwayError, match="sets both tune.medusa_top_k and tune.static_top_k"):
+        load_config(RunConfig, None, ["tune.medusa_top_k=4", "tune.static_top_k=5"])
 
 
 def _headway(*args: str) -> subprocess.CompletedProcess:
