@@ -34,7 +34,8 @@ from headway.runtime import barrier
 from headway.target.loading import Target, load_target
 
 if TYPE_CHECKING:
-    from headway.run_config import RunConfig
+    from headway.data_scripts.config import MagpieConfig, PromptConfig
+    from headway.target.config import TargetConfig
 
 log = logging.getLogger("headway")
 
@@ -133,14 +134,13 @@ def _chunk_is_whole(out: Path, k: int) -> bool:
     return False
 
 
-def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
-    name = cfg.distill.engine
+def _make_engine(d: DistillConfig, target: Target, max_length: int, trust_remote_code: bool) -> Engine:
+    name = d.engine
     if name == "auto":
         name = "vllm" if vllm_available() else "hf"
     stop_ids = ChatFormat(target.tokenizer, None, target.generation_config).stop_ids
     if name == "vllm":
         log.info("generation engine: vllm")
-        d = cfg.distill
         return VLLMEngine(
             str(target.path),
             stop_ids,
@@ -149,28 +149,27 @@ def _make_engine(cfg: RunConfig, target: Target, max_length: int) -> Engine:
             d.vllm_max_num_seqs,
             d.seed,
             target.num_threads,
-            cfg.target.trust_remote_code,
+            trust_remote_code,
         )
     log.info(
         "generation engine: hf (transformers), batch %d, %s cache",
-        cfg.distill.batch_size,
-        cfg.distill.hf_cache,
+        d.batch_size,
+        d.hf_cache,
     )
     if target.model is None:
         raise HeadwayError("internal: the hf engine needs the target model loaded")
-    return HFEngine(
-        target.model, target.tokenizer.pad_token_id, stop_ids, cfg.distill.batch_size, cfg.distill.hf_cache
-    )
+    return HFEngine(target.model, target.tokenizer.pad_token_id, stop_ids, d.batch_size, d.hf_cache)
 
 
-def _run_identity(cfg: RunConfig, target: Target, source: str, total: int) -> dict:
+def _run_identity(
+    prompts: PromptConfig, magpie: MagpieConfig, d: DistillConfig, target: Target, source: str, total: int
+) -> dict:
     """What must not change between a run and its resumption."""
-    d = cfg.distill
     return {
         "target_fingerprint": target.fingerprint,
         "prompt_source": source,
-        "prompts": asdict(cfg.prompts) if cfg.prompts.path else None,
-        "magpie": asdict(cfg.magpie) if not cfg.prompts.path else None,
+        "prompts": asdict(prompts) if prompts.path else None,
+        "magpie": asdict(magpie) if not prompts.path else None,
         "generation": {
             "max_new_tokens": d.max_new_tokens,
             "temperature": d.temperature,
@@ -200,10 +199,20 @@ def _check_or_write_identity(out: Path, identity: dict, info: DistInfo) -> None:
         atomic_write_json(path, identity)
 
 
-def distill(cfg: RunConfig) -> Path:
-    """Run (or resume) self-distillation; returns the dataset directory."""
+def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, magpie: MagpieConfig) -> Path:
+    """Run (or resume) self-distillation; returns the dataset directory.
+
+    Args:
+        target_cfg: the target that answers (the `target` section).
+        prompts: the prompt file (the `prompts` section); with no path, the target writes its own prompts.
+        d: generation and output settings (the `distill` section). `chunk_size=0` is resolved in place.
+        magpie: how the target writes its own prompts when `prompts.path` is empty (the `magpie` section).
+
+    Returns:
+        `d.output_dir`, holding a finished dataset (manifest.json written last).
+    """
     info = dist_info()
-    out = Path(cfg.distill.output_dir).expanduser()
+    out = Path(d.output_dir).expanduser()
     if (out / MANIFEST).exists():
         log.info("%s is already complete (manifest.json present)", out)
         return out
@@ -214,34 +223,34 @@ def distill(cfg: RunConfig) -> Path:
 
         if not dist.is_initialized():  # gloo: only barriers are needed, on CPU or GPU alike
             dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
-    use_vllm = cfg.distill.engine == "vllm" or (cfg.distill.engine == "auto" and vllm_available())
-    if cfg.distill.chunk_size == 0:
-        cfg.distill.chunk_size = cfg.distill.vllm_max_num_seqs if use_vllm else cfg.distill.batch_size
-    target = load_target(cfg.target, with_model=not use_vllm)
-    max_length = min(cfg.distill.max_length or target.max_position_embeddings, target.max_position_embeddings)
-    fmt = ChatFormat(target.tokenizer, cfg.distill.system_prompt, target.generation_config)
+    use_vllm = d.engine == "vllm" or (d.engine == "auto" and vllm_available())
+    if d.chunk_size == 0:
+        d.chunk_size = d.vllm_max_num_seqs if use_vllm else d.batch_size
+    target = load_target(target_cfg, with_model=not use_vllm)
+    max_length = min(d.max_length or target.max_position_embeddings, target.max_position_embeddings)
+    fmt = ChatFormat(target.tokenizer, d.system_prompt, target.generation_config)
 
-    if cfg.prompts.path:
-        convs: Optional[list[Conversation]] = load_conversations(cfg.prompts)
+    if prompts.path:
+        convs: Optional[list[Conversation]] = load_conversations(prompts)
         total = len(convs)
-        source = f"file:{cfg.prompts.path} sha256:{source_hash(cfg.prompts.path)}"
-    elif cfg.magpie.num_prompts > 0:
-        convs, total, source = None, cfg.magpie.num_prompts, "magpie"
+        source = f"file:{prompts.path} sha256:{source_hash(prompts.path)}"
+    elif magpie.num_prompts > 0:
+        convs, total, source = None, magpie.num_prompts, "magpie"
     else:
         raise HeadwayError(
             "no prompts: set prompts.path=FILE, or magpie.num_prompts=N to let the target write its own"
         )
 
     out.mkdir(parents=True, exist_ok=True)
-    identity = _run_identity(cfg, target, source, total)
+    identity = _run_identity(prompts, magpie, d, target, source, total)
     if info.is_main:
         _check_or_write_identity(out, identity, info)
-        save_config(cfg, out)
+        save_config({"target": target_cfg, "prompts": prompts, "distill": d, "magpie": magpie}, out)
     barrier(info)
     if not info.is_main:
         _check_or_write_identity(out, identity, info)
 
-    cs = cfg.distill.chunk_size
+    cs = d.chunk_size
     num_chunks = (total + cs - 1) // cs
     mine = [k for k in range(num_chunks) if k % info.world_size == info.rank]
     todo = [k for k in mine if not _chunk_is_whole(out, k)]
@@ -249,7 +258,7 @@ def distill(cfg: RunConfig) -> Path:
     done = my_total - sum(min(cs, total - k * cs) for k in todo)
     if done:
         log.info("resuming: %d of %d chunks already written", len(mine) - len(todo), len(mine))
-    engine = _make_engine(cfg, target, max_length)
+    engine = _make_engine(d, target, max_length, target_cfg.trust_remote_code)
     bar = tqdm(
         total=my_total,
         initial=done,
@@ -265,15 +274,15 @@ def distill(cfg: RunConfig) -> Path:
 
     for k in todo:
         lo, hi = k * cs, min(total, (k + 1) * cs)
-        seed = cfg.distill.seed + 1000 * k
+        seed = d.seed + 1000 * k
         skipped: list[dict] = []
         if convs is not None:
             chunk = convs[lo:hi]
         else:
-            texts = write_prompts(engine, fmt, cfg.magpie, hi - lo, seed, progress)
+            texts = write_prompts(engine, fmt, magpie, hi - lo, seed, progress)
             chunk = [Conversation(id=lo + j, turns=[t]) for j, t in enumerate(texts) if t is not None]
             skipped = [{"id": lo + j, "reason": "magpie_rejected"} for j, t in enumerate(texts) if t is None]
-        rows, too_long = answer(chunk, fmt, engine, cfg.distill, max_length, seed + 1, progress)
+        rows, too_long = answer(chunk, fmt, engine, d, max_length, seed + 1, progress)
         atomic_write_json(
             _chunk_path(out, k), {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long}
         )
@@ -283,7 +292,7 @@ def distill(cfg: RunConfig) -> Path:
     elapsed = time.time() - stats["start"]
     barrier(info)
     if info.is_main:
-        _merge(out, num_chunks, total, identity, cfg, engine.name, stats["tokens"], elapsed)
+        _merge(out, num_chunks, total, identity, engine.name, stats["tokens"], elapsed)
     barrier(info)
     if info.world_size > 1:
         import torch.distributed as dist
@@ -297,7 +306,6 @@ def _merge(
     num_chunks: int,
     total: int,
     identity: dict,
-    cfg: RunConfig,
     engine: str,
     tokens: int,
     elapsed: float,

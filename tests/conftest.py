@@ -58,4 +58,4 @@ def tiny_data(tiny_dirs, tmp_path_factory) -> Path:
             "distill.batch_size=8",
         ],
     )
-    return distill(cfg)
+    return distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie)

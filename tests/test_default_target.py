@@ -86,7 +86,7 @@ def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_p
             "distill.max_new_tokens=48",
         ],
     )
-    ds, manifest = load_distilled(distill(cfg))
+    ds, manifest = load_distilled(distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie))
     assert manifest["target_fingerprint"] == smollm2.fingerprint and len(ds) == 3
     fmt = ChatFormat(smollm2.tokenizer, None, smollm2.generation_config)
     tok = smollm2.tokenizer

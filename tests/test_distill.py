@@ -39,6 +39,11 @@ def write_prompts_file(path: Path, rows=PROMPTS) -> Path:
     return path
 
 
+def run(cfg: RunConfig) -> Path:
+    """`headway distill` with this config: distill reads the target, prompts, distill and magpie sections."""
+    return distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie)
+
+
 def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> RunConfig:
     return load_config(
         RunConfig,
@@ -62,7 +67,7 @@ def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> RunConfig
 def test_loss_mask_is_exactly_what_the_target_wrote(tiny_dir: Path, tmp_path: Path):
     """Each masked span equals batch-1 greedy decoding from the context before it (float64: no ties)."""
     prompts = write_prompts_file(tmp_path / "p.jsonl")
-    out = distill(run_cfg(tiny_dir, prompts, tmp_path / "ds"))
+    out = run(run_cfg(tiny_dir, prompts, tmp_path / "ds"))
     ds, manifest = load_distilled(out)
     target = load_target(
         TargetConfig(name_or_path=str(tiny_dir), device="cpu", num_threads=1, dtype="float64")
@@ -139,25 +144,25 @@ def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):
     prompts = write_prompts_file(
         tmp_path / "p.jsonl", [{"instruction": "word " * 300}, {"instruction": "Hi."}]
     )
-    out = distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "skip"))
+    out = run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "skip"))
     ds, manifest = load_distilled(out)
     assert ds["id"] == [1] and manifest["counts"]["skipped"] == {"too_long": 1}
     with pytest.raises(
         HeadwayError, match=r"prompt 0 has \d+ tokens; with max_new_tokens=12 it exceeds max_length=512"
     ):
-        distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "fail", "distill.on_too_long=error"))
+        run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "fail", "distill.on_too_long=error"))
     with pytest.raises(HeadwayError, match=r"no samples: all 1 prompts were skipped \(too_long\)"):
-        distill(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "none", "prompts.limit=1"))
+        run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "none", "prompts.limit=1"))
 
 
 def test_rerun_with_other_settings_is_refused(tiny_dirs, tmp_path: Path):
     prompts = write_prompts_file(tmp_path / "p.jsonl", PROMPTS[:2])
     out = tmp_path / "ds"
     (out / "chunks").mkdir(parents=True)
-    distill(run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1"))
+    run(run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1"))
     (out / "manifest.json").unlink()
     with pytest.raises(HeadwayError, match="other settings .*generation"):
-        distill(run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1", "distill.max_new_tokens=5"))
+        run(run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1", "distill.max_new_tokens=5"))
     with pytest.raises(HeadwayError, match="incomplete"):
         load_distilled(out)
     with pytest.raises(HeadwayError, match="not a headway dataset"):
@@ -184,7 +189,7 @@ def test_magpie_prompts_come_from_the_target(tiny_dirs, tmp_path: Path):
         "magpie.max_prompt_tokens=300",
     )
     cfg.prompts.path = None
-    out = distill(cfg)
+    out = run(cfg)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["prompt_source"] == "magpie"
     assert manifest["counts"]["samples"] > 0

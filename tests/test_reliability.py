@@ -68,6 +68,7 @@ def flip_byte(path: Path) -> None:
 def train_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     """small_run's settings on the command line."""
     return [
+        "head.kind=medusa",
         f"target.name_or_path={model}",
         "target.device=cpu",
         "target.num_threads=1",
@@ -124,11 +125,8 @@ def test_distill_killed_then_rerun_gives_the_clean_dataset(
     assert not (tmp_path / "d" / "manifest.json").exists()
     assert headway("distill", *args).returncode == 0
     ds, manifest = load_distilled(tmp_path / "d")
-    clean, _ = load_distilled(
-        distill(
-            load_config(RunConfig, None, distill_args(tiny_dirs["llama"], prompts_file, tmp_path / "clean"))
-        )
-    )
+    ref = load_config(RunConfig, None, distill_args(tiny_dirs["llama"], prompts_file, tmp_path / "clean"))
+    clean, _ = load_distilled(distill(ref.target, ref.prompts, ref.distill, ref.magpie))
     assert ds["id"] == list(range(9))  # every prompt once
     assert ds["input_ids"] == clean["input_ids"] and ds["loss_mask"] == clean["loss_mask"]
     assert set(manifest["files"]) >= {"dataset_info.json", "state.json"} and leftovers(tmp_path / "d") == []

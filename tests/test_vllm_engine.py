@@ -38,7 +38,7 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
         "distill.vllm_dtype=float32",
     ]
     first = load_config(RunConfig, None, overrides + [f"distill.output_dir={tmp_path / 'a'}"])
-    ds, manifest = load_distilled(distill(first))
+    ds, manifest = load_distilled(distill(first.target, first.prompts, first.distill, first.magpie))
     assert manifest["engine"] == "vllm" and ds["id"] == [0, 1]
     target = load_target(TargetConfig(cache_dir=str(shared_cache)), with_model=False)
     fmt = ChatFormat(target.tokenizer, None, target.generation_config)

@@ -15,6 +15,7 @@ def small_run(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
         RunConfig,
         None,
         [
+            "head.kind=medusa",  # the smallest head; `extra` may name another
             f"target.name_or_path={model_dir}",
             "target.device=cpu",
             "target.num_threads=1",
