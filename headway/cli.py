@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from headway import __version__, checks
 from headway.config import config_to_yaml, load_config
-from headway.demo_config import DemoConfig
+from headway.demo_config import DemoConfig, demo_config_file
 from headway.errors import HeadwayError
 from headway.inference.config import TREE_KEYS
 from headway.ranks import dist_info
@@ -39,10 +39,17 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _add_config_args(
-    p: argparse.ArgumentParser, schema: type, run: Callable[[Any, argparse.Namespace], int]
+    p: argparse.ArgumentParser,
+    schema: type,
+    run: Callable[[Any, argparse.Namespace], int],
+    default_config: Optional[str] = None,
 ) -> None:
     p.set_defaults(schema=schema, run=run)
-    p.add_argument("--config", help="YAML run config (see configs/)")
+    p.add_argument(
+        "--config",
+        default=default_config,
+        help="YAML run config (see configs/)" + (f"; default {default_config}" if default_config else ""),
+    )
     p.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. distill.max_new_tokens=128"
     )
@@ -55,7 +62,7 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
         return launch(args.nproc, "distill", cfg, args)
     from headway.data_scripts.distill import distill
 
-    out = distill(cfg)
+    out = distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie)
     if not dist_info().is_main:
         return 0
     counts = json.loads((out / "manifest.json").read_text())["counts"]
@@ -338,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="self-distil, train and export a head first (~30 min on 2 CPU cores)",
     )
-    _add_config_args(p, DemoConfig, cmd_demo)
+    _add_config_args(p, DemoConfig, cmd_demo, str(demo_config_file()))
 
     p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
     p.add_argument(

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from headway.data_scripts.config import PromptConfig
 from headway.data_scripts.distill import distill, load_distilled
 from headway.demo_config import DemoConfig, reference_head
 from headway.errors import HeadwayError
@@ -30,7 +31,7 @@ from headway.run_config import RunConfig
 from headway.runtime import amx_bf16, resolve_device, resolve_threads
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
-from headway.target.packed_linear import kernels_missing
+from headway.target.packed_capability import kernels_missing
 from headway.train.loop import train
 
 log = logging.getLogger("headway")
@@ -130,7 +131,7 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
         f"== 1/3 self-distillation: the target writes {cfg.magpie.num_prompts} prompts and answers them "
         f"(up to {distill_cfg.max_new_tokens} tokens each)"
     )
-    data = distill(_run_config(cfg, magpie=cfg.magpie, distill=distill_cfg))
+    data = distill(cfg.target, PromptConfig(), distill_cfg, cfg.magpie)
     _, manifest = load_distilled(data)
     print(
         f"   {manifest['counts']['samples']} samples, {manifest['counts']['generated_tokens']} answer tokens "

@@ -11,11 +11,17 @@ from typing import Optional
 
 from headway.data_scripts.config import DistillConfig, MagpieConfig
 from headway.errors import HeadwayError
-from headway.heads.config import Eagle3Config
 from headway.inference.config import InferenceConfig
 from headway.kinds.config import HeadConfig
 from headway.target.config import TargetConfig
 from headway.train.config import TrainConfig
+
+
+def demo_config_file() -> Path:
+    """configs/demo_smollm2.yaml, shipped in the package: what `headway demo` loads when no --config is given."""
+    from importlib.resources import files
+
+    return Path(str(files("headway.configs"))) / "demo_smollm2.yaml"
 
 
 def reference_head() -> Path:
@@ -65,37 +71,13 @@ class DemoConfig:
     # prompts one level measured fastest in float32, while in bf16 one and three measured alike and three accept more
     # per step (docs/benchmarks.md). null: inference.depth in float32 too.
     float32_depth: Optional[int] = 1
-    # --train: self-distillation budget (the target writes magpie.num_prompts prompts itself and answers them).
-    magpie: MagpieConfig = field(default_factory=lambda: MagpieConfig(num_prompts=96))
-    distill: DistillConfig = field(
-        default_factory=lambda: DistillConfig(
-            output_dir="", engine="hf", max_new_tokens=160, batch_size=16, chunk_size=16, max_length=512
-        )
-    )
-    # --train: the head trained (EAGLE-3 with a small draft vocabulary and a short training-time test).
-    head: HeadConfig = field(
-        default_factory=lambda: HeadConfig(
-            kind="eagle3", eagle3=Eagle3Config(draft_vocab_size=2048, ttt_steps=3)
-        )
-    )
-    # --train: the training budget.
-    train: TrainConfig = field(
-        default_factory=lambda: TrainConfig(
-            output_dir="",
-            max_steps=150,
-            micro_batch_size=4,
-            grad_accum=1,
-            max_length=512,
-            lr=1e-3,
-            warmup_steps=10,
-            grad_clip=0.5,
-            eval_every=50,
-            eval_fraction=0.05,
-            save_every=50,
-            log_every=10,
-            resume_from="auto",
-        )
-    )
+    # --train: the budget of the pipeline, stated in configs/demo_smollm2.yaml (the demo's default --config): the
+    # self-distillation (the target writes magpie.num_prompts prompts itself and answers them), the head trained,
+    # and its training.
+    magpie: MagpieConfig = field(default_factory=MagpieConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
         if self.float32_depth is not None and self.float32_depth < 1:

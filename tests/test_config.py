@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 
 from headway.config import load_config, save_config
@@ -91,3 +92,28 @@ def test_overrides_may_follow_options(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--head", "h", "--bogus", "inference.top_k=3"])
     assert e.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_recipes_state_only_what_differs_from_the_defaults():
+    """Each default is declared once, in its config class: a recipe (configs/*.yaml) that restated one would drift
+    from it silently. A recipe may still name its target and its head kind."""
+    from headway.demo_config import DemoConfig
+
+    keep = {"head.kind", "target.name_or_path"}
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    restated = []
+    for path in sorted(configs.glob("*.yaml")):
+        schema = DemoConfig if path.name.startswith("demo") else RunConfig
+        defaults = OmegaConf.to_container(OmegaConf.structured(schema))
+        load_config(schema, path)  # every recipe loads
+
+        def walk(node: dict, default: object, key: str) -> None:
+            for k, v in node.items():
+                d = default.get(k, KeyError) if isinstance(default, dict) else KeyError
+                if isinstance(v, dict):
+                    walk(v, d, f"{key}{k}.")
+                elif f"{key}{k}" not in keep and d is not KeyError and d == v:
+                    restated.append(f"{path.name}: {key}{k}={v!r}")
+
+        walk(yaml.safe_load(path.read_text()), defaults, "")
+    assert restated == []

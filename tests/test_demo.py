@@ -13,7 +13,7 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.runtime import amx_bf16
-from headway.target.packed_linear import kernels_missing
+from headway.target.packed_capability import kernels_missing
 
 
 def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: Path):

@@ -17,7 +17,7 @@ from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.engine import HFRunner, RowAttention, StaticRunner, make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.tree import build_tree
-from headway.target.packed_linear import rows_for_one
+from headway.target.packed_model import rows_for_one
 
 STATIC = ["llama", "qwen2", "mistral"]
 

@@ -21,8 +21,10 @@ PACKAGES = {
     "heads": "headway.heads",
     "target": "headway.target",
     "train": "headway.train",
+    "train/objectives": "headway.train.objectives",
     "inference": "headway.inference",
     "export": "headway.export",
+    "export/layouts": "headway.export.layouts",
     "data_scripts": "headway.data_scripts",
     "kinds": "headway.kinds",
 }
