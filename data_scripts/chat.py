@@ -75,7 +75,8 @@ class ChatFormat:
         )
         if _SENTINEL not in text:
             raise HeadwayError(
-                "the target's chat template drops assistant messages; multi-turn prompts need one that keeps them"
+                "the target's chat template drops assistant messages; "
+                "multi-turn prompts need one that keeps them"
             )
         after = text.split(_SENTINEL, 1)[1]
         if last_token is not None and last_token in self.stop_ids:

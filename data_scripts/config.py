@@ -10,21 +10,22 @@ from typing import Optional
 from headway.config import check_choice
 from headway.errors import HeadwayError
 
-# A distilled dataset's files: its manifest (written last: the dataset is whole) and the state of an unfinished run.
+# A distilled dataset's files: its manifest (written last: the dataset is whole) and the state of an
+# unfinished run.
 MANIFEST = "manifest.json"
 RUN_STATE = "run.json"
 
 
 @dataclass
 class PromptConfig:
-    # Prompt file: .jsonl, .json (a list of records), .parquet, or a directory saved with datasets.save_to_disk.
-    # null with magpie.num_prompts > 0: the target writes its own prompts.
+    # Prompt file: .jsonl, .json (a list of records), .parquet, or a directory saved with
+    # datasets.save_to_disk. null with magpie.num_prompts > 0: the target writes its own prompts.
     path: Optional[str] = None
     # Record field holding the instruction; "auto" tries instruction, prompt, question, query, text.
     # Dotted paths reach into nested records: instances.0.input.
     instruction_field: str = "auto"
-    # Optional field appended to the instruction on a new paragraph (Alpaca's `input`); "auto" tries input, context;
-    # "none" disables it.
+    # Optional field appended to the instruction on a new paragraph (Alpaca's `input`); "auto" tries input,
+    # context; "none" disables it.
     input_field: str = "auto"
     # Field with a list of user turns (MT-bench style); "auto" tries turns.
     turns_field: str = "auto"
@@ -61,9 +62,9 @@ class DistillConfig:
     engine: str = "auto"
     # hf engine: sequences per generate call (batched with left padding).
     batch_size: int = 32
-    # hf engine: the KV cache transformers' generate keeps: dynamic (grows per step), static (preallocated for the
-    # batch's longest prompt + max_new_tokens, which lets transformers compile the decoding step on GPUs), or auto
-    # (static on CUDA, dynamic on CPUs, where compiling costs more than it saves).
+    # hf engine: the KV cache transformers' generate keeps: dynamic (grows per step), static (preallocated for
+    # the batch's longest prompt + max_new_tokens, which lets transformers compile the decoding step on GPUs),
+    # or auto (static on CUDA, dynamic on CPUs, where compiling costs more than it saves).
     hf_cache: str = "auto"
     # Prompts per chunk file: the unit of resume and of the split between ranks.
     # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf.
@@ -76,13 +77,15 @@ class DistillConfig:
     top_k: int = 0
     # Seed for sampling and Magpie prompts; chunk k uses seed + 1000 * k, so resumed chunks are identical.
     seed: int = 0
-    # Longest sample (prompt + answers) in tokens, capped at the target's max_position_embeddings; 0 = that cap.
+    # Longest sample (prompt + answers) in tokens, capped at the target's
+    # max_position_embeddings; 0 = that cap.
     max_length: int = 2048
     # A first prompt that does not fit max_length with max_new_tokens: skip (and count) or error.
     on_too_long: str = "skip"
     # System prompt for every conversation; null = the chat template's default (or the record's own).
     system_prompt: Optional[str] = None
-    # vllm engine: weights dtype (auto = bfloat16 on GPUs and bf16-capable CPUs, else float32) and concurrent sequences.
+    # vllm engine: weights dtype (auto = bfloat16 on GPUs and bf16-capable CPUs, else float32) and
+    # concurrent sequences.
     vllm_dtype: str = "auto"
     vllm_max_num_seqs: int = 256
 
@@ -99,12 +102,13 @@ class DistillConfig:
 
 
 def require_finished(path: Path) -> None:
-    """`path` holds a finished `headway distill` dataset (its manifest.json, written last); else one message saying
-    whether it is unfinished (rerun distill) or no dataset at all."""
+    """`path` holds a finished `headway distill` dataset (its manifest.json, written last); else one message
+    saying whether it is unfinished (rerun distill) or no dataset at all."""
     if not (path / MANIFEST).is_file():
         if (path / RUN_STATE).is_file():
             raise HeadwayError(
-                f"dataset {path} is incomplete (no manifest.json): rerun the same `headway distill` to finish it"
+                f"dataset {path} is incomplete (no manifest.json): "
+                "rerun the same `headway distill` to finish it"
             )
         raise HeadwayError(
             f"{path} is not a headway dataset (no manifest.json): make one with `headway distill`"

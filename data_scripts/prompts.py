@@ -127,7 +127,8 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
             raise HeadwayError(f"cannot read parquet file {path}: {e}") from None
         return [(f"{path} row {i}", r) for i, r in enumerate(rows)]
     raise HeadwayError(
-        f"unsupported prompt file type '{path.suffix}' for {path}: use .jsonl, .json, .parquet or a datasets directory"
+        f"unsupported prompt file type '{path.suffix}' for {path}: "
+        "use .jsonl, .json, .parquet or a datasets directory"
     )
 
 
@@ -216,8 +217,8 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
         turns = [t for t in turns if t.strip()]
         if not turns:
             raise HeadwayError(
-                f"{where}: no prompt text under the configured fields "
-                f"(instruction={instr_field}, turns={turns_field}, conversations={conv_field}); fix the record or the mapping"
+                f"{where}: no prompt text under the configured fields (instruction={instr_field}, "
+                f"turns={turns_field}, conversations={conv_field}); fix the record or the mapping"
             )
         if system is not None and not isinstance(system, str):
             raise HeadwayError(f"{where}: the system prompt must be a string, got {type(system).__name__}")
@@ -235,8 +236,8 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
         out.append(Conversation(id=index, turns=turns, system=system, meta=meta))
     if not out:
         raise HeadwayError(
-            f"no prompts selected from {path} (offset={cfg.offset}, limit={cfg.limit}, {len(records)} records): "
-            "lower prompts.offset below the record count, or raise prompts.limit"
+            f"no prompts selected from {path} (offset={cfg.offset}, limit={cfg.limit}, {len(records)} "
+            "records): lower prompts.offset below the record count, or raise prompts.limit"
         )
     return out
 

@@ -121,7 +121,8 @@ def export_head(
 
 
 def converter(fmt: str, kind: str) -> Converter:
-    """The kind's converter for an engine format; a format the kind cannot be served in is refused with why."""
+    """The kind's converter for an engine format; a format the kind cannot be served in is refused
+    with why."""
     spec = head_kind(kind)
     if fmt in spec.refused_exports:
         raise HeadwayError(spec.refused_exports[fmt])
@@ -139,7 +140,8 @@ def draft_tokens(native: dict) -> int:
 
 
 def needs_target_lm_head(native: dict) -> bool:
-    """A head that reads out through the target's own lm_head (Medusa's shared): engines load it with the draft."""
+    """A head that reads out through the target's own lm_head (Medusa's shared): engines load it with
+    the draft."""
     return head_kind(native.get("kind")).reads_target_lm_head(native.get("head", {}))
 
 

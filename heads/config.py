@@ -1,7 +1,8 @@
 """The `head.<kind>` config sections, one dataclass per head kind.
 
-Torch-free, like every config module: the command line checks a whole run config (and refuses a misspelt key or a
-value out of range) before it loads torch. Each kind's module in heads/ builds its torch module from its section.
+Torch-free, like every config module: the command line checks a whole run config (and refuses a misspelt key
+or a value out of range) before it loads torch. Each kind's module in heads/ builds its torch module from
+its section.
 """
 
 from __future__ import annotations
@@ -23,19 +24,21 @@ DRAFT_LOSSES = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
 
 
 def check_fused_layers(section: str, layers: list[int]) -> None:
-    """Fused feature layers as a config gives them: 3 distinct ascending layer outputs (>= 1), or [] (default)."""
+    """Fused feature layers as a config gives them: 3 distinct ascending layer outputs (>= 1), or
+    [] (default)."""
     if layers and (len(layers) != 3 or layers != sorted(set(layers)) or layers[0] < 1):
         raise HeadwayError(
-            f"{section}.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, each "
-            "from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the last layer's "
-            "index minus one (engines capture layer outputs in ascending order, before the final norm), e.g. [2, 15, 27] "
-            "on a 30-layer target; or [] for the default"
+            f"{section}.feature_layers={layers}: give 3 distinct target layer outputs in ascending order, "
+            "each from 1 (the output of the first decoder layer, HF output_hidden_states indexing) to the "
+            "last layer's index minus one (engines capture layer outputs in ascending order, before the "
+            "final norm), e.g. [2, 15, 27] on a 30-layer target; or [] for the default"
         )
 
 
 @dataclass
 class LoraConfig:
-    """Medusa-2 (head.medusa.lora): LoRA adapters on the target, trained with the heads after a heads-only warm-up."""
+    """Medusa-2 (head.medusa.lora): LoRA adapters on the target, trained with the heads after a
+    heads-only warm-up."""
 
     # Off = Medusa-1 (frozen target). On = Medusa-2: decoding then runs the adapted target, whose output
     # is what speculative decoding reproduces exactly (not the original target's).
@@ -48,7 +51,8 @@ class LoraConfig:
     lr: float = 1e-4
     # Steps that train the heads alone before the adapters join.
     heads_warmup_steps: int = 100
-    # Weight of the distillation loss: KL from the frozen target's next-token distribution to the adapted one's.
+    # Weight of the distillation loss: KL from the frozen target's next-token distribution to the
+    # adapted one's.
     distill_weight: float = 1.0
 
 
@@ -70,7 +74,8 @@ class MedusaConfig:
     # Medusa-2: LoRA adapters on the target, trained with the heads; off by default (Medusa-1).
     lora: LoraConfig = field(default_factory=LoraConfig)
 
-    # Fields that shape training only: a head trained with other values can continue under these (train.init_from).
+    # Fields that shape training only: a head trained with other values can continue under
+    # these (train.init_from).
     training_fields: ClassVar[tuple[str, ...]] = ("loss", "decay", "lora")
 
     def __post_init__(self) -> None:
@@ -87,7 +92,8 @@ class EagleConfig:
     # Loss = feature_weight x smooth-L1(feature) + token_weight x cross-entropy to the target's distribution.
     feature_weight: float = 1.0
     token_weight: float = 0.1
-    # A bias in fc (the original EAGLE has one; vLLM's EAGLE-1 has none, so an fc bias keeps the head out of vLLM).
+    # A bias in fc (the original EAGLE has one; vLLM's EAGLE-1 has none, so an fc bias keeps the head out
+    # of vLLM).
     fc_bias: bool = False
     # The draft layer: llama (a Llama layer with the target's sizes: what vLLM, SGLang and TensorRT-LLM
     # serve, whatever the target's family) or target (the target's own layer class: Headway decoding only).
@@ -106,8 +112,8 @@ class Eagle3Config:
     feature_layers: list[int] = field(default_factory=list)
     # Reduced draft vocabulary: the most frequent tokens of the training data (d2t/t2d map it).
     draft_vocab_size: int = 8192
-    # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i. 3 beat 7 at
-    # an hour of CPU training (docs/benchmarks.md), and is what vLLM's speculators trains.
+    # Training-time test: the drafter unrolled this many steps on its own outputs; step i weighs decay^i. 3
+    # beat 7 at an hour of CPU training (docs/benchmarks.md), and is what vLLM's speculators trains.
     ttt_steps: int = 3
     ttt_decay: float = 0.8
     # What each step learns: soft_ce (cross-entropy to the target's distribution over the draft vocabulary,
@@ -120,9 +126,10 @@ class Eagle3Config:
     # Start the draft layer as a copy of this target layer (attention on the hidden half of its input, MLP,
     # norms); -1 = random initialisation.
     init_layer: int = -1
-    # EAGLE-3.1's norms (off by default, and for heads saved before they existed). input_norm: what normalises the
-    # fused target features before fc: none; per_layer (an RMSNorm on each fused layer's hidden state, EAGLE-3.1's;
-    # speculators' fc_norm); or concat (one RMSNorm over the three concatenated; speculators' norm_before_fc).
+    # EAGLE-3.1's norms (off by default, and for heads saved before they existed). input_norm: what normalises
+    # the fused target features before fc: none; per_layer (an RMSNorm on each fused layer's hidden state,
+    # EAGLE-3.1's; speculators' fc_norm); or concat (one RMSNorm over the three concatenated;
+    # speculators' norm_before_fc).
     input_norm: str = "none"
     # Feed the drafter's output back as the next step's hidden after its final norm (EAGLE-3.1; speculators'
     # norm_output), in training-time test and in drafting alike, instead of the raw layer output.
@@ -131,8 +138,8 @@ class Eagle3Config:
     # Fields that shape training only: a head trained with other values can continue under these
     # (train.init_from); every other field shapes the weights.
     training_fields: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "loss", "init_layer")
-    # Fields a head trained without can be continued under (train.init_from): the norms they add start at their
-    # initial weights (ones); every other weight is the head's.
+    # Fields a head trained without can be continued under (train.init_from): the norms they add start at
+    # their initial weights (ones); every other weight is the head's.
     added_fields: ClassVar[tuple[str, ...]] = ("input_norm", "norm_output")
 
     def __post_init__(self) -> None:
@@ -160,12 +167,12 @@ class DFlashConfig:
     feature_layers: list[int] = field(default_factory=list)
     # The token the mask slots embed (through the target's embedding); -1 = the target's last vocabulary id.
     mask_token_id: int = -1
-    # The read-out: own (an lm_head of the head's own over a reduced draft vocabulary, started from the target's
-    # rows; vLLM serves it) or target (the target's frozen lm_head over its whole vocabulary, shared and never
-    # saved; SGLang and vLLM serve it).
+    # The read-out: own (an lm_head of the head's own over a reduced draft vocabulary, started from the
+    # target's rows; vLLM serves it) or target (the target's frozen lm_head over its whole vocabulary, shared
+    # and never saved; SGLang and vLLM serve it).
     lm_head: str = "own"
-    # Reduced draft vocabulary (lm_head=own): the most frequent tokens of the training data (d2t maps it to the
-    # target's).
+    # Reduced draft vocabulary (lm_head=own): the most frequent tokens of the training data (d2t maps it to
+    # the target's).
     draft_vocab_size: int = 8192
     # Anchors drawn per training sequence (answer positions; each anchor trains one block).
     anchors: int = 32

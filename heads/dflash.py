@@ -4,9 +4,9 @@ The block is the last accepted token followed by mask tokens, embedded with the 
 Each of its decoder layers attends bidirectionally within the block and to the context: the target's fused
 hidden states for every earlier position, projected by `fc`, normalised by `hidden_norm` and turned into
 keys and values by the layer's own k/v projections (with per-head q/k norms, as vLLM's and speculators'
-Qwen3-style DFlash layers). Slot j of the block predicts the token j positions after the anchor. The read-out is
-the head's own lm_head over a reduced draft vocabulary (d2t), cheap as in EAGLE-3, or (lm_head=target) the target's
-own frozen lm_head over its whole vocabulary, the read-out SGLang's DFlash serves.
+Qwen3-style DFlash layers). Slot j of the block predicts the token j positions after the anchor. The read-out
+is the head's own lm_head over a reduced draft vocabulary (d2t), cheap as in EAGLE-3, or (lm_head=target) the
+target's own frozen lm_head over its whole vocabulary, the read-out SGLang's DFlash serves.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def mask_token(configured: int, vocab_size: int) -> int:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (the rotate-half form transformers and vLLM's neox style use): x [B, heads, N, d], cos/sin [B, N, d]."""
+    """RoPE (the rotate-half form transformers and vLLM's neox style use): x [B, heads, N, d], cos/sin [B,
+    N, d]."""
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)
@@ -63,8 +64,8 @@ class DFlashAttention(nn.Module):
         context: tuple[torch.Tensor, torch.Tensor],
         allowed: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """x [B, Q, h] (the block, normed); context keys/values [B, kv_heads, N, d]; allowed [B, Q, N + Q] or None
-        (every query sees everything) -> [B, Q, h]."""
+        """x [B, Q, h] (the block, normed); context keys/values [B, kv_heads, N, d]; allowed [B, Q, N + Q] or
+        None (every query sees everything) -> [B, Q, h]."""
         B, Q, _ = x.shape
         q = rotate(
             self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.head_dim)).transpose(1, 2), cos, sin
@@ -104,7 +105,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashHead(nn.Module):
-    """The DFlash drafter: context features [.., k*h] in, logits over the draft vocabulary for each block slot."""
+    """The DFlash drafter: context features [.., k*h] in, logits over the draft vocabulary for each
+    block slot."""
 
     kind = "dflash"
 
@@ -153,13 +155,15 @@ class DFlashHead(nn.Module):
         return fused_layers("head.dflash", list(cfg.feature_layers), num_target_layers)
 
     def attach_target(self, target_model: Any) -> None:
-        """Share the target's embedding, and with lm_head=target its lm_head (frozen, never saved with the head)."""
+        """Share the target's embedding, and with lm_head=target its lm_head (frozen, never saved with
+        the head)."""
         self._embed = target_model.get_input_embeddings().weight.detach()
         if self.lm_head is None:
             self._target_lm_head = target_model.get_output_embeddings().weight.detach()
 
     def init_from_target(self, target_model: Any) -> None:
-        """Start the read-out where the target's is: its lm_head rows for the draft vocabulary, its final norm."""
+        """Start the read-out where the target's is: its lm_head rows for the draft vocabulary, its
+        final norm."""
         lm = target_model.get_output_embeddings().weight
         final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         with torch.no_grad():
@@ -190,8 +194,9 @@ class DFlashHead(nn.Module):
         context: list[tuple[torch.Tensor, torch.Tensor]],
         allowed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits [B, Q, draft vocab] of block tokens [B, Q] (anchors and mask ids) at positions [B, Q], attending
-        to `context` (from `context`) and to each other where allowed [B, Q, N + Q] (None: everywhere)."""
+        """Logits [B, Q, draft vocab] of block tokens [B, Q] (anchors and mask ids) at positions [B, Q],
+        attending to `context` (from `context`) and to each other where allowed [B, Q, N + Q]
+        (None: everywhere)."""
         if self._embed is None:
             raise HeadwayError("a DFlash head needs attach_target(target model) first")
         x = F.embedding(tokens, self._embed).to(self.fc.weight.dtype)
@@ -201,20 +206,22 @@ class DFlashHead(nn.Module):
         return self.read_out(self.norm(x))
 
     def read_out(self, x: torch.Tensor) -> torch.Tensor:
-        """Logits [..., draft vocab] of normed block states x [..., hidden]: the head's lm_head, or the target's."""
+        """Logits [..., draft vocab] of normed block states x [..., hidden]: the head's lm_head, or
+        the target's."""
         if self.lm_head is not None:
             return self.lm_head(x)
         weight = self._target_lm_head
         if weight is None:
             raise HeadwayError("a DFlash head with lm_head=target needs attach_target(target model) first")
         if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            # a head decoding in another dtype than the target's: convert the shared weight once, not per draft
+            # a head decoding in another dtype than the target's: convert the shared weight once, not
+            # per draft
             weight = self._target_lm_head = weight.to(x.dtype)
         return F.linear(x, weight)
 
     def draft_logits(self, context: list, root: int, position: int) -> torch.Tensor:
-        """One drafting forward: the block [root, mask, ...] at `position` after the context -> [block_size - 1,
-        draft vocab], slot j's logits for the token j positions after the root."""
+        """One drafting forward: the block [root, mask, ...] at `position` after the context ->
+        [block_size - 1, draft vocab], slot j's logits for the token j positions after the root."""
         device = self.fc.weight.device
         tokens = torch.full((1, self.cfg.block_size), self.mask_token_id, device=device)
         tokens[0, 0] = root

@@ -23,7 +23,8 @@ def text_config(config: Any) -> Any:
 
 def draft_layer_config(target_config: Any, style: str = "target") -> dict:
     """The draft layer's config as a dict, saved with the head: one full-attention layer of the target's
-    own class (style=target), or a Llama layer with the target's sizes, GQA, RoPE and norm epsilon (style=llama)."""
+    own class (style=target), or a Llama layer with the target's sizes, GQA, RoPE and norm
+    epsilon (style=llama)."""
     if style == "llama":
         return llama_layer_config(target_config)
     cfg = text_config(target_config).to_dict()
@@ -37,7 +38,8 @@ def draft_layer_config(target_config: Any, style: str = "target") -> dict:
 
 
 def _full_attention_rope(t: Any) -> dict:
-    """The RoPE parameters of the target's full-attention layers (transformers 5 keeps them per layer type)."""
+    """The RoPE parameters of the target's full-attention layers (transformers 5 keeps them per
+    layer type)."""
     rope = getattr(t, "rope_parameters", None) or {}
     if isinstance(rope.get("full_attention"), dict):
         rope = rope["full_attention"]

@@ -35,12 +35,14 @@ class EagleBase(nn.Module):
         self.decoder.norm = nn.Identity()  # the layer's raw output; EAGLE-3 keeps its own final norm
         self._embed: Optional[nn.Module] = None
         self._target_lm_head: Optional[torch.Tensor] = None
-        # the attached target's static-engine settings (target.layer_loop, target.fused_ops), which drafting follows
+        # the attached target's static-engine settings (target.layer_loop, target.fused_ops), which
+        # drafting follows
         self.engine_settings: dict = {}
 
     @staticmethod
     def feature_layers(cfg: Any, num_target_layers: int) -> list[int]:
-        """Indices into the target's `output_hidden_states` the drafter reads (EAGLE-1: the last, post-norm)."""
+        """Indices into the target's `output_hidden_states` the drafter reads (EAGLE-1: the
+        last, post-norm)."""
         return [num_target_layers]
 
     def attach_target(self, target_model: Any) -> None:

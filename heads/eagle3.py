@@ -21,8 +21,8 @@ from headway.heads.eagle import EagleBase
 
 
 def fused_layers(section: str, layers: list[int], num_target_layers: int) -> list[int]:
-    """The fused target layers: the config's, or the low/middle/high default (2, L//2, L-3) that vLLM and SGLang
-    feed by default (1, L//2, L-1 on targets too shallow for it)."""
+    """The fused target layers: the config's, or the low/middle/high default (2, L//2, L-3) that vLLM and
+    SGLang feed by default (1, L//2, L-1 on targets too shallow for it)."""
     L = num_target_layers
     if layers:
         bad = [i for i in layers if not 0 <= i <= L]
@@ -39,8 +39,8 @@ def fused_layers(section: str, layers: list[int], num_target_layers: int) -> lis
 
 
 def check_servable_layers(section: str, layers: list[int], num_target_layers: int) -> None:
-    """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the last
-    one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
+    """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the
+    last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
     L = num_target_layers
     bad = [i for i in layers if not 1 <= i <= L - 1]
     if bad:
@@ -97,8 +97,8 @@ class Eagle3Head(EagleBase):
                 nn.init.zeros_(new.bias)
             setattr(attn, name, new)
         self.norm = copy.deepcopy(fused.hidden_norm)
-        # EAGLE-3.1's input norms, copied from the fresh layer's norm (its initial weights, the norm class of the
-        # layer's family); speculators' names, which its export keeps
+        # EAGLE-3.1's input norms, copied from the fresh layer's norm (its initial weights, the norm class of
+        # the layer's family); speculators' names, which its export keeps
         if cfg.input_norm == "per_layer":
             self.fc_norm = nn.ModuleList(copy.deepcopy(fused.hidden_norm) for _ in range(3))
         elif cfg.input_norm == "concat":
@@ -109,7 +109,8 @@ class Eagle3Head(EagleBase):
             d2t = torch.arange(min(cfg.draft_vocab_size, vocab_size))
         if len(d2t) > vocab_size or int(d2t.max()) >= vocab_size:
             raise HeadwayError(
-                f"draft vocabulary ({len(d2t)} ids, max {int(d2t.max())}) does not fit the target's {vocab_size}"
+                f"draft vocabulary ({len(d2t)} ids, max {int(d2t.max())}) "
+                f"does not fit the target's {vocab_size}"
             )
         self.register_buffer("d2t", d2t.to(torch.long).clone(), persistent=True)
         self.lm_head = nn.Linear(hidden_size, len(d2t), bias=False)
@@ -122,12 +123,14 @@ class Eagle3Head(EagleBase):
 
     @staticmethod
     def check_servable(layers: list[int], num_target_layers: int) -> None:
-        """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the
-        last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
+        """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before
+        the last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by
+        the engines."""
         check_servable_layers("head.eagle3", layers, num_target_layers)
 
     def init_from_target(self, target_model: Any) -> None:
-        """Start the read-out where the target's is: its final norm and its lm_head rows for the draft vocabulary."""
+        """Start the read-out where the target's is: its final norm and its lm_head rows for the
+        draft vocabulary."""
         target_lm_head = target_model.get_output_embeddings().weight
         final_norm = getattr(getattr(target_model, "model", None), "norm", None)
         with torch.no_grad():
@@ -166,10 +169,10 @@ class Eagle3Head(EagleBase):
         left = sorted(k for k in source if k not in names)
         if left or type(layers[index].input_layernorm) is not type(self.norm):
             raise HeadwayError(
-                f"head.eagle3.init_layer={index}: the target's layers ({type(layers[index]).__name__}) do not "
-                f"map onto this draft layer ({type(own).__name__}; {', '.join(left[:3]) or 'other norms'} "
-                "have no counterpart): set head.eagle3.draft_layer=target to copy a target layer, or "
-                "init_layer=-1"
+                f"head.eagle3.init_layer={index}: the target's layers ({type(layers[index]).__name__}) do "
+                f"not map onto this draft layer ({type(own).__name__}; "
+                f"{', '.join(left[:3]) or 'other norms'} have no counterpart): set "
+                "head.eagle3.draft_layer=target to copy a target layer, or init_layer=-1"
             )
         with torch.no_grad():
             for name, value in own.state_dict().items():
@@ -215,5 +218,6 @@ class Eagle3Head(EagleBase):
         return self.lm_head(self.norm(out))
 
     def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
-        """The hidden the next drafting step reads: the layer's output, or (norm_output) its final-normed form."""
+        """The hidden the next drafting step reads: the layer's output, or (norm_output) its
+        final-normed form."""
         return self.norm(out) if self.cfg.norm_output else out

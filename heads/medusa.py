@@ -31,7 +31,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K heads; `forward(hidden)` returns logits [K, ..., V_draft] over draft ids (target ids unless reduced)."""
+    """K heads; `forward(hidden)` returns logits [K, ..., V_draft] over draft ids (target ids
+    unless reduced)."""
 
     kind = "medusa"
 
@@ -70,7 +71,8 @@ class MedusaHeads(nn.Module):
         return len(self.d2t) if self.d2t is not None else self.vocab_size
 
     def init_from_target(self, target_model: Any) -> None:
-        """Copy the target's lm_head rows into each head's projection (own: all rows; reduced: the draft rows)."""
+        """Copy the target's lm_head rows into each head's projection (own: all rows; reduced: the
+        draft rows)."""
         if self.lm_heads is None:
             return
         target_lm_head = target_model.get_output_embeddings().weight

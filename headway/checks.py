@@ -1,10 +1,10 @@
 """Every command's inputs, checked before it loads torch, a model or a kernel.
 
-A mistake in a path, a prompt file, a dataset or a head directory costs the user the seconds to minutes a command
-spends loading the target and building its kernels before it reads its inputs. The command line runs the check for
-its command first (`headway/cli.py`), so each mistake comes back at once, as one message that names the thing and
-the fix. Everything here is torch-free; the commands still check again where they read (a dataset's checksums, a
-head's target fingerprint), since those need the data or the target.
+A mistake in a path, a prompt file, a dataset or a head directory costs the user the seconds to minutes a
+command spends loading the target and building its kernels before it reads its inputs. The command line runs
+the check for its command first (`headway/cli.py`), so each mistake comes back at once, as one message that
+names the thing and the fix. Everything here is torch-free; the commands still check again where they read (a
+dataset's checksums, a head's target fingerprint), since those need the data or the target.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def check_prompts(cfg: PromptConfig, setting: str = "prompts.path") -> int:
 
 
 def check_target(cfg: TargetConfig) -> None:
-    """target.name_or_path names something that can exist here: an alias, a local file or directory, or a hub id
-    (`org/name`, looked up in the local cache when the target loads)."""
+    """target.name_or_path names something that can exist here: an alias, a local file or directory, or a hub
+    id (`org/name`, looked up in the local cache when the target loads)."""
     name = cfg.name_or_path
     if name in ALIASES:
         return
@@ -46,14 +46,14 @@ def check_target(cfg: TargetConfig) -> None:
         raise HeadwayError(f"target.gguf_file '{cfg.gguf_file}' not found in {path}")
     if not path.exists() and (name.startswith(("/", ".", "~")) or name.count("/") != 1):
         raise HeadwayError(
-            f"target path does not exist: {name} (target.name_or_path: a local model directory, a .gguf file, "
-            f"a hub id in the local cache, or one of {', '.join(ALIASES)})"
+            f"target path does not exist: {name} (target.name_or_path: a local model directory, "
+            f"a .gguf file, a hub id in the local cache, or one of {', '.join(ALIASES)})"
         )
 
 
 def check_writable(path: str | os.PathLike, setting: str) -> Path:
-    """`path` is (or can be made) a directory this process writes into: it, or its nearest existing parent, is a
-    writable directory."""
+    """`path` is (or can be made) a directory this process writes into: it, or its nearest existing parent, is
+    a writable directory."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise HeadwayError(f"{setting}={p} is a file, not a directory: choose a directory")
@@ -78,8 +78,8 @@ def check_file_parent(path: str | os.PathLike, setting: str) -> None:
 
 
 def check_head(path: Optional[str], setting: str = "--head", run_dir: bool = True) -> dict:
-    """A head directory with its config, weights and a known kind (`run_dir`: or a training run's directory, whose
-    head/ is used); returns its config.json."""
+    """A head directory with its config, weights and a known kind (`run_dir`: or a training run's directory,
+    whose head/ is used); returns its config.json."""
     if not path:
         raise HeadwayError(f"{setting} is required: a head directory written by `headway train`")
     p = Path(path).expanduser()
@@ -118,14 +118,15 @@ def check_datasets(paths: Sequence[str], setting: str) -> list[dict]:
 def check_feature_caches(
     paths: Sequence[str], datasets: Sequence[str], max_length: int, fingerprint: dict
 ) -> None:
-    """Each feature cache is finished, cached with train.max_length, by the datasets' target, and together they
-    hold every training dataset."""
+    """Each feature cache is finished, cached with train.max_length, by the datasets' target, and together
+    they hold every training dataset."""
     cached: list[str] = []
     for path in paths:
         p = Path(path).expanduser()
         if not (p / "manifest.json").is_file():
             raise HeadwayError(
-                f"train.features_dir: {p} has no manifest.json: run `headway cache-features` to completion first"
+                f"train.features_dir: {p} has no manifest.json: "
+                "run `headway cache-features` to completion first"
             )
         m = _read_json(p / "manifest.json", "rerun `headway cache-features` to rewrite it")
         if m.get("max_length") != max_length:
@@ -144,8 +145,8 @@ def check_feature_caches(
     missing = [d for d in datasets if d not in cached]
     if missing:
         raise HeadwayError(
-            f"features in {', '.join(map(str, paths))} were cached from {cached}, not from {missing}: cache them "
-            "from every dataset you train on (training on a subset of the cached ones is fine)"
+            f"features in {', '.join(map(str, paths))} were cached from {cached}, not from {missing}: "
+            "cache them from every dataset you train on (training on a subset of the cached ones is fine)"
         )
 
 
@@ -266,7 +267,8 @@ def _read_json(path: Path, fix: str) -> dict:
 
 
 def _same_target(paths: list[str], fingerprints: list[dict], what: str) -> None:
-    """All fingerprints agree ('id' aside, as the loaders compare them); else name the first pair that differs."""
+    """All fingerprints agree ('id' aside, as the loaders compare them); else name the first pair
+    that differs."""
     first = fingerprints[0]
     for path, fp in zip(paths[1:], fingerprints[1:]):
         diff = [k for k in first if k != "id" and first.get(k) != fp.get(k)]

@@ -1,9 +1,9 @@
 """The `headway` command: one subcommand per job, each driven by a typed config plus key=value overrides.
 
 It answers at once: parsing the arguments, loading and checking the config, and checking every input a command
-reads (headway/checks.py) need neither torch nor transformers. Each command imports its job's modules only when it
-runs, after those checks, so `--help`, `--version`, `--print-config` and every argument, config or input error come
-back in well under a second, before any model loads or kernel builds.
+reads (headway/checks.py) need neither torch nor transformers. Each command imports its job's modules only
+when it runs, after those checks, so `--help`, `--version`, `--print-config` and every argument, config or
+input error come back in well under a second, before any model loads or kernel builds.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def cmd_distill(cfg: RunConfig, args: argparse.Namespace) -> int:
         return 0
     counts = json.loads((out / "manifest.json").read_text())["counts"]
     print(
-        f"dataset: {out}  samples={counts['samples']} generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}"
+        f"dataset: {out}  samples={counts['samples']} "
+        f"generated_tokens={counts['generated_tokens']} skipped={counts['skipped']}"
     )
     return 0
 
@@ -86,8 +87,8 @@ def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def launcher_command(nproc: int, command: str, backend: str, args: argparse.Namespace) -> list[str]:
-    """The launcher for `--nproc N` on this machine: deepspeed's for train.backend=deepspeed, torchrun otherwise;
-    it reruns the same headway command (minus --nproc) in every process."""
+    """The launcher for `--nproc N` on this machine: deepspeed's for train.backend=deepspeed, torchrun
+    otherwise; it reruns the same headway command (minus --nproc) in every process."""
     if command == "train" and backend == "deepspeed":
         cmd = [
             sys.executable,
@@ -127,7 +128,8 @@ def _free_port() -> int:
 
 
 def launch(nproc: int, command: str, cfg: RunConfig, args: argparse.Namespace) -> int:
-    """`--nproc N`: start N processes of `command` on this machine (training: for the configured train.backend)."""
+    """`--nproc N`: start N processes of `command` on this machine (training: for the
+    configured train.backend)."""
     import os
     import subprocess
 
@@ -175,7 +177,8 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
     if args.check:
         fmt, config, tensors = read_export(args.check)
         print(
-            f"{args.check}: a valid {fmt} export of a {config['headway']['kind']} head ({len(tensors)} tensors)"
+            f"{args.check}: a valid {fmt} export of a "
+            f"{config['headway']['kind']} head ({len(tensors)} tensors)"
         )
         return 0
     head = resolve_head_dir(args.head)
@@ -224,7 +227,10 @@ def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
             if cfg.inference.sampling.greedy:
                 line += f"identical to plain greedy: {r.plain.tokens == r.spec.tokens}"
             else:
-                line += f"sampled at T={cfg.inference.sampling.temperature} (same distribution as plain, not the same text)"
+                line += (
+                    f"sampled at T={cfg.inference.sampling.temperature} "
+                    "(same distribution as plain, not the same text)"
+                )
         print(line)
     return 0
 
@@ -270,18 +276,19 @@ def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     for c in entry["top_candidates"][:8]:
         print(
-            f"| {_settings_text(c['inference'])} | {c['draft_nodes']} | {c['expected_tau']:.2f} | {c['verify_ms']:.1f} | "
-            f"{c['draft_ms']:.1f} | {c['tok_s']:.1f} |"
+            f"| {_settings_text(c['inference'])} | {c['draft_nodes']} | {c['expected_tau']:.2f} "
+            f"| {c['verify_ms']:.1f} | {c['draft_ms']:.1f} | {c['tok_s']:.1f} |"
         )
     print(f"plain decoding, expected: {entry['plain_tok_s_estimate']:.1f} tok/s")
     v = entry.get("validation")
     if v:
         print(
-            f"\nmeasured on the calibration prompts: plain {v['plain']['tok_s']:.1f} tok/s, "
-            f"configured tree {v['configured']['tok_s']:.1f} tok/s (tau {v['configured']['tau']:.2f}), "
-            f"tuned tree {v['tuned']['tok_s']:.1f} tok/s (tau {v['tuned']['tau']:.2f}): "
-            f"tuned/configured {v['tuned_over_configured']:.2f}x, tuned/plain {v['tuned_over_plain']:.2f}x; "
-            f"outputs equal to plain: configured {v['configured']['matches_plain']:.0%}, tuned {v['tuned']['matches_plain']:.0%}"
+            f"\nmeasured on the calibration prompts: plain {v['plain']['tok_s']:.1f} tok/s, configured tree "
+            f"{v['configured']['tok_s']:.1f} tok/s (tau {v['configured']['tau']:.2f}), tuned tree "
+            f"{v['tuned']['tok_s']:.1f} tok/s (tau {v['tuned']['tau']:.2f}): tuned/configured "
+            f"{v['tuned_over_configured']:.2f}x, tuned/plain {v['tuned_over_plain']:.2f}x; outputs equal to "
+            f"plain: configured {v['configured']['matches_plain']:.0%}, tuned "
+            f"{v['tuned']['matches_plain']:.0%}"
         )
     print(
         f"chosen: {_settings_text(chosen['inference'])} -> saved in {args.head}/tuned.json "
@@ -450,10 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    # deepspeed's launcher adds --local_rank=N unless told --no_local_rank; the rank comes from the environment.
+    # deepspeed's launcher adds --local_rank=N unless told --no_local_rank; the rank comes from
+    # the environment.
     argv = [a for a in argv if not a.startswith("--local_rank")]
     args, extra = parser.parse_known_args(argv)
-    # key=value overrides may also follow options (`--head DIR key=value`), where argparse stops collecting them.
+    # key=value overrides may also follow options (`--head DIR key=value`), where argparse stops
+    # collecting them.
     stray = [a for a in extra if a.startswith("-") or "=" not in a]
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")

@@ -59,8 +59,8 @@ def _unknown_key_error(schema: type, exc: OmegaConfBaseException, source: str) -
 
 
 def _section_of(layer: DictConfig, key: str) -> tuple[Any, str]:
-    """The section of `layer` that holds the dotted `key` (None where the layer has no such section), and its name
-    there."""
+    """The section of `layer` that holds the dotted `key` (None where the layer has no such section), and its
+    name there."""
     *path, leaf = key.split(".")
     node: Any = layer
     for part in path:
@@ -69,10 +69,10 @@ def _section_of(layer: DictConfig, key: str) -> tuple[Any, str]:
 
 
 def _rename_old_keys(schema: DictConfig, layer: DictConfig, source: str, prefix: str = "") -> None:
-    """Read the keys a config section renamed (the RENAMED_KEYS class attribute of its dataclass: old -> new, dotted
-    paths within the section, so that a key may also move to another sub-section, with the issue that renamed them)
-    as the new ones, in place, so that configs saved before keep loading; a layer that sets both is an error.
-    schema: the structured config `layer` is merged into."""
+    """Read the keys a config section renamed (the RENAMED_KEYS class attribute of its dataclass: old -> new,
+    dotted paths within the section, so that a key may also move to another sub-section, with the issue that
+    renamed them) as the new ones, in place, so that configs saved before keep loading; a layer that sets both
+    is an error. schema: the structured config `layer` is merged into."""
     for old, new in getattr(OmegaConf.get_type(schema), "RENAMED_KEYS", {}).items():
         section, leaf = _section_of(layer, old)
         if section is not None and leaf in section:
@@ -88,8 +88,8 @@ def _rename_old_keys(schema: DictConfig, layer: DictConfig, source: str, prefix:
 
 
 def read_renamed_keys(schema: type, layer: DictConfig, source: str) -> DictConfig:
-    """`layer` (a config file, such as a run's saved config.yaml) with the keys `schema` renamed read as the new
-    ones, as load_config reads them (in place)."""
+    """`layer` (a config file, such as a run's saved config.yaml) with the keys `schema` renamed read as the
+    new ones, as load_config reads them (in place)."""
     _rename_old_keys(OmegaConf.structured(schema), layer, source)
     return layer
 

@@ -67,12 +67,14 @@ def decoding_inference(cfg: DemoConfig, target: TargetConfig) -> InferenceConfig
 
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
-    """The target settings the demo decodes with where `fast_cpu_format` applies: on CPUs with oneDNN's bf16 kernels,
-    bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost little), else bf16
-    through Headway's AVX512-BF16 streaming linear (the fastest step, and cheap tree rows), or where it cannot build,
-    float16-packed weights (fbgemm's one-row kernel; prompts take a oneDNN copy); on
-    other CPUs (AVX2) bf16 through the streaming linear's AVX2 build, else float32 through it, or where it cannot run,
-    float32 with oneDNN-packed weights (one-row steps that use every thread), or MKL-packed ones on one thread."""
+    """The target settings the demo decodes with where `fast_cpu_format` applies: on CPUs with oneDNN's bf16
+    kernels, bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost
+    little), else bf16 through Headway's AVX512-BF16 streaming linear (the fastest step, and cheap tree rows),
+    or where it cannot build, float16-packed weights (fbgemm's one-row kernel; prompts take a oneDNN copy); on
+    other CPUs (AVX2) bf16 through the streaming linear's AVX2 build, else float32 through it, or where it
+    cannot run, float32 with oneDNN-packed weights (one-row steps that use every thread), or MKL-packed
+    ones on
+    one thread."""
 
     t = cfg.target
     if (
@@ -86,27 +88,31 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
     if kernels_missing("onednn", torch.bfloat16):
         if not kernels_missing("stream", torch.bfloat16):
             print(
-                "== no oneDNN bf16 kernels on this CPU: decoding the target in bf16 through the AVX2 build of Headway's "
-                "streaming linear, half the float32 format's bytes (fast_cpu_format=false: torch's float32 linears)"
+                "== no oneDNN bf16 kernels on this CPU: decoding the target in bf16 through the AVX2 build "
+                "of Headway's streaming linear, half the float32 format's bytes (fast_cpu_format=false: "
+                "torch's float32 linears)"
             )
             return dataclasses.replace(t, dtype="bfloat16", linear_weights="stream")
         if not kernels_missing("stream", torch.float32):
             print(
-                "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 through Headway's streaming "
-                "linear (fast_cpu_format=false: torch's own float32 linears)"
+                "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 through "
+                "Headway's streaming linear (fast_cpu_format=false: torch's own float32 linears)"
             )
             return dataclasses.replace(t, linear_weights="stream")
-        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses more threads
+        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses
+        # more threads
         packed = "mkl" if resolve_threads(t.num_threads) == 1 and not kernels_missing("mkl") else "onednn"
         print(
-            "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked for "
-            f"{'MKL' if packed == 'mkl' else 'oneDNN'} (fast_cpu_format=false: torch's own float32 linears)"
+            "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked "
+            f"for {'MKL' if packed == 'mkl' else 'oneDNN'} (fast_cpu_format=false: torch's own float32 "
+            "linears)"
         )
         return dataclasses.replace(t, linear_weights=packed)
     if not amx_bf16() and not kernels_missing("stream", torch.bfloat16):
         print(
-            "== this CPU has bf16 instructions without AMX: decoding the target in bf16 through Headway's AVX512-BF16 "
-            "streaming linear, the fastest step and cheapest tree rows here (fast_cpu_format=false: float32)"
+            "== this CPU has bf16 instructions without AMX: decoding the target in bf16 through Headway's "
+            "AVX512-BF16 streaming linear, the fastest step and cheapest tree rows here "
+            "(fast_cpu_format=false: float32)"
         )
         return dataclasses.replace(t, dtype="bfloat16", linear_weights="stream")
     if amx_bf16() or kernels_missing("float16", torch.bfloat16):
@@ -116,14 +122,15 @@ def decoding_target(cfg: DemoConfig) -> TargetConfig:
         )
         return dataclasses.replace(t, dtype="bfloat16", linear_weights="onednn")
     print(
-        "== this CPU has bf16 instructions without AMX: decoding the target in bf16 with its weights packed as float16 "
-        "for fbgemm, the fastest one-token step here (fast_cpu_format=false: float32)"
+        "== this CPU has bf16 instructions without AMX: decoding the target in bf16 with its weights "
+        "packed as float16 for fbgemm, the fastest one-token step here (fast_cpu_format=false: float32)"
     )
     return dataclasses.replace(t, dtype="bfloat16", linear_weights="float16")
 
 
 def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
-    """Self-distil, train an EAGLE-3 head and export it for vLLM; returns the head directory. Reruns resume."""
+    """Self-distil, train an EAGLE-3 head and export it for vLLM; returns the head directory.
+    Reruns resume."""
 
     distill_cfg = dataclasses.replace(cfg.distill, output_dir=cfg.distill.output_dir or str(out / "distill"))
     t0 = time.time()
@@ -142,7 +149,8 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
     )
     t0 = time.time()
     print(
-        f"== 2/3 training an EAGLE-3 head: {train_cfg.max_steps} steps of {train_cfg.micro_batch_size * train_cfg.grad_accum} sequences"
+        f"== 2/3 training an EAGLE-3 head: {train_cfg.max_steps} steps of "
+        f"{train_cfg.micro_batch_size * train_cfg.grad_accum} sequences"
     )
     head_dir = train(_run_config(cfg, head=cfg.head, train=train_cfg))
     print(f"   trained in {(time.time() - t0) / 60:.1f} min -> {head_dir}")
@@ -174,7 +182,8 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     decoder = SpeculativeDecoder.load(head_dir, run)
     print(
         f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
-        f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, {cfg.max_new_tokens} new tokens)"
+        f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, "
+        f"{cfg.max_new_tokens} new tokens)"
     )
     decoder.warm_up()
     greedy = decoder.cfg.inference.sampling.greedy
@@ -190,8 +199,9 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
         answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
         tqdm.write(
             f"\n-- {text[:100]}\n{answer[: cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
-            f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | plain {plain.tokens_per_second:.1f} "
-            f"tok/s | speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
+            f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | "
+            f"plain {plain.tokens_per_second:.1f} tok/s | "
+            f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
             + (f"\n   accepted drafts by branch: {_by_branch(spec.sources)}" if spec.sources else "")
         )
         rows.append(
@@ -218,8 +228,9 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
         "all_equal_plain": all(r["equals_plain"] for r in rows) if greedy else None,
     }
     print(
-        f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain {plain_all['tok_s']:.1f} tok/s | "
-        f"speedup {overall['speedup']:.2f}x | every output equals plain greedy: {overall['all_equal_plain']}"
+        f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain "
+        f"{plain_all['tok_s']:.1f} tok/s | speedup {overall['speedup']:.2f}x | every output equals plain "
+        f"greedy: {overall['all_equal_plain']}"
     )
     return {
         "head": str(head_dir),

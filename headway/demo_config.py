@@ -18,7 +18,8 @@ from headway.train.config import TrainConfig
 
 
 def demo_config_file() -> Path:
-    """configs/demo_smollm2.yaml, shipped in the package: what `headway demo` loads when no --config is given."""
+    """configs/demo_smollm2.yaml, shipped in the package: what `headway demo` loads when no --config
+    is given."""
     from importlib.resources import files
 
     return Path(str(files("headway.configs"))) / "demo_smollm2.yaml"
@@ -47,15 +48,17 @@ class DemoConfig:
     """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    # Decode in bf16 where the CPU has oneDNN's bf16 kernels and target.* is left at float32 / native weights: with
-    # the weights prepacked for oneDNN on AMX CPUs (target.linear_weights=onednn: the format whose trees are cheapest),
-    # through Headway's bf16 streaming linear elsewhere (AVX512-BF16: target.linear_weights=stream, the fastest step
-    # there, or where it cannot build, float16-packed weights; docs/benchmarks.md); all exact bf16; on other CPUs
-    # (AVX2) float32 through Headway's streaming linear (target.linear_weights=stream), which reads a step's weights
-    # at about the memory's rate, or where it cannot build, oneDNN-packed weights (on one thread, MKL-packed ones).
-    # --train still distils and trains in target.dtype. false: decode as target.* says.
+    # Decode in bf16 where the CPU has oneDNN's bf16 kernels and target.* is left at float32 / native weights:
+    # with the weights prepacked for oneDNN on AMX CPUs (target.linear_weights=onednn: the format whose trees
+    # are cheapest), through Headway's bf16 streaming linear elsewhere (AVX512-BF16:
+    # target.linear_weights=stream, the fastest step there, or where it cannot build, float16-packed weights;
+    # docs/benchmarks.md); all exact bf16; on other CPUs (AVX2) float32 through Headway's streaming linear
+    # (target.linear_weights=stream), which reads a step's weights at about the memory's rate, or where it
+    # cannot build, oneDNN-packed weights (on one thread, MKL-packed ones). --train still distils and trains
+    # in target.dtype. false: decode as target.* says.
     fast_cpu_format: bool = True
-    # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one trained here).
+    # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one
+    # trained here).
     head_dir: Optional[str] = None
     # User messages decoded with plain and speculative decoding; a mix of kinds.
     prompts: list[str] = field(default_factory=lambda: list(DEMO_PROMPTS))
@@ -64,16 +67,16 @@ class DemoConfig:
     show_chars: int = 300
     # Results (results.json) and, with --train, the dataset, the training run and the export.
     output_dir: str = "outputs/demo"
-    # Decoding settings (tree, sampling): the recipe's (configs/eagle3_smollm2.yaml). The head's tuned tree for this
-    # machine (tuned.json) wins when it has one (`headway tune`).
+    # Decoding settings (tree, sampling): the recipe's (configs/eagle3_smollm2.yaml). The head's tuned tree
+    # for this machine (tuned.json) wins when it has one (`headway tune`).
     inference: InferenceConfig = field(default_factory=InferenceConfig)
-    # The drafter's depth where the demo decodes in float32, whose draft levels cost about twice bf16's: on the demo's
-    # prompts one level measured fastest in float32, while in bf16 one and three measured alike and three accept more
-    # per step (docs/benchmarks.md). null: inference.depth in float32 too.
+    # The drafter's depth where the demo decodes in float32, whose draft levels cost about twice bf16's: on
+    # the demo's prompts one level measured fastest in float32, while in bf16 one and three measured alike and
+    # three accept more per step (docs/benchmarks.md). null: inference.depth in float32 too.
     float32_depth: Optional[int] = 1
-    # --train: the budget of the pipeline, stated in configs/demo_smollm2.yaml (the demo's default --config): the
-    # self-distillation (the target writes magpie.num_prompts prompts itself and answers them), the head trained,
-    # and its training.
+    # --train: the budget of the pipeline, stated in configs/demo_smollm2.yaml (the demo's default --config):
+    # the self-distillation (the target writes magpie.num_prompts prompts itself and answers them), the head
+    # trained, and its training.
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     head: HeadConfig = field(default_factory=HeadConfig)

@@ -162,7 +162,8 @@ def safetensors_of(tensors: dict) -> dict:
 
 
 def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
-    """sha256 and size of each named file under `root`: what a manifest records so damage is caught on load."""
+    """sha256 and size of each named file under `root`: what a manifest records so damage is caught
+    on load."""
     return {n: {"sha256": sha256_file(root / n), "bytes": (root / n).stat().st_size} for n in sorted(names)}
 
 

@@ -2,7 +2,8 @@
 
 Sections: target, prompts + magpie + distill (self-distillation), features (offline target features),
 head + train + logging (training),
-inference (decoding), bench (`headway bench`), tune (`headway tune`). An unknown section or key anywhere is an error that names it.
+inference (decoding), bench (`headway bench`), tune (`headway tune`). An unknown section or key anywhere is an
+error that names it.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from headway.train.config import FeaturesConfig, LoggingConfig, TrainConfig
 
 @dataclass
 class RunConfig:
-    # Keys older configs (a recipe, an override, a run's saved config.yaml) may hold -> the keys they are read as;
-    # load_config moves them before merging, with a warning. Moved in issue 54: Medusa's own training settings are
-    # its head section's, beside its other settings.
+    # Keys older configs (a recipe, an override, a run's saved config.yaml) may hold -> the keys they are read
+    # as; load_config moves them before merging, with a warning. Moved in issue 54: Medusa's own training
+    # settings are its head section's, beside its other settings.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {
         "train.loss": "head.medusa.loss",
         "train.decay": "head.medusa.decay",
@@ -47,15 +48,18 @@ class RunConfig:
         if lora is not None and self.train.backend in ("fsdp", "deepspeed"):
             raise HeadwayError(
                 f"train.backend={self.train.backend} wraps the head alone, but Medusa-2's LoRA adapters "
-                f"(head.{self.head.kind}.lora.enabled) live in the target: train Medusa-2 with train.backend=ddp"
+                f"(head.{self.head.kind}.lora.enabled) live in the target: train Medusa-2 with "
+                "train.backend=ddp"
             )
         if lora is not None and self.train.features_dir:
             raise HeadwayError(
-                f"train.features_dir (offline features) cannot train Medusa-2 (head.{self.head.kind}.lora.enabled): "
-                "its LoRA target must run in every step; unset one of them"
+                "train.features_dir (offline features) cannot train Medusa-2 "
+                f"(head.{self.head.kind}.lora.enabled): its LoRA target must run in every step; unset one "
+                "of them"
             )
 
     def target_lora(self) -> Optional[LoraConfig]:
-        """The LoRA adapters this run trains on the target with its head (Medusa-2: head.medusa.lora), or None."""
+        """The LoRA adapters this run trains on the target with its head (Medusa-2: head.medusa.lora),
+        or None."""
         lora = getattr(self.head.kind_config(), "lora", None)
         return lora if lora is not None and lora.enabled else None

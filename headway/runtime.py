@@ -50,8 +50,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_threads(num_threads: int) -> int:
-    """The thread count a `target.num_threads` setting means: itself, or (0) the machine's cores shared evenly by
-    this node's processes."""
+    """The thread count a `target.num_threads` setting means: itself, or (0) the machine's cores shared evenly
+    by this node's processes."""
     if num_threads <= 0:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         num_threads = max(1, cores // max(1, dist_info().local_world_size))

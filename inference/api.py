@@ -54,7 +54,8 @@ def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: A
 
 
 def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[dict] = None) -> HybridDrafter:
-    """inference.drafter=ngram or hybrid: n-gram branches (and the neural drafter's) in one tree sized per step."""
+    """inference.drafter=ngram or hybrid: n-gram branches (and the neural drafter's) in one tree sized
+    per step."""
     hc = cfg.inference.hybrid
     if hc.node_cost >= 0:
         return HybridDrafter(neural, hc, lambda n, depth: 1.0 + hc.node_cost * (n - 1), timed=False)
@@ -72,15 +73,15 @@ def build_drafter(
     saved_costs: Optional[dict] = None,
     cost: Optional[Callable[[int, int], float]] = None,
 ) -> Any:
-    """The drafter inference.drafter names: neural (the head's tree alone), ngram (prompt lookup alone) or hybrid
-    (both in one tree sized per step).
+    """The drafter inference.drafter names: neural (the head's tree alone), ngram (prompt lookup alone) or
+    hybrid (both in one tree sized per step).
 
     Args:
         choice: neural, ngram or hybrid; heads, head_config: the head and its config.json; cfg: the run config
             (its inference section); target: the loaded target.
         saved_costs: verify_ms of the head's tuned.json entry, for `make_hybrid`.
-        cost: cost(n, depth), the verify seconds an n-gram or hybrid tree sizes itself with (a replay's); None =
-            `make_hybrid`'s (inference.hybrid.node_cost, or this machine's curve).
+        cost: cost(n, depth), the verify seconds an n-gram or hybrid tree sizes itself with (a replay's); None
+            = `make_hybrid`'s (inference.hybrid.node_cost, or this machine's curve).
     Returns:
         The neural drafter of the head's kind, or a HybridDrafter (for ngram, without the neural drafter)."""
     neural = make_drafter(heads, cfg, head_config, target.config) if choice != "ngram" else None
@@ -103,8 +104,8 @@ class ChatResult:
 
 
 class SpeculativeDecoder:
-    """A frozen target plus a draft head; `generate` decodes exactly as the target would (greedy, or its sampling
-    distribution), only faster."""
+    """A frozen target plus a draft head; `generate` decodes exactly as the target would (greedy, or its
+    sampling distribution), only faster."""
 
     def __init__(
         self,
@@ -133,7 +134,8 @@ class SpeculativeDecoder:
             head_dir: a native head directory (or an export `headway export` wrote).
             cfg: target and inference settings; None = the defaults (the default target).
         Returns:
-            The decoder, with the tree `headway tune` chose for this machine unless inference.use_tuned=false."""
+            The decoder, with the tree `headway tune` chose for this machine
+            unless inference.use_tuned=false."""
         cfg = cfg or RunConfig()
         head_config = read_head_config(head_dir)
         lora_dir = Path(head_dir) / "lora"
@@ -168,8 +170,8 @@ class SpeculativeDecoder:
         return SpeculativeDecoder(self.target, self.heads, cfg, self.head_config, self.saved_costs)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
-        """Decode speculatively after prompt_ids (token ids, chat template applied: `fmt.first_turn`); exactly the
-        tokens `generate_plain` gives (greedy). max_new_tokens: None = inference.max_new_tokens."""
+        """Decode speculatively after prompt_ids (token ids, chat template applied: `fmt.first_turn`); exactly
+        the tokens `generate_plain` gives (greedy). max_new_tokens: None = inference.max_new_tokens."""
         n = max_new_tokens or self.cfg.inference.max_new_tokens
         return speculative_generate(
             self.target.model,
@@ -194,9 +196,10 @@ class SpeculativeDecoder:
         )
 
     def warm_up(self, max_new_tokens: int = 4, drafters: Optional[list[str]] = None) -> None:
-        """Decode a greeting plainly and speculatively, so that kernels, caches and the verify-cost curves are built
-        before anything is timed. The speculative passes run on throwaway copies of the drafters: a greeting's few
-        verifications would otherwise set the hybrid's acceptance estimates for the requests that follow.
+        """Decode a greeting plainly and speculatively, so that kernels, caches and the verify-cost curves are
+        built before anything is timed. The speculative passes run on throwaway copies of the drafters: a
+        greeting's few verifications would otherwise set the hybrid's acceptance estimates for the requests
+        that follow.
 
         Args:
             max_new_tokens: tokens decoded each way.

@@ -47,7 +47,8 @@ def plot_results(result: dict, path: Path) -> Path:
     st = result["settings"]
     ax2.set(
         ylabel="tokens/s relative to Headway plain decoding",
-        title=f"Speed by category ({st['threads']} thread(s), {st['dtype'].replace('torch.', '')}, {st['device']})",
+        title=f"Speed by category ({st['threads']} thread(s), {st['dtype'].replace('torch.', '')}, "
+        f"{st['device']})",
     )
     ax2.legend(fontsize=8)
     fig.tight_layout()

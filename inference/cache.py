@@ -53,7 +53,8 @@ def keep_tree_nodes(cache: Any, tree_size: int, keep: list[int]) -> None:
 
 
 def truncate_cache(cache: Any, length: int) -> None:
-    """Keep the first `length` positions of every layer (transformers' own `crop` changed meaning across versions)."""
+    """Keep the first `length` positions of every layer (transformers' own `crop` changed meaning
+    across versions)."""
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue

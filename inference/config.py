@@ -1,5 +1,5 @@
-"""The inference package's config sections: decoding (shared by `generate`, `bench` and `tune`), sampling, the hybrid
-drafter, the bench's and the tuner's own settings.
+"""The inference package's config sections: decoding (shared by `generate`, `bench` and `tune`), sampling, the
+hybrid drafter, the bench's and the tuner's own settings.
 
 Torch-free, like every config module: the command line checks a config before it loads torch."""
 
@@ -30,14 +30,15 @@ LABELS = {
 }
 
 
-# The static tree inference.tree=null means for a static-tree kind without a default of its own (Medusa; DFlash's
-# is the chain of its whole block): small (8 nodes + root, 4 positions deep), since on a CPU verifying many nodes
-# costs more than it gains (the verify cost grows with the node count, docs/benchmarks.md).
+# The static tree inference.tree=null means for a static-tree kind without a default of its own (Medusa;
+# DFlash's is the chain of its whole block): small (8 nodes + root, 4 positions deep), since on a CPU
+# verifying many nodes costs more than it gains (the verify cost grows with the node
+# count, docs/benchmarks.md).
 DEFAULT_STATIC_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]]
 
-# The tree sizes `headway tune` scores (draft nodes, root excluded; tune.total_tokens and tune.static_nodes): each
-# up to 6, then sparser; the largest, 63, verifies 64 tokens with its root. The verify-cost curves are measured at
-# the same counts, as tokens (cost_model.CURVE_TOKENS).
+# The tree sizes `headway tune` scores (draft nodes, root excluded; tune.total_tokens and tune.static_nodes):
+# each up to 6, then sparser; the largest, 63, verifies 64 tokens with its root. The verify-cost curves are
+# measured at the same counts, as tokens (cost_model.CURVE_TOKENS).
 TREE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63)
 
 
@@ -84,33 +85,35 @@ class HybridConfig:
     # Tokens one matched continuation proposes, and how many distinct continuations (most recent match first).
     max_tokens: int = 12
     branches: int = 2
-    # The most draft nodes one verification may hold; each step verifies as many as pay for themselves (maybe none).
+    # The most draft nodes one verification may hold; each step verifies as many as pay for themselves
+    # (maybe none).
     max_nodes: int = 32
-    # Verify time of n tokens relative to one: < 0 = measured on this machine (the curve `headway tune` saved, else
-    # measured once when the decoder loads); >= 0 = the model 1 + node_cost * (n - 1) (e.g. 0 on a large GPU).
+    # Verify time of n tokens relative to one: < 0 = measured on this machine (the curve `headway tune` saved,
+    # else measured once when the decoder loads); >= 0 = the model 1 + node_cost * (n - 1) (e.g. 0 on a
+    # large GPU).
     node_cost: float = -1.0
-    # Starting acceptance estimates (optimistic, so every kind of branch is tried) and their weight in pseudo-counts;
-    # each verification then adds what the target accepted.
+    # Starting acceptance estimates (optimistic, so every kind of branch is tried) and their weight in
+    # pseudo-counts; each verification then adds what the target accepted.
     ngram_prior: float = 0.7
     prior_weight: float = 2.0
-    # How much an acceptance estimate remembers: each observation of an edge kind scales the weight of the earlier
-    # ones (and of the prior) by this, so the estimates follow the text being written (1.0: plain averages over
-    # everything decoded so far, however long ago).
+    # How much an acceptance estimate remembers: each observation of an edge kind scales the weight of the
+    # earlier ones (and of the prior) by this, so the estimates follow the text being written (1.0: plain
+    # averages over everything decoded so far, however long ago).
     memory: float = 1.0
-    # Whether the neural drafter runs (hybrid): its gain is the tokens/s the target gave on the steps it ran on over
-    # what the n-gram tree alone would have given on them. It stops running where the gain is below gain_floor
-    # (judged after gain_steps steps, each scaling the weight of the earlier ones by gain_memory) and then runs on
-    # probes only, so the gain follows the text: probe_every steps apart at first, twice as far apart after each
-    # probe that leaves the gain below the floor, up to probe_max.
+    # Whether the neural drafter runs (hybrid): its gain is the tokens/s the target gave on the steps it ran
+    # on over what the n-gram tree alone would have given on them. It stops running where the gain is below
+    # gain_floor (judged after gain_steps steps, each scaling the weight of the earlier ones by gain_memory)
+    # and then runs on probes only, so the gain follows the text: probe_every steps apart at first, twice as
+    # far apart after each probe that leaves the gain below the floor, up to probe_max.
     gain_floor: float = 0.95
     gain_steps: int = 8
     gain_memory: float = 0.97
     probe_every: int = 4
     probe_max: int = 32
-    # How many levels an EAGLE drafter expands (up to inference.depth): on every depth_probe_every-th step it runs, it
-    # expands all of them and prices the tree each shallower depth would have made on that step, with the drafting
-    # time measured for that depth; the other steps expand to the depth whose trees promised the most tokens/s.
-    # 0: always inference.depth.
+    # How many levels an EAGLE drafter expands (up to inference.depth): on every depth_probe_every-th step it
+    # runs, it expands all of them and prices the tree each shallower depth would have made on that step, with
+    # the drafting time measured for that depth; the other steps expand to the depth whose trees promised the
+    # most tokens/s. 0: always inference.depth.
     depth_probe_every: int = 8
 
     def __post_init__(self) -> None:
@@ -147,30 +150,33 @@ class InferenceConfig:
     # (saved at the end of training), instead of `tree`.
     tree_nodes: int = 0
     # EAGLE-2 dynamic tree (EAGLE heads): drafter steps per tree, children per expanded node, and how
-    # many draft nodes (root excluded) the target verifies per forward. Depth 3, not EAGLE-2's 5-6: on a CPU each
-    # drafter step costs ~1/20 of a verification or more and the shipped head's nodes past depth 3 rarely make the 15
-    # (docs/benchmarks.md); `headway tune` picks per machine.
+    # many draft nodes (root excluded) the target verifies per forward. Depth 3, not EAGLE-2's 5-6: on a CPU
+    # each drafter step costs ~1/20 of a verification or more and the shipped head's nodes past depth 3 rarely
+    # make the 15 (docs/benchmarks.md); `headway tune` picks per machine.
     depth: int = 3
     top_k: int = 8
     total_tokens: int = 15
     max_new_tokens: int = 256
     # The target's forward: auto (static for llama, qwen2 and mistral targets with full attention, else hf),
     # static (a preallocated KV cache and Headway's own attention around the model's modules), hf (the
-    # model's own forward and transformers cache), compiled (static, its decoder layers under torch.compile: faster
-    # plain decoding in float32 after minutes of compiling on first use, docs/benchmarks.md; in bf16 only the
-    # static engine is exact). Plain and speculative decoding use the same one.
+    # model's own forward and transformers cache), compiled (static, its decoder layers under torch.compile:
+    # faster plain decoding in float32 after minutes of compiling on first use, docs/benchmarks.md; in bf16
+    # only the static engine is exact). Plain and speculative decoding use the same one.
     engine: str = "auto"
-    # What proposes the draft tree: hybrid (the head's branches and prompt-lookup branches in one tree, its size
-    # and split chosen each step from calibrated confidence and this machine's verify cost; see inference.hybrid),
-    # neural (the head's tree alone, sized by the settings above), ngram (prompt lookup alone, no head needed).
+    # What proposes the draft tree: hybrid (the head's branches and prompt-lookup branches in one tree, its
+    # size and split chosen each step from calibrated confidence and this machine's verify cost; see
+    # inference.hybrid), neural (the head's tree alone, sized by the settings above), ngram (prompt lookup
+    # alone, no head needed).
     drafter: str = "hybrid"
-    # The head's dtype while decoding (drafts steer only the speed, never the output): target (the target's dtype),
-    # bfloat16, float32, or auto: bfloat16 for an EAGLE-3 head beside a float32 target in the stream format on CPUs
-    # with AVX512-BF16 (its linears then read half the bytes, through the bf16 streaming kernel), else the target's.
+    # The head's dtype while decoding (drafts steer only the speed, never the output): target (the target's
+    # dtype), bfloat16, float32, or auto: bfloat16 for an EAGLE-3 head beside a float32 target in the stream
+    # format on CPUs with AVX512-BF16 (its linears then read half the bytes, through the bf16 streaming
+    # kernel), else the target's.
     drafter_dtype: str = "auto"
     hybrid: HybridConfig = field(default_factory=HybridConfig)
-    # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in place
-    # of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also turns it off.
+    # Use the tree `headway tune` chose for this head on this machine (tuned.json in the head directory) in
+    # place of tree / tree_nodes / depth / top_k / total_tokens; setting one of those on the command line also
+    # turns it off.
     use_tuned: bool = True
     # Also decode plainly (same engine) and report the speedup and whether the outputs match.
     compare_plain: bool = True
@@ -189,10 +195,12 @@ class InferenceConfig:
 class BenchConfig:
     # Peers run beside Headway's plain and speculative decoding: hf_generate, hf_prompt_lookup; [] = none.
     baselines: list[str] = field(default_factory=lambda: list(BASELINES))
-    # Headway speculative decoding with other drafters too (neural, ngram, hybrid; same engine and budget settings),
-    # besides inference.drafter: e.g. [neural, ngram] to compare a hybrid tree with each of its halves.
+    # Headway speculative decoding with other drafters too (neural, ngram, hybrid; same engine and budget
+    # settings), besides inference.drafter: e.g. [neural, ngram] to compare a hybrid tree with each of
+    # its halves.
     drafters: list[str] = field(default_factory=list)
-    # Hugging Face prompt lookup: draft tokens per step (prompt_lookup_num_tokens) and the longest n-gram matched.
+    # Hugging Face prompt lookup: draft tokens per step (prompt_lookup_num_tokens) and the longest
+    # n-gram matched.
     prompt_lookup_tokens: int = 10
     prompt_lookup_max_ngram: int = 2
     # User turns per prompt record (MT-bench has 2); 0 = all the record has.
@@ -201,8 +209,8 @@ class BenchConfig:
     per_category: int = 0
     # Also draw a PNG (acceptance by depth; speedup by category and method) beside the JSON.
     plot: bool = True
-    # Prompt-length buckets results are also reported by (their lower edges, in prompt tokens, ascending): long prompts
-    # are where drafts drift (summarisation, RAG, multi-turn chat).
+    # Prompt-length buckets results are also reported by (their lower edges, in prompt tokens, ascending):
+    # long prompts are where drafts drift (summarisation, RAG, multi-turn chat).
     length_buckets: list[int] = field(default_factory=lambda: [0, 256, 1000, 2000, 3000])
 
     def __post_init__(self) -> None:
@@ -223,14 +231,16 @@ class BenchConfig:
             or self.length_buckets[0]
         ):
             raise HeadwayError(
-                f"bench.length_buckets={self.length_buckets}: give ascending lower edges in prompt tokens, from 0"
+                f"bench.length_buckets={self.length_buckets}: give "
+                "ascending lower edges in prompt tokens, from 0"
             )
 
 
 @dataclass
 class TuneConfig:
-    # Keys older configs (a run's saved config.yaml) may hold -> the keys they are read as; load_config renames them
-    # before merging. Renamed in issue 54: the static-tree search serves DFlash's block as well as Medusa's heads.
+    # Keys older configs (a run's saved config.yaml) may hold -> the keys they are read as; load_config
+    # renames them before merging. Renamed in issue 54: the static-tree search serves DFlash's block as well
+    # as Medusa's heads.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {
         "medusa_nodes": "static_nodes",
         "medusa_top_k": "static_top_k",
@@ -240,21 +250,21 @@ class TuneConfig:
     prompts: Optional[str] = None
     num_prompts: int = 8
     max_new_tokens: int = 128
-    # Verified-token counts whose target forward time is measured (others are interpolated); [] = every count the
-    # search scores (each tree size + the root). Small counts can cost more than larger ones on a CPU (matmul
-    # kernels change with the row count), so measuring each is safer than interpolating.
+    # Verified-token counts whose target forward time is measured (others are interpolated); [] = every count
+    # the search scores (each tree size + the root). Small counts can cost more than larger ones on a CPU
+    # (matmul kernels change with the row count), so measuring each is safer than interpolating.
     verify_sizes: list[int] = field(default_factory=list)
     repeats: int = 7
     # EAGLE-2 search space (every combination is scored; total_tokens larger than the expansion are skipped).
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     top_ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     total_tokens: list[int] = field(default_factory=lambda: list(TREE_SIZES))
-    # Static-tree search space (Medusa's heads, DFlash's block slots): tree sizes (draft nodes), and how many ranked
-    # guesses per position are considered.
+    # Static-tree search space (Medusa's heads, DFlash's block slots): tree sizes (draft nodes), and how many
+    # ranked guesses per position are considered.
     static_nodes: list[int] = field(default_factory=lambda: list(TREE_SIZES))
     static_top_k: int = 8
-    # The drafters compared (neural: the best tree above; ngram; hybrid: that tree's neural branches with n-gram ones),
-    # each replayed along the calibration answers with its own per-step choices.
+    # The drafters compared (neural: the best tree above; ngram; hybrid: that tree's neural branches with
+    # n-gram ones), each replayed along the calibration answers with its own per-step choices.
     drafters: list[str] = field(default_factory=lambda: list(DRAFTERS))
     # Decode the calibration prompts with the configured and the tuned tree beside plain decoding at the end.
     validate: bool = True

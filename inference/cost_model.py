@@ -25,8 +25,8 @@ from headway.target.packed_model import linear_weights
 
 log = logging.getLogger("headway")
 
-# The verified-token counts a curve is measured at (besides its last): the tree sizes tune scores, as tokens, up to
-# the largest tree's 64 with its root.
+# The verified-token counts a curve is measured at (besides its last): the tree sizes tune scores, as tokens,
+# up to the largest tree's 64 with its root.
 CURVE_TOKENS = (*TREE_SIZES[:-1], TREE_SIZES[-1] + 1)
 
 
@@ -69,9 +69,9 @@ def verify_cost(
 ) -> dict[int, float]:
     """Median seconds of one verification step over n tree tokens after a cache of prefix_len tokens, for
     each n in sizes: the target forward (with hidden states) on the decoding engine, the greedy acceptance
-    walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step. The tree is
-    a chain (`shape` chain: the deepest) or the root's children (flat): only a row-exact engine's cost depends on
-    which (`depth_matters`)."""
+    walk and the cache compaction, as speculative_generate does them. n = 1 is plain decoding's step. The tree
+    is a chain (`shape` chain: the deepest) or the root's children (flat): only a row-exact engine's cost
+    depends on which (`depth_matters`)."""
     device = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
@@ -105,7 +105,8 @@ def _sync(device: torch.device) -> None:
 
 
 def interpolate(costs: dict[int, float], n: int) -> float:
-    """Linear interpolation of the measured cost curve (extrapolated from the last two points past the end)."""
+    """Linear interpolation of the measured cost curve (extrapolated from the last two points past
+    the end)."""
     xs = sorted(costs)
     if n in costs:
         return costs[n]
@@ -120,8 +121,9 @@ def interpolate(costs: dict[int, float], n: int) -> float:
 
 
 def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: int) -> float:
-    """The verify cost of n tokens in a tree `depth` levels deep, linear in depth between the flat tree (depth 1) and
-    the chain (depth n - 1): on a row-exact engine each level is one more attention call per layer."""
+    """The verify cost of n tokens in a tree `depth` levels deep, linear in depth between the flat tree
+    (depth 1) and the chain (depth n - 1): on a row-exact engine each level is one more attention call
+    per layer."""
     c = interpolate(chain, n)
     if n <= 2:
         return c
@@ -132,8 +134,8 @@ def tree_cost(chain: dict[int, float], flat: dict[int, float], n: int, depth: in
 def verify_costs(
     chain: dict[int, float], flat: Optional[dict[int, float]] = None
 ) -> Callable[[int, int], float]:
-    """cost(n, depth) from the measured curves: the chain's alone where depth does not matter (flat None), else
-    `tree_cost` between the two."""
+    """cost(n, depth) from the measured curves: the chain's alone where depth does not matter (flat None),
+    else `tree_cost` between the two."""
     if flat is None:
         return lambda n, depth: interpolate(chain, n)
     return lambda n, depth: tree_cost(chain, flat, n, depth)
@@ -145,9 +147,9 @@ _measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDiction
 def verify_cost_curve(
     model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None, shape: str = "chain"
 ) -> dict[int, float]:
-    """Seconds to verify n tokens (a chain, or a flat tree) on this machine: the chain's curve `headway tune` saved
-    (verify_ms of a tuned.json entry) when it reaches max_tokens, else measured now (a few seconds, once per model
-    and engine)."""
+    """Seconds to verify n tokens (a chain, or a flat tree) on this machine: the chain's curve `headway tune`
+    saved (verify_ms of a tuned.json entry) when it reaches max_tokens, else measured now (a few seconds, once
+    per model and engine)."""
     if shape == "chain" and saved and max(int(n) for n in saved) >= max_tokens:
         return {int(n): ms / 1e3 for n, ms in saved.items()}
     cache = _measured_costs.setdefault(model, {})

@@ -1,4 +1,5 @@
-"""DFlash drafting: one block forward guesses every position ahead of the root; the guesses fill a static tree.
+"""DFlash drafting: one block forward guesses every position ahead of the root; the guesses fill a
+static tree.
 
 The drafter keeps each layer's context keys and values for the positions the target has verified, so a step
 runs the block alone ([root, mask, ...]) against that cache: its cost does not grow with the draft's depth.
@@ -66,8 +67,8 @@ class DFlashDrafter(StaticTreeDrafter):
 
     @torch.no_grad()
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
-        """features [k, F]: the verified positions' (the old root and the accepted drafts); tokens end with the
-        new root."""
+        """features [k, F]: the verified positions' (the old root and the accepted drafts); tokens end with
+        the new root."""
         self._extend(features)
 
     def offset_logits(self, root: int) -> torch.Tensor:

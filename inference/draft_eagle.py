@@ -31,7 +31,8 @@ class EagleDrafter:
 
     @classmethod
     def from_config(cls, heads: Any, ic: Any, head_config: dict, num_target_layers: int) -> "EagleDrafter":
-        """The drafter the inference section asks for (`ic`: InferenceConfig); the head's config is not needed."""
+        """The drafter the inference section asks for (`ic`: InferenceConfig); the head's config is
+        not needed."""
         return cls(heads, num_target_layers, ic.depth, ic.top_k, ic.total_tokens, static=ic.engine != "hf")
 
     def __init__(
@@ -47,7 +48,8 @@ class EagleDrafter:
         rather than a transformers DynamicCache."""
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise HeadwayError(
-                f"EAGLE tree settings need depth, top_k and total_tokens >= 1 (got {depth}, {top_k}, {total_tokens})"
+                "EAGLE tree settings need depth, top_k and total_tokens "
+                f">= 1 (got {depth}, {top_k}, {total_tokens})"
             )
         if top_k > heads.draft_vocab_size:
             raise HeadwayError(
@@ -63,8 +65,8 @@ class EagleDrafter:
         self.committed = 0
         self.last_out: torch.Tensor | None = None  # drafter output at the last committed position [h]
         self.pending: list[int] = []  # tokens whose drafter positions are not in the cache yet
-        # seconds from the start of the last expansion to the end of each of its levels (the hybrid prices depth
-        # with them)
+        # seconds from the start of the last expansion to the end of each of its levels (the hybrid prices
+        # depth with them)
         self.level_seconds: list[float] = []
 
     @property
@@ -81,7 +83,8 @@ class EagleDrafter:
         }
 
     def _new_cache(self) -> Any:
-        """A static cache where the drafter's layer is of a family the static engine runs, else transformers'."""
+        """A static cache where the drafter's layer is of a family the static engine runs,
+        else transformers'."""
         decoder = self.heads.decoder
         if self.static and StaticLayerCache.supported(decoder):
             return StaticLayerCache(decoder, **self.heads.engine_settings)
@@ -120,8 +123,9 @@ class EagleDrafter:
         return self._select(root, *self.candidates())
 
     def proposals(self, root: int, depth: Optional[int] = None) -> tuple[list[int], list[float], list[int]]:
-        """Every expanded candidate for a hybrid tree: target token id, draft probability given its parent, and
-        parent candidate (-1: the root; parents come first). depth: levels to expand (None: this drafter's)."""
+        """Every expanded candidate for a hybrid tree: target token id, draft probability given its parent,
+        and parent candidate (-1: the root; parents come first). depth: levels to expand (None:
+        this drafter's)."""
         tokens, scores, parents, _ = self.candidates(depth)
         ids = self.heads.to_target_ids(torch.tensor(tokens, device=self.param.device)).tolist()
         probs = [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents)]
@@ -149,7 +153,8 @@ class EagleDrafter:
         slot_of: dict[int, int] = {}
         for d in range(1, depth or self.depth):
             n_prev = len(slot_of)
-            # each row sees the committed prefix, its own slot and its ancestors' slots (set in one indexing call)
+            # each row sees the committed prefix, its own slot and its ancestors' slots (set in one
+            # indexing call)
             rows, cols = [], []
             for row, c in enumerate(layer):
                 rows.append(row)

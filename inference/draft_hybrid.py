@@ -9,13 +9,14 @@ target really accepted: neural edges binned by draft probability, n-gram edges b
 the copy and whether the last step accepted a copy. The N best nodes form the tree (a child never outranks
 its parent), and N is chosen every step to maximise expected tokens per second, (1 + sum of values) /
 (verify time of N + 1 tokens in a tree that deep + drafting time): N = 0, a plain step, when nothing is likely
-enough to pay for the larger verification. The neural drafter itself runs only where it has paid: after each step it
-ran on, the tokens/s the target really gave is set against what the n-gram tree alone would have given on the same
-step (the tree chosen without the neural candidates, walked along the tokens the target wrote), separately for
-steps that continue an accepted copy and steps that do not. An EAGLE drafter also expands only as many levels as
-pay for their drafting time: every few steps it expands all of them, and the tree each shallower depth would have
-made on that step is priced with that depth's measured drafting time. Verification, cache compaction and acceptance
-are the shared code, so greedy output is exactly plain decoding's and sampling keeps the target's distribution.
+enough to pay for the larger verification. The neural drafter itself runs only where it has paid: after each
+step it ran on, the tokens/s the target really gave is set against what the n-gram tree alone would have given
+on the same step (the tree chosen without the neural candidates, walked along the tokens the target wrote),
+separately for steps that continue an accepted copy and steps that do not. An EAGLE drafter also expands only
+as many levels as pay for their drafting time: every few steps it expands all of them, and the tree each
+shallower depth would have made on that step is priced with that depth's measured drafting time. Verification,
+cache compaction and acceptance are the shared code, so greedy output is exactly plain decoding's and sampling
+keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
 
 
 class Rate:
-    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations; with memory
-    < 1 each new observation scales the weight of everything before it by `memory`."""
+    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations; with
+    memory < 1 each new observation scales the weight of everything before it by `memory`."""
 
     def __init__(self, prior: float, weight: float, memory: float = 1.0):
         self.hits, self.seen, self.memory = prior * weight, weight, memory
@@ -104,9 +105,9 @@ class HybridDrafter:
         verify_cost: Callable[[int, int], float],
         timed: bool = True,
     ):
-        """verify_cost(n, depth): the cost of verifying n tokens whose tree is `depth` levels deep below the root, in
-        seconds when `timed` (the drafter's own time per step is then added to it), else in any unit (drafting
-        counted as free)."""
+        """verify_cost(n, depth): the cost of verifying n tokens whose tree is `depth` levels deep below the
+        root, in seconds when `timed` (the drafter's own time per step is then added to it), else in any unit
+        (drafting counted as free)."""
         self.neural, self.hc, self.verify_cost, self.timed = neural, hc, verify_cost, timed
         self.feature_layers = neural.feature_layers if neural is not None else []
         self.max_nodes = hc.max_nodes + 1
@@ -134,7 +135,8 @@ class HybridDrafter:
         return max(self.hc.max_tokens, self.neural.max_depth if self.neural is not None else 0)
 
     def settings(self) -> dict:
-        """The neural drafter's settings (its tree's), the drafter kind, and the n-gram and budget settings."""
+        """The neural drafter's settings (its tree's), the drafter kind, and the n-gram and
+        budget settings."""
         return {
             **(self.neural.settings() if self.neural is not None else {}),
             "drafter": "hybrid" if self.neural is not None else "ngram",
@@ -228,8 +230,8 @@ class HybridDrafter:
         return cands
 
     def _neural_proposals(self, root: int, depth: Optional[int]) -> tuple[list[int], list[float], list[int]]:
-        """The neural drafter's most likely proposals (`_most_likely`), `depth` levels deep (None: its own depth),
-        after it has read the steps it has not seen yet."""
+        """The neural drafter's most likely proposals (`_most_likely`), `depth` levels deep (None: its own
+        depth), after it has read the steps it has not seen yet."""
         if self._pending:
             self.neural.accept(
                 [t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending])
@@ -239,8 +241,8 @@ class HybridDrafter:
         return _most_likely(*proposed, self.hc.max_nodes)
 
     def _choose(self, cands: list[Candidate], extra_seconds: float = 0.0) -> tuple[list[int], float]:
-        """The candidates to verify, best first (the top N by value for the N with the best expected tokens/s), and
-        that rate; extra_seconds is drafting time beyond the n-gram side's."""
+        """The candidates to verify, best first (the top N by value for the N with the best expected
+        tokens/s), and that rate; extra_seconds is drafting time beyond the n-gram side's."""
         value = [0.0] * len(cands)
         for c, cand in enumerate(cands):  # parents come before their children
             value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(
@@ -258,7 +260,8 @@ class HybridDrafter:
         return order[:best_n], best_rate
 
     def _learn(self, accepted: list[int]) -> None:
-        """Each tried edge (a child of the root or of an accepted node) was accepted or not: update its estimate."""
+        """Each tried edge (a child of the root or of an accepted node) was accepted or not: update
+        its estimate."""
         if not self._children:
             return
         node, hits = 0, []
@@ -286,19 +289,21 @@ class HybridDrafter:
 
 
 class DepthChoice:
-    """How many levels the neural drafter expands: the depth whose trees promised the most tokens/s on the probe
-    steps (steps that expand every level, where each shallower depth's tree is priced too, as a ratio to the full
-    depth's), with each depth's drafting time measured on the steps that reach it."""
+    """How many levels the neural drafter expands: the depth whose trees promised the most tokens/s on the
+    probe steps (steps that expand every level, where each shallower depth's tree is priced too, as a ratio to
+    the full depth's), with each depth's drafting time measured on the steps that reach it."""
 
     def __init__(self, most: int, probe_every: int):
         self.most, self.probe_every = most, probe_every
-        # per depth: moving averages of its promised tokens/s over the full depth's, and of its drafting seconds
+        # per depth: moving averages of its promised tokens/s over the full depth's, and of its
+        # drafting seconds
         self.ratio: dict[int, float] = {}
         self.seconds: dict[int, float] = {}
         self.best, self.since = most, 0
 
     def pick(self) -> tuple[int, bool]:
-        """The depth to expand this step, and whether it is a probe (every level, the shallower ones priced)."""
+        """The depth to expand this step, and whether it is a probe (every level, the shallower
+        ones priced)."""
         self.since += 1
         if not self.ratio or self.since >= self.probe_every:
             self.since = 0
@@ -313,18 +318,18 @@ class DepthChoice:
             self.seconds[d] = _average(self.seconds.get(d), fixed + level_seconds[d - 1])
 
     def score(self, rates: dict[int, float]) -> None:
-        """A probe's promised tokens/s per depth (the full depth's included). Probes are few, so each weighs 0.3:
-        the first ones, led by the acceptance estimates' priors, fade fast."""
+        """A probe's promised tokens/s per depth (the full depth's included). Probes are few, so each
+        weighs 0.3: the first ones, led by the acceptance estimates' priors, fade fast."""
         for d, rate in rates.items():
             self.ratio[d] = _average(self.ratio.get(d), rate / rates[self.most], 0.3)
         self.best = max(self.ratio, key=lambda d: (self.ratio[d], -d))
 
 
 class NeuralGate:
-    """Whether the hybrid runs its neural drafter this step. Per context (continuing an accepted copy or not) it
-    keeps the realized gain of the steps the drafter ran on: the tokens/s the target gave against what the n-gram
-    tree alone would have given on the same step. It runs the drafter while that gain holds, and otherwise probes
-    at doubling intervals, so the estimate follows the text."""
+    """Whether the hybrid runs its neural drafter this step. Per context (continuing an accepted copy or not)
+    it keeps the realized gain of the steps the drafter ran on: the tokens/s the target gave against what the
+    n-gram tree alone would have given on the same step. It runs the drafter while that gain holds, and
+    otherwise probes at doubling intervals, so the estimate follows the text."""
 
     def __init__(self, hc: HybridConfig):
         self.hc = hc
@@ -347,8 +352,8 @@ class NeuralGate:
         return False
 
     def score(self, tokens: list[int]) -> None:
-        """Set the last probed step against the n-gram tree alone on the same step: that tree would have accepted
-        its longest path along the tokens the target wrote (at least; they end at the bonus)."""
+        """Set the last probed step against the n-gram tree alone on the same step: that tree would have
+        accepted its longest path along the tokens the target wrote (at least; they end at the bonus)."""
         probe, self.probe = self.probe, None
         if probe is None:
             return
@@ -376,8 +381,8 @@ class Probe:
 
 
 class Gain:
-    """Tokens/s with the neural drafter over tokens/s of the n-gram tree alone, on the steps it ran on: ratios of
-    sums in which each step scales the earlier ones by `memory`; None until `steps` steps are in."""
+    """Tokens/s with the neural drafter over tokens/s of the n-gram tree alone, on the steps it ran on: ratios
+    of sums in which each step scales the earlier ones by `memory`; None until `steps` steps are in."""
 
     def __init__(self, steps: int, memory: float) -> None:
         self.sums, self.steps, self.need, self.memory = [0.0, 0.0, 0.0, 0.0], 0, steps, memory
@@ -402,8 +407,8 @@ def _average(mean: Optional[float], x: float, weight: float = 0.1) -> float:
 
 
 def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tuple, source: str) -> int:
-    """The candidate for `token` after `parent` (made if new), with this source's calibration key added; `where`
-    maps (parent, token) to its candidate."""
+    """The candidate for `token` after `parent` (made if new), with this source's calibration key added;
+    `where` maps (parent, token) to its candidate."""
     c = where.get((parent, token))
     if c is None:
         c = where[parent, token] = len(cands)
@@ -417,9 +422,9 @@ def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tupl
 def _merge(
     cands: list[Candidate], proposed: tuple[list[int], list[float], list[int]], depth: Optional[int] = None
 ) -> list[Candidate]:
-    """The trie with the neural proposals (ids, probs, parents; parents first) merged in, those at most `depth`
-    levels deep (None: all): a token proposed after the same path as a candidate joins its node. `cands` is left
-    as it was (a joined node is a new Candidate), so one trie can take several merges."""
+    """The trie with the neural proposals (ids, probs, parents; parents first) merged in, those at most
+    `depth` levels deep (None: all): a token proposed after the same path as a candidate joins its node.
+    `cands` is left as it was (a joined node is a new Candidate), so one trie can take several merges."""
     cands = list(cands)
     where = {(c.parent, c.token): i for i, c in enumerate(cands)}
     placed: list[int] = []
@@ -447,9 +452,10 @@ def _merge(
 def _most_likely(
     ids: list[int], probs: list[float], parents: list[int], count: int
 ) -> tuple[list[int], list[float], list[int]]:
-    """The `count` proposals most likely as paths (the product of the draft probabilities from the root; parents come
-    first, ties to the shallower), in their order, with parents renumbered: a verification holds at most `count` nodes,
-    and the drafter expands several times that many, which would only cost the choice time."""
+    """The `count` proposals most likely as paths (the product of the draft probabilities from the root;
+    parents come first, ties to the shallower), in their order, with parents renumbered: a verification holds
+    at most `count` nodes, and the drafter expands several times that many, which would only cost the
+    choice time."""
     if len(ids) <= count:
         return ids, probs, parents
     path = [0.0] * len(ids)

@@ -1,6 +1,6 @@
-"""Static-tree drafting, shared by the kinds that guess each position ahead of the root independently (Medusa's
-heads, DFlash's block slots): the guesses' top-k ranks are placed on the nodes of a static tree, which the target
-verifies in one forward; `tree_search.StaticTrees` tunes its shape."""
+"""Static-tree drafting, shared by the kinds that guess each position ahead of the root independently
+(Medusa's heads, DFlash's block slots): the guesses' top-k ranks are placed on the nodes of a static tree,
+which the target verifies in one forward; `tree_search.StaticTrees` tunes its shape."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ def choose_tree(ic: Any, head_config: dict, default: list[list[int]]) -> list[li
     calibration.
 
     Args:
-        ic: the InferenceConfig; head_config: the head's config.json (its rank_accuracy); default: the kind's tree.
+        ic: the InferenceConfig; head_config: the head's config.json (its rank_accuracy); default: the
+            kind's tree.
     Returns:
         The tree's nodes, each a path of per-position ranks."""
     n = ic.tree_nodes
@@ -36,20 +37,21 @@ def choose_tree(ic: Any, head_config: dict, default: list[list[int]]) -> list[li
 class StaticTreeDrafter:
     """Fills a static tree from a head's guesses for each position ahead of the root.
 
-    A subclass says how its head guesses (`offset_logits`), what it keeps between steps (`begin`, `accept`) and,
-    where it has one, its own default tree (`default_tree`)."""
+    A subclass says how its head guesses (`offset_logits`), what it keeps between steps (`begin`, `accept`)
+    and, where it has one, its own default tree (`default_tree`)."""
 
     @classmethod
     def default_tree(cls, heads: Any) -> list[list[int]]:
-        """The tree inference.tree=null means for this kind: DEFAULT_STATIC_TREE unless a subclass has its own."""
+        """The tree inference.tree=null means for this kind: DEFAULT_STATIC_TREE unless a subclass has
+        its own."""
         return DEFAULT_STATIC_TREE
 
     @classmethod
     def from_config(
         cls, heads: Any, ic: Any, head_config: dict, num_target_layers: int
     ) -> "StaticTreeDrafter":
-        """The drafter the inference section asks for (`ic`: InferenceConfig, its tree / tree_nodes; head_config:
-        the head's config.json)."""
+        """The drafter the inference section asks for (`ic`: InferenceConfig, its tree / tree_nodes;
+        head_config: the head's config.json)."""
         return cls(
             heads, build_tree(choose_tree(ic, head_config, cls.default_tree(heads))), num_target_layers
         )
@@ -60,8 +62,9 @@ class StaticTreeDrafter:
         num_target_layers: the target's decoder layers (for the features the head reads)."""
         if tree.max_depth > heads.draft_depth:
             raise HeadwayError(
-                f"the tree is {tree.max_depth} deep but the head drafts only {heads.draft_depth} tokens ahead: "
-                "use a shallower inference.tree, or inference.tree_nodes=N to build one from the head's accuracy"
+                f"the tree is {tree.max_depth} deep but the head drafts only {heads.draft_depth} tokens "
+                "ahead: use a shallower inference.tree, or inference.tree_nodes=N to build one from the "
+                "head's accuracy"
             )
         self.heads = heads
         self.tree = tree
@@ -80,7 +83,8 @@ class StaticTreeDrafter:
         return {"drafter": "neural", "kind": self.heads.kind, "tree": [list(p) for p in self.tree.paths[1:]]}
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
-        """Start a request: features [n, F] of the prompt's positions, root the first token the target chose."""
+        """Start a request: features [n, F] of the prompt's positions, root the first token the
+        target chose."""
         raise NotImplementedError
 
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:

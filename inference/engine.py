@@ -7,8 +7,8 @@ family without a forked modeling file. It has no per-step reallocation, compacts
 in place, and skips transformers' mask and cache machinery. Llama-style families with full attention
 (llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`. Both give the same
 logits (tests compare them in float64). `StaticLayerCache` runs the EAGLE drafter's one layer the same way
-(`layer_step` is the layer body both share). The compiled engine is the static one with its decoder stack under
-torch.compile (`ModelEngine.compiled_stack`).
+(`layer_step` is the layer body both share). The compiled engine is the static one with its decoder stack
+under torch.compile (`ModelEngine.compiled_stack`).
 """
 
 from __future__ import annotations
@@ -42,8 +42,9 @@ class Runner(Protocol):
     def forward(
         self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
     ) -> tuple[Any, Any]:
-        """Logits [n, V] (a tensor, or LazyLogits: rows by index) of `ids` (a chain continuing the cache, or the nodes of `tree` rooted after it) and,
-        with `hidden`, the hidden states indexed as transformers' output_hidden_states (batch row 0 first)."""
+        """Logits [n, V] (a tensor, or LazyLogits: rows by index) of `ids` (a chain continuing the cache, or
+        the nodes of `tree` rooted after it) and, with `hidden`, the hidden states indexed as transformers'
+        output_hidden_states (batch row 0 first)."""
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
         """Of the last `tree_size` cache entries keep those at indices `keep` (the accepted path)."""
@@ -105,16 +106,17 @@ def static_supported(model: Any) -> bool:
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's rotary cos/sin [1, n, head_dim] as `layer_step` takes them: [n, 1, head_dim] (over every head),
-    sin with its first half negated, so that rotating x is x * cos + (x's halves swapped) * sin: the same products
-    as transformers' rotate_half, each rounded the same, with two ops fewer."""
+    """The model's rotary cos/sin [1, n, head_dim] as `layer_step` takes them: [n, 1, head_dim] (over every
+    head), sin with its first half negated, so that rotating x is x * cos + (x's halves swapped) * sin: the
+    same products as transformers' rotate_half, each rounded the same, with two ops fewer."""
     half = sin.shape[-1] // 2
     return cos[0, :, None], torch.cat((-sin[0, :, None, :half], sin[0, :, None, half:]), dim=-1)
 
 
 class LeanRMSNorm:
-    """An RMSNorm as a plain callable, in transformers' own arithmetic for the static families (a `weight` and a
-    `variance_epsilon`), without the module's dispatch; its weight and eps are what the C++ layer loop reads."""
+    """An RMSNorm as a plain callable, in transformers' own arithmetic for the static families (a `weight` and
+    a `variance_epsilon`), without the module's dispatch; its weight and eps are what the C++ layer
+    loop reads."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         self.weight, self.eps = weight, eps
@@ -133,9 +135,11 @@ def _rms_norm_fn(norm: Any, lean: bool) -> Any:
 
 
 class LayerPlan:
-    """One Llama-style decoder layer as `layer_step` runs it: its norms, projections and MLP as callables over rows
-    [n, hidden], and its attention's sizes. Lean (eager decoding), the callables skip nn.Module dispatch and call the
-    weights' kernels directly (`row_linear`); else (under torch.compile, which traces them) they are the modules."""
+    """One Llama-style decoder layer as `layer_step` runs it: its norms, projections and MLP as callables over
+    rows [n, hidden], and its attention's sizes. Lean (eager decoding), the callables skip nn.Module dispatch
+    and call the weights' kernels directly (`row_linear`); else (under torch.compile, which traces them)
+    they are
+    the modules."""
 
     def __init__(self, layer: Any, lean: bool):
         a, mlp = layer.self_attn, layer.mlp
@@ -158,8 +162,8 @@ class LayerPlan:
         self.mlp, self.gate_up = mlp, None if gate_up is None else fn(gate_up.linear)
         self.down, self.act = fn(mlp.down_proj), mlp.act_fn
         self.inter = 0 if gate_up is None else gate_up.sizes[0]
-        # the modules behind qkv (one fused or three), o, gate_up (one fused or gate and up) and down, for the C++
-        # layer loop
+        # the modules behind qkv (one fused or three), o, gate_up (one fused or gate and up) and down, for the
+        # C++ layer loop
         self.linears = (
             [qkv.linear] if qkv is not None else [a.q_proj, a.k_proj, a.v_proj],
             a.o_proj,
@@ -182,11 +186,11 @@ def layer_step(
     causal: bool = False,
     attn_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """One Llama-style decoder layer over rows x [n, hidden]: its keys and values go into cache slots `slots` [n] of
-    k_cache/v_cache [kv_heads, max_len, head_dim] (in place, in the cache's dtype), and its queries attend to slots
-    [0, end) under `mask` (bool or additive, [n, end] or broadcastable; None: every slot), or by `attend`; `causal`
-    (a prompt at the cache's start, no mask): row i sees slots [0, i], through the kernel's causal path.
-    `attn_dtype`: the dtype that attention (not `attend`) runs in; None: the cache's.
+    """One Llama-style decoder layer over rows x [n, hidden]: its keys and values go into cache slots `slots`
+    [n] of k_cache/v_cache [kv_heads, max_len, head_dim] (in place, in the cache's dtype), and its queries
+    attend to slots [0, end) under `mask` (bool or additive, [n, end] or broadcastable; None: every slot), or
+    by `attend`; `causal` (a prompt at the cache's start, no mask): row i sees slots [0, i], through the
+    kernel's causal path. `attn_dtype`: the dtype that attention (not `attend`) runs in; None: the cache's.
     cos/sin: `rope_tables`. The layer's own weights do the projections, norms and MLP; only the cache and the
     attention are Headway's. (index_copy_ at a slot tensor, not a slice assignment at a Python offset:
     torch.compile then updates the cache in place.)"""
@@ -237,10 +241,10 @@ def decoder_stack(
     causal: bool = False,
     attn_dtype: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, list]:
-    """Every decoder layer (`layer_step`, plans[i] on caches ks[i]/vs[i]) over x [1, n, hidden] and the final norm:
-    the normed output [1, n, hidden] and, with `hidden`, the hidden states as transformers' output_hidden_states
-    gives them (the last one normed). cos/sin: the model's rotary embedding [1, n, head_dim]. The unit
-    `inference.engine=compiled` hands to torch.compile."""
+    """Every decoder layer (`layer_step`, plans[i] on caches ks[i]/vs[i]) over x [1, n, hidden] and the final
+    norm: the normed output [1, n, hidden] and, with `hidden`, the hidden states as transformers'
+    output_hidden_states gives them (the last one normed). cos/sin: the model's rotary embedding [1, n,
+    head_dim]. The unit `inference.engine=compiled` hands to torch.compile."""
     cos, sin = rope_tables(cos, sin)
     x = x[0]
     states = [x] if hidden else []
@@ -257,15 +261,15 @@ def decoder_stack(
 def _row_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: "RowAttention", scale: float
 ) -> torch.Tensor:
-    """RowAttention's computation over q [n, heads, head_dim] -> [n, heads * head_dim]: the C++ kernel (`plan.kernel`),
-    or SDPA: rows `plan.order`, group after group, attend to their slots (read in place, or gathered into
-    `plan.slots` in that order)."""
+    """RowAttention's computation over q [n, heads, head_dim] -> [n, heads * head_dim]: the C++ kernel
+    (`plan.kernel`), or SDPA: rows `plan.order`, group after group, attend to their slots (read in place, or
+    gathered into `plan.slots` in that order)."""
     if plan.kernel is not None:
         kt = None if plan.transposed is None else plan.transposed.of(k_cache)
         return plan.kernel(q, k_cache, v_cache, plan.start, plan.tails, plan.lens, scale, kt, plan.kt_valid)
     kv_heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
-    # in float32: the CPU's fused attention is much faster there than in bf16 for one query (docs/inference.md); the
-    # row-exact runners keep their cache in float32, so that no step converts it
+    # in float32: the CPU's fused attention is much faster there than in bf16 for one query
+    # (docs/inference.md); the row-exact runners keep their cache in float32, so that no step converts it
     if plan.slots is not None:
         k_all, v_all = (
             k_cache.index_select(1, plan.slots).float(),
@@ -290,9 +294,9 @@ def _row_attention(
     return out.to(q.dtype)
 
 
-# Under torch.compile RowAttention is one opaque op that reads the step's plan (its rows, slots and groups) from here,
-# set by the runner around the compiled call: as graph inputs or structure, the plan's sizes would compile a graph
-# for each tree shape.
+# Under torch.compile RowAttention is one opaque op that reads the step's plan (its rows, slots and groups)
+# from here, set by the runner around the compiled call: as graph inputs or structure, the plan's sizes would
+# compile a graph for each tree shape.
 _ACTIVE: list[Optional["RowAttention"]] = [None]
 
 
@@ -312,16 +316,18 @@ def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: floa
 
 
 class RowAttention:
-    """Attention that gives each query row exactly what a one-token decoding step of that token would: row i attends
-    to the cache's first `start` slots and then `tails[i]` (its ancestors and itself, by depth), as a sequence of its
-    own, with no mask. In bf16 the fused attention kernel's result for a row depends on the query count, the mask and
-    the key length; after bf16 rounding that flips near-ties, so speculative and plain decoding part ways.
+    """Attention that gives each query row exactly what a one-token decoding step of that token would: row i
+    attends to the cache's first `start` slots and then `tails[i]` (its ancestors and itself, by depth), as a
+    sequence of its own, with no mask. In bf16 the fused attention kernel's result for a row depends on the
+    query count, the mask and the key length; after bf16 rounding that flips near-ties, so speculative and
+    plain decoding part ways.
 
     Two implementations, one per runner (never mixed within a decode): `kernel`, Headway's C++ kernel
-    (csrc/row_attention.cpp), whose every row's arithmetic is fixed whatever the other rows, so a tree costs about
-    its rows' share of one pass over the cache; or (kernel None) SDPA per row: a row whose slots are the cache's first
-    ones in order (plain decoding's row, every row of a chain) reads the cache in place, the others are gathered,
-    rows of one length in one call. Either way the row's computation is plain decoding's."""
+    (csrc/row_attention.cpp), whose every row's arithmetic is fixed whatever the other rows, so a tree costs
+    about its rows' share of one pass over the cache; or (kernel None) SDPA per row: a row whose slots are the
+    cache's first ones in order (plain decoding's row, every row of a chain) reads the cache in place, the
+    others are gathered, rows of one length in one call. Either way the row's computation is
+    plain decoding's."""
 
     def __init__(
         self,
@@ -332,7 +338,8 @@ class RowAttention:
         transposed: Optional[TransposedKeys] = None,
     ):
         self.start, self.kernel = start, kernel
-        # the kernel's transposed key blocks (None: it transposes the prefix afresh) and how many slots are current
+        # the kernel's transposed key blocks (None: it transposes the prefix afresh) and how many slots
+        # are current
         self.transposed = transposed
         self.kt_valid = 0 if transposed is None else transposed.valid
         if kernel is not None:
@@ -353,7 +360,8 @@ class RowAttention:
                 in_place.append(i)
             else:
                 by_len.setdefault(len(tail), []).append(i)
-        # groups in order: each in-place row alone, then each length's gathered rows, their slots gathered in one call
+        # groups in order: each in-place row alone, then each length's gathered rows, their slots gathered in
+        # one call
         order = in_place + [i for rows in by_len.values() for i in rows]
         self.order = torch.tensor(order, device=device)
         self.in_order = order == list(range(len(order)))
@@ -388,10 +396,10 @@ class RowAttention:
 class StaticLayerCache:
     """The EAGLE drafter's KV cache: one decoder layer's keys and values in a preallocated buffer that doubles
     when full. Passed as the `cache` of an EAGLE head's forward, it runs the layer itself (`run`), so drafting
-    skips transformers' cache and mask machinery; `truncate` drops the expansion entries after a draft. Where the
-    C++ layer loop covers the layer (`loop`: the target's target.layer_loop), the layer runs there as one call, with
-    the fused element-wise kernels for bf16 rows when `fused` (the target's target.fused_ops): a draft step makes a
-    few calls instead of about sixty small ones, whose Python cost matched the kernels'."""
+    skips transformers' cache and mask machinery; `truncate` drops the expansion entries after a draft. Where
+    the C++ layer loop covers the layer (`loop`: the target's target.layer_loop), the layer runs there as one
+    call, with the fused element-wise kernels for bf16 rows when `fused` (the target's target.fused_ops): a
+    draft step makes a few calls instead of about sixty small ones, whose Python cost matched the kernels'."""
 
     def __init__(self, decoder: Any, capacity: int = 512, loop: str = "auto", fused: bool = True):
         layer = decoder.layers[0]
@@ -403,23 +411,26 @@ class StaticLayerCache:
         self.length = 0
         self.plan = LayerPlan(layer, lean=True)
         self.rotary = decoder.rotary_emb
-        # rotary tables by position, extended as positions grow: the same values rotary_emb gives per call (each is
-        # a function of its position alone), where the rotary does not rescale with the length (dynamic types)
+        # rotary tables by position, extended as positions grow: the same values rotary_emb gives per call
+        # (each is a function of its position alone), where the rotary does not rescale with the length
+        # (dynamic types)
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.rope_by_position = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
         self.loop, self.emb_norm = self._build_loop(layer, decoder, loop, p.device.type)
         self.fused = fused and p.dtype == torch.bfloat16
 
     def _build_loop(self, layer: Any, decoder: Any, mode: str, device: str) -> tuple[Optional[Any], Any]:
-        """The C++ loop over this one layer (EAGLE-3's fused input norm: its hidden half as the layer's norm, its
-        embedding half passed per call) and that embedding norm; (None, None) where the Python step runs."""
+        """The C++ loop over this one layer (EAGLE-3's fused input norm: its hidden half as the layer's norm,
+        its embedding half passed per call) and that embedding norm; (None, None) where the Python
+        step runs."""
         norm = layer.input_layernorm
         split = getattr(norm, "hidden_norm", None), getattr(norm, "emb_norm", None)
         if device != "cpu" or not all(_lean_norm(n) for n in split):
             return None, None
         plan = LayerPlan(layer, lean=True)
         plan.norm1 = _rms_norm_fn(split[0], lean=True)
-        # the loop's final norm is unused (`draft` returns the layer's raw output); any RMSNorm of the width serves
+        # the loop's final norm is unused (`draft` returns the layer's raw output); any RMSNorm of the
+        # width serves
         return layer_loop.build_loop([plan], split[0], mode), _rms_norm_fn(split[1], lean=True)
 
     @staticmethod
@@ -449,7 +460,8 @@ class StaticLayerCache:
     def run(
         self, decoder: Any, x: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]
     ) -> torch.Tensor:
-        """The layer over x [1, n, h] at the next n slots; `mask` [1, 1, n, length + n] as the drafter builds it."""
+        """The layer over x [1, n, h] at the next n slots; `mask` [1, 1, n, length + n] as the drafter
+        builds it."""
         if x.shape[0] != 1:
             raise HeadwayError("internal: the drafter's static cache decodes one sequence at a time")
         start, n = self.length, x.shape[1]
@@ -493,9 +505,10 @@ def _lean_norm(norm: Any) -> bool:
 
 class LazyLogits:
     """The target's logits, a row at a time as they are read: a greedy tree walk reads only the root and the
-    accepted nodes, plain decoding and the prefill only the last position. `row` maps hidden rows [k, H] to their
-    logits [k, V] (see `StaticRunner._lm_row_fn`); `together(i)`, where given, names the rows to compute with row i
-    in one call (row i first): where a few rows cost what one does, the nodes a walk may read next come free."""
+    accepted nodes, plain decoding and the prefill only the last position. `row` maps hidden rows [k, H] to
+    their logits [k, V] (see `StaticRunner._lm_row_fn`); `together(i)`, where given, names the rows to compute
+    with row i in one call (row i first): where a few rows cost what one does, the nodes a walk may read next
+    come free."""
 
     def __init__(self, hidden: torch.Tensor, row: Any, together: Optional[Any] = None):
         self.hidden, self.row, self.together = hidden, row, together
@@ -532,9 +545,12 @@ def subtree_first(tree: Tree, count: int) -> Any:
 
 class TransposedKeys:
     """The row attention kernel's copy of each layer's key cache in blocks of 16 keys, transposed (per layer
-    [kv_heads, ceil(max_len / 16), head_dim rounded up to 4, 16], float32), and how many leading slots it holds current
-    (`valid`). The kernel fills in the blocks it transposes, so a one-token step transposes only the newest block, not
-    the whole prefix; every write to a key slot below `valid` (`written`) makes the blocks from there on stale."""
+    [kv_heads, ceil(max_len / 16), head_dim rounded up to 4, 16], float32), and how many leading slots it
+    holds current (`valid`). The kernel fills in the blocks it transposes, so a one-token step transposes only
+    the newest block, not the whole prefix; every write to a key slot below `valid` (`written`) makes
+    the blocks
+    from there
+    on stale."""
 
     def __init__(self, keys: list[torch.Tensor]):
         kv_heads, max_len, head_dim = keys[0].shape
@@ -554,10 +570,10 @@ class TransposedKeys:
 
 
 class ModelEngine:
-    """What the static engine keeps for one target model across sequences: its decoder layers as LayerPlans, its
-    compiled decoder stack, its lm_head transposed (float32 CPUs) and the KV buffers (one pair per layer) that each
-    new runner of the model reuses, grown when too small. The model owns it (`ModelEngine.of`), as gpt-fast's model
-    owns its KV cache, so it lives and goes with the model."""
+    """What the static engine keeps for one target model across sequences: its decoder layers as LayerPlans,
+    its compiled decoder stack, its lm_head transposed (float32 CPUs) and the KV buffers (one pair per layer)
+    that each new runner of the model reuses, grown when too small. The model owns it (`ModelEngine.of`), as
+    gpt-fast's model owns its KV cache, so it lives and goes with the model."""
 
     ATTRIBUTE = "_headway_engine"
 
@@ -585,18 +601,21 @@ class ModelEngine:
         return self._plans[lean]
 
     def compiled_stack(self) -> Any:
-        """`decoder_stack` under torch.compile, once per model. Shapes are dynamic: one graph serves every tree
-        size, prompt length and cache length, and torch's 0/1 specialisation adds one for single tokens; two graphs
-        in all, so no tree-size buckets or padding are needed. The first two calls compile (minutes for the default
-        target on one CPU core); torch keeps the result in its on-disk cache, so later runs start in seconds."""
+        """`decoder_stack` under torch.compile, once per model. Shapes are dynamic: one graph serves every
+        tree size, prompt length and cache length, and torch's 0/1 specialisation adds one for single tokens;
+        two graphs in all, so no tree-size buckets or padding are needed. The first two calls compile (minutes
+        for the default target on one CPU core); torch keeps the result in its on-disk cache, so later
+        runs start
+        in seconds."""
         if self._compiled is None:
-            # freezing: the target's weights are constants of the graph, so inductor prepacks them for the CPU's
-            # GEMM kernels (oneDNN/MKL).
+            # freezing: the target's weights are constants of the graph, so inductor prepacks them for the
+            # CPU's GEMM kernels (oneDNN/MKL).
             compiled = torch.compile(decoder_stack, dynamic=True, options={"freezing": True})
 
             def run(*args: Any) -> Any:
-                # no duck sizing: sizes equal by chance when a graph compiles (a tree's 3 rows and the target's 3
-                # key/value heads) would be tied by a guard, and the next step would compile another graph
+                # no duck sizing: sizes equal by chance when a graph compiles (a tree's 3 rows and the
+                # target's 3 key/value heads) would be tied by a guard, and the next step would compile
+                # another graph
                 with torch.fx.experimental._config.patch(use_duck_shape=False):
                     return compiled(*args)
 
@@ -604,8 +623,8 @@ class ModelEngine:
         return self._compiled
 
     def layer_loop(self, model: Any, mode: str) -> Any:
-        """The C++ layer loop over the model's lean LayerPlans (`layer_loop.build_loop`), once per mode; None where
-        the Python loop runs."""
+        """The C++ layer loop over the model's lean LayerPlans (`layer_loop.build_loop`), once per mode; None
+        where the Python loop runs."""
         if mode not in self._loops:
             plans = self.layer_plans(model, lean=True)
             self._loops[mode] = layer_loop.build_loop(plans, model.model.norm, mode)
@@ -620,8 +639,8 @@ class ModelEngine:
     def kv_buffers(
         self, layers: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Keys and values per layer, each [kv_heads, max_len, head_dim]: the kept ones when they are long enough
-        and of this dtype and device (a runner starts empty by its length, not by clearing them)."""
+        """Keys and values per layer, each [kv_heads, max_len, head_dim]: the kept ones when they are long
+        enough and of this dtype and device (a runner starts empty by its length, not by clearing them)."""
         kv = self._kv
         if kv is None or kv[0][0].shape[1] < shape[1] or kv[0][0].dtype != dtype or kv[0][0].device != device:
             kv = tuple([torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)] for _ in "kv")
@@ -637,8 +656,9 @@ class ModelEngine:
 
 class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
-    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`, `prompt_attention`:
-    None takes the model's target.layer_loop, target.row_attention, target.fused_ops and target.prompt_attention."""
+    `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`,
+    `prompt_attention`: None takes the model's target.layer_loop, target.row_attention, target.fused_ops
+    and target.prompt_attention."""
 
     def __init__(
         self,
@@ -668,8 +688,9 @@ class StaticRunner:
             self._loop = None
         else:
             self._loop = state.layer_loop(model, loop or layer_loop.loop_mode(model))
-        # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`); compiled, a
-        # single token pads to 2 rows too, so that every step runs the one graph of dynamic row count
+        # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`);
+        # compiled, a single token pads to 2 rows too, so that every step runs the one graph of dynamic
+        # row count
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
         # (row_attention: auto, cpp or sdpa; None = the model's target.row_attention)
         self.row_kernel = (
@@ -681,9 +702,10 @@ class StaticRunner:
         self.lm_rows_free = rows_for_one(model)
         self.plans = state.layer_plans(model, lean=True)
         self.compiled_plans = state.layer_plans(model, lean=False) if compiled else None
-        # row-exact: keys and values kept in float32 (exactly the bf16/fp16 values), the dtype a row's attention runs
-        # in; a prompt's many rows attend in bf16 where the CPU has native bf16 kernels (AMX's run a 1,000-token
-        # prompt's attention ~2.5x faster than float32's). Plain and speculative decoding share the prompt.
+        # row-exact: keys and values kept in float32 (exactly the bf16/fp16 values), the dtype a row's
+        # attention runs in; a prompt's many rows attend in bf16 where the CPU has native bf16 kernels (AMX's
+        # run a 1,000-token prompt's attention ~2.5x faster than float32's). Plain and speculative decoding
+        # share the prompt.
         cache_dtype = torch.float32 if self.row_exact else self.dtype
         self.prompt_attn_dtype = (
             torch.bfloat16
@@ -695,16 +717,16 @@ class StaticRunner:
         )
         self.k, self.v = kv
         self.kt = state.transposed_keys(self.k) if self.row_kernel is not None else None
-        # bf16 and float32 steps through the C++ loop's fused element-wise kernels (fused_ops: None = the model's
-        # target.fused_ops)
+        # bf16 and float32 steps through the C++ loop's fused element-wise kernels (fused_ops: None = the
+        # model's target.fused_ops)
         if fused_ops is None:
             fused_ops = bool(getattr(model, "headway_fused_ops", True))
         self.fused_ops = (
             fused_ops and self._loop is not None and self.dtype in (torch.bfloat16, torch.float32)
         )
-        # a fresh prompt's attention in the C++ loop: Headway's kernel, on bf16 brgemm in the fused loop where the CPU
-        # has it (AMX), else there on float32 brgemm over the bf16 values where the CPU has AVX-512 (AVX512-BF16), and
-        # for float32 targets on float32 brgemm where the CPU has AVX-512
+        # a fresh prompt's attention in the C++ loop: Headway's kernel, on bf16 brgemm in the fused loop where
+        # the CPU has it (AMX), else there on float32 brgemm over the bf16 values where the CPU has AVX-512
+        # (AVX512-BF16), and for float32 targets on float32 brgemm where the CPU has AVX-512
         mode = prompt_attention or getattr(model, "headway_prompt_attention", "auto")
         self.prompt_kernel = mode == "auto" and (
             (
@@ -752,8 +774,9 @@ class StaticRunner:
                 mask[:, start:] = tree.ancestors.to(self.device)
         x = self.base.embed_tokens(ids).view(1, n, -1)
         cos, sin = self.base.rotary_emb(x, positions.view(1, -1))
-        # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per sequence) runs
-        # eagerly, and the graphs always give the hidden states (free inside them) rather than compiling twice.
+        # Compiled: the two graphs are one token and a tree. A prompt (a chain of many tokens, once per
+        # sequence) runs eagerly, and the graphs always give the hidden states (free inside them) rather than
+        # compiling twice.
         compiled = self.compiled and (n == 1 or tree is not None)
         x, states = self._run_stack(
             x,
@@ -784,8 +807,9 @@ class StaticRunner:
         compiled: bool = False,
         attn_dtype: Optional[torch.dtype] = None,
     ) -> tuple[torch.Tensor, list]:
-        """`decoder_stack` over x [1, n, hidden]: under torch.compile (`compiled`; its graphs always give the hidden
-        states, and read `attend` from _ACTIVE), else in the C++ layer loop where there is one, else in Python."""
+        """`decoder_stack` over x [1, n, hidden]: under torch.compile (`compiled`; its graphs always give the
+        hidden states, and read `attend` from _ACTIVE), else in the C++ layer loop where there is one, else
+        in Python."""
         args = (x, cos, sin, self.k, self.v, slots, end, mask)
         if compiled:
             _ACTIVE[0] = attend
@@ -816,19 +840,20 @@ class StaticRunner:
         return x[None], [h[None] for h in states]
 
     def _logits(self, hidden: torch.Tensor, tree: Optional[Tree]) -> LazyLogits:
-        """The step's logits, by row; where the lm_head computes a few rows for the price of one (`rows_for_one`), a
-        tree's row comes with the nodes below it that the walk may read next."""
+        """The step's logits, by row; where the lm_head computes a few rows for the price of one
+        (`rows_for_one`), a tree's row comes with the nodes below it that the walk may read next."""
         if tree is None or tree.size == 1 or self.lm_rows_free < 2:
             return LazyLogits(hidden, self._lm_row)
         return LazyLogits(hidden, self._lm_row, subtree_first(tree, self.lm_rows_free))
 
     def _row_exact(self, ids: torch.Tensor, tree: Optional[Tree], hidden: bool) -> tuple[Any, Any]:
-        """A decoding step (one token, or a tree) whose every row is bit-identical to a one-token step of that row's
-        token after its accepted ancestors, so that greedy speculative decoding equals plain decoding in bf16 too.
-        Two things differ with the row count in bf16 on CPUs: a linear over one row (it takes another kernel than 2
-        or more rows, which agree with each other), and fused attention (see RowAttention). So a single token runs as
-        two or more identical rows (`fewest_rows`), and attention runs per row over exactly the slots it sees. The
-        prompt runs normally: plain and speculative decoding share it."""
+        """A decoding step (one token, or a tree) whose every row is bit-identical to a one-token step of that
+        row's token after its accepted ancestors, so that greedy speculative decoding equals plain decoding in
+        bf16 too. Two things differ with the row count in bf16 on CPUs: a linear over one row (it takes
+        another kernel than 2 or more rows, which agree with each other), and fused attention (see
+        RowAttention). So a single token runs as two or more identical rows (`fewest_rows`), and attention
+        runs per row over exactly the slots it sees. The prompt runs normally: plain and speculative decoding
+        share it."""
         n, start = ids.shape[0], self.length
         if tree is None:
             depth, tails = [0], [[start]]
@@ -839,8 +864,8 @@ class StaticRunner:
                 sorted((start + j for j in range(n) if anc[i][j]), key=lambda s: depth[s - start])
                 for i in range(n)
             ]
-        # a step of fewer rows than the format's `fewest_rows` pads with copies of its first: the same token, written
-        # to the same slot
+        # a step of fewer rows than the format's `fewest_rows` pads with copies of its first: the same token,
+        # written to the same slot
         rows = max(n, self.fewest_rows)
         pick = torch.cat([torch.arange(n), torch.zeros(rows - n, dtype=torch.long)]).to(self.device)
         slots = start + pick
@@ -858,9 +883,9 @@ class StaticRunner:
         return self._logits(x[0], tree), tuple(states) if hidden else None
 
     def _lm_row_fn(self, model: Any) -> Any:
-        """One row of logits: the model's own lm_head where its weights are packed (float16), else a [1, H] x [H, V]
-        product against the pre-transposed weight in float32/64 on CPUs (much faster there than a linear), else a
-        plain one-row linear (bf16 on CPUs, GPUs)."""
+        """One row of logits: the model's own lm_head where its weights are packed (float16), else a [1, H] x
+        [H, V] product against the pre-transposed weight in float32/64 on CPUs (much faster there than a
+        linear), else a plain one-row linear (bf16 on CPUs, GPUs)."""
         if linear_weights(model) != "native":
             return model.lm_head
         lm = model.lm_head.weight.detach()
@@ -873,7 +898,8 @@ class StaticRunner:
         first = self.length - tree_size
         if self.kt is not None:
             self.kt.written(first)
-        # a path that is the tree's first nodes in order (the root alone, the head of a chain) is already in place
+        # a path that is the tree's first nodes in order (the root alone, the head of a chain) is already
+        # in place
         if keep != list(range(len(keep))):
             src = torch.tensor(keep, device=self.device) + first
             for cache in (*self.k, *self.v):
@@ -914,8 +940,9 @@ def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
     Args:
         model: the target; engine: auto (static where the family supports it, else hf), static, compiled, hf.
     Returns:
-        A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(), truncate().
-        Static runners of one model share its KV buffers (`ModelEngine`): one sequence at a time."""
+        A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(),
+        truncate(). Static runners of one model share its KV buffers (`ModelEngine`): one sequence at
+        a time."""
     name = engine_name(model, engine)
     if name == "hf":
         return HFRunner(model)

@@ -32,7 +32,8 @@ class Drafter(Protocol):
     max_depth: int  # the deepest a tree of its can go
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
-        """A new sequence: the prompt, the target's first token, and the features [len(prompt), F] of the prompt."""
+        """A new sequence: the prompt, the target's first token, and the features [len(prompt), F] of
+        the prompt."""
 
     def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
         """Token ids of every tree node (root first) and the tree itself."""
@@ -43,8 +44,8 @@ class Drafter(Protocol):
 
 
 def features_at(hidden_states: tuple, layers: list[int], positions: Any) -> torch.Tensor:
-    """Concatenated target features [n, F] of batch row 0 at `positions` (an empty tensor for a drafter that reads
-    none: the target then skips collecting them)."""
+    """Concatenated target features [n, F] of batch row 0 at `positions` (an empty tensor for a drafter that
+    reads none: the target then skips collecting them)."""
     if not layers:
         return torch.empty(0, 0)
     return torch.cat([hidden_states[i][0, positions] for i in layers], dim=-1)
@@ -72,8 +73,8 @@ class GenerationResult:
 
 
 def alternate(runners: dict[str, Any], ids: list[int], i: int) -> dict[str, GenerationResult]:
-    """Every runner on the same prompt ids, starting from a different one for each prompt index i, so that a slow
-    spell of the machine hits every method alike."""
+    """Every runner on the same prompt ids, starting from a different one for each prompt index i, so that a
+    slow spell of the machine hits every method alike."""
     names = list(runners)
     k = i % len(names)
     return {n: runners[n](ids) for n in names[k:] + names[:k]}
@@ -89,18 +90,21 @@ def pooled(results: list[GenerationResult]) -> dict:
 
 
 def _check_length(model: Any, prompt_len: int, max_new_tokens: int, tree_size: int) -> None:
-    """Refuse requests the target cannot serve exactly: past its context, or (with a tree) its sliding window."""
+    """Refuse requests the target cannot serve exactly: past its context, or (with a tree) its
+    sliding window."""
     limit = sliding_window_limit(model) if tree_size > 1 else None
     if limit is not None and prompt_len + max_new_tokens + tree_size > limit:
         raise HeadwayError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + tree ({tree_size}) exceeds this target's "
-            f"sliding window ({limit + 1}): speculative decoding cannot roll back past it; shorten the request"
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + tree ({tree_size}) exceeds this "
+            f"target's sliding window ({limit + 1}): speculative decoding cannot roll back past it; shorten "
+            "the request"
         )
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos and prompt_len + max_new_tokens + tree_size > max_pos:
         raise HeadwayError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds the target's context ({max_pos})"
+            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) "
+            f"exceeds the target's context ({max_pos})"
         )
 
 
@@ -126,7 +130,8 @@ def plain_generate(
     Args:
         model, prompt, max_new_tokens, stop_ids, sampling, engine: as in `speculative_generate`.
     Returns:
-        GenerationResult with `target_forwards` = tokens - 1: the reference speculative decoding must equal."""
+        GenerationResult with `target_forwards` = tokens - 1: the reference speculative decoding
+        must equal."""
     _check_length(model, len(prompt), max_new_tokens, 1)
     sampler = Sampler(sampling)
     start = time.perf_counter()

@@ -3,8 +3,8 @@
 A decoding step of a small target makes about a thousand small ATen calls (norms, rotary, cache writes,
 attention, residuals, projections), and on a CPU the Python between them costs about as much as the kernels
 (docs/benchmarks.md). The C++ loop makes the same calls in the same order with the same arguments, so every
-output bit is the Python loop's (tests compare them); only the interpreter leaves the step. bf16 steps run there with
-fused element-wise kernels instead (csrc/fused_ops.cpp, `target.fused_ops`). It needs a C++
+output bit is the Python loop's (tests compare them); only the interpreter leaves the step. bf16 steps run
+there with fused element-wise kernels instead (csrc/fused_ops.cpp, `target.fused_ops`). It needs a C++
 compiler the first time (torch's extension builder, cached under TORCH_EXTENSIONS_DIR); without one, or for a
 layer it does not cover, the engine keeps its Python loop.
 """
@@ -40,8 +40,8 @@ SOURCES = [
         "row_select.cpp",
     )
 ]
-# -ffp-contract=off: no fused multiply-adds but where a kernel's build asks for them (the row attention's FMA builds),
-# so that vector and scalar paths of the same arithmetic round alike
+# -ffp-contract=off: no fused multiply-adds but where a kernel's build asks for them (the row attention's FMA
+# builds), so that vector and scalar paths of the same arithmetic round alike
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # the C++ loop's linear kinds (csrc/layer_loop.cpp `Kind`)
 _NATIVE, _ONEDNN, _MKL, _STREAM, _FP16 = 0, 1, 2, 3, 4
@@ -51,18 +51,20 @@ _BUILT: list[Any] = []  # [module] once built, [None] once a build failed
 
 
 def extension() -> Optional[Any]:
-    """The compiled extension module, built once per process (and cached on disk by torch); None where it cannot
-    be built here, with one warning that says why."""
+    """The compiled extension module, built once per process (and cached on disk by torch); None where it
+    cannot be built here, with one warning that says why."""
     if not _BUILT:
         log.info(
-            "building the static engine's C++ layer loop and row attention (once; cached by torch's extension builder)"
+            "building the static engine's C++ layer loop and row "
+            "attention (once; cached by torch's extension builder)"
         )
         try:
             _BUILT.append(load_extension("headway_layer_loop", SOURCES, CFLAGS, verbose=False))
         except Exception as e:  # no compiler, no headers: decoding still works, in the Python loop
             log.warning(
-                "the C++ layer loop did not build (%s); the static engine runs its Python loop and torch's attention "
-                "(set target.layer_loop=python target.row_attention=sdpa to skip the attempt)",
+                "the C++ layer loop did not build (%s); the static engine runs its Python loop and "
+                "torch's attention (set target.layer_loop=python target.row_attention=sdpa to skip the "
+                "attempt)",
                 str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__,
             )
             _BUILT.append(None)
@@ -70,14 +72,14 @@ def extension() -> Optional[Any]:
 
 
 def built() -> Optional[Any]:
-    """The extension module if this process has built it already (the static engine builds it as it loads), else None;
-    never starts a build."""
+    """The extension module if this process has built it already (the static engine builds it as it loads),
+    else None; never starts a build."""
     return _BUILT[0] if _BUILT else None
 
 
 def _linear_spec(module: nn.Module) -> Optional[tuple]:
-    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows, fbgemm's packed float16 weight or the bf16
-    streaming kernel's packed tensor or None, float16's scale), or None for a format it lacks."""
+    """A linear as the C++ loop takes it: (kind, weight, packed, bias, rows, fbgemm's packed float16 weight or
+    the bf16 streaming kernel's packed tensor or None, float16's scale), or None for a format it lacks."""
     if isinstance(module, OneDNNLinear):
         return (_ONEDNN, torch.empty(0), module.packed, module.bias, module.pad, None, 1.0)
     if isinstance(module, MKLLinear):
@@ -90,7 +92,8 @@ def _linear_spec(module: nn.Module) -> Optional[tuple]:
             prompt = module.prompt[0] if module.prompt else torch.empty(0)
             weight = torch.empty(0) if weight is None else weight
             return (_STREAM, weight, prompt, module.bias, module.out_features, module.packed, 1.0)
-        # float32: prompts through oneDNN over the weight as loaded (`packed` then holds it too), else torch's linear
+        # float32: prompts through oneDNN over the weight as loaded (`packed` then holds it too), else
+        # torch's linear
         weight = module.weight.detach()
         prompt = weight if module.prompt is not None else torch.empty(0)
         return (_STREAM, weight, prompt, module.bias, STREAM_MAX_ROWS, None, 1.0)
@@ -131,8 +134,8 @@ def loop_mode(model: Any) -> str:
 
 
 def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any]:
-    """The C++ loop over `plans` (engine.LayerPlan, lean) and the model's final norm; None when `mode` is python,
-    or (auto) when it cannot build or cover these layers. mode=cpp makes either of those an error."""
+    """The C++ loop over `plans` (engine.LayerPlan, lean) and the model's final norm; None when `mode` is
+    python, or (auto) when it cannot build or cover these layers. mode=cpp makes either of those an error."""
     if mode == "python":
         return None
     reason = unsupported(plans, final_norm)
@@ -140,8 +143,8 @@ def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any
     if ext is None:
         if mode == "cpp":
             raise HeadwayError(
-                f"target.layer_loop=cpp: the C++ layer loop cannot run this target ({reason or 'it did not build'}); "
-                "use target.layer_loop=auto or python"
+                "target.layer_loop=cpp: the C++ layer loop cannot run this target "
+                f"({reason or 'it did not build'}); use target.layer_loop=auto or python"
             )
         if reason:
             log.info("the static engine runs its Python loop: the C++ loop does not cover %s", reason)
@@ -178,14 +181,15 @@ def row_attention_mode(model: Any) -> str:
 
 
 def row_kernel(mode: str = "auto") -> Optional[Any]:
-    """The C++ row-exact attention (csrc/row_attention.cpp) for `target.row_attention` = mode: None for sdpa, or (auto)
-    where the extension does not build; cpp makes that an error."""
+    """The C++ row-exact attention (csrc/row_attention.cpp) for `target.row_attention` = mode: None for sdpa,
+    or (auto) where the extension does not build; cpp makes that an error."""
     if mode == "sdpa":
         return None
     ext = extension()
     if ext is None and mode == "cpp":
         raise HeadwayError(
-            "target.row_attention=cpp: the C++ row attention did not build here; use target.row_attention=auto or sdpa"
+            "target.row_attention=cpp: the C++ row attention did "
+            "not build here; use target.row_attention=auto or sdpa"
         )
     return None if ext is None else ext.row_attention
 

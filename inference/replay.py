@@ -87,10 +87,11 @@ def eagle_accepted_along(
 
 
 def simulate(drafter: Any, replays: list[Replay], verify_seconds: Callable[[int, int], float]) -> dict:
-    """Speculative decoding replayed along the target's greedy answers, without the target: each step the drafter
-    drafts its tree, greedy verification would accept the longest path spelling the answer's next tokens, and the
-    step costs verify_seconds(tree size, tree depth) plus the drafter's own measured time. Exact for greedy decoding, so any
-    drafter (dynamic and hybrid trees too) is scored on what it would really do."""
+    """Speculative decoding replayed along the target's greedy answers, without the target: each step the
+    drafter drafts its tree, greedy verification would accept the longest path spelling the answer's next
+    tokens, and the step costs verify_seconds(tree size, tree depth) plus the drafter's own measured time.
+    Exact for greedy decoding, so any drafter (dynamic and hybrid trees too) is scored on what it would
+    really do."""
     steps = accepted = 0
     seconds = 0.0
     for r in replays:
@@ -117,7 +118,8 @@ def simulate(drafter: Any, replays: list[Replay], verify_seconds: Callable[[int,
 def _matching_chain(
     target_ids: list[int], parents: list[int], depths: list[int], want: list[int]
 ) -> list[int]:
-    """The candidates whose whole path spells the target's next tokens: one per depth, until one is missing."""
+    """The candidates whose whole path spells the target's next tokens: one per depth, until one
+    is missing."""
     chain: list[int] = []
     parent = -1
     for d, token in enumerate(want, start=1):
@@ -149,8 +151,8 @@ def static_node_rates(drafter: Any, replays: list[Replay], top_k: int) -> dict[t
 @torch.no_grad()
 def static_matches_along(drafter: Any, r: Replay, top_k: int) -> Any:
     """For each answer position p: p and the ranks of the target's next tokens among the drafter's guesses for
-    each position ahead of the root, as far as they are among the top_k (every tree node that is a prefix of this
-    path is accepted there)."""
+    each position ahead of the root, as far as they are among the top_k (every tree node that is a prefix of
+    this path is accepted there)."""
     n_prompt = len(r.prompt)
     drafter.begin(r.prompt, r.answer[0], r.features[:n_prompt])
     for p in range(len(r.answer) - 1):

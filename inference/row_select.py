@@ -1,7 +1,7 @@
-"""Greedy's token and a drafter's most likely tokens from logit rows: the extension's kernels (csrc/row_select.cpp)
-for CPU rows in float32 or bf16 where this process has built it, torch's reductions elsewhere. ATen's max along a
-dimension and its topk scan a row one element at a time on CPUs (~100 us for a 49,152-token bf16 row); the kernels
-skip a 16-value block after one vector compare."""
+"""Greedy's token and a drafter's most likely tokens from logit rows: the extension's kernels
+(csrc/row_select.cpp) for CPU rows in float32 or bf16 where this process has built it, torch's reductions
+elsewhere. ATen's max along a dimension and its topk scan a row one element at a time on CPUs (~100 us for
+a 49,152-token bf16 row); the kernels skip a 16-value block after one vector compare."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k most likely tokens: log_softmax(logits).topk(k), largest first (ties: lower index first with the
-    kernel), the log probabilities within float rounding of torch's.
+    """Each row's k most likely tokens: log_softmax(logits).topk(k), largest first (ties: lower index first
+    with the kernel), the log probabilities within float rounding of torch's.
 
     Args:
         logits: [n, V] with 1 <= k <= V.

@@ -75,7 +75,8 @@ def chain_choices(depth: int) -> list[list[int]]:
 def tree_attention_bias(
     tree: Tree, prefix_len: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Additive 4-D mask [1, 1, n, prefix_len + n]: 0 where a node may attend, the dtype's minimum elsewhere."""
+    """Additive 4-D mask [1, 1, n, prefix_len + n]: 0 where a node may attend, the dtype's
+    minimum elsewhere."""
     n = tree.size
     bias = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype, device=device)
     bias[0, 0, :, prefix_len:].masked_fill_(~tree.ancestors.to(device), torch.finfo(dtype).min)

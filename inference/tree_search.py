@@ -20,7 +20,8 @@ Cost = Callable[[int, int], float]  # (verified tokens, tree depth) -> seconds
 
 
 def candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draft_s: float) -> dict:
-    """One scored tree setting: the inference keys it sets, its size, and its expected tau, times and tokens/s."""
+    """One scored tree setting: the inference keys it sets, its size, and its expected tau, times
+    and tokens/s."""
     step = verify_s + draft_s
     return {
         "inference": settings,
@@ -33,8 +34,8 @@ def candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draf
 
 
 class StaticTrees:
-    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.static_nodes, the nodes (paths
-    of per-position ranks) that matched the target's next tokens most often."""
+    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.static_nodes, the nodes
+    (paths of per-position ranks) that matched the target's next tokens most often."""
 
     def verify_sizes(self, tc: TuneConfig) -> list[int]:
         return [n + 1 for n in tc.static_nodes]
@@ -54,8 +55,8 @@ class StaticTrees:
 
 
 class EagleTrees:
-    """EAGLE-2 dynamic trees: every (depth, top_k, total_tokens) of the tune section; one expansion per top_k at
-    the deepest depth scores every depth and size."""
+    """EAGLE-2 dynamic trees: every (depth, top_k, total_tokens) of the tune section; one expansion per top_k
+    at the deepest depth scores every depth and size."""
 
     def verify_sizes(self, tc: TuneConfig) -> list[int]:
         return [n + 1 for n in tc.total_tokens]

@@ -59,8 +59,9 @@ def calibration_prompts(decoder: Any, tc: TuneConfig) -> list[list[int]]:
 def search(
     decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], tc: TuneConfig
 ) -> list[dict]:
-    """Every candidate tree setting of the head kind's search space with its expected accepted drafts, step time
-    and tokens/s, best first; cost(n, depth) is the verify time of n tokens in a tree that deep (`verify_costs`)."""
+    """Every candidate tree setting of the head kind's search space with its expected accepted drafts, step
+    time and tokens/s, best first; cost(n, depth) is the verify time of n tokens in a tree that
+    deep (`verify_costs`)."""
     num_layers = int(text_config(decoder.target.config).num_hidden_layers)
     space = head_kind(decoder.heads.kind).tree_space
     out = space.candidates(decoder.heads, decoder.drafter, replays, cost, tc, num_layers)
@@ -74,8 +75,8 @@ def compare_drafters(
     neural_settings: dict,
     kinds: list[str],
 ) -> list[dict]:
-    """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with the
-    chosen settings, n-gram branches alone, and both in one hybrid tree."""
+    """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with
+    the chosen settings, n-gram branches alone, and both in one hybrid tree."""
     cfg = dataclasses.replace(
         decoder.cfg, inference=dataclasses.replace(decoder.cfg.inference, **neural_settings)
     )

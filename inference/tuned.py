@@ -1,4 +1,5 @@
-"""tuned.json: the tree `headway tune` chose for a head on each machine, and its use by `generate` and `bench`."""
+"""tuned.json: the tree `headway tune` chose for a head on each machine, and its use by `generate`
+and `bench`."""
 
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def tuned_entry(head_dir: str | Path, model: Any, engine: str) -> Optional[dict]
 
 
 def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
-    """cfg with its tree settings replaced by the head's tuned ones for this machine, if there are any (a copy;
-    the caller's config is left as it was)."""
+    """cfg with its tree settings replaced by the head's tuned ones for this machine, if there are any (a
+    copy; the caller's config is left as it was)."""
     if not cfg.inference.use_tuned:
         return cfg
     entries = read_tuned(head_dir)
@@ -53,7 +54,8 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
     if match is None:
         if entries:
             log.info(
-                "%s/%s has no tuned tree for this machine (%s); using the configured tree (run `headway tune`)",
+                "%s/%s has no tuned tree for this machine (%s); "
+                "using the configured tree (run `headway tune`)",
                 head_dir,
                 TUNED_FILENAME,
                 machine_key(model, cfg.inference.engine),
@@ -61,7 +63,8 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
         return cfg
     chosen = match["chosen"]["inference"]
     log.info(
-        "using the tree `headway tune` chose for this machine: %s (inference.use_tuned=false for the configured one)",
+        "using the tree `headway tune` chose for this machine: "
+        "%s (inference.use_tuned=false for the configured one)",
         chosen,
     )
     return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **chosen))

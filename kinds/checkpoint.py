@@ -52,13 +52,15 @@ def save_head(
 
 
 def write_head_config(directory: Path, config: dict) -> None:
-    """config.json, with the sha256 of every weight file beside it (written last, so it seals the directory)."""
+    """config.json, with the sha256 of every weight file beside it (written last, so it seals
+    the directory)."""
     files = file_checksums(directory, [f.name for f in directory.glob("*.safetensors")])
     (directory / "config.json").write_text(json.dumps({**config, "files": files}, indent=2) + "\n")
 
 
 def saved_head_config(kind: str, saved: dict, state: dict) -> Any:
-    """The kind's config from a saved `head` section, with the values older heads had before a setting existed."""
+    """The kind's config from a saved `head` section, with the values older heads had before a
+    setting existed."""
     spec = head_kind(kind)
     head_cfg = spec.upgrade(dict(saved), state)
     if spec.layered:  # heads written before draft_layer was a setting have the target's own layer
@@ -71,7 +73,8 @@ def rebuild_head(config: dict, head_section: dict, state: dict, mismatch: str) -
     state that does not fit is an error that starts with `mismatch` and names the keys."""
     kind = config["kind"]
     if config.get("adapted_target") and head_kind(kind).adapts_target and "lora" not in head_section:
-        # a Medusa-2 head saved before its LoRA settings were a head setting (head.medusa.lora) said so only here
+        # a Medusa-2 head saved before its LoRA settings were a head setting (head.medusa.lora) said so
+        # only here
         head_section = {**head_section, "lora": {"enabled": True}}
     heads = head_kind(kind).build(
         saved_head_config(kind, head_section, state),
@@ -99,8 +102,8 @@ def load_head(
         diff = fingerprint_mismatch(config.get("target_fingerprint", {}), fingerprint)
         if diff:
             raise HeadwayError(
-                f"head {p} was made for target {config.get('target_fingerprint', {}).get('id')} "
-                f"but the loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
+                f"head {p} was made for target {config.get('target_fingerprint', {}).get('id')} but the "
+                f"loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
             )
     verify_checksums(p, config.get("files"), "head", "the file is damaged; copy or export the head again")
     try:

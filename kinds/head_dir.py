@@ -24,7 +24,8 @@ def read_head_config(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
         raise HeadwayError(
-            f"{p} is not a head directory (needs config.json and model.safetensors): train one with `headway train`"
+            f"{p} is not a head directory (needs config.json and "
+            "model.safetensors): train one with `headway train`"
         )
     try:
         return json.loads((p / "config.json").read_text())

@@ -50,9 +50,10 @@ class HeadKind:
         reduced_vocab(kind config) -> whether the head predicts over a draft vocabulary (d2t, built from the
             training data's most frequent tokens).
         reads_target_lm_head(saved head section) -> whether an engine export carries the target's lm_head.
-        upgrade(saved head section, state) -> the section with the values heads saved before a setting existed.
-        calibrate(target, heads, held-out samples, batch size, t2d) -> what the end of training measures on the
-            held-out split and saves with the head (config.json `rank_accuracy`), or None.
+        upgrade(saved head section, state) -> the section with the values heads saved before a setting
+            existed.
+        calibrate(target, heads, held-out samples, batch size, t2d) -> what the end of training measures on
+            the held-out split and saves with the head (config.json `rank_accuracy`), or None.
     """
 
     name: str
@@ -72,8 +73,9 @@ class HeadKind:
     upgrade: Callable[[dict, dict], dict] = _as_saved
     calibrate: Optional[Callable[..., Any]] = None
     adapts_target: bool = False  # may train LoRA adapters of the target with it (Medusa-2)
-    # may draft in bf16 beside a float32 target (inference.drafter_dtype=auto): every weight its drafting reads is its
-    # own (EAGLE-3's read-out is its own lm_head; EAGLE-1's is the target's, which a bf16 draft would copy per call)
+    # may draft in bf16 beside a float32 target (inference.drafter_dtype=auto): every weight its drafting
+    # reads is its own (EAGLE-3's read-out is its own lm_head; EAGLE-1's is the target's, which a bf16 draft
+    # would copy per call)
     drafts_in_bf16: bool = False
 
     def build(

@@ -1,6 +1,7 @@
 """Training runs side by side from their logs: each evaluation's answer tokens trained on, wall time, held-out
-top-1 at the first unrolled steps and the simulated chain tau (`eval/tau/chain`), so runs are compared at equal
-compute without decoding. Logs written before runs counted answer tokens give `--tokens-per-step` times the step.
+top-1 at the first unrolled steps and the simulated chain tau (`eval/tau/chain`), so runs are compared at
+equal compute without decoding. Logs written before runs counted answer tokens give `--tokens-per-step` times
+the step.
 
     python scripts/compare_runs.py RUN_DIR [RUN_DIR ...] [--steps 3] [--tokens-per-step 2230]
 """
@@ -25,7 +26,7 @@ def evaluations(run: Path) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="train.output_dir of each run")
     p.add_argument("--steps", type=int, default=3, help="unrolled steps whose top-1 to show")
     p.add_argument(

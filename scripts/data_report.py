@@ -1,5 +1,6 @@
 """What a set of self-distilled datasets holds: per dataset and in all, the samples, distinct prompts, answer
-tokens, the share of answers that hit the token cap, and the exact and near duplicate rates (train.dedup's rules).
+tokens, the share of answers that hit the token cap, and the exact and near duplicate rates
+(train.dedup's rules).
 
     python scripts/data_report.py DATASET_DIR [DATASET_DIR ...] [--threshold 0.8]
 """
@@ -13,7 +14,7 @@ from headway.train.dedup import answer_tokens, duplicates
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("datasets", nargs="+")
     p.add_argument("--threshold", type=float, default=0.8, help="train.dedup_threshold for the near rule")
     args = p.parse_args()
@@ -39,8 +40,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path, n, prompts, tokens, cap, ex, nr in rows:
         print(
-            f"| {path} | {n:,} | {prompts:,} | {tokens:,} | {100 * cap / max(1, n):.1f}% | {100 * ex / max(1, n):.1f}% "
-            f"| {100 * nr / max(1, n):.1f}% |"
+            f"| {path} | {n:,} | {prompts:,} | {tokens:,} | {100 * cap / max(1, n):.1f}% "
+            f"| {100 * ex / max(1, n):.1f}% | {100 * nr / max(1, n):.1f}% |"
         )
     n = len(every)
     print(

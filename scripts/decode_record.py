@@ -1,5 +1,5 @@
-"""Record what a head decodes, to prove a change kept behaviour: the tokens and target forwards of each drafter on
-a prompt set (greedy), beside plain decoding; `--compare` sets two records side by side.
+"""Record what a head decodes, to prove a change kept behaviour: the tokens and target forwards of each
+drafter on a prompt set (greedy), beside plain decoding; `--compare` sets two records side by side.
 
     python scripts/decode_record.py --head HEAD_DIR --prompts eval.jsonl --out before.json [key=value ...]
     python scripts/decode_record.py --compare before.json after.json
@@ -68,7 +68,7 @@ def compare(before: Path, after: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     p.add_argument("--head")
     p.add_argument("--prompts")

@@ -1,13 +1,15 @@
 """Engines side by side on one machine: plain and speculative decoding with the transformers forward (hf), the
 static engine and the compiled one (torch.compile; the warm-up compiles), the same prompts, in rotating order.
 Speculative output must equal plain greedy output on the same engine (exit 1 otherwise); whether the engines
-agree with each other is reported (near-ties may differ between them). Prints tok/s, tau and ms per verification
-and draft step, and writes them as JSON.
+agree with each other is reported (near-ties may differ between them). Prints tok/s, tau and ms per
+verification and draft step, and writes them as JSON.
 
     python scripts/engine_check.py [--head DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--threads 1]
-                                   [--max-new-tokens 128] [--prompts FILE.jsonl] [--out FILE.json] [overrides...]
+                                   [--max-new-tokens 128] [--prompts FILE.jsonl] [--out FILE.json]
+                                   [overrides...]
 
-On a GPU machine this is the one-command check: `python scripts/engine_check.py --device cuda --dtype bfloat16`.
+On a GPU machine this is the one-command check:
+`python scripts/engine_check.py --device cuda --dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ PROMPTS = [
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--head", default=None, help="head directory (default: the shipped reference head)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -96,8 +98,8 @@ def main() -> int:
             "draft_ms": 1e3 * sum(r.draft_seconds for r in rs) / fw,
         }
         print(
-            f"{k:14s} {p['tok_s']:7.2f} {p['tok_s'] / base:10.2f}x {p['tau']:5.2f} {rows[k]['verify_ms']:9.1f} "
-            f"{rows[k]['draft_ms']:8.1f}"
+            f"{k:14s} {p['tok_s']:7.2f} {p['tok_s'] / base:10.2f}x {p['tau']:5.2f} "
+            f"{rows[k]['verify_ms']:9.1f} {rows[k]['draft_ms']:8.1f}"
         )
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     record = {
@@ -114,8 +116,8 @@ def main() -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(
-        f"{device}, {args.dtype}, {args.threads} thread(s); speculative equals plain greedy on the same engine: "
-        f"{mismatches == 0}; every output equals plain/hf: {engines_differ == 0} -> {args.out}"
+        f"{device}, {args.dtype}, {args.threads} thread(s); speculative equals plain greedy on the same "
+        f"engine: {mismatches == 0}; every output equals plain/hf: {engines_differ == 0} -> {args.out}"
     )
     return 0 if mismatches == 0 else 1
 

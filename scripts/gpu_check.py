@@ -1,20 +1,21 @@
 """The steps of the prepared GPU check (scripts/gpu_check.sh), each appending JSON lines to one results file.
 
-Every figure is written as soon as it is measured, so a run killed at its time limit still leaves what it measured.
-With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the script cannot rot).
+Every figure is written as soon as it is measured, so a run killed at its time limit still leaves what it
+measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the script cannot rot).
 
     python scripts/gpu_check.py env|exact|decode|profile --results FILE [--dry-run] [--prompts FILE.jsonl]
 
 - env: the GPU, torch, CUDA and transformers versions, the commit.
-- exact: greedy speculative output against plain greedy output on the same engine and dtype, per prompt, on tiny
-  random models of four architectures (an untrained EAGLE-3 head) and on the default target (the shipped head);
-  each (model, dtype, engine) records how many prompts were equal and where the first one parted.
-- decode: tok/s, tau, ms per verification and per draft step of plain and speculative decoding (every drafter), per
-  engine and dtype, beside Hugging Face `generate` and its prompt-lookup (assisted) generation, at batch 1.
-- profile: one plain and one speculative decode under torch's profiler: kernels launched per target forward, and
-  the time in drafting, verification and the rest (bookkeeping).
-- distill: `headway distill`'s hf engine (transformers' batched generate) in generated tokens/s, per dtype, KV cache
-  (dynamic, static) and batch size.
+- exact: greedy speculative output against plain greedy output on the same engine and dtype, per prompt, on
+  tiny random models of four architectures (an untrained EAGLE-3 head) and on the default target (the shipped
+  head); each (model, dtype, engine) records how many prompts were equal and where the first one parted.
+- decode: tok/s, tau, ms per verification and per draft step of plain and speculative decoding (every
+  drafter), per engine and dtype, beside Hugging Face `generate` and its prompt-lookup (assisted) generation,
+  at batch 1.
+- profile: one plain and one speculative decode under torch's profiler: kernels launched per target forward,
+  and the time in drafting, verification and the rest (bookkeeping).
+- distill: `headway distill`'s hf engine (transformers' batched generate) in generated tokens/s, per dtype, KV
+  cache (dynamic, static) and batch size.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ BUILT_IN = [
     "List ten countries in Europe and their capitals.",
 ]
 # the budgets: (prompts per set, new tokens) on the GPU and in the dry run
-# (dtype, engine) pairs decoded: every pair on the GPU; in the dry run one pair per dtype, covering both engines
+# (dtype, engine) pairs decoded: every pair on the GPU; in the dry run one pair per dtype, covering
+# both engines
 PAIRS = {
     "gpu": [("bfloat16", "static"), ("bfloat16", "hf"), ("float32", "static"), ("float32", "hf")],
     "dry": [("bfloat16", "static"), ("float32", "hf")],
@@ -124,8 +126,8 @@ def step_env(res: Results, dry: bool) -> None:
 
 
 def _prompt_texts(path: str | None, n: int) -> list[str]:
-    """The first turns of the prompt file's first prompt per category (MT-bench: 8), then the copy prompts shipped
-    with Headway; without a file, built-in prompts then the copy prompts. At most n."""
+    """The first turns of the prompt file's first prompt per category (MT-bench: 8), then the copy prompts
+    shipped with Headway; without a file, built-in prompts then the copy prompts. At most n."""
     first: dict[str, str] = {}
     if path:
         for c in load_conversations(PromptConfig(path=path)):
@@ -360,7 +362,7 @@ def step_distill(res: Results, dry: bool, prompts: str | None) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("step", choices=["env", "exact", "decode", "profile", "distill"])
     ap.add_argument("--results", required=True, help="the JSON-lines file every figure is appended to")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, with tiny budgets")

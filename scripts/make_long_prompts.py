@@ -1,14 +1,15 @@
-"""Build long-prompt sets: the evaluation set (inference/bench_prompts_long_eval.jsonl) or a training prompt file.
+"""Build long-prompt sets: the evaluation set (inference/bench_prompts_long_eval.jsonl) or a training
+prompt file.
 
-Long prompts are where drafts drift. The set has three kinds, each prompt 1,000-3,000 tokens of the default target's
-tokenizer (first turn): summarisation of a stretch of one document, RAG-style questions over several numbered
-documents, and multi-turn chat that starts from a document and asks follow-ups. The documents are Headway's own
-(docs/*.md, README.md, CHANGELOG.md), so the set can ship with Headway; the choice is seeded, and the file was written
-once and committed (rerunning on later docs gives another set).
+Long prompts are where drafts drift. The set has three kinds, each prompt 1,000-3,000 tokens of the default
+target's tokenizer (first turn): summarisation of a stretch of one document, RAG-style questions over several
+numbered documents, and multi-turn chat that starts from a document and asks follow-ups. The documents are
+Headway's own (docs/*.md, README.md, CHANGELOG.md), so the set can ship with Headway; the choice is seeded,
+and the file was written once and committed (rerunning on later docs gives another set).
 
 Training prompts (`--source stdlib`) are built the same way from another corpus, the documentation of Python's
-standard library as pydoc renders it on this machine, so they share no text with the evaluation set; the target
-answers them in `headway distill` (docs/training.md, "Long prompts").
+standard library as pydoc renders it on this machine, so they share no text with the evaluation set; the
+target answers them in `headway distill` (docs/training.md, "Long prompts").
 
     python scripts/make_long_prompts.py [--out inference/bench_prompts_long_eval.jsonl] [--seed 0]
     python scripts/make_long_prompts.py --source stdlib --out long_train.jsonl --per-kind 48,48,32 --seed 1
@@ -48,18 +49,21 @@ FOLLOW_UPS = [
 ]
 
 
-# Standard-library modules whose pydoc pages make the training corpus (prose and API text, like a user's docs).
+# Standard-library modules whose pydoc pages make the training corpus (prose and API text, like a
+# user's docs).
 STDLIB = (
-    "argparse asyncio bisect calendar collections configparser contextlib csv dataclasses datetime decimal difflib "
-    "email.message enum fractions functools glob gzip hashlib heapq html.parser http.client inspect itertools json "
-    "logging multiprocessing operator pathlib pickle pprint queue random re sched secrets selectors shutil socket "
-    "sqlite3 statistics string struct subprocess tarfile tempfile textwrap threading timeit tokenize traceback types "
-    "typing unittest urllib.parse uuid warnings weakref xml.etree.ElementTree zipfile zlib"
+    "argparse asyncio bisect calendar collections configparser contextlib csv dataclasses datetime decimal "
+    "difflib email.message enum fractions functools glob gzip hashlib heapq html.parser http.client "
+    "inspect itertools json logging multiprocessing operator pathlib pickle pprint queue random re sched "
+    "secrets selectors shutil socket sqlite3 statistics string struct subprocess tarfile tempfile textwrap "
+    "threading timeit tokenize traceback types typing unittest urllib.parse uuid warnings weakref "
+    "xml.etree.ElementTree zipfile zlib"
 ).split()
 
 
 def documents(source: str) -> list[tuple[str, str]]:
-    """(name, text) of each document of a corpus: Headway's docs, or pydoc's plain-text pages of the stdlib."""
+    """(name, text) of each document of a corpus: Headway's docs, or pydoc's plain-text pages of
+    the stdlib."""
     if source == "docs":
         return [(name, (ROOT / name).read_text()) for name in SOURCES]
     docs = []
@@ -140,7 +144,7 @@ def build(seed: int, source: str = "docs", candidates: tuple[int, int, int] = (3
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "inference" / "bench_prompts_long_eval.jsonl"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

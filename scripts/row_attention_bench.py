@@ -1,8 +1,8 @@
 """Time the row-exact attention kernel of bf16 decoding steps at the default target's sizes.
 
-A tree of `rows` rows (each row: the prefix, then itself and one ancestor) over 9 query heads sharing 3 key/value
-heads of 64, after a prefix of `--prefix` tokens; the median per layer call, and times 30 for the default target's
-layers. The kernel's build (avx512, avx2, base) is printed first.
+A tree of `rows` rows (each row: the prefix, then itself and one ancestor) over 9 query heads sharing 3
+key/value heads of 64, after a prefix of `--prefix` tokens; the median per layer call, and times 30 for the
+default target's layers. The kernel's build (avx512, avx2, base) is printed first.
 
     taskset -c 0,1 python scripts/row_attention_bench.py --threads 2 --prefix 256
 """
@@ -22,7 +22,7 @@ LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--prefix", type=int, default=256, help="tokens in the cache before the tree")
     ap.add_argument("--rows", default="1,2,8,16,32", help="tree sizes (rows) to time")

@@ -1,10 +1,11 @@
 """Time the streaming linear beside the other packed formats' kernels on the default target's linears.
 
-target/csrc/stream_linear.cpp against the other formats: each of a SmolLM2-135M step's 121 products (random weights of
-its shapes) once per call count; the best of 5 passes, and the weights' bytes over that time. float32 (1, 4 and 16
-rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8 and 16 rows): StreamLinear (its
-AVX512-BF16 or AVX2 build) against Float16Linear (fbgemm) and OneDNNLinear where their kernels run here, as a bf16
-target's decoding calls them, and the float32 streaming kernel over the same weights in float32.
+target/csrc/stream_linear.cpp against the other formats: each of a SmolLM2-135M step's 121 products (random
+weights of its shapes) once per call count; the best of 5 passes, and the weights' bytes over that time.
+float32 (1, 4 and 16 rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8 and 16
+rows): StreamLinear (its AVX512-BF16 or AVX2 build) against Float16Linear (fbgemm) and OneDNNLinear where
+their kernels run here, as a bf16 target's decoding calls them, and the float32 streaming kernel over the same
+weights in float32.
 
     taskset -c 0,1 python scripts/stream_linear_bench.py --threads 2 [--isa avx2] [--dtype bfloat16]
 """
@@ -39,7 +40,7 @@ def best_ms(run, passes: int = 5) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads for both kernels")
     ap.add_argument("--isa", default="auto", help="the streaming kernel's build: auto, avx512 or avx2")
     ap.add_argument(

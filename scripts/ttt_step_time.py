@@ -45,7 +45,7 @@ def batches(args: argparse.Namespace, target, vocab: int) -> list[list[Sample]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype of the step"
     )

@@ -1,7 +1,7 @@
-"""What verifying a tree of n tokens costs on this machine, against a one-token step: the target's verification
-(the decoding engine's forward with hidden states, the greedy walk and the cache compaction, as decoding does them)
-for chains and flat trees of each size, after a prompt of `--prefix` tokens. The curve the hybrid drafter sizes its
-trees by (inference/cost_model.py).
+"""What verifying a tree of n tokens costs on this machine, against a one-token step: the target's
+verification (the decoding engine's forward with hidden states, the greedy walk and the cache compaction, as
+decoding does them) for chains and flat trees of each size, after a prompt of `--prefix` tokens. The curve the
+hybrid drafter sizes its trees by (inference/cost_model.py).
 
     python scripts/verify_cost.py [--prefix 256] [--sizes 1,4,8,16,32,64] [target.dtype=bfloat16 ...]
 
@@ -22,7 +22,7 @@ from headway.target.loading import load_target
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix", type=int, default=256, help="tokens in the cache before the tree")
     p.add_argument("--sizes", default="1,2,4,8,16,24,32,48,64", help="tree sizes (tokens) to time")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per size (the median is printed)")

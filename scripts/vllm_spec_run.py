@@ -67,7 +67,8 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         }
     elif mode == "head":
         spec = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
-    # speculators: the draft directory alone, as `vllm serve DIR` runs it (target and draft length from its config)
+    # speculators: the draft directory alone, as `vllm serve DIR` runs it (target and draft length from
+    # its config)
     model = args.speculators if mode == "speculators" else args.target
     llm = LLM(
         model=model,
@@ -172,8 +173,9 @@ def main() -> None:
     for r in results:
         r["matches_plain"] = sum(o == q for o, q in zip(r.pop("outputs"), plain)) / len(plain)
         print(
-            f"vllm {r['mode']:6s} tok/s {r['tok_s']:7.1f}  acceptance length {r.get('acceptance_length') or 1.0:.2f}  "
-            f"per position {r.get('per_position', [])}  matches plain {100 * r['matches_plain']:.0f}%"
+            f"vllm {r['mode']:6s} tok/s {r['tok_s']:7.1f}  acceptance length "
+            f"{r.get('acceptance_length') or 1.0:.2f}  per position {r.get('per_position', [])}  matches "
+            f"plain {100 * r['matches_plain']:.0f}%"
             + (
                 f"  prefill of {r['prefill_tokens']} tokens {r['prefill_ms']:.0f} ms"
                 if "prefill_ms" in r

@@ -1,14 +1,15 @@
 """Headway's C++ kernels built with torch's extension builder, in a way an interrupted build cannot break.
 
 torch's builder guards each extension's build directory with a lock file that it creates before compiling and
-deletes after (`FileBaton`). A build killed midway (Ctrl-C during the first `headway demo`'s compile, SIGKILL, a
-lost machine) leaves that file behind, and every later build of the extension then waits for it forever, printing
-nothing. So Headway takes its own lock first: an flock on a file beside torch's, which the kernel releases when its
-holder dies, however it dies. Whoever holds it is the only Headway process building that extension, so a torch lock
-file found then was left by a dead build: it is removed (with a warning that names it) and the build runs again;
-the compiler's own build log reruns whatever the dead build left unfinished. Two processes that build at once still
-share one build: the second waits on the flock, then finds the extension built. A build that another live process
-holds for longer than `HEADWAY_BUILD_WAIT_S` seconds (default 900) stops with a message naming the lock.
+deletes after (`FileBaton`). A build killed midway (Ctrl-C during the first `headway demo`'s compile, SIGKILL,
+a lost machine) leaves that file behind, and every later build of the extension then waits for it forever,
+printing nothing. So Headway takes its own lock first: an flock on a file beside torch's, which the kernel
+releases when its holder dies, however it dies. Whoever holds it is the only Headway process building that
+extension, so a torch lock file found then was left by a dead build: it is removed (with a warning that names
+it) and the build runs again; the compiler's own build log reruns whatever the dead build left unfinished. Two
+processes that build at once still share one build: the second waits on the flock, then finds the extension
+built. A build that another live process holds for longer than `HEADWAY_BUILD_WAIT_S` seconds (default 900)
+stops with a message naming the lock.
 """
 
 from __future__ import annotations
@@ -31,12 +32,14 @@ DEFAULT_WAIT_S = 900.0  # a first build of the layer loop takes about a minute o
 
 
 def build_directory(name: str) -> str:
-    """The directory torch's builder uses for extension `name` (under TORCH_EXTENSIONS_DIR), created if absent."""
+    """The directory torch's builder uses for extension `name` (under TORCH_EXTENSIONS_DIR), created
+    if absent."""
     return cpp_extension._get_build_directory(name, False)
 
 
 def load_extension(name: str, sources: Sequence[str], extra_cflags: Sequence[str], **kwargs: Any) -> Any:
-    """`torch.utils.cpp_extension.load(name, sources, extra_cflags=..., **kwargs)`, under Headway's build lock.
+    """`torch.utils.cpp_extension.load(name, sources, extra_cflags=..., **kwargs)`, under Headway's
+    build lock.
 
     Args:
         name: the extension's name (its build directory's).
@@ -80,6 +83,6 @@ def _acquire(lock: Any, lock_path: str, name: str) -> None:
         except BlockingIOError:
             if time.monotonic() > deadline:
                 raise HeadwayError(
-                    f"another process has been building {name} for over {wait_s:.0f} s (it holds {lock_path}): "
-                    f"wait for it or stop it, then rerun; raise {WAIT_ENV} to wait longer"
+                    f"another process has been building {name} for over {wait_s:.0f} s (it holds "
+                    f"{lock_path}): wait for it or stop it, then rerun; raise {WAIT_ENV} to wait longer"
                 ) from None

@@ -183,9 +183,9 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
                 raise _remote_code_refused(path, e) from None
             if Path(path).is_dir() and not any(Path(path).glob("*.safetensors")):
                 raise HeadwayError(
-                    f"{path} has no .safetensors weights: Headway does not load pickled weights (.bin/.pt), which can run "
-                    "code when read; convert them once with safetensors (e.g. `model.save_pretrained(dir)` in a trusted "
-                    "environment)"
+                    f"{path} has no .safetensors weights: Headway does not load pickled weights (.bin/.pt), "
+                    "which can run code when read; convert them once with safetensors (e.g. "
+                    "`model.save_pretrained(dir)` in a trusted environment)"
                 ) from None
             raise HeadwayError(f"cannot load target model from {path}: {e}") from None
         model.to(device)

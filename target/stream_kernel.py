@@ -1,10 +1,11 @@
 """Headway's streaming linears (csrc/stream_linear.cpp), built on first use with torch's extension builder.
 
-It registers `torch.ops.headway_kernels.stream_linear` (float32) and `stream_linear_bf16` (bf16 rows over a weight
-packed by `stream_pack_bf16`), which `StreamLinear` (target.linear_weights=stream) and the static engine's C++ layer
-loop call. Building needs a C++ compiler once (cached under TORCH_EXTENSIONS_DIR); where there is none, or the CPU
-lacks the instructions (AVX-512, or AVX2 with FMA), the format is refused with the reason. bf16 rows run on
-`vdpbf16ps` where the CPU has AVX512-BF16, else in float32 fused multiply-adds on AVX2 (`bf16_build`).
+It registers `torch.ops.headway_kernels.stream_linear` (float32) and `stream_linear_bf16` (bf16 rows over a
+weight packed by `stream_pack_bf16`), which `StreamLinear` (target.linear_weights=stream) and the static
+engine's C++ layer loop call. Building needs a C++ compiler once (cached under TORCH_EXTENSIONS_DIR); where
+there is none, or the CPU lacks the instructions (AVX-512, or AVX2 with FMA), the format is refused with the
+reason. bf16 rows run on `vdpbf16ps` where the CPU has AVX512-BF16, else in float32 fused multiply-adds on
+AVX2 (`bf16_build`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from headway.target.build import load_extension
 log = logging.getLogger("headway")
 
 SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "stream_linear.cpp")
-# -ffp-contract=off for everything but the kernel's own functions, which contract to fused multiply-adds in every
-# build alike (their optimize attribute)
+# -ffp-contract=off for everything but the kernel's own functions, which contract to fused multiply-adds in
+# every build alike (their optimize attribute)
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _BUILT: list[tuple[Optional[Any], str]] = []  # [(module, "")] once built, [(None, why)] once a build failed
 
@@ -37,7 +38,8 @@ def _build() -> tuple[Optional[Any], str]:
         log.info("building Headway's float32 streaming linear (once; cached by torch's extension builder)")
         try:
             _BUILT.append((load_extension("headway_stream_linear", [SOURCE], CFLAGS), ""))
-            # the bf16 op's output shape, for torch.compile (which traces the compiled engine's steps through it)
+            # the bf16 op's output shape, for torch.compile (which traces the compiled engine's steps
+            # through it)
             torch.library.register_fake("headway_kernels::stream_linear_bf16")(_bf16_shape)
         except Exception as e:  # no compiler, no headers
             lines = str(e).strip().splitlines()
@@ -55,7 +57,8 @@ def stream_kernel() -> Any:
 
 
 def unavailable() -> Optional[str]:
-    """Why the streaming linear cannot run on this machine; None where it can (building it on the first call)."""
+    """Why the streaming linear cannot run on this machine; None where it can (building it on the
+    first call)."""
     module, why = _build()
     if module is None:
         return why
@@ -65,7 +68,8 @@ def unavailable() -> Optional[str]:
 
 
 def bf16_unavailable() -> Optional[str]:
-    """Why the streaming linear cannot run bf16 rows here; None where it can (building it on the first call)."""
+    """Why the streaming linear cannot run bf16 rows here; None where it can (building it on the
+    first call)."""
     module, why = _build()
     if module is None:
         return why
@@ -75,7 +79,7 @@ def bf16_unavailable() -> Optional[str]:
 
 
 def bf16_build() -> str:
-    """The bf16 build this CPU runs: "avx512bf16" (vdpbf16ps), "avx2" (float32 fused multiply-adds) or "" (none, or
-    the kernel did not build)."""
+    """The bf16 build this CPU runs: "avx512bf16" (vdpbf16ps), "avx2" (float32 fused multiply-adds) or ""
+    (none, or the kernel did not build)."""
     module, _ = _build()
     return "" if module is None else module.bf16_build()

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import torch
 
+from headway.config import load_config
 from headway.inference.tree import build_tree
+from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 
@@ -24,6 +26,16 @@ def with_threads(n: int, fn):
 def load64(path: Path):
     """A tiny target in float64 on one CPU thread: exactness tests compare tokens, not rounding."""
     return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
+
+
+def float64_run(target_dir: Path, *extra: str) -> RunConfig:
+    """The run config that decodes a trained head on tiny target `target_dir` in float64 on the CPU, with
+    `extra` overrides."""
+    return load_config(
+        RunConfig,
+        None,
+        [f"target.name_or_path={target_dir}", "target.device=cpu", "target.dtype=float64", *extra],
+    )
 
 
 def load_packed(path: Path, linear_weights: str = "float16", dtype: str = "float32"):
@@ -44,8 +56,9 @@ def chat_ids(t, text: str) -> list[int]:
 
 
 def engine_steps(runner, more: int = 0) -> list[torch.Tensor]:
-    """A prompt, one-token steps, tree steps with their compaction, then `more` one-token steps, on a static runner:
-    each step's logits (stacked by row) and hidden states, as one list of tensors to compare bit for bit."""
+    """A prompt, one-token steps, tree steps with their compaction, then `more` one-token steps, on a static
+    runner: each step's logits (stacked by row) and hidden states, as one list of tensors to compare bit
+    for bit."""
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     out = []
     for ids, t, keep in [

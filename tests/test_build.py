@@ -1,5 +1,7 @@
-"""Kernel builds that survive interruption (target/build.py): a build killed midway leaves torch's lock file behind,
-and the next run must build and finish instead of waiting on it forever; two runs that build at once share one build."""
+"""Kernel builds that survive interruption (target/build.py): a build killed midway leaves torch's lock file
+behind, and the next run must build and finish instead of waiting on it forever; two runs that build at
+once share
+one build."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-# A C++ file the compiler takes a few seconds over (it evaluates a loop at compile time), so that a test can kill
-# its build midway; no torch headers, so the build itself stays cheap.
+# A C++ file the compiler takes a few seconds over (it evaluates a loop at compile time), so that a test can
+# kill its build midway; no torch headers, so the build itself stays cheap.
 SOURCE = """
 constexpr long spin(long n) { long s = 0; for (long i = 0; i < n; ++i) s += i % 7; return s; }
 extern "C" long headway_test_value() { constexpr long v = spin(SPIN); return v; }
@@ -89,6 +91,7 @@ def test_two_processes_building_at_once_share_one_build(source):
     second = _build(tmp_path)
     outs = [p.communicate(timeout=300)[0] for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
-    # the compiler ran once: ninja logs each compile it runs, and the second process found the object up to date
+    # the compiler ran once: ninja logs each compile it runs, and the second process found the object up
+    # to date
     log = (_build_dir(tmp_path) / ".ninja_log").read_text().splitlines()
     assert [line.split("\t")[3] for line in log[1:]].count("slow.o") == 1, log

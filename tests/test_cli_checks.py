@@ -1,6 +1,6 @@
-"""Every command refuses bad input before any model loads (headway/checks.py): each case below runs the command
-line with a target whose loading fails the test, and expects exit status 2 with one message naming the thing and
-the fix."""
+"""Every command refuses bad input before any model loads (headway/checks.py): each case below runs the
+command line with a target whose loading fails the test, and expects exit status 2 with one message naming the
+thing and the fix."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from headway.cli import main
 
 HEAD = str(Path(__file__).resolve().parents[1] / "heads" / "reference" / "smollm2-135m-instruct-eagle3")
 FINGERPRINT = json.loads((Path(HEAD) / "config.json").read_text())["target_fingerprint"]
-# the modules whose jobs load a target or build a kernel; the fixture below makes each of those calls fail the test
+# the modules whose jobs load a target or build a kernel; the fixture below makes each of those calls fail
+# the test
 JOBS = (
     "headway.data_scripts.distill",
     "headway.train.loop",

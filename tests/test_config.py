@@ -95,8 +95,8 @@ def test_overrides_may_follow_options(capsys):
 
 
 def test_recipes_state_only_what_differs_from_the_defaults():
-    """Each default is declared once, in its config class: a recipe (configs/*.yaml) that restated one would drift
-    from it silently. A recipe may still name its target and its head kind."""
+    """Each default is declared once, in its config class: a recipe (configs/*.yaml) that restated one would
+    drift from it silently. A recipe may still name its target and its head kind."""
     from headway.demo_config import DemoConfig
 
     keep = {"head.kind", "target.name_or_path"}

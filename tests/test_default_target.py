@@ -24,6 +24,15 @@ def smollm2(shared_cache):
     return load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2))
 
 
+def default_target_run(shared_cache: Path, *extra: str) -> RunConfig:
+    """The default target on the CPU with 2 threads (as `smollm2` loads it), and `extra` overrides."""
+    return load_config(
+        RunConfig,
+        None,
+        [f"target.cache_dir={shared_cache}", "target.device=cpu", "target.num_threads=2", *extra],
+    )
+
+
 def test_alias_loads_the_real_target(smollm2):
     fp = smollm2.fingerprint
     assert (fp["architecture"], fp["hidden_size"], fp["num_hidden_layers"], fp["vocab_size"]) == (
@@ -72,19 +81,13 @@ def test_distill_masks_exactly_the_generated_tokens(smollm2, shared_cache, tmp_p
         {"turns": ["Name a prime number.", "Why is it prime?"]},
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = load_config(
-        RunConfig,
-        None,
-        [
-            f"target.cache_dir={shared_cache}",
-            "target.device=cpu",
-            "target.num_threads=2",
-            f"prompts.path={prompts}",
-            f"distill.output_dir={tmp_path / 'ds'}",
-            "distill.engine=hf",
-            "distill.batch_size=1",
-            "distill.max_new_tokens=48",
-        ],
+    cfg = default_target_run(
+        shared_cache,
+        f"prompts.path={prompts}",
+        f"distill.output_dir={tmp_path / 'ds'}",
+        "distill.engine=hf",
+        "distill.batch_size=1",
+        "distill.max_new_tokens=48",
     )
     ds, manifest = load_distilled(distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie))
     assert manifest["target_fingerprint"] == smollm2.fingerprint and len(ds) == 3
@@ -157,8 +160,8 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
 
 
 def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache):
-    """An untrained DFlash head on SmolLM2 in float64 (its block's chain, and a branching tree over its slots):
-    speculative output equals plain greedy output."""
+    """An untrained DFlash head on SmolLM2 in float64 (its block's chain, and a branching tree over its
+    slots): speculative output equals plain greedy output."""
     from headway.heads.dflash import DFlashConfig, DFlashHead
     from headway.heads.draft_layer import draft_layer_config
     from headway.inference.draft_dflash import DFlashDrafter
@@ -205,27 +208,21 @@ def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache
     ],
 )
 def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache, linear_weights: str):
-    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees), with torch's linears and with
-    oneDNN-packed ones: speculative output equals plain greedy output in the same dtype and format. Without the
-    row-exact decoding steps most answers part at a near-tie."""
+    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees), with torch's linears and
+    with oneDNN-packed ones: speculative output equals plain greedy output in the same dtype and format.
+    Without the row-exact decoding steps most answers part at a near-tie."""
     from headway.demo import reference_head
     from headway.inference.api import SpeculativeDecoder
     from headway.inference.generate import plain_generate, speculative_generate
 
-    cfg = load_config(
-        RunConfig,
-        None,
-        [
-            f"target.cache_dir={shared_cache}",
-            "target.device=cpu",
-            "target.num_threads=2",
-            "target.dtype=bfloat16",
-            f"target.linear_weights={linear_weights}",
-            "inference.drafter=neural",
-            "inference.depth=3",
-            "inference.top_k=4",
-            "inference.total_tokens=6",
-        ],
+    cfg = default_target_run(
+        shared_cache,
+        "target.dtype=bfloat16",
+        f"target.linear_weights={linear_weights}",
+        "inference.drafter=neural",
+        "inference.depth=3",
+        "inference.top_k=4",
+        "inference.total_tokens=6",
     )
     decoder = SpeculativeDecoder.load(reference_head(), cfg)
     model, stops = decoder.target.model, decoder.fmt.stop_ids

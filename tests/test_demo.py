@@ -1,4 +1,5 @@
-"""`headway demo`: the whole pipeline on a tiny target (--train), and the shipped head on the real default target."""
+"""`headway demo`: the whole pipeline on a tiny target (--train), and the shipped head on the real
+default target."""
 
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     result = run_demo(cfg)
     assert result["overall"]["all_equal_plain"] is True
     assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
-    # decoded in bf16 where the CPU has oneDNN's bf16 kernels (oneDNN-packed weights on AMX, float16-packed ones
-    # elsewhere), else float32 through the streaming linear
+    # decoded in bf16 where the CPU has oneDNN's bf16 kernels (oneDNN-packed weights on AMX, float16-packed
+    # ones elsewhere), else float32 through the streaming linear
     assert (result["dtype"], result["linear_weights"]) == fast_format()
 
 
@@ -107,9 +108,9 @@ def fast_format() -> tuple[str, str]:
 def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream_elsewhere(
     monkeypatch, amx: bool, stream: bool
 ):
-    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) Headway's bf16 streaming
-    linear makes the faster step and cheaper trees, or where it cannot build, fbgemm's float16 one-row kernel
-    (docs/benchmarks.md)."""
+    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) Headway's bf16
+    streaming linear makes the faster step and cheaper trees, or where it cannot build, fbgemm's float16
+    one-row kernel (docs/benchmarks.md)."""
     from headway import demo
     from headway.demo import DemoConfig, decoding_target
     from headway.target.config import TargetConfig
@@ -126,9 +127,9 @@ def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream
 
 @pytest.mark.parametrize("stream", ["bf16", "float32", "none"])
 def test_demo_on_a_cpu_without_bf16_kernels_decodes_in_its_fastest_format(monkeypatch, stream: str):
-    """An AVX2 CPU (no oneDNN bf16 kernels): bf16 through the streaming linear's AVX2 build, or float32 through it
-    where its bf16 rows cannot run, or where it cannot build at all, float32 with oneDNN-packed weights (MKL-packed
-    on one thread)."""
+    """An AVX2 CPU (no oneDNN bf16 kernels): bf16 through the streaming linear's AVX2 build, or float32
+    through it where its bf16 rows cannot run, or where it cannot build at all, float32 with oneDNN-packed
+    weights (MKL-packed on one thread)."""
     from headway import demo
     from headway.demo import DemoConfig, decoding_target
     from headway.target.config import TargetConfig

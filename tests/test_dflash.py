@@ -1,5 +1,5 @@
-"""DFlash: exact decoding from block drafts, a context cache that matches a fresh pass, training blocks that see
-what inference sees, the loss against a slot-by-slot computation, training, export and round trip."""
+"""DFlash: exact decoding from block drafts, a context cache that matches a fresh pass, training blocks that
+see what inference sees, the loss against a slot-by-slot computation, training, export and round trip."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import chat_ids, load64
+from decode_helpers import chat_ids, float64_run, load64
 from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
@@ -62,13 +62,21 @@ def test_untrained_dflash_heads_are_exact(tiny_dirs, arch: str):
     assert speculative_generate(t.model, hybrid, ids, 40, [t.tokenizer.eos_token_id]).tokens == ref.tokens
 
 
-def float64_run(target_dir: Path):
-    """The run config that decodes a trained head on tiny target `target_dir` in float64 on the CPU."""
-    from headway.config import load_config
-    from headway.run_config import RunConfig
+def train_dflash(tiny_dirs, tiny_data, out: Path, *extra: str) -> Path:
+    """A DFlash head (a block of 4) trained 12 small_run steps on the tiny Llama, with `extra` overrides
+    (head.dflash.*); its head directory."""
+    from headway.train.loop import train
 
-    return load_config(
-        RunConfig, None, [f"target.name_or_path={target_dir}", "target.device=cpu", "target.dtype=float64"]
+    return train(
+        small_run(
+            tiny_dirs["llama"],
+            tiny_data,
+            out,
+            "head.kind=dflash",
+            *extra,
+            "head.dflash.block_size=4",
+            "train.max_steps=12",
+        )
     )
 
 
@@ -125,7 +133,8 @@ def test_training_blocks_see_what_inference_sees(tiny_dirs):
 
 def test_dflash_loss_is_the_weighted_sum_of_its_slots(tiny_dirs):
     """The objective equals its definition computed slot by slot: for each anchor a and slot j, the block's
-    logits against the target's distribution at a + j - 1, averaged per slot and weighted exp(-(j-1)/gamma)."""
+    logits against the target's distribution at a + j - 1, averaged per slot and
+    weighted exp(-(j-1)/gamma)."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, loss_gamma=2.0)
     ids = chat_ids(t, "What is two plus three? Tell me a story.")
@@ -175,19 +184,8 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
     tiny_dirs, tiny_data, tmp_path: Path
 ):
     from headway.inference.api import SpeculativeDecoder
-    from headway.train.loop import train
 
-    head_dir = train(
-        small_run(
-            tiny_dirs["llama"],
-            tiny_data,
-            tmp_path / "run",
-            "head.kind=dflash",
-            "head.dflash.draft_vocab_size=64",
-            "head.dflash.block_size=4",
-            "train.max_steps=12",
-        )
-    )
+    head_dir = train_dflash(tiny_dirs, tiny_data, tmp_path / "run", "head.dflash.draft_vocab_size=64")
     curve = losses(tmp_path / "run")
     assert curve[-1][1] < curve[0][1]  # it learns
     config = json.loads((head_dir / "config.json").read_text())
@@ -229,11 +227,10 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
 
 
 def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp_path: Path):
-    """lm_head=target: the head drafts over the whole vocabulary through the target's frozen lm_head, saves neither,
-    decodes exactly, and exports for SGLang and vLLM with no lm_head or d2t (both engines then read out through the
-    target's), round-tripping."""
+    """lm_head=target: the head drafts over the whole vocabulary through the target's frozen lm_head, saves
+    neither, decodes exactly, and exports for SGLang and vLLM with no lm_head or d2t (both engines then read
+    out through the target's), round-tripping."""
     from headway.inference.api import SpeculativeDecoder
-    from headway.train.loop import train
 
     t = load64(tiny_dirs["qwen2"])
     heads = random_head(t, lm_head="target")
@@ -246,17 +243,7 @@ def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp
     ref = greedy_generate(t.model, ids, 32, [t.tokenizer.eos_token_id])
     assert speculative_generate(t.model, drafter, ids, 32, [t.tokenizer.eos_token_id]).tokens == ref.tokens
 
-    head_dir = train(
-        small_run(
-            tiny_dirs["llama"],
-            tiny_data,
-            tmp_path / "run",
-            "head.kind=dflash",
-            "head.dflash.lm_head=target",
-            "head.dflash.block_size=4",
-            "train.max_steps=12",
-        )
-    )
+    head_dir = train_dflash(tiny_dirs, tiny_data, tmp_path / "run", "head.dflash.lm_head=target")
     curve = losses(tmp_path / "run")
     assert curve[-1][1] < curve[0][1]  # it learns through the frozen read-out
     config = json.loads((head_dir / "config.json").read_text())

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from train_helpers import losses, small_run
+from train_helpers import losses, small_run, small_run_args
 
 from headway.errors import HeadwayError
 
@@ -30,25 +30,7 @@ HEADS = {
 
 def overrides(model_dir: Path, data: Path, out: Path, kind: str, *extra: str) -> list[str]:
     """small_run's settings as command-line overrides: 6 steps of 2 sequences per rank x 2 accumulation."""
-    return [
-        f"target.name_or_path={model_dir}",
-        "target.device=cpu",
-        "target.num_threads=1",
-        f"train.datasets=[{data}]",
-        f"train.output_dir={out}",
-        "train.max_steps=6",
-        "train.micro_batch_size=2",
-        "train.grad_accum=2",
-        "train.warmup_steps=2",
-        "train.lr=0.01",
-        "train.eval_every=3",
-        "train.eval_fraction=0.2",
-        "train.log_every=1",
-        "train.autocast_dtype=float32",
-        "train.save_every=3",
-        *HEADS[kind],
-        *extra,
-    ]
+    return small_run_args(model_dir, data, out, *HEADS[kind], *extra)
 
 
 def torchrun(args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:

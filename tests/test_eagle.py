@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import chat_ids, load64
+from decode_helpers import chat_ids, float64_run, load64
 from train_helpers import losses, small_run
 
 from headway.errors import HeadwayError
@@ -86,9 +86,9 @@ def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, arch: str, kind: str):
-    """The drafter layer's preallocated cache (llama-style families; others keep transformers' cache) proposes the
-    same candidates with the same scores at every step as transformers' DynamicCache, through growth past its
-    first buffer and the truncation after every expansion."""
+    """The drafter layer's preallocated cache (llama-style families; others keep transformers' cache) proposes
+    the same candidates with the same scores at every step as transformers' DynamicCache, through growth past
+    its first buffer and the truncation after every expansion."""
     from headway.inference.engine import StaticLayerCache
 
     t = load64(tiny_dirs[arch])
@@ -114,8 +114,8 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: str):
-    """The EAGLE-3 draft layer as one C++ layer-loop call gives the Python step's bits (float64), and with the fused
-    bf16 kernels stays within bf16 rounding of it, over a prompt and a tree expansion after it."""
+    """The EAGLE-3 draft layer as one C++ layer-loop call gives the Python step's bits (float64), and with the
+    fused bf16 kernels stays within bf16 rounding of it, over a prompt and a tree expansion after it."""
     from headway.inference.engine import StaticLayerCache
 
     t = load64(tiny_dirs[arch])
@@ -208,9 +208,7 @@ def test_eagle_tree_settings_are_checked(tiny_dirs):
 def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(
     tiny_dirs, tiny_data, tmp_path: Path, kind: str
 ):
-    from headway.config import load_config
     from headway.inference.api import SpeculativeDecoder
-    from headway.run_config import RunConfig
     from headway.train.loop import train
 
     head_dir = train(
@@ -235,16 +233,7 @@ def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(
             3,
         ]  # (2, L//2, L-3) does not ascend on 4 layers: (1, L//2, L-1)
         assert config["draft_vocab_size"] == 64
-    cfg = load_config(
-        RunConfig,
-        None,
-        [
-            f"target.name_or_path={tiny_dirs['llama']}",
-            "target.device=cpu",
-            "target.dtype=float64",
-            "inference.max_new_tokens=24",
-        ],
-    )
+    cfg = float64_run(tiny_dirs["llama"], "inference.max_new_tokens=24")
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     decoder.warm_up()
     assert not decoder.drafter.calibration.rates  # the warm-up decoded through a throwaway copy of the hybrid
@@ -330,7 +319,8 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
 
 
 def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
-    """Data cached in groups (one cache per dataset) trains as one cache would; a dataset no cache holds is named."""
+    """Data cached in groups (one cache per dataset) trains as one cache would; a dataset no cache holds
+    is named."""
     import shutil
 
     from headway.config import load_config
@@ -388,8 +378,8 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_eagle31_heads_are_exact(tiny_dirs, arch: str):
-    """EAGLE-3.1's norms (input norms before fc, the normed output fed back) draft through the same tree code: greedy
-    output equals plain decoding, float64, on each architecture, with the norms' weights random."""
+    """EAGLE-3.1's norms (input norms before fc, the normed output fed back) draft through the same tree code:
+    greedy output equals plain decoding, float64, on each architecture, with the norms' weights random."""
     t = load64(tiny_dirs[arch])
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     for input_norm, norm_output in (("per_layer", True), ("concat", False)):
@@ -416,8 +406,8 @@ def test_eagle31_heads_are_exact(tiny_dirs, arch: str):
 
 
 def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_data, tmp_path: Path, caplog):
-    """train.init_from a plain EAGLE-3 head with EAGLE-3.1's norms turned on: every weight starts as the head's, the
-    added norms at ones; it trains, resumes, and its directory records the norms."""
+    """train.init_from a plain EAGLE-3 head with EAGLE-3.1's norms turned on: every weight starts as the
+    head's, the added norms at ones; it trains, resumes, and its directory records the norms."""
     from headway.train.loop import heads_from, train
 
     base = [

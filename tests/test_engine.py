@@ -1,5 +1,7 @@
-"""The static engine and its compiled form: the same logits and hidden states as the model's own forward (prefill,
-tree, compaction), the same tokens in plain and speculative decoding, and a clear refusal where it does not apply."""
+"""The static engine and its compiled form: the same logits and hidden states as the model's own forward
+(prefill, tree, compaction), the same tokens in plain and speculative decoding, and a clear refusal where
+it does
+not apply."""
 
 from __future__ import annotations
 
@@ -67,8 +69,10 @@ def test_static_and_dynamic_paths_give_the_same_tokens(tiny_dirs, arch: str):
 
 def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny_dirs):
     """Speculative decoding on the compiled engine equals plain decoding on it (and on hf: float64 leaves no
-    near-ties), and one graph serves every tree size and cache length: only the single-token and the many-token
-    case compile (2 graphs), not one per size, with or without hidden states, and for a tree that is only its root."""
+    near-ties), and one graph serves every tree size and cache length: only the single-token and the
+    many-token case compile (2 graphs), not one per size, with or without hidden states, and for a tree that
+    is only
+    its root."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     t = load64(tiny_dirs["llama"])
@@ -99,8 +103,8 @@ ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
 )
 @torch.inference_mode()
 def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str, attention: str):
-    """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after its
-    ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention by either
+    """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after
+    its ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention by either
     `target.row_attention`, and the padding of few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
     if attention == "cpp" and layer_loop.extension() is None:
         pytest.skip("the C++ extension does not build here")
@@ -141,9 +145,9 @@ def _row_kernel(attention: str) -> Any:
 )
 @torch.inference_mode()
 def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(attention: str, dtype):
-    """RowAttention at the default target's sizes (9 query heads over 3 key/value heads of 64, ~150 visible slots):
-    a row computed in a group of rows of the same length, or among rows of other lengths, equals that row computed
-    alone, bit for bit. (Batched matmuls fail this: their result depends on the batch count.)"""
+    """RowAttention at the default target's sizes (9 query heads over 3 key/value heads of 64, ~150 visible
+    slots): a row computed in a group of rows of the same length, or among rows of other lengths, equals that
+    row computed alone, bit for bit. (Batched matmuls fail this: their result depends on the batch count.)"""
     kernel = _row_kernel(attention)
     cache_dtype = torch.float32 if kernel else dtype  # the runner keeps a row-exact cache in float32
     g = torch.Generator().manual_seed(0)
@@ -155,8 +159,8 @@ def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(attention
     for i, tail in enumerate(tails):
         alone = RowAttention(150, [tail], q.device, kernel)(q[i : i + 1], k_cache, v_cache, 0.125)
         assert torch.equal(together[i : i + 1], alone), i
-    # rows that see the cache's first slots in order (plain decoding's, a chain's): the same bits as the same keys
-    # gathered from elsewhere (the SDPA path reads the first in place)
+    # rows that see the cache's first slots in order (plain decoding's, a chain's): the same bits as the same
+    # keys gathered from elsewhere (the SDPA path reads the first in place)
     chain = RowAttention(150, [[150], [150, 151], [150, 151, 152]], q.device, kernel)
     if kernel is None:
         assert chain.slots is None and RowAttention(150, [[150, 152]], q.device).slots is not None
@@ -169,7 +173,8 @@ def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(attention
 def _attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, tail: list[int], scale: float
 ) -> torch.Tensor:
-    """One row's attention (q [heads, dim]) over the cache's first `start` slots, then `tail`, by torch: [heads * dim]."""
+    """One row's attention (q [heads, dim]) over the cache's first `start` slots, then `tail`, by torch:
+    [heads * dim]."""
     slots = torch.tensor(list(range(start)) + tail)
     out = F.scaled_dot_product_attention(
         q[:, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
@@ -180,8 +185,8 @@ def _attention(
 def _tail_moved_to_prefix(
     k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, tail: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Copies of the caches with the tail's keys and values written right after the prefix, and the last of those
-    slots: the same sequence as plain decoding sees it (all prefix, the row itself last)."""
+    """Copies of the caches with the tail's keys and values written right after the prefix, and the last of
+    those slots: the same sequence as plain decoding sees it (all prefix, the row itself last)."""
     moved_k, moved_v = k_cache.clone(), v_cache.clone()
     moved_k[:, start : start + len(tail)] = k_cache[:, tail]
     moved_v[:, start : start + len(tail)] = v_cache[:, tail]
@@ -193,8 +198,10 @@ def _tail_moved_to_prefix(
 )
 @torch.inference_mode()
 def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_heads: int, head_dim: int):
-    """The C++ row kernel computes softmax(q k^T * scale) v over each row's prefix and tail (float32 rounding), and a
-    row's bits do not depend on the prefix/tail split, the other rows, the padding rows or the thread count."""
+    """The C++ row kernel computes softmax(q k^T * scale) v over each row's prefix and tail (float32
+    rounding), and a row's bits do not depend on the prefix/tail split, the other rows, the padding rows
+    or the
+    thread count."""
     kernel = _row_kernel("cpp")
     g = torch.Generator().manual_seed(1)
     k_cache, v_cache = torch.randn(2, kv_heads, 90, head_dim, generator=g).unbind(0)
@@ -230,9 +237,11 @@ def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_
 def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
     heads: int, kv_heads: int, head_dim: int
 ):
-    """Each build of the row kernel this CPU runs (AVX-512 and AVX2 with fused multiply-adds, the baseline without):
-    attention within float32 rounding, and a row's bits whatever its prefix/tail split, the other rows or how many
-    queries share a key head; the two FMA builds give the same bits (the lanes compute the same fused operations)."""
+    """Each build of the row kernel this CPU runs (AVX-512 and AVX2 with fused multiply-adds, the baseline
+    without): attention within float32 rounding, and a row's bits whatever its prefix/tail split, the other
+    rows or how many queries share a key head; the two FMA builds give the same bits (the lanes compute
+    the same
+    fused operations)."""
     ext = layer_loop.extension()
     if ext is None:
         pytest.skip("the C++ extension did not build here")
@@ -271,9 +280,9 @@ def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_the_kernels_transposed_keys_change_no_bit(tiny_dirs, arch: str):
-    """The row kernel's transposed key blocks, kept across steps and made stale by compaction and truncation, give
-    the bits of transposing the prefix afresh at every step: logits of a prompt, one-token steps and trees with their
-    compaction, then a truncation and new steps."""
+    """The row kernel's transposed key blocks, kept across steps and made stale by compaction and truncation,
+    give the bits of transposing the prefix afresh at every step: logits of a prompt, one-token steps and
+    trees with their compaction, then a truncation and new steps."""
     _row_kernel("cpp")
     t = load_packed(tiny_dirs[arch], "native", "bfloat16")
     runs = []

@@ -407,8 +407,10 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
 def test_an_eagle3_export_whose_draft_ids_would_map_silently_is_refused(
     llama, tmp_path: Path, fmt: str, damage: str
 ):
-    """vLLM reads a reduced draft vocabulary without d2t (or with all offsets 0) as target ids 0..N-1, silently:
-    the draft then accepts almost nothing. Such an export is refused, with that reason, at `--check` and at export."""
+    """vLLM reads a reduced draft vocabulary without d2t (or with all offsets 0) as target ids 0..N-1,
+    silently: the draft then accepts almost nothing. Such an export is refused, with that reason, at
+    `--check` and
+    at export."""
     head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
     out = export_head(head, fmt, tmp_path / "e", verifier="tiny-llama")
     assert read_export(out)[0] == fmt  # the whole export is accepted
@@ -457,9 +459,9 @@ def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
 
 
 def vllm_eagle3_load(config: dict, tensors: dict) -> tuple[list[int], dict]:
-    """vLLM 0.32's Eagle3LlamaForCausalLM as it reads a checkpoint: the fused layers from the top-level key as written
-    (else eagle_config's, else its default), midlayer.* renamed to layers.0.*, d2t kept as draft_id_to_target_id, t2d
-    dropped, fc as wide as 3 x target_hidden_size."""
+    """vLLM 0.32's Eagle3LlamaForCausalLM as it reads a checkpoint: the fused layers from the top-level key as
+    written (else eagle_config's, else its default), midlayer.* renamed to layers.0.*, d2t kept as
+    draft_id_to_target_id, t2d dropped, fc as wide as 3 x target_hidden_size."""
     layers = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
@@ -493,8 +495,8 @@ def vllm_speculators_config(config: dict) -> dict:
 
 
 def test_non_default_feature_layers_reach_every_engine_as_the_same_layers(llama, tmp_path: Path):
-    """One head, fused layers [1, 3] plus 2: vLLM, SGLang, TensorRT-LLM and speculators each read layers 1, 2, 3 of
-    HF's output_hidden_states, whatever each engine's indexing."""
+    """One head, fused layers [1, 3] plus 2: vLLM, SGLang, TensorRT-LLM and speculators each read
+    layers 1, 2, 3 of HF's output_hidden_states, whatever each engine's indexing."""
     t = llama
     heads = random_head(t, "eagle3", feature_layers=(1, 2, 3))
     head = save_head(heads, tmp_path / "h", t.fingerprint)
@@ -673,9 +675,9 @@ def eagle31_head(t, input_norm: str, norm_output: bool):
 def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
     llama, tmp_path: Path, input_norm: str, norm_output: bool
 ):
-    """speculators' keys for the norms are written (and its own config class accepts them), the weights under its
-    names, and in vLLM's own layout; the re-imported head drafts exactly as the original. Engine layouts without the
-    keys (SGLang's, TensorRT-LLM's) refuse the head."""
+    """speculators' keys for the norms are written (and its own config class accepts them), the weights under
+    its names, and in vLLM's own layout; the re-imported head drafts exactly as the original. Engine layouts
+    without the keys (SGLang's, TensorRT-LLM's) refuse the head."""
     speculators = pytest.importorskip("speculators")
     from speculators import SpeculatorModelConfig
 

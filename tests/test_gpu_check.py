@@ -1,5 +1,5 @@
-"""The prepared GPU check (scripts/gpu_check.sh) runs its every step on the CPU with tiny budgets (--dry-run), so
-that the script a GPU session runs in its few minutes cannot rot."""
+"""The prepared GPU check (scripts/gpu_check.sh) runs its every step on the CPU with tiny budgets (--dry-run),
+so that the script a GPU session runs in its few minutes cannot rot."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Hybrid trees: n-gram (prompt-lookup) branches beside neural ones, sized per step; greedy output stays exact."""
+"""Hybrid trees: n-gram (prompt-lookup) branches beside neural ones, sized per step; greedy output
+stays exact."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def ngram_only(per_node: float = 0.0, **kw) -> HybridDrafter:
 def test_ngram_lookup_takes_the_longest_match_most_recent_first():
     index = NgramIndex(1, 2)
     index.reset([1, 2, 3, 4, 1, 2, 5, 1])
-    # the suffix (1, 2) (with the extra token 2) was followed by 5 (most recent) and by 3; the 1-gram (2,) adds nothing new
+    # the suffix (1, 2) (with the extra token 2) was followed by 5 (most recent) and by 3; the 1-gram (2,)
+    # adds nothing new
     assert index.lookup([2], 3, 3) == [Continuation([5, 1, 2], 2), Continuation([3, 4, 1], 2)]
     assert index.lookup([2], 3, 1) == [Continuation([5, 1, 2], 2)]
     # only the 1-gram (1,) matches the suffix 1 -> 9
@@ -49,7 +51,8 @@ def test_tree_from_parents_keeps_sibling_order():
 
 
 def test_neural_proposals_are_cut_to_the_most_likely_paths_with_their_parents():
-    # root -> a (0.6), b (0.3), c (0.1); a -> d (0.9), e (0.1); b -> f (0.5); d -> g (1.0000001: rounding above 1)
+    # root -> a (0.6), b (0.3), c (0.1); a -> d (0.9), e (0.1); b -> f (0.5); d -> g (1.0000001: rounding
+    # above 1)
     ids = [10, 11, 12, 13, 14, 15, 16]
     probs = [0.6, 0.3, 0.1, 0.9, 0.1, 0.5, 1.0000001]
     parents = [-1, -1, -1, 0, 0, 1, 3]
@@ -105,8 +108,9 @@ def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
 
 
 def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
-    """Three siblings and a chain below the first, every edge 0.8 likely: where each level costs as much as the
-    row-exact engine's extra attention call, the siblings alone pay; where depth is free, the whole tree does."""
+    """Three siblings and a chain below the first, every edge 0.8 likely: where each level costs as much as
+    the row-exact engine's extra attention call, the siblings alone pay; where depth is free, the whole
+    tree does."""
     cands = [
         Candidate(10, -1, 1, [("k",)], {"ngram"}),
         Candidate(11, 0, 2, [("k",)], {"ngram"}),
@@ -126,7 +130,8 @@ def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
 
 
 def test_budget_follows_confidence():
-    """A copy the target keeps refusing stops being verified; one it keeps accepting grows to the whole copy."""
+    """A copy the target keeps refusing stops being verified; one it keeps accepting grows to the
+    whole copy."""
     prompt = [5, 6, 7, 8, 9] * 3
     refused = ngram_only(per_node=0.3)
     refused.begin(prompt, 5, torch.empty(0, 0))
@@ -180,10 +185,11 @@ class FixedNeural:
 
 
 def test_the_neural_drafter_runs_only_while_it_pays():
-    """Scored on what the target really wrote: a neural drafter whose token is always right runs every step; one that
-    is always wrong (its node makes each verification cost 30% more for nothing) stops after a few steps, but for
-    probes ever further apart; one that turns right is noticed at a probe and runs every step again. Its own time
-    here is microseconds against the modelled 10 ms steps, so timing noise cannot move the outcome."""
+    """Scored on what the target really wrote: a neural drafter whose token is always right runs every step;
+    one that is always wrong (its node makes each verification cost 30% more for nothing) stops after a few
+    steps, but for probes ever further apart; one that turns right is noticed at a probe and runs every step
+    again. Its own time here is microseconds against the modelled 10 ms steps, so timing noise cannot move
+    the outcome."""
     hc = HybridConfig()
     for script, steps in (("right", 48), ("wrong", 48), ("turns", 130)):
         neural = FixedNeural(7)
@@ -218,8 +224,9 @@ class FakeClock:
 
 
 class LevelledNeural:
-    """A stand-in EAGLE drafter: one token per level (a chain 7, 8, 9, draft probabilities 0.95, 0.5, 0.5), each
-    level costing `level_cost` seconds of the fake clock and reported in level_seconds, as EagleDrafter's are."""
+    """A stand-in EAGLE drafter: one token per level (a chain 7, 8, 9, draft probabilities 0.95, 0.5, 0.5),
+    each level costing `level_cost` seconds of the fake clock and reported in level_seconds, as
+    EagleDrafter's are."""
 
     feature_layers: list = []
     max_depth = 3
@@ -249,10 +256,10 @@ class LevelledNeural:
     ids=["cheap-levels", "costly-levels", "deep-levels-right", "deep-levels-wrong"],
 )
 def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(monkeypatch, level_cost, deep_right, best):
-    """Steps cost 10 ms + 1 ms a node and each level of the stand-in drafter `level_cost`, on a fake clock: where
-    the deeper levels' tokens are right and cost less than they bring, the drafter expands all three levels; where
-    they cost more (20 ms a level against ~16 ms of a step per token) or are wrong, it expands one, but for its
-    probes."""
+    """Steps cost 10 ms + 1 ms a node and each level of the stand-in drafter `level_cost`, on a fake clock:
+    where the deeper levels' tokens are right and cost less than they bring, the drafter expands all three
+    levels; where they cost more (20 ms a level against ~16 ms of a step per token) or are wrong, it expands
+    one, but for its probes."""
     from types import SimpleNamespace
 
     from headway.inference import draft_hybrid
@@ -335,7 +342,8 @@ def test_hybrid_and_ngram_trees_are_exact(tiny_dirs, arch: str):
 
 
 def test_simulation_equals_real_decoding(tiny_dirs):
-    """simulate() (tune's replay) predicts exactly the steps and tau of real greedy decoding, hybrid trees too."""
+    """simulate() (tune's replay) predicts exactly the steps and tau of real greedy decoding, hybrid
+    trees too."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, "eagle3")
     L = t.config.num_hidden_layers
@@ -359,9 +367,9 @@ def test_simulation_equals_real_decoding(tiny_dirs):
 
 
 def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkeypatch):
-    """bf16 on the static engine verifies row by row (one attention call per depth level): there the drafter measures
-    a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's. The curves are stand-ins
-    (a tiny model's timings are noise), so only the choice of curves is under test."""
+    """bf16 on the static engine verifies row by row (one attention call per depth level): there the drafter
+    measures a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's. The curves
+    are stand-ins (a tiny model's timings are noise), so only the choice of curves is under test."""
     from headway.inference import api
     from headway.inference.engine import depth_matters
     from headway.run_config import RunConfig

@@ -1,5 +1,6 @@
-"""The static engine's C++ layer loop: the Python loop's bits for every step kind, format and family it covers, and
-the Python loop (with one clear message where asked for) where it does not apply or does not build."""
+"""The static engine's C++ layer loop: the Python loop's bits for every step kind, format and family it
+covers, and the Python loop (with one clear message where asked for) where it does not apply or does
+not build."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
         pytest.skip(kernels_missing(fmt, getattr(torch, dtype)))
     t = load_packed(tiny_dirs[arch], fmt, dtype)
     python = StaticRunner(t.model, 64, loop="python", row_attention=attention)
-    # (prompts through torch's attention, as the Python loop's: Headway's prompt kernel is tests/test_fused_ops.py's)
+    # (prompts through torch's attention, as the Python loop's: Headway's prompt kernel
+    # is tests/test_fused_ops.py's)
     cpp = StaticRunner(
         t.model, 64, loop="cpp", row_attention=attention, fused_ops=False, prompt_attention="sdpa"
     )
@@ -67,9 +69,10 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
 @torch.inference_mode()
 @pytest.mark.parametrize("fmt", ["float16", "stream"])
 def test_cpp_loop_gives_the_python_loops_bits_after_a_long_bf16_prompt(tiny_dirs, fmt: str):
-    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 or bf16 stream linear in both
-    loops (bf16 stream without oneDNN's bf16 kernels: float32 over the weight), and the decoding steps after it
-    fbgemm's or the streaming kernel. (The fused loop: test_packed_linear's long-prompt decoding test.)"""
+    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 or bf16 stream linear
+    in both loops (bf16 stream without oneDNN's bf16 kernels: float32 over the weight), and the decoding steps
+    after it fbgemm's or the streaming kernel. (The fused loop: test_packed_linear's long-prompt
+    decoding test.)"""
     if fmt == "float16" and kernels_missing("onednn", torch.bfloat16):
         pytest.skip("no oneDNN bf16 kernels here")
     if kernels_missing(fmt, torch.bfloat16):
@@ -115,12 +118,13 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
         assert StaticRunner(t.model, 32, loop="auto")._loop is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
-        "the C++ layer loop did not build (g++: command not found); the static engine runs its Python loop and "
-        "torch's attention (set target.layer_loop=python target.row_attention=sdpa to skip the attempt)"
+        "the C++ layer loop did not build (g++: command not found); the static engine runs its Python loop "
+        "and torch's attention (set target.layer_loop=python target.row_attention=sdpa to skip the attempt)"
     ]
     with pytest.raises(HeadwayError, match="it did not build"):
         StaticRunner(t.model, 32, loop="cpp")
-    # a bf16 target's row-exact steps take torch's attention instead, or say why they cannot where cpp was asked for
+    # a bf16 target's row-exact steps take torch's attention instead, or say why they cannot where cpp was
+    # asked for
     t16 = load_packed(tiny_dirs["qwen2"], "native", "bfloat16")
     assert StaticRunner(t16.model, 32).row_kernel is None
     with pytest.raises(
@@ -150,8 +154,8 @@ def test_the_target_settings_reach_the_engine(tiny_dirs):
             StaticRunner(f32.model, 32).prompt_kernel
             == layer_loop.extension().prompt_attention_f32_available()
         )
-        # a fresh bf16 prompt's attention (native bf16 CPUs): Headway's kernel on bf16 brgemm (AMX), or on float32
-        # brgemm over the bf16 values (AVX-512), unless told not to
+        # a fresh bf16 prompt's attention (native bf16 CPUs): Headway's kernel on bf16 brgemm (AMX), or on
+        # float32 brgemm over the bf16 values (AVX-512), unless told not to
         ext = layer_loop.extension()
         available = native_bf16(torch.device("cpu")) and (
             ext.prompt_attention_available() or ext.prompt_attention_f32_available()

@@ -1,6 +1,8 @@
-"""target.linear_weights=float16 (packed fp16 decoder weights, float32 compute) and onednn (bf16 weights prepacked
-for oneDNN). The layers compute what the format says, speculative decoding equals the format's plain decoding (every
-engine for float16; the row-exact static engine for bf16), and the settings a format cannot serve are refused."""
+"""target.linear_weights=float16 (packed fp16 decoder weights, float32 compute) and onednn (bf16 weights
+prepacked for oneDNN). The layers compute what the format says, speculative decoding equals the format's plain
+decoding (every engine for float16; the row-exact static engine for bf16), and the settings a format
+cannot serve
+are refused."""
 
 from __future__ import annotations
 
@@ -108,9 +110,9 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
 
 @torch.inference_mode()
 def test_float16_linear_is_exact_bf16_math_for_bf16_weights():
-    """A bf16 target's weights are float16 values (same mantissa, smaller exponent range): the float16 format runs
-    its linears as bf16 math (exact products, float32 sums, bf16 out), scaling a matrix of tiny weights by a power
-    of two into float16's range, and refusing one that no single scale fits."""
+    """A bf16 target's weights are float16 values (same mantissa, smaller exponent range): the float16 format
+    runs its linears as bf16 math (exact products, float32 sums, bf16 out), scaling a matrix of tiny weights
+    by a power of two into float16's range, and refusing one that no single scale fits."""
     torch.manual_seed(0)
     for scale in (1.0, 1e-6):  # 1e-6: below float16's normal range, held exactly only once scaled
         lin = nn.Linear(96, 40, bias=True).bfloat16()
@@ -142,8 +144,8 @@ def test_float16_linear_is_exact_bf16_math_for_bf16_weights():
     Float16Linear(wide, exact=False)  # a draft head's weights may round: drafts only steer speed
 
 
-# fbgemm's kernels by instruction set: AVX2 is what AVX2-only CPUs run, forced here on any x86 CPU (fbgemm and ATen
-# read these variables at start); "native" is this CPU's own.
+# fbgemm's kernels by instruction set: AVX2 is what AVX2-only CPUs run, forced here on any x86 CPU (fbgemm and
+# ATen read these variables at start); "native" is this CPU's own.
 FBGEMM_ISAS = {
     "native": {},
     "avx2": {
@@ -173,9 +175,11 @@ print("kernels:", torch.backends.cpu.get_cpu_capability(), "fbgemm rows vary:", 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("isa", list(FBGEMM_ISAS))
 def test_float16_linear_gives_a_bf16_row_the_same_bits_for_any_row_count(isa: str, threads: int):
-    """fbgemm's AVX2 float16 kernels give a row other bits in a call of 1 or 2 rows than in one of 3 to 6 (AVX512's
-    do not): bf16 speculative decoding then left plain decoding on AVX2 CPUs. Float16Linear chunks its calls there, so
-    a row's bits never depend on the row count or the thread count, under either instruction set's kernels."""
+    """fbgemm's AVX2 float16 kernels give a row other bits in a call of 1 or 2 rows than in one of 3 to 6
+    (AVX512's do not): bf16 speculative decoding then left plain decoding on AVX2 CPUs. Float16Linear chunks
+    its calls there, so a row's bits never depend on the row count or the thread count, under
+    either instruction
+    set's kernels."""
     env = {**os.environ, **FBGEMM_ISAS[isa]}
     res = subprocess.run(
         [sys.executable, "-c", ROW_COUNTS.format(threads=threads)], env=env, capture_output=True, text=True
@@ -207,9 +211,9 @@ def test_onednn_linear_is_bf16_math_on_the_same_weights():
 @needs_onednn_bf16
 @torch.inference_mode()
 def test_onednn_linear_gives_a_row_the_same_bits_for_any_row_count():
-    """oneDNN takes another kernel for one row than for more; OneDNNLinear pads few rows (ONEDNN_PAD_ROWS), so a row's
-    result never depends on how many rows came with it: what row-exact bf16 decoding relies on (the default target's
-    projection sizes and lm_head width)."""
+    """oneDNN takes another kernel for one row than for more; OneDNNLinear pads few rows (ONEDNN_PAD_ROWS), so
+    a row's result never depends on how many rows came with it: what row-exact bf16 decoding relies on (the
+    default target's projection sizes and lm_head width)."""
     torch.manual_seed(0)
     for out_features, in_features in [(960, 576), (576, 1536), (4096, 576)]:
         packed = OneDNNLinear(nn.Linear(in_features, out_features, bias=False).bfloat16())
@@ -229,9 +233,10 @@ def fused_formats():
 @pytest.mark.parametrize("fmt", fused_formats())
 @torch.inference_mode()
 def test_fused_projections_compute_the_separate_linears(tiny_dirs, fmt: str):
-    """Packed formats stack each layer's q/k/v projections into one weight and gate/up into another: the model's own
-    forward (through the parts that replace the linears) and Headway's static engine (one call) give what the
-    separate linears would on the format's rounded weights, and the same logits as each other."""
+    """Packed formats stack each layer's q/k/v projections into one weight and gate/up into another: the
+    model's own forward (through the parts that replace the linears) and Headway's static engine (one call)
+    give what the separate linears would on the format's rounded weights, and the same logits as
+    each other."""
     dtype = {"float16": "float32", "onednn": "bfloat16"}[fmt]
     native = load_target(
         TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype=dtype)
@@ -291,8 +296,10 @@ def test_speculative_decoding_equals_plain_decoding_on_packed_bf16_weights(tiny_
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_bf16_float16_weights_take_onednn_for_a_prompts_rows(bias: bool):
-    """bf16 calls of BF16_PROMPT_ROWS rows or more (prompts) run on a oneDNN-packed copy of the bf16 weight, with its
-    bits; fewer rows (decoding steps, trees) on fbgemm's float16 kernel, each row the same bits at any such count."""
+    """bf16 calls of BF16_PROMPT_ROWS rows or more (prompts) run on a oneDNN-packed copy of the bf16 weight,
+    with its bits; fewer rows (decoding steps, trees) on fbgemm's float16 kernel, each row the same bits
+    at any
+    such count."""
     torch.manual_seed(0)
     lin = nn.Linear(96, 40, bias=bias).bfloat16()
     f16, dnn = Float16Linear(lin), OneDNNLinear(lin)
@@ -310,9 +317,9 @@ def test_bf16_float16_weights_take_onednn_for_a_prompts_rows(bias: bool):
 
 @pytest.mark.parametrize("fmt", ["float16", "stream"])
 def test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights(tiny_dirs, fmt: str):
-    """A prompt long enough to leave the decoding kernels (BF16_PROMPT_ROWS: float16 weights' oneDNN copy, stream
-    weights' oneDNN copy or float32 linear), then EAGLE-3 and n-gram trees on them (fbgemm, the bf16 streaming
-    kernel)."""
+    """A prompt long enough to leave the decoding kernels (BF16_PROMPT_ROWS: float16 weights' oneDNN copy,
+    stream weights' oneDNN copy or float32 linear), then EAGLE-3 and n-gram trees on them (fbgemm, the bf16
+    streaming kernel)."""
     if fmt == "float16" and not ONEDNN_BF16:
         pytest.skip("oneDNN has no bf16 kernels for this CPU")
     if kernels_missing(fmt, torch.bfloat16):
@@ -330,8 +337,9 @@ def test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights(t
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float32_onednn_weights_are_float32_math_and_decode_exactly(tiny_dirs, arch: str):
-    """float32 weights prepacked for oneDNN (one-row steps that use every thread): the layers give float32's products
-    on the same weights, and speculative decoding equals this format's plain decoding on every engine."""
+    """float32 weights prepacked for oneDNN (one-row steps that use every thread): the layers give float32's
+    products on the same weights, and speculative decoding equals this format's plain decoding on
+    every engine."""
     t = load_packed(tiny_dirs[arch], "onednn", "float32")
     assert linear_weights(t.model) == "onednn" and isinstance(t.model.lm_head, OneDNNLinear)
     lin = nn.Linear(96, 40, bias=True)
@@ -351,8 +359,8 @@ needs_mkl = pytest.mark.skipif(
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float32_mkl_weights_are_float32_math_and_decode_exactly(tiny_dirs, arch: str):
     """float32 weights prepacked for MKL's sgemm (one-token steps through it, other row counts through torch's
-    linear): float32's products on the same weights for one row and for several, and speculative decoding equals
-    this format's plain decoding on every engine."""
+    linear): float32's products on the same weights for one row and for several, and speculative decoding
+    equals this format's plain decoding on every engine."""
     t = load_packed(tiny_dirs[arch], "mkl", "float32")
     assert linear_weights(t.model) == "mkl" and isinstance(t.model.lm_head, MKLLinear)
     lin = nn.Linear(96, 40, bias=True)
@@ -376,10 +384,10 @@ needs_stream = pytest.mark.skipif(
 @needs_stream
 @pytest.mark.parametrize("bias", [False, True])
 def test_stream_linear_gives_a_row_the_same_bits_for_any_rows_threads_and_vector_width(bias: bool):
-    """The streaming kernel computes each output from its own row alone, in one fixed order: a row gets the same bits
-    alone, among 1 to 32 rows (read one weight row after another, or four weight rows at a time), at 1 or 2 threads,
-    and through the AVX-512 and the AVX2 build (where this CPU runs both), and float32's product to within float32
-    rounding."""
+    """The streaming kernel computes each output from its own row alone, in one fixed order: a row gets the
+    same bits alone, among 1 to 32 rows (read one weight row after another, or four weight rows at a time),
+    at 1 or 2 threads, and through the AVX-512 and the AVX2 build (where this CPU runs both), and float32's
+    product to within float32 rounding."""
     ext = stream_kernel()
     isas = [isa for isa in ("avx512", "avx2") if _runs(ext, isa)]
     torch.manual_seed(0)
@@ -407,7 +415,8 @@ def test_stream_linear_gives_a_row_the_same_bits_for_any_rows_threads_and_vector
                         )
             packed = StreamLinear(lin)
             assert torch.equal(packed(x[:7]), alone[:7]) and torch.equal(row_linear(packed)(x[:3]), alone[:3])
-            # a prompt's rows (more than the kernel takes): oneDNN's linear over the weight as loaded, torch's without
+            # a prompt's rows (more than the kernel takes): oneDNN's linear over the weight as loaded,
+            # torch's without
             prompt = torch.randn(STREAM_MAX_ROWS + 8, in_features)
             if kernels_missing("onednn", torch.float32):
                 want = F.linear(prompt, w, b)
@@ -430,7 +439,8 @@ def _runs(ext, isa: str) -> bool:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_float32_stream_weights_decode_exactly(tiny_dirs, arch: str):
     """float32 weights through the streaming kernel (decoding steps) and torch's linear (prompts): speculative
-    decoding equals this format's plain decoding on every engine, and a bf16 target is refused with the fix."""
+    decoding equals this format's plain decoding on every engine, and a bf16 target is refused with
+    the fix."""
     t = load_packed(tiny_dirs[arch], "stream", "float32")
     assert linear_weights(t.model) == "stream" and isinstance(t.model.lm_head, StreamLinear)
     heads = random_head(t, "eagle3")
@@ -452,9 +462,12 @@ needs_stream_bf16 = pytest.mark.skipif(
 @needs_stream_bf16
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(bias: bool):
-    """The bf16 streaming kernel (either build) computes each output from its own row and weight row alone, in one
-    fixed order, over its packed copy of the weight: a row gets the same bits alone, among 1 to 33 rows and at 1 or 2
-    threads, and the exact product rounded to bf16 (to within one bf16 step where the float32 sum sits at a tie)."""
+    """The bf16 streaming kernel (either build) computes each output from its own row and weight row alone, in
+    one fixed order, over its packed copy of the weight: a row gets the same bits alone, among 1 to 33 rows
+    and at 1 or 2 threads, and the exact product rounded to bf16 (to within one bf16 step where the
+    float32 sum
+    sits at
+    a tie)."""
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     try:
@@ -478,8 +491,8 @@ def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(b
                         rows,
                     )
             assert torch.equal(row_linear(packed)(x[:3]), alone[:3])
-            # a prompt's rows go through oneDNN's kernels over a prepacked copy where the CPU has them, else through
-            # torch's float32 linear over the weight in float32, rounded once to bf16
+            # a prompt's rows go through oneDNN's kernels over a prepacked copy where the CPU has them, else
+            # through torch's float32 linear over the weight in float32, rounded once to bf16
             prompt = torch.randn(BF16_PROMPT_ROWS, in_features).bfloat16()
             if packed.prompt is not None:
                 want = OneDNNLinear(lin)(prompt)
@@ -495,10 +508,10 @@ def test_bf16_stream_linear_gives_a_row_the_same_bits_for_any_rows_and_threads(b
 
 
 def _dpbf16_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] bf16 times weight [out, in] bf16 in vdpbf16ps's documented order, in float32: per block of 32
-    inputs, lane l adds the product of inputs 2l + 1, then of 2l (bf16 products are exact in float32, so each addition
-    rounds once, as a fused multiply-add would); then lane l plus lane l + 8, + 4, + 2, + 1, the bias, and one
-    rounding to bf16."""
+    """x [rows, in] bf16 times weight [out, in] bf16 in vdpbf16ps's documented order, in float32: per block
+    of 32 inputs, lane l adds the product of inputs 2l + 1, then of 2l (bf16 products are exact in float32, so
+    each addition rounds once, as a fused multiply-add would); then lane l plus lane l + 8, + 4, + 2, + 1, the
+    bias, and one rounding to bf16."""
     rows, n_in = x.shape
     pad = -n_in % 32
     xs = F.pad(x.float(), (0, pad)).view(rows, 1, -1, 16, 2)
@@ -516,9 +529,9 @@ def _dpbf16_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 @pytest.mark.skipif(stream_bf16_build() == "", reason="no bf16 streaming kernel here")
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_stream_avx2_build_follows_vdpbf16ps_order(bias: bool):
-    """The AVX2 build of the bf16 streaming kernel (CPUs without AVX512-BF16; forced here on any CPU with AVX2) sums in
-    the order vdpbf16ps documents, bit for bit: each output from its own row and weight row alone, whatever the row and
-    thread counts."""
+    """The AVX2 build of the bf16 streaming kernel (CPUs without AVX512-BF16; forced here on any CPU with
+    AVX2) sums in the order vdpbf16ps documents, bit for bit: each output from its own row and weight row
+    alone, whatever the row and thread counts."""
     torch.manual_seed(0)
     ext = stream_kernel()
     threads = torch.get_num_threads()
@@ -541,9 +554,10 @@ def test_bf16_stream_avx2_build_follows_vdpbf16ps_order(bias: bool):
 @needs_stream_bf16
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_bf16_stream_weights_decode_exactly(tiny_dirs, arch: str):
-    """bf16 weights through the bf16 streaming kernel (decoding steps, a one-token step unpadded; AVX512-BF16 or AVX2
-    build) and oneDNN's or float32 linear (prompts): speculative decoding equals this format's plain decoding on every engine (after a long prompt:
-    test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights)."""
+    """bf16 weights through the bf16 streaming kernel (decoding steps, a one-token step unpadded; AVX512-BF16
+    or AVX2 build) and oneDNN's or float32 linear (prompts): speculative decoding equals this format's plain
+    decoding on every engine (after a long
+    prompt: test_speculative_decoding_after_a_long_prompt_equals_plain_on_bf16_weights)."""
     t = load_packed(tiny_dirs[arch], "stream", "bfloat16")
     assert linear_weights(t.model) == "stream" and fewest_rows(t.model) == 1
     heads = random_head(t, "eagle3")
@@ -554,9 +568,10 @@ def test_bf16_stream_weights_decode_exactly(tiny_dirs, arch: str):
 
 @needs_stream_bf16
 def test_float32_stream_target_drafts_with_a_bf16_eagle3_head_exactly(tiny_dirs, monkeypatch):
-    """inference.drafter_dtype=auto loads an EAGLE-3 head in bf16 beside a float32 target in the stream format where
-    the CPU has AVX512-BF16 (its linears then stream half the bytes), and the target's dtype elsewhere (the AVX2 bf16
-    build included); the drafts only steer the speed, so speculative decoding still equals plain decoding."""
+    """inference.drafter_dtype=auto loads an EAGLE-3 head in bf16 beside a float32 target in the stream format
+    where the CPU has AVX512-BF16 (its linears then stream half the bytes), and the target's dtype elsewhere
+    (the AVX2 bf16 build included); the drafts only steer the speed, so speculative decoding still equals
+    plain decoding."""
     t = load_packed(tiny_dirs["llama"], "stream", "float32")
     monkeypatch.setattr("headway.inference.api.stream_bf16_build", lambda: "avx512bf16")
     assert drafter_dtype("auto", "eagle3", t.model) == torch.bfloat16
@@ -575,29 +590,30 @@ def test_float32_stream_target_drafts_with_a_bf16_eagle3_head_exactly(tiny_dirs,
 
 
 def test_bf16_stream_weights_say_which_cpu_they_need(tiny_dirs, monkeypatch):
-    """A CPU where the bf16 streaming kernel cannot run (no AVX2 with FMA, or no compiler): a bf16 target is refused
-    with the reason."""
+    """A CPU where the bf16 streaming kernel cannot run (no AVX2 with FMA, or no compiler): a bf16 target is
+    refused with the reason."""
     monkeypatch.setattr(
         "headway.target.packed_capability.stream_bf16_unavailable",
         lambda: "its bf16 kernel needs a CPU with AVX512-BF16, or AVX2 with FMA",
     )
     with pytest.raises(
         HeadwayError,
-        match=r"target.linear_weights=stream: no kernels for it here \(its bf16 kernel needs a CPU with AVX512-BF16, "
-        r"or AVX2 with FMA\)",
+        match=r"target.linear_weights=stream: no kernels for it here \(its bf16 kernel needs a CPU with "
+        r"AVX512-BF16, or AVX2 with FMA\)",
     ):
         load_packed(tiny_dirs["llama"], "stream", "bfloat16")
 
 
 def test_stream_weights_say_why_they_cannot_run(tiny_dirs, monkeypatch):
-    """Where the kernel did not build (no compiler) or the CPU lacks AVX2: one message with the reason and the fix."""
+    """Where the kernel did not build (no compiler) or the CPU lacks AVX2: one message with the reason and
+    the fix."""
     monkeypatch.setattr(
         "headway.target.packed_capability.stream_unavailable", lambda: "it did not build here (no compiler)"
     )
     with pytest.raises(
         HeadwayError,
-        match=r"target.linear_weights=stream: no kernels for it here \(it did not build here \(no compiler\)\): use "
-        "target.linear_weights=native",
+        match=r"target.linear_weights=stream: no kernels for it here "
+        r"\(it did not build here \(no compiler\)\): use target.linear_weights=native",
     ):
         load_packed(tiny_dirs["llama"], "stream", "float32")
 
@@ -634,8 +650,8 @@ def test_onednn_weights_refuse_what_they_cannot_serve(tiny_dirs, monkeypatch):
 
 
 def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
-    """Under inference.engine=compiled a packed float16 linear is one opaque op of the graph, not a break: the whole
-    decoder stack stays 2 graphs (one token, a tree), as with native weights."""
+    """Under inference.engine=compiled a packed float16 linear is one opaque op of the graph, not a break: the
+    whole decoder stack stays 2 graphs (one token, a tree), as with native weights."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     t = load_packed(tiny_dirs["llama"])
@@ -660,10 +676,10 @@ def test_float16_weights_compile_without_graph_breaks(tiny_dirs):
     + (["stream"] if not kernels_missing("stream", torch.bfloat16) else []),
 )
 def test_bf16_compiles_row_exact_without_graph_breaks(tiny_dirs, fmt: str):
-    """bf16 on the compiled engine is row-exact too: speculative decoding equals the compiled engine's plain decoding
-    (EAGLE-3 and n-gram trees of every shape), and one graph of dynamic row count serves every step (a single token
-    pads to 2 rows where the format needs it; RowAttention and the packed formats' linears are opaque ops), with no
-    graph break."""
+    """bf16 on the compiled engine is row-exact too: speculative decoding equals the compiled engine's plain
+    decoding (EAGLE-3 and n-gram trees of every shape), and one graph of dynamic row count serves every step
+    (a single token pads to 2 rows where the format needs it; RowAttention and the packed formats' linears are
+    opaque ops), with no graph break."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     t = load_target(

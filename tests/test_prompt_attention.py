@@ -1,8 +1,10 @@
-"""A fresh prompt's causal attention in Headway's kernel (inference/csrc/prompt_attention.cpp). bf16, on the CPU's bf16
-matrix units: as close to float32 attention as torch's own bf16 attention is, for any length, head size and grouping,
-and the same bits at any thread count; runs where oneDNN has a bf16 brgemm (AMX or AVX512-BF16), elsewhere the layer
-loop keeps torch's attention and these tests skip. float32: float32 attention to within float32 rounding, the same
-bits at any thread count, and an engine's float32 prompt through it decodes as through torch's."""
+"""A fresh prompt's causal attention in Headway's kernel (inference/csrc/prompt_attention.cpp). bf16, on the
+CPU's bf16 matrix units: as close to float32 attention as torch's own bf16 attention is, for any length, head
+size and grouping, and the same bits at any thread count; runs where oneDNN has a bf16 brgemm (AMX or
+AVX512-BF16), elsewhere the layer loop keeps torch's attention and these tests skip. float32: float32
+attention to within float32 rounding, the same bits at any thread count, and an engine's float32 prompt
+through it decodes as
+through torch's."""
 
 from __future__ import annotations
 
@@ -113,8 +115,8 @@ def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_s
     _, hb = torchs.forward(ids, hidden=True)
     for x, y in zip(ha, hb):
         assert (x.float() - y.float()).abs().max() <= 0.05 * y.float().abs().max()
-    # after the prompt, a tree's rows are the one-token steps of their tokens (runners of one model share its cache:
-    # one at a time)
+    # after the prompt, a tree's rows are the one-token steps of their tokens (runners of one model share its
+    # cache: one at a time)
     tree = build_tree([[0], [1], [0, 0]])
     nodes = torch.tensor([5, 6, 7])
     spec = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="auto")

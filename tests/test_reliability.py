@@ -20,7 +20,7 @@ import pytest
 import torch
 from decode_helpers import chat_ids
 from test_eagle import random_head
-from train_helpers import losses, small_run
+from train_helpers import losses, small_run, small_run_args
 
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
@@ -66,27 +66,8 @@ def flip_byte(path: Path) -> None:
 
 
 def train_args(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    """small_run's settings on the command line."""
-    return [
-        "head.kind=medusa",
-        f"target.name_or_path={model}",
-        "target.device=cpu",
-        "target.num_threads=1",
-        f"train.datasets=[{data}]",
-        f"train.output_dir={out}",
-        "train.max_steps=6",
-        "train.micro_batch_size=2",
-        "train.grad_accum=2",
-        "train.warmup_steps=2",
-        "train.lr=0.01",
-        "train.eval_every=3",
-        "train.eval_fraction=0.2",
-        "train.log_every=1",
-        "train.autocast_dtype=float32",
-        "train.save_every=3",
-        *EAGLE3,
-        *extra,
-    ]
+    """small_run's settings on the command line, with an EAGLE-3 head."""
+    return small_run_args(model, data, out, *EAGLE3, *extra)
 
 
 # ---- faults: SIGKILL, then the same command again ----
@@ -470,7 +451,8 @@ def test_memory_stays_flat_over_a_long_prompt_set(tiny_dirs):
 
     def live_tensor_bytes() -> int:
         gc.collect()
-        # plain tensors only: torch.compile (other tests, same process) leaves fake tensors with symbolic sizes
+        # plain tensors only: torch.compile (other tests, same process) leaves fake tensors with
+        # symbolic sizes
         return sum(
             o.numel() * o.element_size()
             for o in gc.get_objects()

@@ -1,7 +1,7 @@
 """Greedy's token and a drafter's most likely tokens from logit rows (inference/row_select.py and its kernels,
-inference/csrc/row_select.cpp): argmax's first index among ties, NaN and -inf rows as torch treats them, the k most
-likely tokens in order with torch's log probabilities, at any row count and thread count, and torch's reductions where
-the kernels do not serve."""
+inference/csrc/row_select.cpp): argmax's first index among ties, NaN and -inf rows as torch treats them, the k
+most likely tokens in order with torch's log probabilities, at any row count and thread count, and torch's
+reductions where the kernels do not serve."""
 
 from __future__ import annotations
 

@@ -95,7 +95,8 @@ def eagle_drafter(m, kind: str):
 
 
 def dflash_drafter(m):
-    """A DFlash block over every hidden state of this 2-layer target, drafting a 3-deep tree from one forward."""
+    """A DFlash block over every hidden state of this 2-layer target, drafting a 3-deep tree from
+    one forward."""
     torch.manual_seed(3)
     cfg = DFlashConfig(draft_vocab_size=4, block_size=4)
     cfg.feature_layers = [0, 1, 2]  # too shallow a target for the engines' rule: set past the config's check
@@ -173,7 +174,8 @@ def p_value(counts: Counter, expected: dict[tuple, float]) -> float:
 
 
 def spec_p_value(m, drafter, cfg: SamplingConfig, rule=None) -> tuple[float, float]:
-    """The test's p-value for speculative samples against the exact distribution, and their mean acceptance."""
+    """The test's p-value for speculative samples against the exact distribution, and their
+    mean acceptance."""
     accepted: list[int] = []
 
     def generate(c):

@@ -123,7 +123,8 @@ def test_sliding_window_overflow_is_refused(tiny_dirs):
 def test_best_tree_picks_the_most_likely_paths():
     acc = [[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]]
     tree = best_tree(acc, 4)
-    # values: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.06 (2)=.1 (1,0)=.1 -> top 4: (0), (0,0), (1), then (2) or (1,0) at 0.1
+    # values: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.06 (2)=.1 (1,0)=.1 -> top 4: (0), (0,0), (1), then (2) or (1,0)
+    # at 0.1
     assert tree[:3] == [[0], [0, 0], [1]] and tree[3] in ([2], [1, 0])
     built = build_tree(tree)  # always a valid tree
     assert built.size == 5

@@ -43,8 +43,8 @@ MODULES = _modules()
 
 
 def _imports(tree: ast.Module) -> set[str]:
-    """The Headway modules a module imports anywhere: at the top, inside functions and in TYPE_CHECKING blocks (a
-    type-only import is still an arrow a reader follows, so it may not close a circle either)."""
+    """The Headway modules a module imports anywhere: at the top, inside functions and in TYPE_CHECKING blocks
+    (a type-only import is still an arrow a reader follows, so it may not close a circle either)."""
     found: set[str] = set()
     stack: list[ast.AST] = [tree]
     while stack:
@@ -74,15 +74,15 @@ def test_no_import_cycles():
         visit(name, [])
 
 
-# The command line imports each command's job inside the command's function, after checking its inputs, so that
-# `--help`, `--version` and every argument, config or input error answer before torch and transformers load
-# (test_cli_answers_without_heavy_imports). Its imports still count as arrows in test_no_import_cycles.
+# The command line imports each command's job inside the command's function, after checking its inputs, so
+# that `--help`, `--version` and every argument, config or input error answer before torch and transformers
+# load (test_cli_answers_without_heavy_imports). Its imports still count as arrows in test_no_import_cycles.
 LAZY_IMPORTERS = {"headway.cli"}
 
 
 def test_no_headway_imports_inside_functions():
-    """A function-level import hides an arrow from a reader; every Headway import sits at the top of its module,
-    except the command line's (LAZY_IMPORTERS)."""
+    """A function-level import hides an arrow from a reader; every Headway import sits at the top of its
+    module, except the command line's (LAZY_IMPORTERS)."""
     hidden = []
     for name, tree in MODULES.items():
         if name in LAZY_IMPORTERS:
@@ -135,8 +135,9 @@ def _modules_loaded_by(code: str) -> set[str]:
 
 
 def test_cli_answers_without_heavy_imports(tmp_path):
-    """The command line's start-up, counted in modules imported rather than seconds: --version, --print-config, a
-    config error and an input error each load none of torch, transformers, datasets or numpy."""
+    """The command line's start-up, counted in modules imported rather than seconds: --version,
+    --print-config, a config error and an input error each load none of torch, transformers, datasets
+    or numpy."""
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": ["hi"]}\n{bad\n')
     for argv in (
@@ -153,7 +154,7 @@ def test_cli_answers_without_heavy_imports(tmp_path):
 
 
 def test_config_modules_are_torch_free():
-    """Every config section (and the run config that holds them) loads without torch: the command line checks a
-    config before anything heavy loads."""
+    """Every config section (and the run config that holds them) loads without torch: the command line checks
+    a config before anything heavy loads."""
     loaded = _modules_loaded_by("import headway.run_config, headway.demo_config, headway.checks")
     assert not [m for m in loaded if m.split(".")[0] in HEAVY]

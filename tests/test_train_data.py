@@ -1,5 +1,5 @@
-"""The training stream's order: a seeded shuffle, in length-sorted windows that pad micro-batches less, the same
-for a resumed run and for any split of the batches."""
+"""The training stream's order: a seeded shuffle, in length-sorted windows that pad micro-batches less, the
+same for a resumed run and for any split of the batches."""
 
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from decode_helpers import float64_run
 from omegaconf import OmegaConf
 from train_helpers import losses, small_run
 
@@ -119,16 +120,8 @@ def test_medusa2_decodes_the_adapted_target_exactly(tiny_dirs, tiny_data, tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "m2" / "log.jsonl").read_text().splitlines()]
     assert "loss/distill" not in rows[0] and "loss/distill" in rows[-2]  # heads alone first, then adapters
     assert json.loads((head_dir / "config.json").read_text())["adapted_target"] == "lora"
-    cfg = load_config(
-        RunConfig,
-        None,
-        [
-            f"target.name_or_path={tiny_dirs['llama']}",
-            "target.device=cpu",
-            "target.dtype=float64",
-            "inference.max_new_tokens=16",
-            "inference.tree=[[0],[1],[0,0],[0,0,0]]",
-        ],
+    cfg = float64_run(
+        tiny_dirs["llama"], "inference.max_new_tokens=16", "inference.tree=[[0],[1],[0,0],[0,0,0]]"
     )
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     assert not hasattr(decoder.target.model, "peft_config")  # merged: a plain model again
@@ -168,8 +161,8 @@ def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_
 
 
 def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_path: Path, caplog):
-    """train.loss, train.decay and train.lora (before issue 54) are read as head.medusa.*, from a file or the command
-    line, with a warning naming the new key; the config saved from it uses the new keys."""
+    """train.loss, train.decay and train.lora (before issue 54) are read as head.medusa.*, from a file or the
+    command line, with a warning naming the new key; the config saved from it uses the new keys."""
     old = tmp_path / "old.yaml"
     old.write_text("train:\n  loss: kl\n  decay: 0.5\n  lora:\n    enabled: true\n    r: 4\n  max_steps: 7\n")
     with caplog.at_level("WARNING", logger="headway"):
@@ -197,8 +190,9 @@ def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_pa
 
 
 def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path):
-    """A run whose config.yaml was saved with train.loss, train.decay and train.lora resumes under the same settings
-    as head.medusa.*; a changed LoRA setting is refused, a changed loss or decay is allowed (as it was)."""
+    """A run whose config.yaml was saved with train.loss, train.decay and train.lora resumes under the same
+    settings as head.medusa.*; a changed LoRA setting is refused, a changed loss or decay is allowed (as
+    it was)."""
     from headway.train.loop import _check_same_run
 
     cfg = load_config(RunConfig, None, [*MEDUSA2, "head.medusa.loss=kl"])
@@ -218,8 +212,9 @@ def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path)
 
 @pytest.mark.parametrize("medusa2", [False, True])
 def test_a_medusa_head_saved_before_its_training_settings_moved_loads(tmp_path: Path, medusa2: bool):
-    """A head directory written before head.medusa held loss, decay and lora (its config.json has none of them; a
-    Medusa-2 one says adapted_target) loads with the defaults, LoRA on for Medusa-2; a new one keeps its own."""
+    """A head directory written before head.medusa held loss, decay and lora (its config.json has none of
+    them; a Medusa-2 one says adapted_target) loads with the defaults, LoRA on for Medusa-2; a new one keeps
+    its own."""
     from headway.heads.config import LoraConfig, MedusaConfig
     from headway.kinds.checkpoint import save_head
     from headway.kinds.registry import build_head
@@ -265,17 +260,7 @@ def test_training_measures_rank_accuracy_for_the_tree_builder(tiny_dirs, tiny_da
     acc = json.loads((head_dir / "config.json").read_text())["rank_accuracy"]
     assert len(acc) == 3 and len(acc[0]) == 8 and all(0 <= a <= 1 for row in acc for a in row)
     assert all(sum(row) <= 1 + 1e-6 for row in acc)  # at most one rank can be right
-    cfg = load_config(
-        RunConfig,
-        None,
-        [
-            f"target.name_or_path={tiny_dirs['llama']}",
-            "target.device=cpu",
-            "target.dtype=float64",
-            "inference.tree_nodes=6",
-            "inference.max_new_tokens=12",
-        ],
-    )
+    cfg = float64_run(tiny_dirs["llama"], "inference.tree_nodes=6", "inference.max_new_tokens=12")
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     assert decoder.drafter.neural.tree.size == 7  # the hybrid drafter's neural half is the tree built from it
     result = decoder.chat("Question 1: what is 1 plus 2?")

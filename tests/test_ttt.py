@@ -1,4 +1,5 @@
-"""Training-time test computes only the positions a loss reads: same loss, same gradients as the dense unroll."""
+"""Training-time test computes only the positions a loss reads: same loss, same gradients as the
+dense unroll."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from headway.train.ttt import causal_allowed, kept_positions, shifted, ttt_unrol
 
 
 def dense_eagle3_loss(heads, batch: dict, feats: Features, t2d: torch.Tensor) -> torch.Tensor:
-    """The unroll as it was first written: every position at every step, one dense [T, (j+1) T] mask per step."""
+    """The unroll as it was first written: every position at every step, one dense [T, (j+1) T] mask
+    per step."""
     ec = heads.cfg
     ids, attn = batch["input_ids"], batch["attention_mask"]
     B, T = ids.shape
@@ -84,7 +86,8 @@ def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str, 
 
 
 def test_unroll_skips_positions_no_loss_reads(tiny_dirs):
-    """With the prompt masked out, steps j >= 1 run on the answer's positions only (and pad the shorter row)."""
+    """With the prompt masked out, steps j >= 1 run on the answer's positions only (and pad the
+    shorter row)."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, "eagle3")
     batch, feats = padded_batch(t)
@@ -171,8 +174,8 @@ def test_draft_layer_can_start_as_a_target_layer(tiny_dirs):
 
 
 def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
-    """train.init_from: the first run's head is where the second starts (weights and draft vocabulary); a head of
-    another kind or another shape is refused before training, naming the fix."""
+    """train.init_from: the first run's head is where the second starts (weights and draft vocabulary); a head
+    of another kind or another shape is refused before training, naming the fix."""
     from train_helpers import small_run
 
     from headway.errors import HeadwayError

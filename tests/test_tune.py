@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from decode_helpers import float64_run
 from train_helpers import small_run
 
 from headway.config import load_config
@@ -33,7 +34,8 @@ PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell 
 
 @pytest.fixture(scope="module")
 def trained_heads(tiny_dirs, tiny_data, tmp_path_factory) -> dict[str, Path]:
-    """Small EAGLE-3, DFlash and Medusa heads for the tiny Llama: trained enough to accept drafts on its answers."""
+    """Small EAGLE-3, DFlash and Medusa heads for the tiny Llama: trained enough to accept drafts on
+    its answers."""
     from headway.train.loop import train
 
     root = tmp_path_factory.mktemp("tune-heads")
@@ -74,18 +76,7 @@ def trained_heads(tiny_dirs, tiny_data, tmp_path_factory) -> dict[str, Path]:
 
 
 def _decoder(tiny_dirs, head: Path, *extra: str) -> SpeculativeDecoder:
-    cfg = load_config(
-        RunConfig,
-        None,
-        [
-            f"target.name_or_path={tiny_dirs['llama']}",
-            "target.device=cpu",
-            "target.dtype=float64",
-            "target.num_threads=1",
-            *extra,
-        ],
-    )
-    return SpeculativeDecoder.load(head, cfg)
+    return SpeculativeDecoder.load(head, float64_run(tiny_dirs["llama"], "target.num_threads=1", *extra))
 
 
 def _root_positions(accepted: list[int]) -> list[int]:
@@ -98,8 +89,8 @@ def _root_positions(accepted: list[int]) -> list[int]:
 
 
 def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_heads):
-    """At every position where real decoding verified a tree, the replay predicts exactly how many drafts it accepted,
-    for several (depth, top_k, total_tokens) scored by one expansion per top_k."""
+    """At every position where real decoding verified a tree, the replay predicts exactly how many drafts it
+    accepted, for several (depth, top_k, total_tokens) scored by one expansion per top_k."""
     d = _decoder(tiny_dirs, trained_heads["eagle3"], "inference.use_tuned=false", "inference.drafter=neural")
     prompts = [d.fmt.first_turn(p) for p in PROMPTS]
     replays = replay_answers(d, prompts, 24)
@@ -120,8 +111,9 @@ def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_h
 
 @pytest.mark.parametrize("kind", ["medusa", "dflash"])
 def test_replayed_static_tree_matches_equal_real_verification(tiny_dirs, trained_heads, kind: str):
-    """Static trees (Medusa's heads, DFlash's block slots): the ranks replayed along the target's answers accept
-    exactly what real verification accepts, for any tree; and the tune search's best tree decodes exactly."""
+    """Static trees (Medusa's heads, DFlash's block slots): the ranks replayed along the target's answers
+    accept exactly what real verification accepts, for any tree; and the tune search's best tree
+    decodes exactly."""
     d = _decoder(
         tiny_dirs,
         trained_heads[kind],
@@ -175,8 +167,9 @@ def test_tune_settings_are_checked():
 
 
 def test_renamed_tune_keys_still_load(tmp_path: Path):
-    """A run config saved before issue 54 (tune.medusa_nodes, tune.medusa_top_k) loads into the renamed fields,
-    from a file and from the command line; setting an old key and its new name together is an error."""
+    """A run config saved before issue 54 (tune.medusa_nodes, tune.medusa_top_k) loads into the renamed
+    fields, from a file and from the command line; setting an old key and its new name together is
+    an error."""
     saved = tmp_path / "config.yaml"
     saved.write_text("tune:\n  medusa_nodes: [2, 5]\n  medusa_top_k: 3\n")
     cfg = load_config(RunConfig, saved)

@@ -9,31 +9,33 @@ from headway.config import load_config
 from headway.run_config import RunConfig
 
 
+def small_run_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    """small_run's settings as key=value overrides (for load_config or the command line): 6 steps of 2 x 2
+    sequences, eval and checkpoint every 3, float32; `extra` overrides (head.* etc.) come last."""
+    return [
+        "head.kind=medusa",  # the smallest head; `extra` may name another
+        f"target.name_or_path={model_dir}",
+        "target.device=cpu",
+        "target.num_threads=1",
+        f"train.datasets=[{data}]",
+        f"train.output_dir={out}",
+        "train.max_steps=6",
+        "train.micro_batch_size=2",
+        "train.grad_accum=2",
+        "train.warmup_steps=2",
+        "train.lr=0.01",
+        "train.eval_every=3",
+        "train.eval_fraction=0.2",
+        "train.log_every=1",
+        "train.autocast_dtype=float32",
+        "train.save_every=3",
+        *extra,
+    ]
+
+
 def small_run(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
     """6 steps of 2 x 2 sequences, eval and checkpoint every 3, float32; `extra` overrides (head.* etc.)."""
-    return load_config(
-        RunConfig,
-        None,
-        [
-            "head.kind=medusa",  # the smallest head; `extra` may name another
-            f"target.name_or_path={model_dir}",
-            "target.device=cpu",
-            "target.num_threads=1",
-            f"train.datasets=[{data}]",
-            f"train.output_dir={out}",
-            "train.max_steps=6",
-            "train.micro_batch_size=2",
-            "train.grad_accum=2",
-            "train.warmup_steps=2",
-            "train.lr=0.01",
-            "train.eval_every=3",
-            "train.eval_fraction=0.2",
-            "train.log_every=1",
-            "train.autocast_dtype=float32",
-            "train.save_every=3",
-            *extra,
-        ],
-    )
+    return load_config(RunConfig, None, small_run_args(model_dir, data, out, *extra))
 
 
 def losses(run: Path) -> list[tuple[int, float]]:

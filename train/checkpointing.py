@@ -84,7 +84,8 @@ def _tupled(state: Any) -> Any:
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint whose files match their checksums; a damaged newer one is named and skipped."""
+    """The newest complete checkpoint whose files match their checksums; a damaged newer one is named
+    and skipped."""
     for path in sorted((p for p in root.glob("step-*") if (p / "trainer.json").is_file()), reverse=True):
         try:
             _verify(path)

@@ -20,10 +20,10 @@ class TrainConfig:
     # Optimiser steps; each sees micro_batch_size x grad_accum sequences.
     max_steps: int = 1000
     micro_batch_size: int = 4
-    # Length windows: the shuffled stream of sequences is cut into windows of this many, each sorted by length, so a
-    # micro-batch's sequences are of similar length and pad little (a random batch of 4 self-distilled gsm8k answers
-    # is ~35% padding, ~2% in windows of 128; every padded token costs the target's forward and the head's).
-    # 0 or 1: off (plain shuffle).
+    # Length windows: the shuffled stream of sequences is cut into windows of this many, each sorted by
+    # length, so a micro-batch's sequences are of similar length and pad little (a random batch of 4
+    # self-distilled gsm8k answers is ~35% padding, ~2% in windows of 128; every padded token costs the
+    # target's forward and the head's). 0 or 1: off (plain shuffle).
     length_window: int = 128
     grad_accum: int = 1
     # Read the target's features from caches written by `headway cache-features` (together covering
@@ -31,13 +31,14 @@ class TrainConfig:
     # Not with Medusa-2 (head.medusa.lora).
     features_dir: list[str] = field(default_factory=list)
     # Duplicate answers dropped before the held-out split (the first of each group is kept): none, exact
-    # (the same answer tokens) or near (estimated Jaccard similarity of their token 5-grams >= dedup_threshold).
+    # (the same answer tokens) or near (estimated Jaccard similarity of their token 5-grams
+    # >= dedup_threshold).
     dedup: str = "none"
     dedup_threshold: float = 0.8
     # Longer sequences are cut to this many tokens.
     max_length: int = 1024
-    # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr. 1e-3 beat 5e-4 for EAGLE-3 at an hour of
-    # CPU training (docs/benchmarks.md).
+    # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr. 1e-3 beat 5e-4 for EAGLE-3 at an hour
+    # of CPU training (docs/benchmarks.md).
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])

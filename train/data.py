@@ -40,8 +40,9 @@ def load_samples(
         diff = fingerprint_mismatch(manifest["target_fingerprint"], fingerprint)
         if diff:
             raise HeadwayError(
-                f"dataset {path} was made by target {manifest['target_fingerprint'].get('id')}, not the configured "
-                f"target {fingerprint.get('id')} ({'; '.join(diff)}): distil it again with this target"
+                f"dataset {path} was made by target {manifest['target_fingerprint'].get('id')}, not the "
+                f"configured target {fingerprint.get('id')} ({'; '.join(diff)}): distil it again with this "
+                "target"
             )
         for i, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
             key = f"{path}#{i}"
@@ -58,8 +59,9 @@ def drop_duplicates(
 
 
 def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """Held-out by a hash of the sample's tokens: the same samples whatever the order, the other data or where the
-    dataset lies (a key with the directory's path would move the split with it), and duplicates fall together."""
+    """Held-out by a hash of the sample's tokens: the same samples whatever the order, the other data or where
+    the dataset lies (a key with the directory's path would move the split with it), and duplicates
+    fall together."""
     train, held = [], []
     for _, s in samples:
         bucket = int(hashlib.sha256(repr(s.input_ids).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
@@ -74,9 +76,9 @@ def sample_order(
     n: int, seed: int, epoch: int, lengths: Optional[tuple[int, ...]] = None, window: int = 0
 ) -> tuple[int, ...]:
     """Epoch `epoch`'s order of n samples: a seeded shuffle; with `window` > 1, cut into windows of that many
-    samples, each sorted by `lengths` (ascending or descending, by a seeded coin per window), so that consecutive
-    samples (a micro-batch) are of similar length and pad little. A pure function of its arguments: a resumed run,
-    or one that splits its batches otherwise, reads the same stream."""
+    samples, each sorted by `lengths` (ascending or descending, by a seeded coin per window), so that
+    consecutive samples (a micro-batch) are of similar length and pad little. A pure function of its
+    arguments: a resumed run, or one that splits its batches otherwise, reads the same stream."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n, generator=g).tolist()
     if window > 1 and lengths is not None:
@@ -90,8 +92,8 @@ def sample_order(
 
 
 def batch_at(samples: list[Sample], consumed: int, size: int, seed: int, window: int = 0) -> list[Sample]:
-    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream (length-sorted in windows of
-    `window` samples: `sample_order`)."""
+    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream (length-sorted in
+    windows of `window` samples: `sample_order`)."""
     n = len(samples)
     lengths = tuple(len(s.input_ids) for s in samples) if window > 1 else None
     out = []

@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO (stage 1, 2 or 3) for the head: `train.backend=deepspeed`, launched by `deepspeed` or torchrun.
+"""DeepSpeed ZeRO (stage 1, 2 or 3) for the head: `train.backend=deepspeed`, launched by `deepspeed`
+or torchrun.
 
 Headway's run config owns the batch, the optimizer (AdamW), the schedule and clipping; the DeepSpeed
 config owns ZeRO and precision. Its "auto" fields are filled from the run config (as Hugging Face

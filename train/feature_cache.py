@@ -1,5 +1,5 @@
-"""The feature cache, written and read: run the frozen target once over the training data and keep the hidden states a
-head reads, in safetensors shards, so training epochs (and sweeps) never run the target again.
+"""The feature cache, written and read: run the frozen target once over the training data and keep the hidden
+states a head reads, in safetensors shards, so training epochs (and sweeps) never run the target again.
 
 Layout of the output directory:
   shards/shard-NNNNN.safetensors  h{layer}: [tokens, hidden] for each cached layer, argmax: [tokens] (the
@@ -242,13 +242,15 @@ class FeatureCache:
     def batch(
         self, keys: list[str], width: int, device: Any = "cpu"
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Right-padded features {layer: [B, width, h]} (float32) and the target's greedy tokens [B, width]."""
+        """Right-padded features {layer: [B, width, h]} (float32) and the target's greedy tokens
+        [B, width]."""
         out: dict[int, Optional[torch.Tensor]] = {i: None for i in self.layers}
         argmax = torch.zeros(len(keys), width, dtype=torch.long)
         for b, key in enumerate(keys):
             if key not in self.where:
                 raise HeadwayError(
-                    f"sample {key} is not in the feature caches {[str(p) for p in self.paths]}: cache the features again"
+                    f"sample {key} is not in the feature caches "
+                    f"{[str(p) for p in self.paths]}: cache the features again"
                 )
             si, row = self.where[key]
             h = self._handle(si)

@@ -153,8 +153,8 @@ def heads_from(cfg: RunConfig, target: Any) -> Any:
 
 
 def with_added_parts(heads: Any, cfg: Any) -> Any:
-    """`heads` rebuilt under `cfg`, which adds parts (EAGLE-3.1's norms): every weight of `heads` kept, the added
-    ones at their initial values."""
+    """`heads` rebuilt under `cfg`, which adds parts (EAGLE-3.1's norms): every weight of `heads` kept, the
+    added ones at their initial values."""
     spec = head_kind(heads.kind)
     layer_config = getattr(heads, "layer_config", None)
     grown = spec.build(cfg, heads.hidden_size, heads.vocab_size, heads.d2t, layer_config).to(heads.d2t.device)
@@ -166,8 +166,8 @@ def with_added_parts(heads: Any, cfg: Any) -> Any:
 
 
 def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
-    """A fresh head for the target (or train.init_from's); a reduced vocabulary is the most frequent tokens the
-    target wrote."""
+    """A fresh head for the target (or train.init_from's); a reduced vocabulary is the most frequent tokens
+    the target wrote."""
     if cfg.train.init_from:
         return heads_from(cfg, target)
     kind, spec = cfg.head.kind, head_kind(cfg.head.kind)
@@ -278,8 +278,8 @@ RUN_IDENTITY = (
     "train.dedup",
     "train.dedup_threshold",
 )
-# Settings within RUN_IDENTITY that a resumed run may still change: Medusa's loss and decay (they could be changed as
-# train.loss and train.decay, before they moved into the head section).
+# Settings within RUN_IDENTITY that a resumed run may still change: Medusa's loss and decay (they could be
+# changed as train.loss and train.decay, before they moved into the head section).
 RESUME_MAY_CHANGE = ("head.medusa.loss", "head.medusa.decay")
 
 
@@ -299,8 +299,9 @@ def _check_same_run(saved: Path, cfg: RunConfig) -> None:
     changed = [k for k in RUN_IDENTITY if OmegaConf.select(old, k) != OmegaConf.select(new, k)]
     if changed:
         raise HeadwayError(
-            f"{saved.parent} holds checkpoints of a run with other settings ({', '.join(changed)} changed): rerun with "
-            "the original values, use another train.output_dir, or set train.resume_from=null to start over there"
+            f"{saved.parent} holds checkpoints of a run with other settings ({', '.join(changed)} changed): "
+            "rerun with the original values, use another train.output_dir, or set train.resume_from=null "
+            "to start over there"
         )
 
 
@@ -430,7 +431,8 @@ def train(cfg: RunConfig) -> Path:
     Args:
         cfg: the run config; its target, head, train and logging sections (and features, offline) are read.
     Returns:
-        The native head directory written at the end (`<train.output_dir>/head`; rank 0's path on every rank)."""
+        The native head directory written at the end (`<train.output_dir>/head`; rank 0's path on
+        every rank)."""
     tc = cfg.train
     out = Path(tc.output_dir).expanduser()
     if tc.init_from:
@@ -461,8 +463,8 @@ def train(cfg: RunConfig) -> Path:
     log.info("data: %d training sequences, %d held out", len(train_set), len(held))
     if tc.eval_every and 0 < min(len(held), tc.eval_max_samples) < par.world_size:
         log.warning(
-            "only %d held-out sequence(s) for %d processes: no evaluation this run; raise train.eval_fraction "
-            "or add data",
+            "only %d held-out sequence(s) for %d processes: no "
+            "evaluation this run; raise train.eval_fraction or add data",
             len(held),
             par.world_size,
         )
@@ -538,7 +540,8 @@ def train(cfg: RunConfig) -> Path:
         par.world_size,
     )
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
-    # the run's totals over all its resumes: runs are compared by the answer tokens they trained on and their wall time
+    # the run's totals over all its resumes: runs are compared by the answer tokens they trained on and their
+    # wall time
     seen, earlier_s = int(progress.get("answer_tokens", 0)), float(progress.get("wall_seconds", 0.0))
     started, tokens = time.time(), 0
     while step < tc.max_steps:
@@ -569,10 +572,10 @@ def train(cfg: RunConfig) -> Path:
         if not math.isfinite(loss_sum):
             kept = latest_checkpoint(ckpt_root) if par.is_main else None
             raise HeadwayError(
-                f"loss became {loss_sum} at step {step + 1} (batch: {bad_batch or 'on another rank'}); nothing of this "
-                f"step was applied and the last good checkpoint is {kept or 'none (no checkpoint written yet)'}: lower "
-                "train.lr or train.grad_clip, or check those sequences, then rerun with "
-                "train.resume_from=auto"
+                f"loss became {loss_sum} at step {step + 1} (batch: {bad_batch or 'on another rank'}); "
+                "nothing of this step was applied and the last good checkpoint is "
+                f"{kept or 'none (no checkpoint written yet)'}: lower train.lr or train.grad_clip, or check "
+                "those sequences, then rerun with train.resume_from=auto"
             )
         grad_norm = stepper.step()
         step += 1
@@ -621,8 +624,9 @@ def train(cfg: RunConfig) -> Path:
     if par.is_main:
         logger.close()
         head_dir = _export(cfg, target, final, held, t2d, out)
-    # the wrapped objective (DDP's reducer, FSDP, DeepSpeed) and its optimizer go before the process group: freed
-    # only at interpreter exit, work they still hold on gloo can abort the process after the run succeeded
+    # the wrapped objective (DDP's reducer, FSDP, DeepSpeed) and its optimizer go before the process group:
+    # freed only at interpreter exit, work they still hold on gloo can abort the process after the
+    # run succeeded
     del objective, optimizer, scheduler
     gc.collect()
     par.close()
@@ -632,7 +636,8 @@ def train(cfg: RunConfig) -> Path:
 def _final_heads(
     cfg: RunConfig, target: Any, train_set: list, objective: Any, heads: Any, optimizer: Any, par: Parallel
 ) -> Any:
-    """The trained head as one plain module on rank 0 (FSDP, DeepSpeed: gathered from the shards; a collective)."""
+    """The trained head as one plain module on rank 0 (FSDP, DeepSpeed: gathered from the shards;
+    a collective)."""
     if par.backend not in ("fsdp", "deepspeed"):
         return heads
     model_state, _, _ = _gather_state(objective, heads, optimizer, par, False)
@@ -652,8 +657,8 @@ def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: 
     calibrate = head_kind(cfg.head.kind).calibrate
     if held and calibrate and tc.shard_target:
         log.warning(
-            "train.shard_target: the target is sharded, so rank 0 cannot measure the heads' per-rank accuracy "
-            "alone; the head is saved without it (generate uses inference.tree)"
+            "train.shard_target: the target is sharded, so rank 0 cannot measure the heads' "
+            "per-rank accuracy alone; the head is saved without it (generate uses inference.tree)"
         )
     elif held and calibrate:
         calib = held[: tc.eval_max_samples]

@@ -24,7 +24,8 @@ def target_to_draft(
 def medusa_labels(
     input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int, t2d: Optional[torch.Tensor]
 ) -> torch.Tensor:
-    """[K, B, T] draft-id labels: position t of head i is the token at t+2+i where the mask is on, else IGNORE.
+    """[K, B, T] draft-id labels: position t of head i is the token at t+2+i where the mask is on,
+    else IGNORE.
 
     Tokens outside a reduced draft vocabulary are IGNORE too (no draft id can name them).
     """
@@ -47,7 +48,8 @@ def medusa_loss(
     decay: float,
     soft_targets: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted sum over heads of the mean loss on labelled positions; soft_targets [K,B,T,V] turns CE into KL.
+    """Weighted sum over heads of the mean loss on labelled positions; soft_targets [K,B,T,V] turns CE
+    into KL.
 
     With soft targets the loss is the cross-entropy to the target's distribution (KL up to a constant).
     """
@@ -106,7 +108,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def draft_loss(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
-    """Mean loss of draft logits [n, V] against the target's distribution target_p [n, V] on the same vocabulary.
+    """Mean loss of draft logits [n, V] against the target's distribution target_p [n, V] on the
+    same vocabulary.
 
     soft_ce: cross-entropy to target_p (KL up to a constant); argmax_ce: cross-entropy on target_p's argmax,
     the token greedy verification accepts; tv: total variation, since 1 - TV(draft, target) is the chance that
@@ -128,7 +131,8 @@ def draft_loss(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch
 
 def chain_acceptance(correct: list[torch.Tensor], valid0: torch.Tensor) -> torch.Tensor:
     """Expected tokens per target forward of a greedy chain, simulated: 1 + the mean over positions valid at
-    step 0 of how many leading steps drafted the target's token. correct[j]: bool [B, T], step j right at t."""
+    step 0 of how many leading steps drafted the target's token. correct[j]: bool [B, T], step j right
+    at t."""
     run = torch.ones_like(valid0, dtype=torch.float32)
     length = torch.zeros_like(run)
     for c in correct:

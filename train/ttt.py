@@ -122,7 +122,8 @@ class Unrolled:
         return out
 
     def positions(self, j: int, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(batch rows, sequence positions) [n] of the outputs step j's bool `where` selects, in `out[where]`'s order."""
+        """(batch rows, sequence positions) [n] of the outputs step j's bool `where` selects, in
+        `out[where]`'s order."""
         if j == 0:
             return where.nonzero(as_tuple=True)
         rows = torch.arange(self.index.shape[0], device=where.device).unsqueeze(1).expand_as(self.index)
@@ -134,7 +135,8 @@ class Unrolled:
 
 
 def kept_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's True positions of `needed` [B, T], padded to the longest row: (index [B, N], kept [B, N])."""
+    """Each row's True positions of `needed` [B, T], padded to the longest row: (index [B, N], kept
+    [B, N])."""
     counts = needed.sum(1)
     N = max(1, int(counts.max())) if needed.numel() else 1
     T = needed.shape[1]

@@ -6,15 +6,16 @@ docs/export.md): vLLM `Eagle3LlamaForCausalLM`, `EagleLlamaForCausalLM`, `Medusa
 `LlamaForCausalLMEagle3`, `LlamaForCausalLMEagle`; TensorRT-LLM's Eagle3 (the same Hugging Face layout)
 and Medusa (the original Medusa checkpoint layout).
 
-Each kind's converters live in their own module, which ends with the kind's tables (format -> Converter, and the
-formats refused with why); this package only collects those tables for kinds/<kind>.py to name:
+Each kind's converters live in their own module, which ends with the kind's tables (format -> Converter, and
+the formats refused with why); this package only collects those tables for kinds/<kind>.py to name:
 
 - `eagle3.py`: EAGLE-3 and EAGLE-3.1 for vLLM, SGLang and TensorRT-LLM, and vLLM's speculators format
 - `eagle.py`: EAGLE-1 for vLLM and SGLang
 - `medusa.py`: Medusa for vLLM (<= 0.32, with the installed-vLLM probe) and TensorRT-LLM
 - `dflash.py`: DFlash for vLLM and SGLang
-- `common.py`: what several kinds share (`Converter`, the refused target families, the Llama draft layer's config
-  and tensors, the renaming rules, the d2t check, the vLLM and SGLang serve hints, the engine descriptions)
+- `common.py`: what several kinds share (`Converter`, the refused target families, the Llama draft layer's
+  config and tensors, the renaming rules, the d2t check, the vLLM and SGLang serve hints, the
+  engine descriptions)
 
 A new kind adds one file (`mykind.py`, importing `common.py` and no other kind) and one import line here (its
 tables' names go in `__all__`).

@@ -1,10 +1,10 @@
 """What every head kind's engine layouts share: the Converter record a layout is registered as, the target
-families no engine can serve a draft for, the Llama decoder layer the engines build EAGLE-style drafts from (its
-config and tensors), the key-renaming rules between Headway's names and an engine's, the d2t check of a reduced
-draft vocabulary, the serve hints several kinds print, and the engine descriptions a layout names.
+families no engine can serve a draft for, the Llama decoder layer the engines build EAGLE-style drafts from
+(its config and tensors), the key-renaming rules between Headway's names and an engine's, the d2t check of a
+reduced draft vocabulary, the serve hints several kinds print, and the engine descriptions a layout names.
 
-It lives apart from the per-kind modules (eagle3.py, eagle.py, medusa.py, dflash.py) so that each of those holds only
-its own kind's mappings, and so that a new kind reuses these pieces without importing another kind.
+It lives apart from the per-kind modules (eagle3.py, eagle.py, medusa.py, dflash.py) so that each of those
+holds only its own kind's mappings, and so that a new kind reuses these pieces without importing another kind.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from headway.export.schema import Layout, Spec
 LLAMA_LIKE = ("llama", "mistral")
 # Target families whose EAGLE drafts the checked engines cannot serve as Headway trains them, and why.
 UNSERVED_TARGETS = {
-    "gemma3_text": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden states "
-    "to a draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the "
-    "hidden state Headway trains on",
-    "gemma3": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden states to a "
-    "draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not the hidden "
-    "state Headway trains on",
+    "gemma3_text": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux "
+    "hidden states to a draft), and SGLang's Gemma-3 captures a layer's branch output without its "
+    "residual, not the hidden state Headway trains on",
+    "gemma3": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden "
+    "states to a draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not "
+    "the hidden state Headway trains on",
 }
 
 
@@ -88,10 +88,11 @@ def llama_config(native: dict, fmt: str) -> dict:
         )
     if family not in LLAMA_LIKE or layer.get("attention_bias") or layer.get("mlp_bias"):
         raise HeadwayError(
-            f"the {fmt} EAGLE layouts hold a Llama decoder layer; this head's draft layer is {family}"
-            f"{' with biases' if layer.get('attention_bias') or layer.get('mlp_bias') else ''}, which they cannot represent: "
-            f"train the head with head.{native.get('kind', 'eagle3')}.draft_layer=llama (the default: a Llama layer sized "
-            f"from the target, which engines serve whatever the target's family), or use --format native"
+            f"the {fmt} EAGLE layouts hold a Llama decoder layer; this head's draft layer is "
+            f"{family}{' with biases' if layer.get('attention_bias') or layer.get('mlp_bias') else ''}, "
+            "which they cannot represent: train the head with "
+            f"head.{native.get('kind', 'eagle3')}.draft_layer=llama (the default: a Llama layer sized from "
+            "the target, which engines serve whatever the target's family), or use --format native"
         )
     rope = layer.get("rope_parameters") or {}
     theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
@@ -157,8 +158,8 @@ def prefix_rules(rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(p + "(.*)", r + r"\1") for p, r in rules]
 
 
-# What an engine does with a reduced draft vocabulary and no d2t: it reads draft id i as target id i, silently, and
-# the draft's guesses land on the wrong tokens (acceptance collapses, the output stays correct).
+# What an engine does with a reduced draft vocabulary and no d2t: it reads draft id i as target id i,
+# silently, and the draft's guesses land on the wrong tokens (acceptance collapses, the output stays correct).
 D2T_MISSING = (
     "without it vLLM reads draft id i as target id i, silently, and accepts almost nothing; export the head "
     "directory `headway train` wrote (its model.safetensors holds d2t)"
@@ -178,9 +179,10 @@ def check_d2t(config: dict, tensors: dict) -> list[str]:
         problems.append("d2t maps two draft ids to one target id")
     elif len(d2t) < int(config["vocab_size"]) and not bool(d2t.any()):
         problems.append(
-            f"d2t maps the {len(d2t)} draft ids onto the target's first {len(d2t)} ids (all offsets 0): a reduced "
-            "draft vocabulary holds the training data's most frequent tokens, so this head's d2t was lost or never "
-            "built, and vLLM would serve it accepting almost nothing; export the head directory `headway train` wrote"
+            f"d2t maps the {len(d2t)} draft ids onto the target's first {len(d2t)} ids (all offsets 0): a "
+            "reduced draft vocabulary holds the training data's most frequent tokens, so this head's d2t "
+            "was lost or never built, and vLLM would serve it accepting almost nothing; export the head "
+            "directory `headway train` wrote"
         )
     elif int(t2d.sum()) != len(d2t) or not bool(t2d[target].all()):
         problems.append(

@@ -1,6 +1,7 @@
-"""DFlash's engine layouts: vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel (Qwen3-style layers, the
-fc over the fused target layers, an own draft-vocabulary read-out with its d2t or the target's lm_head); the
-mappings both ways, SGLang's refusal of an own read-out, how each is served, and the formats refused with why.
+"""DFlash's engine layouts: vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel (Qwen3-style layers,
+the fc over the fused target layers, an own draft-vocabulary read-out with its d2t or the target's lm_head);
+the mappings both ways, SGLang's refusal of an own read-out, how each is served, and the formats refused
+with why.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ from headway.heads.dflash import mask_token
 
 
 def _dflash_specs(config: dict) -> dict[str, Spec]:
-    """vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel: Qwen3-style layers (per-head q/k norms), fc over
-    the fused target layers, the shared hidden_norm and the final norm; a draft-vocabulary lm_head with its d2t
-    where the config names a draft_vocab_size, else (both engines' default) the target's own lm_head reads out.
-    embed_tokens always comes from the target."""
+    """vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel: Qwen3-style layers (per-head q/k norms),
+    fc over the fused target layers, the shared hidden_norm and the final norm; a draft-vocabulary lm_head
+    with its d2t where the config names a draft_vocab_size, else (both engines' default) the target's own
+    lm_head reads out. embed_tokens always comes from the target."""
     h, _, _, _, hd = layer_shape(config)
     target_h = int(config.get("target_hidden_size") or h)
     fused = len(config["dflash_config"]["target_layer_ids"])
@@ -80,8 +81,8 @@ def _dflash_engine_config(native: dict, fmt: str) -> dict:
 
 
 def _dflash_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
-    """Headway's DFlash keys are the engines'. An own read-out adds draft_vocab_size, lm_head and d2t (as offsets);
-    lm_head=target writes none of them, so the engine reads out through the target's lm_head."""
+    """Headway's DFlash keys are the engines'. An own read-out adds draft_vocab_size, lm_head and d2t (as
+    offsets); lm_head=target writes none of them, so the engine reads out through the target's lm_head."""
     config, tensors = _dflash_engine_config(native, "vllm"), dict(state)
     if native["head"].get("lm_head", "own") == "own":
         d2t = tensors.pop("d2t").long()
@@ -96,10 +97,10 @@ def _dflash_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
 def _dflash_to_sglang(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
     if native["head"].get("lm_head", "own") != "target":
         raise HeadwayError(
-            "SGLang's DFlash drafts through the target's own full-vocabulary lm_head and silently drops a draft's "
-            "lm_head and d2t, but this head reads out through its own reduced-vocabulary lm_head "
-            "(head.dflash.lm_head=own): SGLang would serve it with the wrong read-out. Export it with --format "
-            "vllm, or train a head for SGLang with head.dflash.lm_head=target"
+            "SGLang's DFlash drafts through the target's own full-vocabulary lm_head and silently drops a "
+            "draft's lm_head and d2t, but this head reads out through its own reduced-vocabulary lm_head "
+            "(head.dflash.lm_head=own): SGLang would serve it with the wrong read-out. Export it with "
+            "--format vllm, or train a head for SGLang with head.dflash.lm_head=target"
         )
     config = _dflash_engine_config(native, "sglang")
     layers = native.get("target_fingerprint", {}).get("num_hidden_layers")
@@ -139,7 +140,8 @@ DFLASH_EXPORTS: dict[str, Converter] = {
     "vllm": Converter(
         Layout(
             "vllm/dflash",
-            "vLLM's DFlash (DFlashQwen3ForCausalLM; needs a non-causal attention backend, e.g. FlashAttention)",
+            "vLLM's DFlash (DFlashQwen3ForCausalLM; needs a "
+            "non-causal attention backend, e.g. FlashAttention)",
             DFLASH_KEYS,
             {"architectures": ["DFlashDraftModel"], "model_type": "qwen3"},
             _dflash_specs,

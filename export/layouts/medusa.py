@@ -1,7 +1,7 @@
 """Medusa's engine layouts: vLLM's Medusa (vLLM 0.10 to 0.32; 0.33 removed it, so the installed vLLM is probed
-and a newer one refused) and TensorRT-LLM's Medusa checkpoint (the original Medusa keys, which its converter reads);
-the shared-lm_head handling both need, the mappings both ways, how each is served, and the formats refused with
-why.
+and a newer one refused) and TensorRT-LLM's Medusa checkpoint (the original Medusa keys, which its converter
+reads); the shared-lm_head handling both need, the mappings both ways, how each is served, and the formats
+refused with why.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """What every kind's training objective shares: the target's side of a batch (`Features`) and the interface an
 objective implements (`Objective`).
 
-`Features` is made by running the target (online) or read back from a feature cache (offline): the objectives cannot
-tell which, so both modes give the same loss on the same batch. Each kind's objective lives in its own module beside
-this one (medusa.py, eagle.py, eagle3.py, dflash.py); its kind's spec (kinds/<kind>.py) names the class.
+`Features` is made by running the target (online) or read back from a feature cache (offline): the objectives
+cannot tell which, so both modes give the same loss on the same batch. Each kind's objective lives in its own
+module beside this one (medusa.py, eagle.py, eagle3.py, dflash.py); its kind's spec (kinds/<kind>.py) names
+the class.
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ class Features:
         return self._argmax
 
     def draft_logits(self, d2t: torch.Tensor) -> torch.Tensor:
-        """The target's logits over the draft vocabulary only: just those rows of its lm_head over the final hidden
-        state where the model is known (a product a sixth the size of the full one, and no gather of columns out of
-        [B, T, V] logits), else those columns of the given logits."""
+        """The target's logits over the draft vocabulary only: just those rows of its lm_head over the final
+        hidden state where the model is known (a product a sixth the size of the full one, and no gather of
+        columns out of [B, T, V] logits), else those columns of the given logits."""
         if self._model is None:
             return self._logits[..., d2t]
         with torch.no_grad():
@@ -75,13 +76,14 @@ def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Te
 class Objective(ABC):
     """A head kind's training objective: what its head learns from the target's features on one batch.
 
-    Built once per run from the kind's own config section, as the head was built with (`heads.cfg`: head.<kind>,
-    its target-dependent defaults resolved), and the few train settings an objective needs, passed by name; it reads
-    nothing else of the run's config. Then called on every micro-batch.
+    Built once per run from the kind's own config section, as the head was built with (`heads.cfg`:
+    head.<kind>, its target-dependent defaults resolved), and the few train settings an objective needs,
+    passed by name; it reads nothing else of the run's config. Then called on every micro-batch.
 
     Args:
         cfg: the kind's config section (heads/config.py).
-        seed: train.seed, for objectives that draw at random (DFlash's anchors): the same draws on a resumed run.
+        seed: train.seed, for objectives that draw at random (DFlash's anchors): the same draws on a
+            resumed run.
     """
 
     def __init__(self, cfg: Any, *, seed: int = 0) -> None:
@@ -92,5 +94,6 @@ class Objective(ABC):
     def __call__(
         self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
-        """(loss, metrics) on one micro-batch. batch: input_ids, attention_mask and loss_mask (1 on answer tokens),
-        [B, T]; t2d: target id -> draft id (-1 outside the draft vocabulary), or None for a full vocabulary."""
+        """(loss, metrics) on one micro-batch. batch: input_ids, attention_mask and loss_mask (1 on answer
+        tokens), [B, T]; t2d: target id -> draft id (-1 outside the draft vocabulary), or None for a
+        full vocabulary."""

@@ -1,5 +1,5 @@
-"""DFlash's training objective: blocks at random answer anchors, each slot learning the target's distribution for
-its token over the draft vocabulary, all of a sequence's blocks in one masked forward."""
+"""DFlash's training objective: blocks at random answer anchors, each slot learning the target's distribution
+for its token over the draft vocabulary, all of a sequence's blocks in one masked forward."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from headway.train.objectives.common import Features, Objective
 
 
 def dflash_anchors(batch: dict, count: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to `count` anchors per sequence, [B, A] with a validity mask: positions whose next token is an answer
-    token, drawn at random but fixed by the batch's tokens and the seed (a resumed or offline run draws the same)."""
+    """Up to `count` anchors per sequence, [B, A] with a validity mask: positions whose next token is an
+    answer token, drawn at random but fixed by the batch's tokens and the seed (a resumed or offline run draws
+    the same)."""
     ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
     B, T = ids.shape
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(ids.long().sum()) % 1_000_000_007)
@@ -36,9 +37,10 @@ def dflash_anchors(batch: dict, count: int, block_size: int, seed: int) -> tuple
 
 class DFlashObjective(Objective):
     """DFlash: a block at each anchor a (its token, then mask tokens) sees the target's features before a and
-    itself; slot j learns the target's distribution at a + j - 1 (the token at a + j) over the draft vocabulary,
-    weighted exp(-(j - 1) / loss_gamma). Slots whose token is not an answer token, or whose target argmax is
-    outside the draft vocabulary, are skipped. The anchors are drawn with the objective's seed (train.seed)."""
+    itself; slot j learns the target's distribution at a + j - 1 (the token at a + j) over the draft
+    vocabulary, weighted exp(-(j - 1) / loss_gamma). Slots whose token is not an answer token, or whose target
+    argmax is outside the draft vocabulary, are skipped. The anchors are drawn with the objective's
+    seed (train.seed)."""
 
     def __call__(
         self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]

@@ -1,5 +1,5 @@
-"""EAGLE-3's training objective: the drafter unrolled on its own outputs (training-time test, train/ttt.py), each
-step learning the target's distribution over the draft vocabulary."""
+"""EAGLE-3's training objective: the drafter unrolled on its own outputs (training-time test, train/ttt.py),
+each step learning the target's distribution over the draft vocabulary."""
 
 from __future__ import annotations
 
