@@ -79,7 +79,7 @@ def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
         return launch(args.nproc, "cache-features", cfg, args)
     from headway.train.feature_cache import run_cache_features
 
-    out = run_cache_features(cfg)
+    out = run_cache_features(cfg.target, cfg.head, cfg.features, cfg.train.datasets, cfg.train.max_length)
     if not dist_info().is_main:
         return 0
     print(f"features: {out}  (train with train.features_dir=[{out}])")

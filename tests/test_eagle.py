@@ -333,20 +333,19 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
     caches = []
     for i, ds in enumerate([tiny_data, second]):
         caches.append(tmp_path / f"feats{i}")
-        run_cache_features(
-            load_config(
-                RunConfig,
-                None,
-                [
-                    f"target.name_or_path={tiny_dirs['llama']}",
-                    "target.num_threads=1",
-                    f"train.datasets=[{ds}]",
-                    f"features.output_dir={caches[-1]}",
-                    "features.dtype=float32",
-                    "features.layers=[1,2,3,4]",
-                ],
-            )
+        c = load_config(
+            RunConfig,
+            None,
+            [
+                f"target.name_or_path={tiny_dirs['llama']}",
+                "target.num_threads=1",
+                f"train.datasets=[{ds}]",
+                f"features.output_dir={caches[-1]}",
+                "features.dtype=float32",
+                "features.layers=[1,2,3,4]",
+            ],
         )
+        run_cache_features(c.target, c.head, c.features, c.train.datasets, c.train.max_length)
     extra = (
         "head.kind=eagle3",
         "head.eagle3.draft_vocab_size=64",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from safetensors import safe_open
@@ -33,6 +33,10 @@ from headway.runtime import barrier, parse_dtype
 from headway.target.loading import fingerprint_mismatch, load_target
 from headway.train.config import FeaturesConfig
 from headway.train.data import collate, load_samples
+
+if TYPE_CHECKING:
+    from headway.kinds.config import HeadConfig
+    from headway.target.config import TargetConfig
 
 log = logging.getLogger("headway")
 
@@ -265,35 +269,47 @@ class FeatureCache:
         return {i: t.to(device) for i, t in out.items()}, argmax.to(device)
 
 
-def layers_for(cfg: Any, num_target_layers: int) -> list[int]:
+def layers_for(features: FeaturesConfig, head: HeadConfig, num_target_layers: int) -> list[int]:
     """features.layers, or those head.kind reads; always with the last layer (the target's logits)."""
-    layers = list(cfg.features.layers)
+    layers = list(features.layers)
     if not layers:
-        layers = head_kind(cfg.head.kind).module.feature_layers(cfg.head.kind_config(), num_target_layers)
+        layers = head_kind(head.kind).module.feature_layers(head.kind_config(), num_target_layers)
     bad = [i for i in layers if not 0 <= i <= num_target_layers]
     if bad:
         raise HeadwayError(f"features.layers {bad} outside the target's hidden states 0..{num_target_layers}")
     return sorted(set(layers) | {num_target_layers})
 
 
-def run_cache_features(cfg: Any) -> Path:
-    """`headway cache-features`: the features of every sample of train.datasets (held-out ones too)."""
+def run_cache_features(
+    target_cfg: TargetConfig, head: HeadConfig, features: FeaturesConfig, datasets: list[str], max_length: int
+) -> Path:
+    """`headway cache-features`: the features of every sample of the datasets (held-out ones too).
+
+    Args:
+        target_cfg: the target whose hidden states are cached (the `target` section).
+        head: the head section; its kind names the layers to cache when `features.layers` is empty.
+        features: where and how to write the cache (the `features` section).
+        datasets, max_length: `train.datasets` and `train.max_length`, which the training run must match.
+
+    Returns:
+        `features.output_dir`, holding a finished cache (manifest written last).
+    """
     info = dist_info()
     if info.world_size > 1 and not torch.distributed.is_initialized():
         import datetime
 
         torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=48))  # barriers only
-    target = load_target(cfg.target)
-    pairs, _ = load_samples(cfg.train.datasets, target.fingerprint, cfg.train.max_length)
-    layers = layers_for(cfg, int(text_config(target.config).num_hidden_layers))
-    identity = {"datasets": list(cfg.train.datasets), "max_length": cfg.train.max_length}
+    target = load_target(target_cfg)
+    pairs, _ = load_samples(datasets, target.fingerprint, max_length)
+    layers = layers_for(features, head, int(text_config(target.config).num_hidden_layers))
+    identity = {"datasets": list(datasets), "max_length": max_length}
     out = cache_features(
         target.model,
         [s for _, s in pairs],
         [k for k, _ in pairs],
         layers,
         target.fingerprint,
-        cfg.features,
+        features,
         identity,
         target.tokenizer.pad_token_id or 0,
     )
