@@ -164,7 +164,10 @@ def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_pa
     """train.loss, train.decay and train.lora (before issue 54) are read as head.medusa.*, from a file or the
     command line, with a warning naming the new key; the config saved from it uses the new keys."""
     old = tmp_path / "old.yaml"
-    old.write_text("train:\n  loss: kl\n  decay: 0.5\n  lora:\n    enabled: true\n    r: 4\n  max_steps: 7\n")
+    old.write_text(
+        "head:\n  kind: medusa\n"
+        "train:\n  loss: kl\n  decay: 0.5\n  lora:\n    enabled: true\n    r: 4\n  max_steps: 7\n"
+    )
     with caplog.at_level("WARNING", logger="headway"):
         cfg = load_config(RunConfig, old, ["train.lora.lr=0.01", "train.lora.heads_warmup_steps=3"])
     medusa = cfg.head.medusa
@@ -186,7 +189,9 @@ def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_pa
     with pytest.raises(
         HeadwayError, match=r"\(head.medusa.lora.enabled\): its LoRA target must run in every step"
     ):
-        load_config(RunConfig, None, ["train.lora.enabled=true", "train.features_dir=[x]"])
+        load_config(
+            RunConfig, None, ["head.kind=medusa", "train.lora.enabled=true", "train.features_dir=[x]"]
+        )
 
 
 def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path):
