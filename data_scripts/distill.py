@@ -295,7 +295,8 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
     elapsed = time.time() - stats["start"]
     barrier(info)
     if info.is_main:
-        _merge(out, num_chunks, total, identity, engine.name, stats["tokens"], elapsed)
+        expected = [c.id for c in convs] if convs is not None else list(range(total))
+        _merge(out, num_chunks, expected, identity, engine.name, stats["tokens"], elapsed)
     barrier(info)
     if info.world_size > 1:
         import torch.distributed as dist
@@ -307,13 +308,14 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
 def _merge(
     out: Path,
     num_chunks: int,
-    total: int,
+    expected: list[int],
     identity: dict,
     engine: str,
     tokens: int,
     elapsed: float,
 ) -> None:
-    """Join the chunk files into one dataset; every prompt id must appear exactly once."""
+    """Join the chunk files into one dataset; every prompt id (`expected`: the prompt file's record indices,
+    from prompts.offset, or 0..N-1 for Magpie) must appear exactly once."""
     from datasets import Dataset, Features, Sequence, Value
 
     rows: list[dict] = []
@@ -328,15 +330,15 @@ def _merge(
         rows += data["rows"]
         skipped += data["skipped"]
     seen = [r["id"] for r in rows] + [s["id"] for s in skipped]
-    if sorted(seen) != list(range(total)):
+    if sorted(seen) != expected:
         raise HeadwayError(
             f"chunks in {out / CHUNK_DIR} do not cover every prompt exactly once: delete {out} and rerun"
         )
     if not rows:
         reasons = sorted({s["reason"] for s in skipped})
         raise HeadwayError(
-            f"no samples: all {total} prompts were skipped ({', '.join(reasons)}); see distill.on_too_long, "
-            "distill.max_length and the magpie settings"
+            f"no samples: all {len(expected)} prompts were skipped ({', '.join(reasons)}); see "
+            "distill.on_too_long, distill.max_length and the magpie settings"
         )
     rows.sort(key=lambda r: r["id"])
     features = Features(
@@ -371,7 +373,7 @@ def _merge(
         **identity,
         "engine": engine,
         "counts": {
-            "prompts": total,
+            "prompts": len(expected),
             "samples": len(rows),
             "skipped": reasons,
             "tokens": sum(len(r["input_ids"]) for r in rows),

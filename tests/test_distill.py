@@ -155,6 +155,19 @@ def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):
         run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "none", "prompts.limit=1"))
 
 
+def test_a_slice_of_the_prompt_file_keeps_its_record_ids(tiny_dirs, tmp_path: Path):
+    """prompts.offset/limit pick records [offset, offset + limit): the dataset's ids are those records'
+    indices and each answer is the one a whole-file run gives that record (chunks of 2 over 3 prompts)."""
+    prompts = write_prompts_file(tmp_path / "p.jsonl")
+    whole, _ = load_distilled(run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "all")))
+    part, manifest = load_distilled(
+        run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "part", "prompts.offset=1", "prompts.limit=3"))
+    )
+    assert part["id"] == [1, 2, 3] and manifest["counts"]["prompts"] == 3
+    by_id = dict(zip(whole["id"], whole["input_ids"]))
+    assert [by_id[i] for i in part["id"]] == part["input_ids"]
+
+
 def test_rerun_with_other_settings_is_refused(tiny_dirs, tmp_path: Path):
     prompts = write_prompts_file(tmp_path / "p.jsonl", PROMPTS[:2])
     out = tmp_path / "ds"
