@@ -12,6 +12,7 @@ import torch
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
+from headway.inference.config import InferenceConfig
 from headway.inference.cost_model import verify_cost_curve, verify_costs
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
@@ -47,19 +48,21 @@ def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
     return own.dtype
 
 
-def make_drafter(heads: Any, cfg: RunConfig, head_config: dict, target_config: Any) -> Any:
+def make_drafter(heads: Any, inference: InferenceConfig, head_config: dict, target_config: Any) -> Any:
     """The neural drafter of the head's kind, as the inference section sets it up."""
     num_layers = int(text_config(target_config).num_hidden_layers)
-    return head_kind(heads.kind).drafter(heads, cfg.inference, head_config, num_layers)
+    return head_kind(heads.kind).drafter(heads, inference, head_config, num_layers)
 
 
-def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[dict] = None) -> HybridDrafter:
+def make_hybrid(
+    neural: Any, inference: InferenceConfig, model: Any, saved_costs: Optional[dict] = None
+) -> HybridDrafter:
     """inference.drafter=ngram or hybrid: n-gram branches (and the neural drafter's) in one tree sized
     per step."""
-    hc = cfg.inference.hybrid
+    hc = inference.hybrid
     if hc.node_cost >= 0:
         return HybridDrafter(neural, hc, lambda n, depth: 1.0 + hc.node_cost * (n - 1), timed=False)
-    engine, most = cfg.inference.engine, hc.max_nodes + 1
+    engine, most = inference.engine, hc.max_nodes + 1
     flat = verify_cost_curve(model, engine, most, shape="flat") if depth_matters(model, engine) else None
     return HybridDrafter(neural, hc, verify_costs(verify_cost_curve(model, engine, most, saved_costs), flat))
 
@@ -67,7 +70,7 @@ def make_hybrid(neural: Any, cfg: RunConfig, model: Any, saved_costs: Optional[d
 def build_drafter(
     choice: str,
     heads: Any,
-    cfg: RunConfig,
+    inference: InferenceConfig,
     head_config: dict,
     target: Target,
     saved_costs: Optional[dict] = None,
@@ -77,19 +80,19 @@ def build_drafter(
     hybrid (both in one tree sized per step).
 
     Args:
-        choice: neural, ngram or hybrid; heads, head_config: the head and its config.json; cfg: the run config
-            (its inference section); target: the loaded target.
+        choice: neural, ngram or hybrid; heads, head_config: the head and its config.json; inference: the
+            run's inference section; target: the loaded target.
         saved_costs: verify_ms of the head's tuned.json entry, for `make_hybrid`.
         cost: cost(n, depth), the verify seconds an n-gram or hybrid tree sizes itself with (a replay's); None
             = `make_hybrid`'s (inference.hybrid.node_cost, or this machine's curve).
     Returns:
         The neural drafter of the head's kind, or a HybridDrafter (for ngram, without the neural drafter)."""
-    neural = make_drafter(heads, cfg, head_config, target.config) if choice != "ngram" else None
+    neural = make_drafter(heads, inference, head_config, target.config) if choice != "ngram" else None
     if choice == "neural":
         return neural
     if cost is not None:
-        return HybridDrafter(neural, cfg.inference.hybrid, cost)
-    return make_hybrid(neural, cfg, target.model, saved_costs)
+        return HybridDrafter(neural, inference.hybrid, cost)
+    return make_hybrid(neural, inference, target.model, saved_costs)
 
 
 @dataclass
@@ -123,7 +126,9 @@ class SpeculativeDecoder:
             themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
         self.head_config, self.saved_costs = head_config or {}, saved_costs
-        self.drafter = build_drafter(cfg.inference.drafter, heads, cfg, self.head_config, target, saved_costs)
+        self.drafter = build_drafter(
+            cfg.inference.drafter, heads, cfg.inference, self.head_config, target, saved_costs
+        )
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
     @classmethod

@@ -77,12 +77,11 @@ def compare_drafters(
 ) -> list[dict]:
     """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with
     the chosen settings, n-gram branches alone, and both in one hybrid tree."""
-    cfg = dataclasses.replace(
-        decoder.cfg, inference=dataclasses.replace(decoder.cfg.inference, **neural_settings)
-    )
+    inference = dataclasses.replace(decoder.cfg.inference, **neural_settings)
     out = []
     for kind in kinds:
-        drafter = build_drafter(kind, decoder.heads, cfg, decoder.head_config, decoder.target, cost=cost)
+        head, target = decoder.heads, decoder.target
+        drafter = build_drafter(kind, head, inference, decoder.head_config, target, cost=cost)
         out.append({"drafter": kind, **simulate(drafter, replays, cost)})
     return sorted(out, key=lambda d: -d["tok_s"])
 

@@ -73,7 +73,7 @@ def main() -> None:
     vocab = target.model.config.vocab_size
     data = batches(args, target, vocab)
     torch.manual_seed(0)
-    heads = build_heads(cfg, target, [s for b in data for s in b]).train()
+    heads = build_heads(cfg.head, cfg.train.init_from, target, [s for b in data for s in b]).train()
     t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
     objective = Eagle3Objective(heads.cfg, seed=cfg.train.seed)
     L, h = target.model.config.num_hidden_layers, target.model.config.hidden_size

@@ -425,7 +425,7 @@ def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_da
     cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "v31", *more)
     target = load_target(cfg.target)
     with caplog.at_level("INFO", logger="headway"):
-        grown = heads_from(cfg, target)
+        grown = heads_from(cfg.head, cfg.train.init_from, target)
     assert "head.eagle3.input_norm, head.eagle3.norm_output start at their initial weights" in caplog.text
     old = load_head(first, target.fingerprint)
     for k, v in old.state_dict().items():
@@ -438,9 +438,7 @@ def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_da
     train(cfg)  # rerun: resumes at its last checkpoint, logs no step twice
     assert [s for s, _ in losses(tmp_path / "v31")] == steps
     with pytest.raises(HeadwayError, match="draft_vocab_size=64"):  # a shape-defining change is still refused
-        heads_from(
-            small_run(
-                tiny_dirs["llama"], tiny_data, tmp_path / "x", *more, "head.eagle3.draft_vocab_size=32"
-            ),
-            target,
+        smaller = small_run(
+            tiny_dirs["llama"], tiny_data, tmp_path / "x", *more, "head.eagle3.draft_vocab_size=32"
         )
+        heads_from(smaller.head, smaller.train.init_from, target)

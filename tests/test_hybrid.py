@@ -390,9 +390,9 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkey
     assert not depth_matters(bf16.model, "hf") and not depth_matters(f32.model, "static")
     cfg = RunConfig()
     cfg.inference.hybrid.max_nodes = 5
-    drafter = api.make_hybrid(None, cfg, bf16.model)
+    drafter = api.make_hybrid(None, cfg.inference, bf16.model)
     assert sorted(asked) == ["chain", "flat"]
     assert drafter.verify_cost(6, 5) == pytest.approx(1.6) and drafter.verify_cost(6, 1) == pytest.approx(1.3)
     asked.clear()
-    drafter = api.make_hybrid(None, cfg, f32.model)
+    drafter = api.make_hybrid(None, cfg.inference, f32.model)
     assert asked == ["chain"] and drafter.verify_cost(6, 5) == drafter.verify_cost(6, 1) == pytest.approx(1.6)

@@ -203,7 +203,7 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
         "head.eagle3.loss=tv",
     )
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu"))
-    started = build_heads(cfg, t, [])
+    started = build_heads(cfg.head, cfg.train.init_from, t, [])
     saved = load_head(first)
     assert started.cfg.ttt_steps == 3 and started.cfg.loss == "tv"
     for name, value in saved.state_dict().items():
@@ -220,10 +220,10 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
     with pytest.raises(
         HeadwayError, match=r"was trained with head.eagle3: draft_vocab_size=64, which this run sets"
     ):
-        build_heads(wrong, t, [])
+        build_heads(wrong.head, wrong.train.init_from, t, [])
     medusa = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fourth", f"train.init_from={first}")
     with pytest.raises(HeadwayError, match=r"holds a 'eagle3' head, but this run trains head.kind=medusa"):
-        build_heads(medusa, t, [])
+        build_heads(medusa.head, medusa.train.init_from, t, [])
     with pytest.raises(HeadwayError, match="is not a head directory"):
         train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fifth", f"train.init_from={tmp_path}"))
 

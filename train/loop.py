@@ -25,6 +25,7 @@ from headway.errors import HeadwayError
 from headway.faults import fault_point
 from headway.heads.draft_layer import draft_layer_config, text_config
 from headway.kinds.checkpoint import load_head, save_head
+from headway.kinds.config import HeadConfig
 from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
@@ -105,24 +106,25 @@ def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def kind_config(cfg: RunConfig, num_layers: int) -> Any:
-    """The head kind's config with defaults resolved for this target (EAGLE-3's feature layers: they
-    are saved with the head)."""
-    return head_kind(cfg.head.kind).for_target(cfg.head.kind_config(), num_layers)
+def kind_config(head: HeadConfig, num_layers: int) -> Any:
+    """The head kind's config (the `head` section's own) with defaults resolved for this target (EAGLE-3's
+    feature layers: they are saved with the head)."""
+    return head_kind(head.kind).for_target(head.kind_config(), num_layers)
 
 
-def heads_from(cfg: RunConfig, target: Any) -> Any:
-    """The head of train.init_from, checked against the run: same kind, same target (load_head refuses
-    another) and the same shape-defining settings; its training-only settings are the run's."""
-    path = Path(cfg.train.init_from).expanduser()
+def heads_from(head: HeadConfig, init_from: str, target: Any) -> Any:
+    """The head of train.init_from, checked against the run's `head` section: same kind, same target
+    (load_head refuses another) and the same shape-defining settings; its training-only settings are the
+    run's."""
+    path = Path(init_from).expanduser()
     kind = read_head_config(path).get("kind")
-    if kind != cfg.head.kind:
+    if kind != head.kind:
         raise HeadwayError(
             f"train.init_from={path} holds a '{kind}' head, but this run trains head.kind="
-            f"{cfg.head.kind}: start from a {cfg.head.kind} head, or unset train.init_from"
+            f"{head.kind}: start from a {head.kind} head, or unset train.init_from"
         )
     heads = load_head(path, target.fingerprint, device=target.device, dtype=torch.float32)
-    run_cfg = kind_config(cfg, int(text_config(target.config).num_hidden_layers))
+    run_cfg = kind_config(head, int(text_config(target.config).num_hidden_layers))
     free = getattr(type(run_cfg), "training_fields", ())
     added = [
         name
@@ -165,15 +167,15 @@ def with_added_parts(heads: Any, cfg: Any) -> Any:
     return grown
 
 
-def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
-    """A fresh head for the target (or train.init_from's); a reduced vocabulary is the most frequent tokens
-    the target wrote."""
-    if cfg.train.init_from:
-        return heads_from(cfg, target)
-    kind, spec = cfg.head.kind, head_kind(cfg.head.kind)
+def build_heads(head: HeadConfig, init_from: Optional[str], target: Any, train_samples: list) -> Any:
+    """A fresh head of the `head` section for the target (or train.init_from's); a reduced vocabulary is the
+    most frequent tokens the target wrote (in `train_samples`)."""
+    if init_from:
+        return heads_from(head, init_from, target)
+    kind, spec = head.kind, head_kind(head.kind)
     text = text_config(target.config)
     hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
-    kind_cfg = kind_config(cfg, num_layers)
+    kind_cfg = kind_config(head, num_layers)
     d2t = None
     if spec.reduced_vocab(kind_cfg):
         size = kind_cfg.draft_vocab_size
@@ -199,12 +201,12 @@ def build_heads(cfg: RunConfig, target: Any, train_samples: list) -> Any:
     return heads
 
 
-def feature_layers(cfg: RunConfig, target: Any) -> list[int]:
-    """The target hidden states a step needs: the head's own (from the config, as build_heads resolves
-    them), plus the last one (the target's logits)."""
+def feature_layers(head: HeadConfig, target: Any) -> list[int]:
+    """The target hidden states a step needs: the head's own (from the `head` section, as build_heads
+    resolves them), plus the last one (the target's logits)."""
     num_layers = int(text_config(target.config).num_hidden_layers)
-    module = head_kind(cfg.head.kind).module
-    return sorted(set(module.feature_layers(kind_config(cfg, num_layers), num_layers)) | {num_layers})
+    module = head_kind(head.kind).module
+    return sorted(set(module.feature_layers(kind_config(head, num_layers), num_layers)) | {num_layers})
 
 
 def _gather_state(
@@ -376,7 +378,9 @@ def _step_loss(
         with torch.set_grad_enabled(adapt), autocast:
             out = target.model(input_ids=ids, attention_mask=attn, output_hidden_states=True)
         feats = Features(
-            {i: out.hidden_states[i] for i in feature_layers(cfg, target)}, out.logits, model=target.model
+            {i: out.hidden_states[i] for i in feature_layers(cfg.head, target)},
+            out.logits,
+            model=target.model,
         )
     with autocast:
         loss, metrics = objective(batch, feats, t2d)
@@ -468,13 +472,13 @@ def train(cfg: RunConfig) -> Path:
             len(held),
             par.world_size,
         )
-    heads = build_heads(cfg, target, train_set).to(device)
+    heads = build_heads(cfg.head, cfg.train.init_from, target, train_set).to(device)
     cache = None
     if tc.features_dir:
         cache = FeatureCache(
             tc.features_dir,
             target.fingerprint,
-            feature_layers(cfg, target),
+            feature_layers(cfg.head, target),
             {"datasets": list(tc.datasets), "max_length": tc.max_length},
         )
         log.info("offline: the target's features come from %s", tc.features_dir)
@@ -644,7 +648,7 @@ def _final_heads(
     if not par.is_main:
         return None
     torch.manual_seed(cfg.train.seed)
-    final = build_heads(cfg, target, train_set).to(target.device)
+    final = build_heads(cfg.head, cfg.train.init_from, target, train_set).to(target.device)
     final.load_state_dict(model_state)
     return final
 
