@@ -380,7 +380,8 @@ def _merge(
             "generated_tokens": gen_tokens,
             "unfinished_samples": sum(1 for r in rows if not r["finished"]),
         },
-        "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        # this run's generation only: a rerun that found every chunk written generated nothing (None, not 0)
+        "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 and tokens > 0 else None,
         "files": file_checksums(
             out,
             [

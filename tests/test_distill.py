@@ -166,6 +166,13 @@ def test_a_slice_of_the_prompt_file_keeps_its_record_ids(tiny_dirs, tmp_path: Pa
     assert part["id"] == [1, 2, 3] and manifest["counts"]["prompts"] == 3
     by_id = dict(zip(whole["id"], whole["input_ids"]))
     assert [by_id[i] for i in part["id"]] == part["input_ids"]
+    assert manifest["rank0_throughput_tok_s"] > 0
+    # killed after the last chunk, before the merge: the rerun merges the same dataset, generating nothing
+    (tmp_path / "part" / "manifest.json").unlink()
+    again, manifest = load_distilled(
+        run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "part", "prompts.offset=1", "prompts.limit=3"))
+    )
+    assert again["input_ids"] == part["input_ids"] and manifest["rank0_throughput_tok_s"] is None
 
 
 def test_rerun_with_other_settings_is_refused(tiny_dirs, tmp_path: Path):
