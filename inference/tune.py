@@ -78,9 +78,9 @@ def compare_drafters(
     """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with
     the chosen settings, n-gram branches alone, and both in one hybrid tree."""
     inference = dataclasses.replace(decoder.cfg.inference, **neural_settings)
+    head, target = decoder.heads, decoder.target
     out = []
     for kind in kinds:
-        head, target = decoder.heads, decoder.target
         drafter = build_drafter(kind, head, inference, decoder.head_config, target, cost=cost)
         out.append({"drafter": kind, **simulate(drafter, replays, cost)})
     return sorted(out, key=lambda d: -d["tok_s"])

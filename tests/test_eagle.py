@@ -437,8 +437,8 @@ def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_da
     steps = [s for s, _ in losses(tmp_path / "v31")]
     train(cfg)  # rerun: resumes at its last checkpoint, logs no step twice
     assert [s for s, _ in losses(tmp_path / "v31")] == steps
+    smaller = small_run(
+        tiny_dirs["llama"], tiny_data, tmp_path / "x", *more, "head.eagle3.draft_vocab_size=32"
+    )
     with pytest.raises(HeadwayError, match="draft_vocab_size=64"):  # a shape-defining change is still refused
-        smaller = small_run(
-            tiny_dirs["llama"], tiny_data, tmp_path / "x", *more, "head.eagle3.draft_vocab_size=32"
-        )
         heads_from(smaller.head, smaller.train.init_from, target)
