@@ -19,10 +19,10 @@ from headway.config import load_config
 from headway.run_config import RunConfig
 from headway.target.loading import load_target
 from headway.train.data import Sample, collate, load_samples
-from headway.train.loop import build_heads
 from headway.train.losses import target_to_draft
 from headway.train.objectives import Features
 from headway.train.objectives.eagle3 import Eagle3Objective
+from headway.train.setup_heads import build_heads
 
 
 def batches(args: argparse.Namespace, target, vocab: int) -> list[list[Sample]]:

@@ -407,7 +407,8 @@ def test_eagle31_heads_are_exact(tiny_dirs, arch: str):
 def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_data, tmp_path: Path, caplog):
     """train.init_from a plain EAGLE-3 head with EAGLE-3.1's norms turned on: every weight starts as the
     head's, the added norms at ones; it trains, resumes, and its directory records the norms."""
-    from headway.train.loop import heads_from, train
+    from headway.train.loop import train
+    from headway.train.setup_heads import heads_from
 
     base = [
         "head.kind=eagle3",

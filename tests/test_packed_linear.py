@@ -102,7 +102,7 @@ def test_float16_weights_refuse_what_they_cannot_serve(tiny_dirs, tmp_path):
     with pytest.raises(HeadwayError, match="export with target.linear_weights=native"):
         export_target(t, tmp_path / "out", dtype="float32")
     from headway.heads.config import LoraConfig
-    from headway.train.loop import add_lora
+    from headway.train.setup_heads import add_lora
 
     with pytest.raises(HeadwayError, match="train with target.linear_weights=native"):
         add_lora(t.model, LoraConfig(enabled=True))

@@ -329,15 +329,16 @@ def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoi
     tiny_dirs, tiny_data, tmp_path: Path, monkeypatch
 ):
     import headway.train.loop as loop
+    import headway.train.step as step
 
-    real, calls = loop._step_loss, {"n": 0}
+    real, calls = step.step_loss, {"n": 0}
 
     def poisoned(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
-        calls["n"] += args[2].training  # training micro-batches only, not evaluation
+        calls["n"] += args[0].objective.training  # training micro-batches only, not evaluation
         return (loss * float("nan") if calls["n"] == 9 else loss), metrics  # step 5's first micro-batch
 
-    monkeypatch.setattr(loop, "_step_loss", poisoned)
+    monkeypatch.setattr(step, "step_loss", poisoned)
     with pytest.raises(
         HeadwayError,
         match=r"loss became nan at step 5 \(batch: sequences .*#\d+.*\); nothing of this "

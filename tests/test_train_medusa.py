@@ -80,23 +80,23 @@ MEDUSA2 = (
 def test_resumed_run_continues_the_same_curve(
     tiny_dirs, tiny_data, tmp_path: Path, monkeypatch, variant: str
 ):
-    from headway.train import loop
+    from headway.train import loop, resume
 
     extra = MEDUSA2 if variant == "medusa2" else ()
     full = loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "full", *extra))
     ref = losses(tmp_path / "full")
     assert [s for s, _ in ref] == [1, 2, 3, 4, 5, 6] and ref[-1][1] < ref[0][1]  # it learns
 
-    real_save = loop.save_checkpoint
+    real_save = resume.save_checkpoint
 
     def crash_after_first_checkpoint(*args, **kwargs):
         real_save(*args, **kwargs)
         raise KeyboardInterrupt("killed after step 3")
 
-    monkeypatch.setattr(loop, "save_checkpoint", crash_after_first_checkpoint)
+    monkeypatch.setattr(resume, "save_checkpoint", crash_after_first_checkpoint)
     with pytest.raises(KeyboardInterrupt):
         loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", *extra))
-    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    monkeypatch.setattr(resume, "save_checkpoint", real_save)
     loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", "train.resume_from=auto", *extra))
     assert losses(tmp_path / "cut") == ref  # steps 1-3 before the crash, 4-6 after the resume: identical
     a = load_head(full, None)
@@ -198,19 +198,19 @@ def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path)
     """A run whose config.yaml was saved with train.loss, train.decay and train.lora resumes under the same
     settings as head.medusa.*; a changed LoRA setting is refused, a changed loss or decay is allowed (as
     it was)."""
-    from headway.train.loop import _check_same_run
+    from headway.train.resume import check_same_run
 
     cfg = load_config(RunConfig, None, [*MEDUSA2, "head.medusa.loss=kl"])
     saved = OmegaConf.to_container(OmegaConf.structured(cfg))
     medusa = saved["head"]["medusa"]
     saved["train"].update(loss=medusa.pop("loss"), decay=medusa.pop("decay"), lora=medusa.pop("lora"))
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
-    _check_same_run(tmp_path / "config.yaml", cfg)
-    _check_same_run(
+    check_same_run(tmp_path / "config.yaml", cfg)
+    check_same_run(
         tmp_path / "config.yaml", load_config(RunConfig, None, [*MEDUSA2, "head.medusa.decay=0.5"])
     )
     with pytest.raises(HeadwayError, match=r"\(head changed\)"):
-        _check_same_run(
+        check_same_run(
             tmp_path / "config.yaml", load_config(RunConfig, None, [*MEDUSA2, "head.medusa.lora.r=8"])
         )
 

@@ -182,7 +182,8 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
     from headway.kinds.checkpoint import load_head
     from headway.target.config import TargetConfig
     from headway.target.loading import load_target
-    from headway.train.loop import build_heads, train
+    from headway.train.loop import train
+    from headway.train.setup_heads import build_heads
 
     base = (
         "head.kind=eagle3",

@@ -39,9 +39,9 @@ def save_checkpoint(
     progress: Optional[dict] = None,
 ) -> Path:
     """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the target's
-    trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state, in rank order;
-    `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter name,
-    loadable under any backend and world size) or "deepspeed" (DeepSpeed's per-rank files, in `shards`:
+    trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state (`rng_state`), in rank
+    order; `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter
+    name, loadable under any backend and world size) or "deepspeed" (DeepSpeed's per-rank files, in `shards`:
     directories written by every rank, moved into the checkpoint under their names); `progress`: the run's
     totals so far (answer tokens trained on, training seconds), carried across resumes."""
     out = root / f"step-{step:08d}"
@@ -53,7 +53,7 @@ def save_checkpoint(
             {
                 "optimizer": optim_state,
                 "scheduler": scheduler.state_dict(),
-                "torch_rng": rng_states or [torch.get_rng_state()],
+                "torch_rng": rng_states or [rng_state(torch.device("cpu"))],
             },
             tmp / "state.pt",
         )
@@ -73,6 +73,24 @@ def save_checkpoint(
             json.dumps(state)
         )  # last: a checkpoint with trainer.json is complete
     return out
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's torch random state: the CPU generator's, and on CUDA the device's too (dropout and
+    feature noise drawn there), so that a resumed GPU run draws the same noise."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: Any, device: torch.device) -> None:
+    """Restore `rng_state`'s state (or an older checkpoint's CPU state alone)."""
+    if not isinstance(state, dict):
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def _jsonable(state: Any) -> Any:

@@ -79,6 +79,16 @@ class TrainConfig:
     # train.backend=fsdp: shard the frozen target's decoder layers across ranks (FSDP2) instead of keeping
     # a whole copy on every rank; its embedding and lm_head stay whole (the heads share them).
     shard_target: bool = False
+    # Weights dtype of the frozen target in training: auto = bfloat16 on CUDA (its features as engines serve
+    # them, at half the memory and twice the speed), target.dtype elsewhere; or float32, bfloat16, float16.
+    target_dtype: str = "auto"
+    # When a non-finite loss stops the run: step = read each step's loss before its update (nothing of a bad
+    # step is applied; a host sync per step), lagged = read it one step later (no stall of the GPU; the bad
+    # step's update is applied, never saved); auto = step on CPUs, lagged on CUDA.
+    finite_check: str = "auto"
+    # Peak FLOP/s of one device in TFLOP/s, for the logged MFU; 0 = the GPU's dense bf16 peak when known
+    # (train/metrics.py), none logged on CPUs.
+    peak_tflops: float = 0.0
 
     def __post_init__(self) -> None:
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
@@ -92,6 +102,10 @@ class TrainConfig:
             raise HeadwayError(f"train.dedup_threshold must be in (0, 1], got {self.dedup_threshold}")
         check_choice("train", "autocast_dtype", self.autocast_dtype, ["auto", "bfloat16", "float32"])
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
+        check_choice("train", "target_dtype", self.target_dtype, ["auto", "float32", "bfloat16", "float16"])
+        check_choice("train", "finite_check", self.finite_check, ["auto", "step", "lagged"])
+        if self.peak_tflops < 0:
+            raise HeadwayError(f"train.peak_tflops must be 0 (auto) or positive, got {self.peak_tflops}")
         if self.shard_target and self.backend != "fsdp":
             raise HeadwayError("train.shard_target shards the target with FSDP2: set train.backend=fsdp")
         if self.length_window < 0:

@@ -9,6 +9,7 @@ own sharded files, inside Headway's step directory, resumable under the same wor
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -130,17 +131,22 @@ class DeepSpeedStep:
     def zero_grad(self) -> None:
         """The engine zeroes gradients itself after each boundary step."""
 
+    def accumulating(self, module: torch.nn.Module, last: bool) -> Any:
+        """The engine defers its gradient reduction to the accumulation boundary itself."""
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor) -> None:
         if self._pending:
             self.engine.step()
         self.engine.backward(loss)
         self._pending = True
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
+        """The boundary step; the gradient norm as a 0-dim tensor (DeepSpeed computes it on the host)."""
         self.engine.step()
         self._pending = False
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
 
 
 def full_module_state(engine: Any) -> dict[str, torch.Tensor]:

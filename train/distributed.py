@@ -9,6 +9,7 @@ metrics are averaged across ranks; rank 0 writes logs and exports; checkpoints g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,8 @@ class Parallel:
     backend: str = "none"
     rank: int = 0
     world_size: int = 1
+    # The training device: every tensor a collective receives lives here (NCCL takes only CUDA tensors).
+    device: torch.device = torch.device("cpu")
 
     @property
     def is_main(self) -> bool:
@@ -56,14 +59,23 @@ class Parallel:
         n = len(items) // self.world_size
         return items[self.rank * n : (self.rank + 1) * n]
 
-    def mean(self, values: dict[str, float]) -> dict[str, float]:
-        """Average each value across ranks (every rank gets the result)."""
-        if not self.active or not values:
-            return values
+    def mean(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Average each 0-dim tensor across ranks, in one all-reduce on the training device (every rank gets
+        the result, on the device; nothing is read back to the host here).
+
+        Args:
+            values: name -> 0-dim tensor (or Python number) on any device.
+        Returns:
+            name -> 0-dim float32 tensor on `self.device`, the mean over ranks.
+        """
+        if not values:
+            return {}
         keys = sorted(values)
-        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        return {k: float(v) / self.world_size for k, v in zip(keys, t.tolist())}
+        t = torch.stack([torch.as_tensor(values[k], device=self.device).float().reshape(()) for k in keys])
+        if self.active:
+            dist.all_reduce(t)
+            t = t / self.world_size
+        return dict(zip(keys, t.unbind()))
 
     def all_reduce_grads(self, params: list[torch.Tensor]) -> None:
         """Average gradients of parameters outside the wrapped module (Medusa-2's LoRA adapters)."""
@@ -99,19 +111,42 @@ class Parallel:
             dist.destroy_process_group()
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's own device: on CUDA the GPU of its local rank (made the current one, so that a bare
+    "cuda" and every later allocation land there rather than on cuda:0), else `device`."""
+    if device.type != "cuda":
+        return device
+    if device.index is None:
+        device = torch.device("cuda", dist_info().local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 def start(backend: str, device: torch.device) -> Parallel:
-    """Join the launcher's process group (gloo on CPU, nccl on CUDA) for a distributed backend."""
+    """Join the launcher's process group (gloo on CPU; nccl bound to this rank's GPU on CUDA) for a
+    distributed backend.
+
+    Args:
+        backend: train.backend (none, ddp, fsdp, deepspeed).
+        device: the configured training device; on CUDA this rank's GPU is taken (`rank_device`).
+    Returns:
+        The run's `Parallel`: rank, world size and the device collectives run on.
+    """
     info = dist_info()
+    device = rank_device(device)
     if backend == "none":
         if info.world_size > 1:
             raise HeadwayError(
                 f"launched as {info.world_size} processes but train.backend=none: set train.backend=ddp, "
                 "fsdp or deepspeed (or launch one process)"
             )
-        return Parallel()
+        return Parallel(device=device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    par = Parallel(backend, dist.get_rank(), dist.get_world_size())
+        if device.type == "cuda":  # device_id binds NCCL (and the object collectives) to this rank's GPU
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
+    par = Parallel(backend, dist.get_rank(), dist.get_world_size(), device)
     log.info("distributed: %s over %s, rank %d of %d", backend, dist.get_backend(), par.rank, par.world_size)
     return par
 
@@ -197,15 +232,42 @@ class TorchStep:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def accumulating(self, module: torch.nn.Module, last: bool) -> Any:
+        """The context a micro-batch's forward and backward run in: before the last micro-batch of an
+        accumulation, DDP keeps its gradients local (`no_sync`) and FSDP2 skips its reduce-scatter, so
+        gradients cross ranks once per optimizer step."""
+        if last or self.grad_accum == 1:
+            return contextlib.nullcontext()
+        if hasattr(module, "no_sync"):
+            return module.no_sync()
+        if hasattr(module, "set_requires_gradient_sync"):
+            return _FsdpNoSync(module)
+        return contextlib.nullcontext()
+
     def backward(self, loss: torch.Tensor) -> None:
         (loss / self.grad_accum).backward()
 
-    def step(self) -> float:
+    def step(self) -> torch.Tensor:
+        """Clip and step; returns the gradient norm before clipping, a 0-dim tensor on the device (0 when
+        clipping is off), not read here."""
         self.par.all_reduce_grads(self.lora_params)
-        norm = torch.tensor(0.0)
+        norm = torch.zeros((), device=self.par.device)
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params + self.lora_params, self.grad_clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.scheduler.step()
-        return float(norm)
+        return norm.detach()
+
+
+class _FsdpNoSync:
+    """FSDP2's no_sync: gradients stay unsharded and unreduced until the accumulation's last backward."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+
+    def __enter__(self) -> None:
+        self.module.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.module.set_requires_gradient_sync(True)

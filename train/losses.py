@@ -47,30 +47,48 @@ def medusa_loss(
     labels: torch.Tensor,
     decay: float,
     soft_targets: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted sum over heads of the mean loss on labelled positions; soft_targets [K,B,T,V] turns CE
-    into KL.
+    rows: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted sum over heads of the mean loss on labelled positions; soft targets turn CE into the
+    cross-entropy to the target's distribution (KL up to a constant). Nothing is read back to the host:
+    the means divide by device counts, and metrics are 0-dim device tensors.
 
-    With soft targets the loss is the cross-entropy to the target's distribution (KL up to a constant).
+    Args:
+        logits: [K, B, T, V] head logits.
+        labels: [K, B, T] draft-id labels, IGNORE where no loss is taken.
+        decay: head i's loss weight is decay**i.
+        soft_targets: [K, B, T, V] distributions (all positions), or, with `rows`, head i's [n_i, V] at
+            its rows.
+        rows: head i's (batch rows, positions) [n_i], a host-computed superset of its labelled positions
+            (Medusa's plan); None = every position.
+    Returns:
+        (loss, metrics): loss/head{i}, top1/head{i}, top5/head{i}.
     """
     total = logits.new_zeros((), dtype=torch.float32)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, torch.Tensor] = {}
     for i in range(logits.shape[0]):
-        valid = labels[i] != IGNORE
-        n = int(valid.sum())
-        if n == 0:
-            continue
-        lg = logits[i][valid].float()
-        if soft_targets is None:
-            loss = F.cross_entropy(lg, labels[i][valid])
+        if rows is None:
+            lg, lab = logits[i].flatten(0, 1), labels[i].flatten()
+            soft = None if soft_targets is None else soft_targets[i].flatten(0, 1)
         else:
-            loss = -(soft_targets[i][valid].float() * F.log_softmax(lg, -1)).sum(-1).mean()
+            r, c = rows[i]
+            lg, lab = logits[i][r, c], labels[i][r, c]
+            soft = None if soft_targets is None else soft_targets[i]
+        if lg.shape[0] == 0:  # a host-known shape: no row of this head can take a loss
+            continue
+        weight = lab != IGNORE
+        lg = lg.float()
+        if soft is None:
+            per_row = F.cross_entropy(lg, lab.clamp(min=0), reduction="none")
+        else:
+            per_row = -(soft.float() * F.log_softmax(lg, -1)).sum(-1)
+        loss = masked_mean(per_row, weight)
         total = total + (decay**i) * loss
-        metrics[f"loss/head{i}"] = float(loss.detach())
-        top = lg.topk(min(5, lg.shape[-1]), dim=-1).indices
-        lab = labels[i][valid].unsqueeze(-1)
-        metrics[f"top1/head{i}"] = float((top[:, :1] == lab).any(-1).float().mean())
-        metrics[f"top5/head{i}"] = float((top == lab).any(-1).float().mean())
+        metrics[f"loss/head{i}"] = loss.detach()
+        top = lg.detach().topk(min(5, lg.shape[-1]), dim=-1).indices
+        want = lab.unsqueeze(-1)
+        metrics[f"top1/head{i}"] = masked_mean((top[:, :1] == want).any(-1), weight)
+        metrics[f"top5/head{i}"] = masked_mean((top == want).any(-1), weight)
     return total, metrics
 
 
@@ -102,26 +120,40 @@ def medusa_soft_targets(
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` where `mask` is true (0 when nothing is)."""
-    m = mask.to(values.dtype)
-    return (values * m).sum() / m.sum().clamp(min=1)
+    """Mean of `values` where `mask` is true (0 when nothing is), with a device denominator: no host read."""
+    dtype = values.dtype if values.is_floating_point() else torch.float32
+    mask = mask.bool()
+    kept = torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
+    return kept.sum() / mask.sum().clamp(min=1).to(dtype)
 
 
-def draft_loss(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
+def draft_loss(
+    kind: str, logits: torch.Tensor, target_p: torch.Tensor, weight: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Mean loss of draft logits [n, V] against the target's distribution target_p [n, V] on the
-    same vocabulary.
+    same vocabulary, over the rows where the bool `weight` [n] is true (None: all rows); the mean's
+    denominator stays on the device.
 
     soft_ce: cross-entropy to target_p (KL up to a constant); argmax_ce: cross-entropy on target_p's argmax,
     the token greedy verification accepts; tv: total variation, since 1 - TV(draft, target) is the chance that
     lossless sampling accepts a drafted token; soft_ce+tv: their sum.
     """
+    return masked_mean(draft_loss_rows(kind, logits, target_p), _all_rows(logits, weight))
+
+
+def _all_rows(logits: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device) if weight is None else weight
+
+
+def draft_loss_rows(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
+    """draft_loss's per-row values [n] (see draft_loss for the kinds)."""
     if kind == "argmax_ce":
-        return F.cross_entropy(logits, target_p.argmax(-1))
+        return F.cross_entropy(logits, target_p.argmax(-1), reduction="none")
     logp = F.log_softmax(logits, -1)
-    soft = -(target_p * logp).sum(-1).mean()
+    soft = -(target_p * logp).sum(-1)
     if kind == "soft_ce":
         return soft
-    tv = 0.5 * (logp.exp() - target_p).abs().sum(-1).mean()
+    tv = 0.5 * (logp.exp() - target_p).abs().sum(-1)
     if kind == "tv":
         return tv
     if kind == "soft_ce+tv":

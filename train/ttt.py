@@ -115,24 +115,6 @@ class Unrolled:
         )
         return values.gather(1, idx)
 
-    def scatter(self, j: int, where: torch.Tensor, values: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-        """A copy of `into` [B, T] with `values` written at the positions step j's bool `where` selects."""
-        out = into.clone()
-        out[self.positions(j, where)] = values
-        return out
-
-    def positions(self, j: int, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(batch rows, sequence positions) [n] of the outputs step j's bool `where` selects, in
-        `out[where]`'s order."""
-        if j == 0:
-            return where.nonzero(as_tuple=True)
-        rows = torch.arange(self.index.shape[0], device=where.device).unsqueeze(1).expand_as(self.index)
-        return rows[where], self.index[where]
-
-    def valid(self, j: int, mask: torch.Tensor) -> torch.Tensor:
-        """A bool [B, T] loss mask in step j's layout (False at padding)."""
-        return mask if j == 0 else self.at(j, mask) & self.kept
-
 
 def kept_positions(needed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's True positions of `needed` [B, T], padded to the longest row: (index [B, N], kept
@@ -161,6 +143,7 @@ def ttt_unroll(
     hidden: torch.Tensor,
     steps: int,
     needed: Optional[torch.Tensor] = None,
+    kept: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Unrolled:
     """The drafter unrolled `steps` times on its own outputs (see the module docstring).
 
@@ -168,19 +151,25 @@ def ttt_unroll(
         heads: an EAGLE head (`forward(tokens, hidden, position_ids, mask, cache)`, `next_hidden`).
         ids: [B, T] token ids; attn: [B, T] 1 on real tokens; hidden: [B, T, h], step 0's input.
         needed: [B, T] bool, the positions steps j >= 1 must compute; None = all of them.
+        kept: (index, kept) [B, N], `kept_positions(needed)` worked out on the host beforehand (the
+            objective's plan), so that the unroll reads nothing back from the device; overrides `needed`.
     Returns:
         an `Unrolled` with each step's layer output.
     """
     B, T = ids.shape
-    if needed is None:
-        needed = torch.ones(B, T, dtype=torch.bool, device=ids.device)
-    index, kept = kept_positions(needed)
+    if kept is not None:
+        index, kept_mask = kept
+    elif needed is not None:
+        index, kept_mask = kept_positions(needed)
+    else:  # every position: no host read
+        index = torch.arange(T, device=ids.device).expand(B, T)
+        kept_mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
     allowed = causal_allowed(attn)
     cache = DynamicCache(config=heads.decoder.config)
     dtype = heads.fc.weight.dtype
     pos = torch.arange(T, device=ids.device).unsqueeze(0)
     out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)
-    unrolled = Unrolled([out], index, kept)
+    unrolled = Unrolled([out], index, kept_mask)
     if steps == 1:
         return unrolled
     # step 0's keys each kept query sees, once for all later steps

@@ -86,9 +86,43 @@ class Objective(ABC):
             resumed run.
     """
 
+    # The batch keys `plan` adds (empty: the kind plans nothing).
+    plan_keys: tuple[str, ...] = ()
+
     def __init__(self, cfg: Any, *, seed: int = 0) -> None:
         self.cfg = cfg
         self.seed = seed
+
+    def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Host-side planning of a micro-batch, on its CPU tensors before they go to the device: the index
+        tensors of the positions a loss may read, worked out from loss_mask (known on the host), so that the
+        step on the device needs no boolean indexing, no data-dependent shape and no host read.
+
+        Args:
+            batch: the collated micro-batch on the CPU (input_ids, attention_mask, loss_mask [B, T]).
+        Returns:
+            The entries to add to the batch (named by `plan_keys`), CPU tensors.
+        """
+        return {}
+
+    def planned(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`batch` with this objective's plan: as given when the training step planned it before the upload,
+        else planned here from a copy read back to the host (a direct call, as the tests make)."""
+        if all(k in batch for k in self.plan_keys):
+            return batch
+        device = batch["input_ids"].device
+        cpu = {k: v.cpu() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        return {**batch, **{k: v.to(device) for k, v in self.plan(cpu).items()}}
+
+    @abstractmethod
+    def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Any) -> float:
+        """The head's model FLOPs, forward and backward, on a planned micro-batch (train/flops.py's
+        conventions), from its shapes alone.
+
+        Args:
+            heads: the head being trained; plan: the micro-batch's host tensors (input_ids [B, T] and
+                this objective's plan); target: the target's widths (`flops.Dims`).
+        """
 
     @abstractmethod
     def __call__(

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from headway.train.flops import Dims, attention, layer_linears, linear
 from headway.train.losses import chain_acceptance, draft_loss
 from headway.train.objectives.common import Features, Objective
 
@@ -39,17 +40,39 @@ class DFlashObjective(Objective):
     """DFlash: a block at each anchor a (its token, then mask tokens) sees the target's features before a and
     itself; slot j learns the target's distribution at a + j - 1 (the token at a + j) over the draft
     vocabulary, weighted exp(-(j - 1) / loss_gamma). Slots whose token is not an answer token, or whose target
-    argmax is outside the draft vocabulary, are skipped. The anchors are drawn with the objective's
-    seed (train.seed)."""
+    argmax is outside the draft vocabulary, are skipped (weighted out on the device). The anchors are drawn
+    on the host (the plan's `anchors`, `anchor_ok` [B, A]) with the objective's seed (train.seed)."""
+
+    plan_keys = ("anchors", "anchor_ok")
+
+    def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        anchors, ok = dflash_anchors(batch, self.cfg.anchors, self.cfg.block_size, self.seed)
+        return {"anchors": anchors, "anchor_ok": ok}
+
+    def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
+        """The teacher's draft rows, the fused context projection (no input gradient), each layer's context
+        keys/values and its block tokens (A anchors x block_size) attending to the context and their
+        blocks, the read-out of every slot (a frozen target lm_head: its input gradient only)."""
+        B, T = plan["input_ids"].shape
+        dc, h, draft = self.cfg, target.hidden, Dims.of(heads.layer_config)
+        Q, vocab = plan["anchors"].shape[1] * dc.block_size, len(heads.d2t)
+        fused = len(dc.feature_layers) or 3
+        per_layer = (
+            linear(B * T, h, 2 * draft.kv) + layer_linears(B * Q, draft) + attention(B, Q, T + Q, draft)
+        )
+        read_out = (3 if heads.lm_head is not None else 2) * linear(B * Q, h, vocab)
+        teacher = linear(B * T, h, vocab)
+        return teacher + 2 * linear(B * T, fused * h, h) + 3 * dc.num_layers * per_layer + read_out
 
     def __call__(
         self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
         dc = self.cfg
+        batch = self.planned(batch)
         ids = batch["input_ids"]
         B, T = ids.shape
         bs, device = dc.block_size, ids.device
-        anchors, anchor_ok = dflash_anchors(batch, dc.anchors, bs, self.seed)
+        anchors, anchor_ok = batch["anchors"], batch["anchor_ok"]
         A = anchors.shape[1]
         slots = torch.arange(bs, device=device)
         pos = anchors.unsqueeze(-1) + slots  # [B, A, bs]
@@ -66,7 +89,7 @@ class DFlashObjective(Objective):
         target_p = torch.softmax(feats.draft_logits(heads.d2t.to(device)).detach().float(), -1)
         in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
         total = target_p.new_zeros(())
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor] = {}
         correct, valid0 = [], None
         for j in range(1, bs):
             t = (anchors + j - 1).clamp(max=T - 1)  # the target's distribution here is the token at a + j's
@@ -77,16 +100,15 @@ class DFlashObjective(Objective):
                 & torch.gather(in_draft, 1, t)
             )
             valid0 = ok if valid0 is None else valid0
-            hit = torch.zeros_like(ok)
-            if bool(ok.any()):
-                slot_logits = logits[:, :, j][ok].float()
-                p = torch.gather(target_p, 1, t.unsqueeze(-1).expand(-1, -1, target_p.shape[-1]))[ok]
-                loss_j = draft_loss(dc.loss, slot_logits, p)
-                total = total + math.exp(-(j - 1) / dc.loss_gamma) * loss_j
-                right = slot_logits.argmax(-1) == p.argmax(-1)
-                metrics[f"loss/slot{j}"] = float(loss_j.detach())
-                metrics[f"top1/slot{j}"] = float(right.float().mean())
-                hit[ok] = right
-            correct.append(hit)
-        metrics["tau/chain"] = float(chain_acceptance(correct, valid0))
+            # every anchor's slot, the invalid ones weighted out: a fixed shape, no host read
+            slot_logits = logits[:, :, j].flatten(0, 1).float()
+            p = torch.gather(target_p, 1, t.unsqueeze(-1).expand(-1, -1, target_p.shape[-1])).flatten(0, 1)
+            weight = ok.flatten()
+            loss_j = draft_loss(dc.loss, slot_logits, p, weight)
+            total = total + math.exp(-(j - 1) / dc.loss_gamma) * loss_j
+            right = (slot_logits.detach().argmax(-1) == p.argmax(-1)) & weight
+            metrics[f"loss/slot{j}"] = loss_j.detach()
+            metrics[f"top1/slot{j}"] = right.sum() / weight.sum().clamp(min=1)
+            correct.append(right.view(B, -1))
+        metrics["tau/chain"] = chain_acceptance(correct, valid0).detach()
         return total, metrics

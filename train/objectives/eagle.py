@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from headway.heads.draft_layer import drafter_mask
+from headway.train.flops import Dims, attention, layer_linears, linear
 from headway.train.losses import masked_mean
 from headway.train.objectives.common import Features, Objective
 from headway.train.ttt import causal_allowed, shifted
@@ -16,13 +17,30 @@ from headway.train.ttt import causal_allowed, shifted
 
 class EagleObjective(Objective):
     """EAGLE-1: from (feature t + noise, token t+1) predict feature t+1 (smooth-L1) and the target's
-    distribution there (cross-entropy), on positions whose next-next token is an answer token."""
+    distribution there (cross-entropy), on positions whose next-next token is an answer token (the plan's
+    `rows`, `cols` [n])."""
+
+    plan_keys = ("rows", "cols")
+
+    def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        rows, cols = shifted(batch["loss_mask"], 2).bool().nonzero(as_tuple=True)
+        return {"rows": rows, "cols": cols}
+
+    def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
+        """fc over (embedding, feature) (no input gradient), the draft layer at every position, the target's
+        frozen lm_head at the loss rows (its input gradient only)."""
+        B, T = plan["input_ids"].shape
+        h, draft, n = target.hidden, Dims.of(heads.layer_config), plan["rows"].shape[0]
+        layer = layer_linears(B * T, draft) + attention(B, T, T, draft)
+        return 2 * linear(B * T, 2 * h, h) + 3 * layer + 2 * linear(n, h, target.vocab)
 
     def __call__(
         self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
         ec = self.cfg
+        batch = self.planned(batch)
         ids, attn = batch["input_ids"], batch["attention_mask"]
+        rows, cols = batch["rows"], batch["cols"]
         T = ids.shape[1]
         f = feats.hidden[max(feats.hidden)].float()
         noisy = heads.training and ec.feature_noise > 0
@@ -32,13 +50,12 @@ class EagleObjective(Objective):
         out = heads(shifted(ids, 1), f_in, pos, mask)
         valid = shifted(batch["loss_mask"], 2).bool()
         vloss = masked_mean(F.smooth_l1_loss(out.float(), shifted(f, 1), reduction="none").mean(-1), valid)
-        target_p = torch.softmax(shifted(feats.logits.detach(), 1)[valid].float(), -1)
-        pred = heads.logits(out[valid]).float()  # the full-vocabulary read-out only where a loss is taken
-        ploss = -(target_p * F.log_softmax(pred, -1)).sum(-1).mean() if len(pred) else pred.sum()
-        top1 = (pred.argmax(-1) == target_p.argmax(-1)).float().mean() if len(pred) else pred.sum()
+        target_p = torch.softmax(feats.logits.detach()[rows, cols + 1].float(), -1)
+        pred = heads.logits(
+            out[rows, cols]
+        ).float()  # the full-vocabulary read-out only where a loss is taken
+        n = pred.shape[0]  # host-known: the plan's
+        ploss = -(target_p * F.log_softmax(pred, -1)).sum(-1).mean() if n else pred.sum()
+        top1 = (pred.detach().argmax(-1) == target_p.argmax(-1)).float().mean() if n else pred.detach().sum()
         loss = ec.feature_weight * vloss + ec.token_weight * ploss
-        return loss, {
-            "loss/feature": float(vloss.detach()),
-            "loss/token": float(ploss.detach()),
-            "top1/step0": float(top1),
-        }
+        return loss, {"loss/feature": vloss.detach(), "loss/token": ploss.detach(), "top1/step0": top1}

@@ -7,56 +7,95 @@ from typing import Any, Optional
 
 import torch
 
+from headway.train.flops import Dims, attention, layer_linears, linear
 from headway.train.losses import chain_acceptance, draft_loss
 from headway.train.objectives.common import Features, Objective
-from headway.train.ttt import shifted, ttt_unroll
+from headway.train.ttt import kept_positions, shifted, ttt_unroll
 
 
 class Eagle3Objective(Objective):
     """EAGLE-3: step j of the unrolled drafter at t learns the target's distribution at t+1+j restricted
     to the draft vocabulary, weighted ttt_decay^j; positions whose target argmax is outside the draft
-    vocabulary are skipped, as is everything that is not an answer token."""
+    vocabulary are skipped, as is everything that is not an answer token.
+
+    The plan (host side) holds the positions steps j >= 1 run at (`ttt_index`, `ttt_kept` [B, N]: where
+    some later step takes a loss on an answer token) and each step's loss rows (`rows{j}`, `cols{j}` [n_j]
+    into step j's output, `at{j}` [n_j] the sequence position t); the device masks out rows whose target
+    token is outside the draft vocabulary by weight, not by indexing."""
+
+    def __init__(self, cfg: Any, *, seed: int = 0) -> None:
+        super().__init__(cfg, seed=seed)
+        self.plan_keys = ("ttt_index", "ttt_kept", *(f"{k}{j}" for j in range(cfg.ttt_steps) for k in "rca"))
+
+    def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        steps = self.cfg.ttt_steps
+        answer = [shifted(batch["loss_mask"], 2 + j).bool() for j in range(steps)]
+        if steps > 1:
+            index, kept = kept_positions(torch.stack(answer[1:]).any(0))
+        else:
+            index, kept = torch.zeros(answer[0].shape[0], 1, dtype=torch.long), answer[0][:, :1] & False
+        out = {"ttt_index": index, "ttt_kept": kept}
+        for j in range(steps):
+            if j == 0:
+                rows, cols = answer[0].nonzero(as_tuple=True)
+                at = cols
+            else:
+                where = answer[j].gather(1, index) & kept
+                rows, cols = where.nonzero(as_tuple=True)
+                at = index[rows, cols]
+            out[f"r{j}"], out[f"c{j}"], out[f"a{j}"] = rows, cols, at
+        return out
+
+    def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
+        """The teacher's draft-vocabulary rows at every position, the fused projection (no input gradient),
+        step 0 at every position, steps j >= 1 at the plan's N kept positions (attending to T + j keys),
+        the lm_head at each step's loss rows."""
+        B, T = plan["input_ids"].shape
+        h, draft = target.hidden, Dims.of(heads.layer_config)
+        vocab = len(heads.d2t) if heads.d2t is not None else target.vocab
+        N = plan["ttt_index"].shape[1]
+        head = layer_linears(B * T, draft, 2 * h) + attention(B, T, T, draft)
+        for j in range(1, self.cfg.ttt_steps):
+            head += layer_linears(B * N, draft, 2 * h) + attention(B, N, T + j, draft)
+        head += sum(linear(plan[f"r{j}"].shape[0], h, vocab) for j in range(self.cfg.ttt_steps))
+        return linear(B * T, h, vocab) + 2 * linear(B * T, 3 * h, h) + 3 * head
 
     def __call__(
         self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
         ec = self.cfg
+        batch = self.planned(batch)
         ids = batch["input_ids"]
         # the target's distribution is taken (softmax) only at the positions a loss reads
         target_logits_d = feats.draft_logits(heads.d2t.to(ids.device)).detach()
         in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
-        valid = [
-            shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
-            for j in range(ec.ttt_steps)
-        ]
-        needed = torch.stack(valid[1:]).any(0) if ec.ttt_steps > 1 else None
         unrolled = ttt_unroll(
             heads,
             ids,
             batch["attention_mask"],
             heads.project(feats.cat(ec.feature_layers)),
             ec.ttt_steps,
-            needed,
+            kept=(batch["ttt_index"], batch["ttt_kept"]),
         )
         total = torch.zeros((), device=ids.device)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, torch.Tensor] = {}
         correct = []
         for j, out in enumerate(unrolled.outputs):
-            where = unrolled.valid(j, valid[j])
-            hit = torch.zeros_like(valid[0])
-            if bool(where.any()):
-                # the draft lm_head only where a loss is taken: most of a step's cost
-                logits = heads.logits(out[where]).float()
-                rows, cols = unrolled.positions(
-                    j, where
-                )  # step j at t learns the target's distribution at t+1+j
-                p = torch.softmax(target_logits_d[rows, cols + 1 + j].float(), -1)
-                loss_j = draft_loss(ec.loss, logits, p)
+            rows, cols, at = batch[f"r{j}"], batch[f"c{j}"], batch[f"a{j}"]
+            hit = torch.zeros_like(ids, dtype=torch.bool)
+            if rows.shape[0]:  # a host-known shape
+                # the draft lm_head only where a loss may be taken: most of a step's cost
+                logits = heads.logits(out[rows, cols]).float()
+                # step j at t learns the target's distribution at t+1+j
+                p = torch.softmax(target_logits_d[rows, at + 1 + j].float(), -1)
+                weight = in_draft[rows, at + 1 + j]
+                loss_j = draft_loss(ec.loss, logits, p, weight)
                 total = total + (ec.ttt_decay**j) * loss_j
-                right = logits.argmax(-1) == p.argmax(-1)
-                metrics[f"loss/step{j}"] = float(loss_j.detach())
-                metrics[f"top1/step{j}"] = float(right.float().mean())
-                hit = unrolled.scatter(j, where, right, hit)
+                right = (logits.detach().argmax(-1) == p.argmax(-1)) & weight
+                metrics[f"loss/step{j}"] = loss_j.detach()
+                metrics[f"top1/step{j}"] = right.sum() / weight.sum().clamp(min=1)
+                hit = hit.index_put((rows, at), right)
             correct.append(hit)
-        metrics["tau/chain"] = float(chain_acceptance(correct, valid[0]))
+        valid0 = shifted(batch["loss_mask"], 2).bool() & shifted(in_draft, 1, False)
+        metrics["tau/chain"] = chain_acceptance(correct, valid0).detach()
         return total, metrics

@@ -1,0 +1,258 @@
+"""One optimizer step: grad_accum micro-batches forward and backward, then the update, with no host read.
+
+A micro-batch is collated and planned on the host (the objective's index tensors, train/objectives/), then
+uploaded; the target's features (online, or from the offline cache) and the head's loss stay on the device.
+Losses, metrics and the gradient norm come back as device tensors. Between accumulated micro-batches DDP
+and FSDP2 keep their gradients local (`TorchStep.accumulating`).
+
+The finite-loss check (`FiniteCheck`) reads the step's losses before its update (train.finite_check=step, the
+CPU default) or one step late (lagged, the CUDA default), when the device has long finished them, so that the
+host never waits on the device inside a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from headway.errors import HeadwayError
+from headway.runtime import autocast_dtype
+from headway.train.checkpointing import latest_checkpoint
+from headway.train.data import Sample, batch_at, collate
+from headway.train.distributed import Parallel
+from headway.train.feature_cache import FeatureCache
+from headway.train.losses import distill_kl
+from headway.train.metrics import read
+from headway.train.objectives import Features
+
+
+def upload(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The planned micro-batch on the device (pinned and asynchronous on CUDA)."""
+    if device.type != "cuda":
+        return {k: v.to(device) for k, v in batch.items()}
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def plan_batch(samples: list[Sample], pad_id: int, objective: Any) -> dict[str, torch.Tensor]:
+    """The micro-batch collated (right-padded) and planned by the kind's objective, on the host."""
+    batch = collate(samples, pad_id)
+    return {**batch, **objective.plan(batch)}
+
+
+def step_loss(
+    run: "StepContext",
+    planned: dict[str, torch.Tensor],
+    samples: list[Sample],
+    adapt: bool = False,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Head loss on one micro-batch, and its metrics (0-dim device tensors), with no host read.
+
+    Args:
+        run: the run's step context.
+        planned: the micro-batch `plan_batch` made on the host (uploaded here).
+        samples: its sequences (their keys name them in the offline feature cache).
+        adapt: Medusa-2 past its heads-only warm-up: the LoRA-adapted target runs with gradients and a
+            distillation loss keeps it close to the frozen target.
+    Returns:
+        (loss, metrics): a 0-dim loss to backpropagate and name -> 0-dim tensor, on the device.
+    """
+    target, device = run.target, run.device
+    batch = upload(planned, device)
+    ids = batch["input_ids"]
+    compute = autocast_dtype(run.autocast, device)
+    autocast = torch.autocast(device.type, dtype=compute, enabled=compute != torch.float32)
+    if run.cache is not None:
+        hidden, argmax = run.cache.batch([s.key for s in samples], ids.shape[1], device)
+        feats = Features(hidden, model=target.model, argmax=argmax)
+    else:
+        # right-padded rows: causal attention alone keeps every real token from the padding after it, so no
+        # padding mask (whose "all real?" check reads the device) and no KV cache are built
+        with torch.set_grad_enabled(adapt), autocast:
+            out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        feats = Features({i: out.hidden_states[i] for i in run.layers}, out.logits, model=target.model)
+    with autocast:
+        loss, metrics = run.objective(batch, feats, run.t2d)
+    if adapt:
+        with torch.no_grad(), target.model.disable_adapter(), autocast:
+            frozen = target.model(input_ids=ids, use_cache=False).logits
+        kl = distill_kl(out.logits, frozen, batch["attention_mask"])
+        metrics["loss/distill"] = kl.detach()
+        loss = loss + run.distill_weight * kl
+    return loss, metrics
+
+
+@dataclass
+class StepContext:
+    """What every micro-batch of the run needs: the target, the wrapped objective (the module DDP, FSDP or
+    DeepSpeed wraps) and the kind's objective that plans batches on the host."""
+
+    target: Any
+    objective: Any
+    plan: Any
+    t2d: Optional[torch.Tensor]
+    device: torch.device
+    layers: list[int]
+    autocast: str = "auto"
+    cache: Optional[FeatureCache] = None
+    distill_weight: float = 0.0
+
+
+@dataclass
+class StepOutcome:
+    """One optimizer step's figures: device tensors, read only by a log step or the finite check."""
+
+    step: int
+    loss: torch.Tensor  # 0-dim: the mean of the micro-batches' losses
+    metrics: dict[str, torch.Tensor]  # 0-dim each: means over the micro-batches
+    finite: torch.Tensor  # [grad_accum] bool: each micro-batch's loss is finite
+    batches: list[str]  # each micro-batch's first sequence keys (host), for the error message
+    grad_norm: Optional[torch.Tensor] = None
+    tokens: int = 0  # answer tokens of the global batch (host: from the samples' loss masks)
+    flops: float = 0.0  # this rank's model FLOPs (host: from the batch shapes)
+    figures: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Everything a log step reads, by its logged name."""
+        out = {"loss": self.loss, **self.metrics}
+        if self.grad_norm is not None:
+            out["grad_norm"] = self.grad_norm
+        return out
+
+
+class FiniteCheck:
+    """Stops the run at a non-finite loss, naming the step, its batch and the last good checkpoint.
+
+    mode=step reads each step's losses before its update, so a bad step changes nothing; mode=lagged reads
+    them after the next step is queued (no wait on the device), so a bad step's update is applied and the run
+    stops one step later; the checkpoints written after it are none, since a checkpoint first reads the
+    pending check (`settle`)."""
+
+    def __init__(self, mode: str, ckpt_root: Path, par: Parallel):
+        self.mode, self.ckpt_root, self.par = mode, ckpt_root, par
+        self.pending: Optional[StepOutcome] = None
+
+    def before_update(self, outcome: StepOutcome) -> None:
+        if self.mode == "step":
+            self._check(outcome, applied=False)
+
+    def after_update(self, outcome: StepOutcome) -> None:
+        if self.mode == "lagged":
+            self.settle()
+            self.pending = outcome
+
+    def settle(self) -> None:
+        """Read the pending step's check now (before a checkpoint, an evaluation or the end of the run)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._check(pending, applied=True)
+
+    def _check(self, outcome: StepOutcome, applied: bool) -> None:
+        flags = read({"finite": outcome.finite.all().float()}, self.par)["finite"]
+        if flags == 1.0:
+            return
+        local = outcome.finite.tolist()
+        bad = next((k for k, ok in zip(outcome.batches, local) if not ok), None)
+        loss = float(outcome.loss)
+        kept = latest_checkpoint(self.ckpt_root) if self.par.is_main else None
+        what = (
+            "its update was applied (train.finite_check=lagged reads the loss a step late) and not saved"
+            if applied
+            else "nothing of this step was applied"
+        )
+        raise HeadwayError(
+            f"loss became {loss if bad else 'non-finite'} at step {outcome.step} (batch: "
+            f"{bad or 'on another rank'}); {what} and the last good checkpoint is "
+            f"{kept or 'none (no checkpoint written yet)'}: lower train.lr or train.grad_clip, or check "
+            "those sequences, then rerun with train.resume_from=auto"
+        )
+
+
+def batch_name(batch: list[Sample]) -> str:
+    return f"sequences {', '.join(s.key for s in batch[:4])}{' ...' if len(batch) > 4 else ''}"
+
+
+class TrainStep:
+    """grad_accum micro-batches forward and backward, then the optimizer step: no host read in between.
+
+    Args:
+        run: the micro-batches' shared context.
+        stepper: TorchStep or DeepSpeedStep (backward, the update, no_sync).
+        train_set: the training sequences; a step reads the global micro-batches after `consumed` of them
+            (`batch_at`), each rank its share.
+        micro: sequences per global micro-batch (micro_batch_size x world size).
+        count_flops: this rank's model FLOPs of a planned micro-batch (train/flops.py), from its shapes.
+        lora_warmup: Medusa-2's head.medusa.lora.heads_warmup_steps (None: no adapters).
+    """
+
+    def __init__(
+        self,
+        run: StepContext,
+        stepper: Any,
+        train_set: list[Sample],
+        tc: Any,
+        par: Parallel,
+        finite: FiniteCheck,
+        count_flops: Callable[[dict], float] = lambda planned: 0.0,
+        lora_warmup: Optional[int] = None,
+    ):
+        self.run, self.stepper, self.train_set, self.tc, self.par = run, stepper, train_set, tc, par
+        self.finite, self.count_flops, self.lora_warmup = finite, count_flops, lora_warmup
+        self.micro = tc.micro_batch_size * par.world_size
+        self.pad_id = run.target.tokenizer.pad_token_id or 0
+
+    def __call__(self, step: int, consumed: int) -> StepOutcome:
+        """Step `step` (1-based), its data after `consumed` sequences of the stream."""
+        tc, par = self.tc, self.par
+        self.stepper.zero_grad()
+        adapt = self.lora_warmup is not None and step - 1 >= self.lora_warmup
+        loss_sum, metrics_sum, finite, names = None, {}, [], []
+        tokens, flops = 0, 0.0
+        for k in range(tc.grad_accum):
+            everyone = batch_at(
+                self.train_set, consumed + k * self.micro, self.micro, tc.seed, tc.length_window
+            )
+            tokens += sum(sum(s.loss_mask) for s in everyone)
+            batch = par.shard(everyone)
+            planned = plan_batch(batch, self.pad_id, self.run.plan)
+            flops += self.count_flops(planned)
+            names.append(batch_name(batch))
+            with self.stepper.accumulating(self.run.objective, last=k == tc.grad_accum - 1):
+                loss, metrics = step_loss(self.run, planned, batch, adapt)
+                self.stepper.backward(loss)
+            loss = loss.detach()
+            finite.append(torch.isfinite(loss))
+            loss_sum = loss / tc.grad_accum if loss_sum is None else loss_sum + loss / tc.grad_accum
+            for key, v in metrics.items():
+                share = v.float() / tc.grad_accum
+                metrics_sum[key] = share if key not in metrics_sum else metrics_sum[key] + share
+        outcome = StepOutcome(
+            step, loss_sum, metrics_sum, torch.stack(finite), names, tokens=tokens, flops=flops
+        )
+        self.finite.before_update(outcome)
+        outcome.grad_norm = torch.as_tensor(self.stepper.step(), device=self.run.device).float()
+        self.finite.after_update(outcome)
+        return outcome
+
+
+@torch.no_grad()
+def evaluate(run: StepContext, held: list, tc: Any, par: Parallel = Parallel()) -> dict[str, float]:
+    """Per-head top-1 / top-5 accuracy and loss on the held-out split (mean over batches and ranks; every
+    rank runs the same number of batches, as FSDP's collectives need); read back once."""
+    run.objective.eval()
+    sums: dict[str, torch.Tensor] = {}
+    batches = 0
+    samples = held[: tc.eval_max_samples]
+    samples = par.shard(samples[: len(samples) // par.world_size * par.world_size])
+    pad_id = run.target.tokenizer.pad_token_id or 0
+    for first in range(0, len(samples), tc.micro_batch_size):
+        batch = samples[first : first + tc.micro_batch_size]
+        loss, metrics = step_loss(run, plan_batch(batch, pad_id, run.plan), batch)
+        metrics["loss"] = loss
+        for k, v in metrics.items():
+            sums[k] = v.float() if k not in sums else sums[k] + v.float()
+        batches += 1
+    run.objective.train()
+    return read({f"eval/{k}": v / batches for k, v in sums.items()}, par) if batches else {}
