@@ -348,6 +348,34 @@ def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoi
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-00000003"]
 
 
+def test_a_lagged_finite_check_stops_one_step_late_and_keeps_the_last_checkpoint(
+    tiny_dirs, tiny_data, tmp_path: Path, monkeypatch
+):
+    """train.finite_check=lagged (the CUDA default) reads step 5's losses when step 6 is queued: it names step
+    5, says its update was applied, and step 6's checkpoint is never written."""
+    import headway.train.loop as loop
+    import headway.train.step as step
+
+    real, calls = step.step_loss, {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls["n"] += args[0].objective.training
+        return (loss * float("nan") if calls["n"] == 9 else loss), metrics  # step 5's first micro-batch
+
+    monkeypatch.setattr(step, "step_loss", poisoned)
+    with pytest.raises(
+        HeadwayError,
+        match=r"loss became nan at step 5 \(batch: sequences .*#\d+.*\); its update was applied "
+        r"\(train.finite_check=lagged reads the loss a step late\) and not saved and the last good "
+        r"checkpoint is .*step-00000003",
+    ):
+        loop.train(
+            small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", *EAGLE3, "train.finite_check=lagged")
+        )
+    assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-00000003"]
+
+
 def test_a_changed_run_is_not_resumed_into(tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path):
     run = shutil.copytree(clean_run, tmp_path / "run")
     res = headway("train", *train_args(tiny_dirs["llama"], tiny_data, run, "head.eagle3.ttt_steps=3"))

@@ -230,6 +230,21 @@ def maybe_resume(run: Run, target: Any, model: Model) -> tuple[int, int, dict]:
     return position
 
 
+def setup_step(run: Run, target: Any, data: Data, model: Model) -> TrainStep:
+    """One optimizer step of the run, with its finite-loss check (train.finite_check) and its FLOP count."""
+    finite = FiniteCheck(finite_mode(run.tc.finite_check, run.device), run.out / "checkpoints", run.par)
+    return TrainStep(
+        model.context,
+        model.stepper,
+        data.train_set,
+        run.tc,
+        run.par,
+        finite,
+        count_flops=flops.counter(model.context.plan, model.heads, target, online=data.cache is None),
+        lora_warmup=model.lora.heads_warmup_steps if model.lora is not None else None,
+    )
+
+
 def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[int, int, dict]) -> None:
     """Steps up to train.max_steps: logs every log_every steps (the only reads of the device's figures),
     evaluates every eval_every, checkpoints every save_every and at the end."""
@@ -248,18 +263,8 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
         tc.grad_accum,
         par.world_size,
     )
-    finite = FiniteCheck(finite_mode(tc.finite_check, run.device), ckpt_root, par)
-    counter = flops.counter(model.context.plan, model.heads, target, online=data.cache is None)
-    train_step = TrainStep(
-        model.context,
-        model.stepper,
-        data.train_set,
-        tc,
-        par,
-        finite,
-        count_flops=counter,
-        lora_warmup=model.lora.heads_warmup_steps if model.lora is not None else None,
-    )
+    train_step = setup_step(run, target, data, model)
+    finite = train_step.finite
     throughput = Throughput(run.device, peak_flops(run.device, tc.peak_tflops))
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
     # the run's totals over all its resumes: runs are compared by the answer tokens they trained on and their

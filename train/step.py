@@ -27,11 +27,12 @@ from headway.train.feature_cache import FeatureCache
 from headway.train.losses import distill_kl
 from headway.train.metrics import read
 from headway.train.objectives import Features
+from headway.train.target_features import target_features, target_logits
 
 
 def upload(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The planned micro-batch on the device (pinned and asynchronous on CUDA)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # (a fake CUDA device in the tests)
         return {k: v.to(device) for k, v in batch.items()}
     return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
 
@@ -68,17 +69,15 @@ def step_loss(
         hidden, argmax = run.cache.batch([s.key for s in samples], ids.shape[1], device)
         feats = Features(hidden, model=target.model, argmax=argmax)
     else:
-        # right-padded rows: causal attention alone keeps every real token from the padding after it, so no
-        # padding mask (whose "all real?" check reads the device) and no KV cache are built
         with torch.set_grad_enabled(adapt), autocast:
-            out = target.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-        feats = Features({i: out.hidden_states[i] for i in run.layers}, out.logits, model=target.model)
+            hidden, logits = target_features(target.model, ids, run.layers)
+        feats = Features(hidden, logits, model=target.model)
     with autocast:
         loss, metrics = run.objective(batch, feats, run.t2d)
     if adapt:
         with torch.no_grad(), target.model.disable_adapter(), autocast:
-            frozen = target.model(input_ids=ids, use_cache=False).logits
-        kl = distill_kl(out.logits, frozen, batch["attention_mask"])
+            frozen = target_logits(target.model, ids)
+        kl = distill_kl(logits, frozen, batch["attention_mask"])
         metrics["loss/distill"] = kl.detach()
         loss = loss + run.distill_weight * kl
     return loss, metrics
@@ -125,33 +124,45 @@ class StepOutcome:
 class FiniteCheck:
     """Stops the run at a non-finite loss, naming the step, its batch and the last good checkpoint.
 
-    mode=step reads each step's losses before its update, so a bad step changes nothing; mode=lagged reads
-    them after the next step is queued (no wait on the device), so a bad step's update is applied and the run
-    stops one step later; the checkpoints written after it are none, since a checkpoint first reads the
+    mode=step reads each step's losses before its update, so a bad step changes nothing. mode=lagged starts
+    the read after the step's update is queued (every rank's flag reduced on the device, then copied to
+    pinned host memory behind a CUDA event) and looks at it when the next step is queued, when the device has
+    long finished it: the host never waits on the device inside a step. A bad step's update is then applied
+    and the run stops one step later; no checkpoint is written after it, since a checkpoint first reads the
     pending check (`settle`)."""
 
     def __init__(self, mode: str, ckpt_root: Path, par: Parallel):
         self.mode, self.ckpt_root, self.par = mode, ckpt_root, par
-        self.pending: Optional[StepOutcome] = None
+        self.pending: Optional[tuple[StepOutcome, torch.Tensor, Any]] = None
 
     def before_update(self, outcome: StepOutcome) -> None:
         if self.mode == "step":
-            self._check(outcome, applied=False)
+            flag = self.par.mean({"finite": outcome.finite.all()})["finite"]
+            self._check(outcome, float(flag), applied=False)
 
     def after_update(self, outcome: StepOutcome) -> None:
         if self.mode == "lagged":
             self.settle()
-            self.pending = outcome
+            flag = self.par.mean({"finite": outcome.finite.all()})["finite"]
+            event = None
+            if flag.is_cuda and torch.cuda.is_available():
+                host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+                host.copy_(flag, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                flag = host
+            self.pending = (outcome, flag, event)
 
     def settle(self) -> None:
         """Read the pending step's check now (before a checkpoint, an evaluation or the end of the run)."""
         if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self._check(pending, applied=True)
+            (outcome, flag, event), self.pending = self.pending, None
+            if event is not None:
+                event.synchronize()  # the copy of a step queued before the current one: long done
+            self._check(outcome, float(flag), applied=True)
 
-    def _check(self, outcome: StepOutcome, applied: bool) -> None:
-        flags = read({"finite": outcome.finite.all().float()}, self.par)["finite"]
-        if flags == 1.0:
+    def _check(self, outcome: StepOutcome, flag: float, applied: bool) -> None:
+        if flag == 1.0:
             return
         local = outcome.finite.tolist()
         bad = next((k for k, ok in zip(outcome.batches, local) if not ok), None)
@@ -174,15 +185,33 @@ def batch_name(batch: list[Sample]) -> str:
     return f"sequences {', '.join(s.key for s in batch[:4])}{' ...' if len(batch) > 4 else ''}"
 
 
+@dataclass
+class StepPlan:
+    """One optimizer step's micro-batches as the host prepared them: collated, planned, counted."""
+
+    step: int
+    micro: list[tuple[dict[str, torch.Tensor], list[Sample]]]  # (planned batch, its samples) per micro-batch
+    names: list[str]  # each micro-batch's first sequence keys, for the finite check's message
+    tokens: int  # answer tokens of the global batch
+    flops: float  # this rank's model FLOPs
+    adapt: bool  # Medusa-2's LoRA-adapted target trains this step
+
+
 class TrainStep:
     """grad_accum micro-batches forward and backward, then the optimizer step: no host read in between.
+
+    `plan` does the step's host work (reading the stream, collating, the objective's index tensors, the
+    counts); `run` does the device work and reads nothing back (with train.finite_check=lagged); calling
+    the step does both, then hands the outcome to the lagged finite check.
 
     Args:
         run: the micro-batches' shared context.
         stepper: TorchStep or DeepSpeedStep (backward, the update, no_sync).
         train_set: the training sequences; a step reads the global micro-batches after `consumed` of them
             (`batch_at`), each rank its share.
-        micro: sequences per global micro-batch (micro_batch_size x world size).
+        tc: the train config (micro_batch_size, grad_accum, seed, length_window).
+        par: the ranks.
+        finite: the run's finite-loss check.
         count_flops: this rank's model FLOPs of a planned micro-batch (train/flops.py), from its shapes.
         lora_warmup: Medusa-2's head.medusa.lora.heads_warmup_steps (None: no adapters).
     """
@@ -205,35 +234,53 @@ class TrainStep:
 
     def __call__(self, step: int, consumed: int) -> StepOutcome:
         """Step `step` (1-based), its data after `consumed` sequences of the stream."""
-        tc, par = self.tc, self.par
-        self.stepper.zero_grad()
-        adapt = self.lora_warmup is not None and step - 1 >= self.lora_warmup
-        loss_sum, metrics_sum, finite, names = None, {}, [], []
-        tokens, flops = 0, 0.0
+        outcome = self.run_planned(self.plan(step, consumed))
+        self.finite.after_update(outcome)
+        return outcome
+
+    def plan(self, step: int, consumed: int) -> StepPlan:
+        """The host's part of step `step`: its micro-batches after `consumed` sequences, planned."""
+        tc = self.tc
+        micro, names, tokens, flops = [], [], 0, 0.0
         for k in range(tc.grad_accum):
             everyone = batch_at(
                 self.train_set, consumed + k * self.micro, self.micro, tc.seed, tc.length_window
             )
             tokens += sum(sum(s.loss_mask) for s in everyone)
-            batch = par.shard(everyone)
+            batch = self.par.shard(everyone)
             planned = plan_batch(batch, self.pad_id, self.run.plan)
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
-            with self.stepper.accumulating(self.run.objective, last=k == tc.grad_accum - 1):
-                loss, metrics = step_loss(self.run, planned, batch, adapt)
+            micro.append((planned, batch))
+        adapt = self.lora_warmup is not None and step - 1 >= self.lora_warmup
+        return StepPlan(step, micro, names, tokens, flops, adapt)
+
+    def run_planned(self, plan: StepPlan) -> StepOutcome:
+        """The device's part: forward and backward of each micro-batch, then the update."""
+        accum = len(plan.micro)
+        self.stepper.zero_grad()
+        loss_sum, metrics_sum, finite = None, {}, []
+        for k, (planned, batch) in enumerate(plan.micro):
+            with self.stepper.accumulating(self.run.objective, last=k == accum - 1):
+                loss, metrics = step_loss(self.run, planned, batch, plan.adapt)
                 self.stepper.backward(loss)
             loss = loss.detach()
             finite.append(torch.isfinite(loss))
-            loss_sum = loss / tc.grad_accum if loss_sum is None else loss_sum + loss / tc.grad_accum
+            loss_sum = loss / accum if loss_sum is None else loss_sum + loss / accum
             for key, v in metrics.items():
-                share = v.float() / tc.grad_accum
+                share = v.float() / accum
                 metrics_sum[key] = share if key not in metrics_sum else metrics_sum[key] + share
         outcome = StepOutcome(
-            step, loss_sum, metrics_sum, torch.stack(finite), names, tokens=tokens, flops=flops
+            plan.step,
+            loss_sum,
+            metrics_sum,
+            torch.stack(finite),
+            plan.names,
+            tokens=plan.tokens,
+            flops=plan.flops,
         )
         self.finite.before_update(outcome)
         outcome.grad_norm = torch.as_tensor(self.stepper.step(), device=self.run.device).float()
-        self.finite.after_update(outcome)
         return outcome
 
 

@@ -1,0 +1,135 @@
+"""The frozen target's forward in training: the hidden states the head reads, and its logits, read nothing
+back to the host.
+
+Training batches are right-padded, so plain causal attention keeps every real token from the padding after
+it and no mask is needed. transformers would still inspect the batch on the host: with no mask it checks the
+position ids for packed sequences, with one it checks whether all of it is real (each a device-to-host read
+per forward). `causal_attention` is registered as an attention implementation with no mask function, so
+transformers builds no mask and checks nothing, and it runs the same SDPA call transformers' own
+implementation makes with no mask (the same bits). A model with sliding-window layers narrower than the
+batch keeps its own implementation, which applies the window.
+
+Only the layers the head reads are kept: forward hooks capture them and the model is asked for no
+`hidden_states` tuple, which would hold every layer's [B, T, h] until the step ends. No KV cache is built.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION = "headway_causal"
+
+
+def causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention with `is_causal` and no mask (query, key, value: [B, heads, T, D])."""
+    kwargs.pop("is_causal", None)
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+AttentionInterface.register(ATTENTION, causal_attention)
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every distinct config object the model's modules read their attention implementation from."""
+    seen: dict[int, Any] = {}
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+def _windowed(configs: list[Any], width: int) -> bool:
+    """True when some layer attends through a sliding window narrower than the batch."""
+    for cfg in configs:
+        window = getattr(cfg, "sliding_window", None)
+        types = getattr(cfg, "layer_types", None)
+        if window and width > window and (types is None or "sliding_attention" in types):
+            return True
+    return False
+
+
+@contextmanager
+def unmasked_causal(model: torch.nn.Module, width: int) -> Iterator[None]:
+    """Run `model` under `causal_attention` inside the block (its own implementation when it is neither SDPA
+    nor eager, or when a sliding window is narrower than `width`, the batch's padded length)."""
+    configs = _configs(model)
+    saved = [cfg._attn_implementation for cfg in configs]
+    if _windowed(configs, width) or any(s not in ("sdpa", "eager") for s in saved):
+        yield
+        return
+    for cfg in configs:
+        cfg._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        for cfg, s in zip(configs, saved):
+            cfg._attn_implementation = s
+
+
+def _decoder(model: torch.nn.Module) -> Optional[Any]:
+    """The decoder stack (embed_tokens, layers, norm) of a causal LM, also under a PEFT wrapper; None when the
+    model is laid out otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = getattr(base, "model", None)
+    if all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        return inner
+    return None
+
+
+def target_features(
+    model: torch.nn.Module, ids: torch.Tensor, layers: list[int]
+) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The target's forward on a right-padded batch.
+
+    Args:
+        model: the target (a transformers causal LM, possibly LoRA-wrapped).
+        ids: [B, T] token ids, right-padded.
+        layers: hidden-state indices the head reads, as in transformers' `hidden_states` (0: the embeddings,
+            i: after decoder layer i, the last: after the final norm).
+    Returns:
+        (hidden, logits): index -> [B, T, h] for each of `layers`, and the logits [B, T, V].
+    """
+    decoder = _decoder(model)
+    with unmasked_causal(model, ids.shape[1]):
+        if decoder is None:
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            return {i: out.hidden_states[i] for i in layers}, out.logits
+        n = len(decoder.layers)
+        caught: dict[int, torch.Tensor] = {}
+
+        def keep(i: int) -> Any:
+            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                caught[i] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        where = {0: decoder.embed_tokens, n: decoder.norm}
+        hooks = [
+            (where[i] if i in where else decoder.layers[i - 1]).register_forward_hook(keep(i))
+            for i in set(layers)
+        ]
+        try:
+            logits = model(input_ids=ids, use_cache=False).logits
+        finally:
+            for h in hooks:
+                h.remove()
+    return {i: caught[i] for i in layers}, logits
+
+
+def target_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The target's logits [B, T, V] on a right-padded batch [B, T], with no mask and no cache."""
+    with unmasked_causal(model, ids.shape[1]):
+        return model(input_ids=ids, use_cache=False).logits
