@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,8 @@ def overrides(model_dir: Path, data: Path, out: Path, kind: str, *extra: str) ->
 
 
 def torchrun(args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # every collective called through torch.distributed is checked to get tensors on the training device
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HEADWAY_CHECK_COLLECTIVES": "1"}
     env.pop("HEADWAY_KILL_AT", None)
     if kill_at:
         env["HEADWAY_KILL_AT"] = kill_at
@@ -65,6 +67,12 @@ def test_two_processes_follow_the_one_process_curve_and_resume(
     res = torchrun(overrides(model, tiny_data, tmp_path / "two", kind, f"train.backend={backend}"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "effective batch: 8 sequences (2 per rank x 2 accumulation x 2 ranks)" in res.stderr
+    # the collectives the run made (losses, metrics, checkpoints; FSDP's and DeepSpeed's own) all had their
+    # tensors on the training device
+    checked = re.search(
+        r"HEADWAY_CHECK_COLLECTIVES: every collective's tensors were on cpu \((.*)\)", res.stderr
+    )
+    assert checked and "all_reduce x" in checked.group(1), res.stderr[-3000:]
     two = losses(tmp_path / "two")
     assert [s for s, _ in two] == [1, 2, 3, 4, 5, 6]
     for (_, a), (_, b) in zip(one, two):

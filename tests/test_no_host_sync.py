@@ -175,3 +175,28 @@ def test_the_training_forward_keeps_the_models_own_values(tmp_path: Path, arch: 
             hidden, logits = target_features(model, ids, layers)
         assert torch.equal(logits, out.logits)
         assert all(torch.equal(hidden[i], out.hidden_states[i]) for i in layers)
+
+
+def test_collectives_get_device_tensors_and_a_cpu_tensor_is_named(monkeypatch):
+    """On a (fake) CUDA run of 2 ranks, the loss and metric averages reach all_reduce as CUDA tensors and
+    stay there; HEADWAY_CHECK_COLLECTIVES refuses the CPU tensor Parallel.mean used to all-reduce."""
+    import torch.distributed as dist
+
+    from headway.errors import HeadwayError
+    from headway.train import distributed
+
+    seen = []
+    for name in distributed._COLLECTIVES:  # in-place no-ops standing in for NCCL; restored after the test
+        monkeypatch.setattr(dist, name, lambda t, *a, **k: seen.append(t.device))
+    monkeypatch.setattr(distributed, "CHECKED", {})
+    with fake_cuda():
+        cuda = torch.device("cuda", 0)
+        distributed.check_collectives(cuda)
+        par = distributed.Parallel("ddp", 0, 2, cuda)
+        means = par.mean({"loss": torch.ones((), device=cuda), "top1": torch.zeros((), device=cuda), "n": 3})
+        assert all(v.device == cuda for v in means.values())
+        with pytest.raises(
+            HeadwayError, match=r"torch.distributed.all_reduce was given a tensor on cpu, but the "
+        ):
+            dist.all_reduce(torch.ones(2, dtype=torch.float64))
+    assert seen == [cuda] and distributed.CHECKED == {"all_reduce": 2}

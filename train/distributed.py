@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,13 @@ class Parallel:
         if self.active and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
+        if CHECKED:
+            log.info(
+                "%s: every collective's tensors were on %s (%s)",
+                CHECK_COLLECTIVES,
+                self.device,
+                ", ".join(f"{k} x{v}" for k, v in sorted(CHECKED.items())),
+            )
 
 
 def rank_device(device: torch.device) -> torch.device:
@@ -120,6 +128,56 @@ def rank_device(device: torch.device) -> torch.device:
         device = torch.device("cuda", dist_info().local_rank)
     torch.cuda.set_device(device)
     return device
+
+
+# HEADWAY_CHECK_COLLECTIVES=1 makes every collective called through torch.distributed refuse a tensor that is
+# not on the training device: NCCL rejects CPU tensors, but only on a GPU machine, mid-run. The 2-process
+# tests set it; a user may set it to find such a call in their own extension.
+CHECK_COLLECTIVES = "HEADWAY_CHECK_COLLECTIVES"
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
+
+
+CHECKED: dict[str, int] = {}  # collective name -> calls checked in this process
+
+
+def check_collectives(device: torch.device) -> None:
+    """Wrap torch.distributed's tensor collectives so that a tensor off `device` raises, naming the call.
+
+    Args:
+        device: the training device every collective's tensors must be on.
+    """
+
+    def tensors(x: Any) -> list[torch.Tensor]:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, (list, tuple)):
+            return [t for item in x for t in tensors(item)]
+        return []
+
+    for name in _COLLECTIVES:
+        real = getattr(dist, name)
+        real = getattr(real, "_headway_real", real)
+
+        def checked(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            CHECKED[_name] = CHECKED.get(_name, 0) + 1
+            for t in tensors(list(args) + list(kwargs.values())):
+                if t.device != device:
+                    raise HeadwayError(
+                        f"torch.distributed.{_name} was given a tensor on {t.device}, but the training "
+                        f"device is {device}: NCCL refuses it; move it with .to({str(device)!r}) first"
+                    )
+            return _real(*args, **kwargs)
+
+        checked._headway_real = real
+        setattr(dist, name, checked)
 
 
 def start(backend: str, device: torch.device) -> Parallel:
@@ -147,6 +205,8 @@ def start(backend: str, device: torch.device) -> Parallel:
         else:
             dist.init_process_group("gloo")
     par = Parallel(backend, dist.get_rank(), dist.get_world_size(), device)
+    if os.environ.get(CHECK_COLLECTIVES) == "1":
+        check_collectives(device)
     log.info("distributed: %s over %s, rank %d of %d", backend, dist.get_backend(), par.rank, par.world_size)
     return par
 
