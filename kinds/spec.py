@@ -41,8 +41,9 @@ class HeadKind:
     """A head kind: its `head.<name>` config section and module, how it trains, drafts, is tuned and exported.
 
     Callables, with the arguments each stage passes:
-        objective(kind config, seed=train.seed) -> the kind's Objective (train/objectives/), called
-            (heads, batch, Features, t2d) -> (loss, metrics) on each batch.
+        objective(kind config, seed=train.seed, loss_chunk=train.loss_chunk resolved) -> the kind's
+            Objective (train/objectives/), called (heads, batch, Features, t2d) -> (loss, metrics) on each
+            batch.
         drafter(heads, InferenceConfig, head config.json, num target layers) -> the neural drafter.
         draft_tokens(saved head section) -> the draft length a serving engine runs the head with.
         for_target(kind config, num target layers) -> the config with its target-dependent defaults resolved

@@ -11,7 +11,7 @@ from test_eagle import ARCHS, random_head
 from transformers import DynamicCache
 
 from headway.heads.draft_layer import drafter_mask
-from headway.train.losses import target_to_draft
+from headway.train.losses import target_to_draft, wide
 from headway.train.objectives import Features
 from headway.train.objectives.eagle3 import Eagle3Objective
 from headway.train.ttt import causal_allowed, kept_positions, shifted, ttt_unroll
@@ -27,7 +27,7 @@ def dense_eagle3_loss(heads, batch: dict, feats: Features, t2d: torch.Tensor) ->
     eye = torch.eye(T, dtype=torch.bool).expand(B, T, T)
     cache = DynamicCache(config=heads.decoder.config)
     hidden = heads.project(feats.cat(ec.feature_layers))
-    target_p = torch.softmax(feats.draft_logits(heads.d2t).float(), -1)
+    target_p = torch.softmax(wide(feats.draft_logits(heads.d2t)), -1)
     in_draft = t2d[feats.argmax] >= 0
     total = target_p.new_zeros(())
     for j in range(ec.ttt_steps):
@@ -37,7 +37,7 @@ def dense_eagle3_loss(heads, batch: dict, feats: Features, t2d: torch.Tensor) ->
         hidden = heads.next_hidden(out)
         valid = shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
         if valid.any():
-            logits = heads.logits(out[valid]).float()
+            logits = wide(heads.logits(out[valid]))
             p = shifted(target_p, 1 + j)[valid]
             total = total + ec.ttt_decay**j * -(p * F.log_softmax(logits, -1)).sum(-1).mean()
     return total

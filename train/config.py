@@ -89,6 +89,10 @@ class TrainConfig:
     # Peak FLOP/s of one device in TFLOP/s, for the logged MFU; 0 = the GPU's dense bf16 peak when known
     # (train/metrics.py), none logged on CPUs.
     peak_tflops: float = 0.0
+    # Rows per chunk of the draft vocabulary loss (EAGLE-3): each chunk's logits, loss and gradients are made
+    # and dropped at once, so no [rows, vocabulary] tensor is kept for backward; 0 = one pass; -1 = auto
+    # (one pass on CPUs, 4096 on CUDA).
+    loss_chunk: int = -1
 
     def __post_init__(self) -> None:
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
@@ -104,6 +108,10 @@ class TrainConfig:
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
         check_choice("train", "target_dtype", self.target_dtype, ["auto", "float32", "bfloat16", "float16"])
         check_choice("train", "finite_check", self.finite_check, ["auto", "step", "lagged"])
+        if self.loss_chunk < -1:
+            raise HeadwayError(
+                f"train.loss_chunk must be -1 (auto), 0 (one pass) or a row count, got {self.loss_chunk}"
+            )
         if self.peak_tflops < 0:
             raise HeadwayError(f"train.peak_tflops must be 0 (auto) or positive, got {self.peak_tflops}")
         if self.shard_target and self.backend != "fsdp":

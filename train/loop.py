@@ -155,7 +155,9 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
     heads = build_heads(cfg.head, tc.init_from, target, data.train_set).to(device)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     # the kind's objective reads the head's own config section (as built: the run's, resolved for this target)
-    plan = head_kind(cfg.head.kind).objective(heads.cfg, seed=tc.seed)
+    plan = head_kind(cfg.head.kind).objective(
+        heads.cfg, seed=tc.seed, loss_chunk=loss_chunk(tc.loss_chunk, device)
+    )
     objective = wrap(HeadObjective(heads, plan), par, device)
     params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
@@ -317,6 +319,14 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
     bar.close()
     if logger:
         logger.close()
+
+
+def loss_chunk(setting: int, device: torch.device) -> int:
+    """train.loss_chunk resolved: auto (-1) is one pass on CPUs (the same bits as ever) and 4,096-row chunks
+    on CUDA, where the [n, V] tensors a full loss keeps are most of a long batch's memory."""
+    if setting >= 0:
+        return setting
+    return 4096 if device.type == "cuda" else 0
 
 
 def finite_mode(setting: str, device: torch.device) -> str:

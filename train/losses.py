@@ -119,6 +119,11 @@ def medusa_soft_targets(
     return out
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in float32 at least (float64 stays float64: the float64 equivalence tests run in it)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` where `mask` is true (0 when nothing is), with a device denominator: no host read."""
     dtype = values.dtype if values.is_floating_point() else torch.float32

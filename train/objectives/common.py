@@ -15,6 +15,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from headway.train.losses import wide
+
 
 class Features:
     """hidden: HF output_hidden_states index -> [B, T, h]; logits: the target's next-token logits [B, T, V],
@@ -56,7 +58,7 @@ class Features:
             return target_logits(self._model, self.hidden[max(self.hidden)], rows=d2t)
 
     def cat(self, layers: list[int]) -> torch.Tensor:
-        return torch.cat([self.hidden[i].float() for i in layers], dim=-1)
+        return torch.cat([wide(self.hidden[i]) for i in layers], dim=-1)
 
 
 def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -84,14 +86,17 @@ class Objective(ABC):
         cfg: the kind's config section (heads/config.py).
         seed: train.seed, for objectives that draw at random (DFlash's anchors): the same draws on a
             resumed run.
+        loss_chunk: rows per chunk of the vocabulary loss (train.loss_chunk resolved; 0: in one pass),
+            for the kinds that chunk it (train/chunked_loss.py).
     """
 
     # The batch keys `plan` adds (empty: the kind plans nothing).
     plan_keys: tuple[str, ...] = ()
 
-    def __init__(self, cfg: Any, *, seed: int = 0) -> None:
+    def __init__(self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0) -> None:
         self.cfg = cfg
         self.seed = seed
+        self.loss_chunk = loss_chunk
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host-side planning of a micro-batch, on its CPU tensors before they go to the device: the index

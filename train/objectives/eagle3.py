@@ -7,8 +7,9 @@ from typing import Any, Optional
 
 import torch
 
+from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import chain_acceptance, draft_loss
+from headway.train.losses import chain_acceptance, draft_loss, wide
 from headway.train.objectives.common import Features, Objective
 from headway.train.ttt import kept_positions, shifted, ttt_unroll
 
@@ -23,8 +24,8 @@ class Eagle3Objective(Objective):
     into step j's output, `at{j}` [n_j] the sequence position t); the device masks out rows whose target
     token is outside the draft vocabulary by weight, not by indexing."""
 
-    def __init__(self, cfg: Any, *, seed: int = 0) -> None:
-        super().__init__(cfg, seed=seed)
+    def __init__(self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0) -> None:
+        super().__init__(cfg, seed=seed, loss_chunk=loss_chunk)
         self.plan_keys = ("ttt_index", "ttt_kept", *(f"{k}{j}" for j in range(cfg.ttt_steps) for k in "rca"))
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -84,14 +85,21 @@ class Eagle3Objective(Objective):
             rows, cols, at = batch[f"r{j}"], batch[f"c{j}"], batch[f"a{j}"]
             hit = torch.zeros_like(ids, dtype=torch.bool)
             if rows.shape[0]:  # a host-known shape
-                # the draft lm_head only where a loss may be taken: most of a step's cost
-                logits = heads.logits(out[rows, cols]).float()
-                # step j at t learns the target's distribution at t+1+j
-                p = torch.softmax(target_logits_d[rows, at + 1 + j].float(), -1)
+                # step j at t learns the target's distribution at t+1+j, and the draft lm_head runs only
+                # where a loss may be taken: most of a step's cost
+                teacher = target_logits_d[rows, at + 1 + j]
                 weight = in_draft[rows, at + 1 + j]
-                loss_j = draft_loss(ec.loss, logits, p, weight)
+                if self.loss_chunk:
+                    x = heads.norm(out[rows, cols])
+                    loss_j, best = chunked_draft_loss(
+                        ec.loss, x, heads.lm_head.weight, teacher, weight, self.loss_chunk
+                    )
+                else:
+                    logits = wide(heads.logits(out[rows, cols]))
+                    loss_j = draft_loss(ec.loss, logits, torch.softmax(wide(teacher), -1), weight)
+                    best = logits.detach().argmax(-1)
                 total = total + (ec.ttt_decay**j) * loss_j
-                right = (logits.detach().argmax(-1) == p.argmax(-1)) & weight
+                right = (best == teacher.argmax(-1)) & weight
                 metrics[f"loss/step{j}"] = loss_j.detach()
                 metrics[f"top1/step{j}"] = right.sum() / weight.sum().clamp(min=1)
                 hit = hit.index_put((rows, at), right)

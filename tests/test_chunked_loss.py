@@ -1,0 +1,112 @@
+"""The chunked vocabulary loss equals the full one, in values and gradients, in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headway.train.chunked_loss import KINDS, chunked_draft_loss
+from headway.train.losses import draft_loss
+
+
+def inputs(n: int = 37, d: int = 16, vocab: int = 53, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, d, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = 3 * torch.randn(n, vocab, generator=g, dtype=torch.float64)
+    rows = torch.rand(n, generator=g) < 0.7
+    return hidden, weight, teacher, rows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk", [1, 8, 37, 64])
+def test_chunked_equals_full_in_value_and_gradients(kind: str, chunk: int):
+    hidden, weight, teacher, rows = inputs()
+    full = draft_loss(kind, hidden @ weight.T, torch.softmax(teacher, -1), rows)
+    gh, gw = torch.autograd.grad(3.0 * full, (hidden, weight))
+    loss, best = chunked_draft_loss(kind, hidden, weight, teacher, rows, chunk)
+    ch, cw = torch.autograd.grad(3.0 * loss, (hidden, weight))
+    assert loss.dtype == torch.float64
+    torch.testing.assert_close(loss, full, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ch, gh, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(cw, gw, rtol=1e-10, atol=1e-12)
+    assert torch.equal(best, (hidden @ weight.T).argmax(-1))
+
+
+def test_no_row_kept_gives_zero_loss_and_zero_gradients():
+    hidden, weight, teacher, rows = inputs()
+    loss, _ = chunked_draft_loss("soft_ce", hidden, weight, teacher, torch.zeros_like(rows), 8)
+    loss.backward()
+    assert loss == 0 and not hidden.grad.any() and not weight.grad.any()
+
+
+def test_nothing_vocabulary_sized_is_kept_for_backward():
+    hidden, weight, teacher, rows = inputs(n=64, d=8, vocab=1000)
+    kept = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.shape)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked_draft_loss("soft_ce+tv", hidden, weight, teacher, rows, 16)
+    assert kept and all(1000 not in s or s == weight.shape for s in kept)
+    kept.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        draft_loss("soft_ce+tv", hidden @ weight.T, torch.softmax(teacher, -1), rows)
+    assert any(s == (64, 1000) for s in kept)  # the full loss does keep [n, V] tensors
+
+
+def test_an_unknown_kind_is_named():
+    hidden, weight, teacher, rows = inputs()
+    with pytest.raises(ValueError, match="unknown draft loss 'kl'"):
+        chunked_draft_loss("kl", hidden, weight, teacher, rows, 8)
+
+
+def test_eagle3_trains_the_same_with_a_chunked_loss(tiny_dirs, tiny_data, tmp_path):
+    """One EAGLE-3 micro-batch (3 TTT steps) in float64: the chunked loss gives the one-pass loss, metrics
+    and every head gradient."""
+    from dataclasses import replace
+
+    from train_helpers import small_run
+
+    from headway.kinds.registry import head_kind
+    from headway.train import loop
+    from headway.train.step import plan_batch, step_loss
+
+    cfg = small_run(
+        tiny_dirs["llama"],
+        tiny_data,
+        tmp_path / "r",
+        "head.kind=eagle3",
+        "head.eagle3.draft_vocab_size=64",
+        "head.eagle3.ttt_steps=3",
+        "head.eagle.feature_noise=0",
+    )
+    run = loop.setup_run(cfg)
+    target = loop.setup_target(run)
+    data = loop.setup_data(run, target)
+    model = loop.setup_model(run, target, data)
+    target.model.double()
+    model.heads.double()
+    batch = data.train_set[:4]
+    results = []
+    for chunk in (0, 5):
+        objective = head_kind("eagle3").objective(model.heads.cfg, seed=0, loss_chunk=chunk)
+        from headway.train.distributed import HeadObjective
+
+        context = replace(model.context, objective=HeadObjective(model.heads, objective), plan=objective)
+        model.heads.zero_grad()
+        loss, metrics = step_loss(context, plan_batch(batch, 0, objective), batch)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.heads.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), metrics, grads))
+    (full, fm, fg), (chunked, cm, cg) = results
+    assert full.dtype == torch.float64 and fg
+    torch.testing.assert_close(chunked, full, rtol=1e-10, atol=1e-12)
+    assert fm.keys() == cm.keys()
+    for k in fm:
+        torch.testing.assert_close(cm[k].double(), fm[k].double(), rtol=1e-9, atol=1e-12)
+    assert fg.keys() == cg.keys()
+    for k in fg:
+        torch.testing.assert_close(cg[k], fg[k], rtol=1e-8, atol=1e-12)

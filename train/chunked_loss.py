@@ -1,0 +1,112 @@
+"""A draft head's vocabulary loss in chunks of rows, keeping no [n, V] tensor for backward.
+
+The full loss (train/losses.py, `draft_loss`) computes logits [n, V] in float32, the log-softmax and the
+target's distribution, and autograd keeps several of those [n, V] tensors until backward, at every TTT step.
+Here each chunk of rows makes its logits, its loss rows and their gradient with respect to the logits, and
+folds that at once into the gradients of the hidden states [n, d] and of the lm_head weight [V, d]; only
+those two are kept for backward, scaled there by the loss's incoming gradient (the loss is a scalar). The
+values and gradients are the full loss's (tests/test_chunked_loss.py checks them in float64).
+
+The gradient of each kind with respect to the logits z (q = softmax(z), p = the target's distribution):
+soft_ce: q * sum(p) - p; argmax_ce: q - onehot(argmax p); tv (0.5 * |q - p|_1): q * (g - <q, g>) with
+g = 0.5 * sign(q - p).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+KINDS = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
+
+
+def _rows_and_grad(kind: str, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss [c] and its gradient with respect to the logits [c, V], for logits z and target p."""
+    logp = torch.log_softmax(z, -1)
+    q = logp.exp()
+    if kind == "argmax_ce":
+        best = p.argmax(-1, keepdim=True)
+        grad = q.scatter_add(-1, best, -torch.ones_like(best, dtype=q.dtype))
+        return -logp.gather(-1, best).squeeze(-1), grad
+    rows = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
+    grad = torch.zeros_like(z)
+    if kind in ("soft_ce", "soft_ce+tv"):
+        rows = rows - (p * logp).sum(-1)
+        grad = grad + q * p.sum(-1, keepdim=True) - p
+    if kind in ("tv", "soft_ce+tv"):
+        diff = q - p
+        rows = rows + 0.5 * diff.abs().sum(-1)
+        g = 0.5 * diff.sign()
+        grad = grad + q * (g - (q * g).sum(-1, keepdim=True))
+    return rows, grad
+
+
+class _ChunkedDraftLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        target_logits: torch.Tensor,
+        rows: torch.Tensor,
+        kind: str,
+        chunk: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = hidden.shape[0]
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 when given
+        w = weight.to(hidden.dtype)
+        scale = rows.to(acc) / rows.sum().clamp(min=1).to(acc)  # each kept row's share of the mean
+        grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        best = torch.empty(n, dtype=torch.long, device=hidden.device)
+        total = torch.zeros((), dtype=acc, device=hidden.device)
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            h = hidden[start:end]
+            z = (h @ w.T).to(acc)
+            p = torch.softmax(target_logits[start:end].to(acc), -1)
+            per_row, dz = _rows_and_grad(kind, z, p)
+            s = scale[start:end]
+            total = total + (per_row * s).sum()
+            dz = dz * s.unsqueeze(-1)
+            grad_h[start:end] = dz @ weight.to(acc)
+            grad_w += dz.T @ h.to(acc)
+            best[start:end] = z.argmax(-1)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(best)
+        return total, best
+
+    @staticmethod
+    def backward(ctx: Any, g_total: torch.Tensor, g_best: Any) -> tuple:
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        g = g_total.to(grad_h.dtype)
+        return (grad_h * g).to(h_dtype), (grad_w * g).to(w_dtype), None, None, None, None
+
+
+def chunked_draft_loss(
+    kind: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_logits: torch.Tensor,
+    rows: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`draft_loss(kind, hidden @ weight.T, softmax(target_logits), rows)` computed `chunk` rows at a time.
+
+    Args:
+        kind: soft_ce, argmax_ce, tv or soft_ce+tv (as `draft_loss`).
+        hidden: [n, d] the lm_head's input (after the head's final norm), with gradient.
+        weight: [V, d] the lm_head weight, with gradient.
+        target_logits: [n, V] the target's logits over the same vocabulary (no gradient; any dtype).
+        rows: [n] bool, the rows the mean is over.
+        chunk: rows per chunk (> 0).
+    Returns:
+        (loss, argmax): the 0-dim mean loss (float32, float64 for float64 inputs) and the logits' argmax [n]
+        (for accuracy metrics), with no [n, V] tensor kept.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown draft loss {kind!r}")
+    return _ChunkedDraftLoss.apply(hidden, weight, target_logits.detach(), rows, kind, chunk)
