@@ -41,7 +41,7 @@ class HeadKind:
     """A head kind: its `head.<name>` config section and module, how it trains, drafts, is tuned and exported.
 
     Callables, with the arguments each stage passes:
-        objective(kind config, seed=train.seed, loss_chunk=train.loss_chunk resolved) -> the kind's
+        objective(kind config, seed=, loss_chunk=, ttt_attention=: train settings resolved) -> the kind's
             Objective (train/objectives/), called (heads, batch, Features, t2d) -> (loss, metrics) on each
             batch.
         drafter(heads, InferenceConfig, head config.json, num target layers) -> the neural drafter.

@@ -108,7 +108,7 @@ def test_a_cpu_training_step_reads_nothing_back(tiny_dirs, tiny_data, tmp_path: 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
-    tiny_dirs, tiny_data, tmp_path: Path, kind: str
+    tiny_dirs, tiny_data, tmp_path: Path, kind: str, monkeypatch
 ):
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -120,11 +120,37 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         tiny_dirs["llama"], tiny_data, tmp_path / "r", kind, "train.autocast_dtype=bfloat16"
     )
     tc = cfg.train
+    # flex attention runs as one kernel, outside the counting mode (torch refuses to run it under a user
+    # dispatch mode); its block masks are built inside it
+    from torch.utils._python_dispatch import _pop_mode_temporarily
+
+    from headway.train import ttt_flex
+
+    def uncounted(compile: bool):
+        flex = ttt_flex.flex_attention
+
+        def run(*args, **kwargs):
+            with _pop_mode_temporarily():
+                return flex(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(ttt_flex, "_compiled", uncounted)
     with fake_cuda():
         cuda = torch.device("cuda", 0)
         to_fake_cuda(target.model, model.heads)
         par = Parallel(device=cuda)
-        objective = HeadObjective(model.heads, model.context.plan)
+        # the kind's objective as a CUDA run resolves it (EAGLE-3: flex attention, a chunked loss)
+        from headway.kinds.registry import head_kind
+        from headway.train.loop import loss_chunk, ttt_attention
+
+        planner = head_kind(kind).objective(
+            model.heads.cfg,
+            seed=tc.seed,
+            loss_chunk=loss_chunk(tc.loss_chunk, cuda),
+            ttt_attention=ttt_attention(tc.ttt_attention, cuda),
+        )
+        objective = HeadObjective(model.heads, planner)
         params = [p for p in objective.parameters() if p.requires_grad]
         optimizer = make_optimizer([{"params": params, "lr": tc.lr}], tc, cuda)
         assert optimizer.defaults["fused"]
@@ -133,7 +159,11 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         )
         t2d = model.context.t2d
         context = replace(
-            model.context, objective=objective, device=cuda, t2d=None if t2d is None else t2d.to(cuda)
+            model.context,
+            objective=objective,
+            plan=planner,
+            device=cuda,
+            t2d=None if t2d is None else t2d.to(cuda),
         )
         step = TrainStep(context, stepper, data.train_set, tc, par, FiniteCheck("lagged", run.out, par))
         losses = []
@@ -147,12 +177,16 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         with unset_fake_temporarily():
             plan = step.plan(1, 0)
         traffic = DeviceTraffic()
-        with traffic:
+        # flex attention traces its backward graph on the query's device as it runs, which a CPU-only torch
+        # cannot do for CUDA tensors: EAGLE-3's flex path runs its forward here without autograd
+        flex = kind == "eagle3"  # the one kind that unrolls
+        with traffic, torch.set_grad_enabled(not flex):
             outcome = step.run_planned(plan)
     assert dict(traffic.reads) == {}
     # the only uploads are the planned micro-batches themselves
     assert traffic.uploads == sum(len(planned) for planned, _ in plan.micro)
     assert len(losses) == tc.grad_accum and all(x.device == cuda and x.dim() == 0 for x in losses)
+    assert planner.ttt_attention == "flex" and planner.loss_chunk == 4096
     assert outcome.loss.device == outcome.grad_norm.device == cuda
     assert all(v.device == cuda for v in outcome.metrics.values())
 

@@ -275,3 +275,41 @@ def test_evaluation_can_read_datasets_never_trained_on(tiny_dirs, tiny_data, tmp
                 tiny_dirs["llama"], tiny_data, tmp_path / "bad", *base, f"train.eval_datasets=[{tiny_data}]"
             )
         )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flex_attention_gives_the_dense_unrolls_loss(tiny_dirs, arch: str):
+    """The CUDA path's block masks (train/ttt_flex.py) are the dense unroll's masks: the same loss in float64.
+    Torch runs flex attention's backward on CUDA only, so here it runs forward; its gradients are torch's
+    own through the same masks."""
+    t = load64(tiny_dirs[arch])
+    heads = random_head(t, "eagle3").eval()
+    heads.cfg.ttt_steps = 4
+    batch, feats = padded_batch(t)
+    t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
+    objective = Eagle3Objective(heads.cfg, ttt_attention="flex")
+    with torch.no_grad():
+        dense = dense_eagle3_loss(heads, batch, feats, t2d)
+        flex, metrics = objective(heads, {**batch, **objective.plan(batch)}, feats, t2d)
+    torch.testing.assert_close(flex, dense, rtol=1e-10, atol=1e-12)
+    assert flex.dtype == torch.float64 and "tau/chain" in metrics
+
+
+def test_flex_attention_off_cuda_is_refused_before_the_target_loads(tmp_path):
+    from headway.config import load_config
+    from headway.errors import HeadwayError
+    from headway.run_config import RunConfig
+    from headway.train.loop import setup_run
+
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "target.device=cpu",
+            "train.ttt_attention=flex",
+            "train.datasets=[x]",
+            f"train.output_dir={tmp_path}",
+        ],
+    )
+    with pytest.raises(HeadwayError, match=r"train.ttt_attention=flex needs a CUDA device .* on cpu: use "):
+        setup_run(cfg)

@@ -93,6 +93,10 @@ class TrainConfig:
     # and dropped at once, so no [rows, vocabulary] tensor is kept for backward; 0 = one pass; -1 = auto
     # (one pass on CPUs, 4096 on CUDA).
     loss_chunk: int = -1
+    # Attention of EAGLE-3's training-time test: structured (additive masks; its scores are kept for backward,
+    # memory growing with the square of the length), flex (torch's flex attention with block masks: output
+    # and log-sum-exp kept only; CUDA), auto = flex on CUDA, structured elsewhere.
+    ttt_attention: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
@@ -108,6 +112,7 @@ class TrainConfig:
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
         check_choice("train", "target_dtype", self.target_dtype, ["auto", "float32", "bfloat16", "float16"])
         check_choice("train", "finite_check", self.finite_check, ["auto", "step", "lagged"])
+        check_choice("train", "ttt_attention", self.ttt_attention, ["auto", "structured", "flex"])
         if self.loss_chunk < -1:
             raise HeadwayError(
                 f"train.loss_chunk must be -1 (auto), 0 (one pass) or a row count, got {self.loss_chunk}"

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from headway.config import CONFIG_FILENAME, save_config
+from headway.errors import HeadwayError
 from headway.kinds.checkpoint import save_head
 from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
@@ -91,7 +92,9 @@ def setup_run(cfg: RunConfig) -> Run:
         read_head_config(Path(tc.init_from).expanduser())
     random.seed(tc.seed)
     torch.manual_seed(tc.seed)  # the same initial head on every rank
-    par = start(tc.backend, resolve_device(cfg.target.device))
+    device = resolve_device(cfg.target.device)
+    ttt_attention(tc.ttt_attention, device)  # a setting this device cannot train with fails here
+    par = start(tc.backend, device)
     out = Path(tc.output_dir).expanduser()
     if par.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -156,7 +159,10 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     # the kind's objective reads the head's own config section (as built: the run's, resolved for this target)
     plan = head_kind(cfg.head.kind).objective(
-        heads.cfg, seed=tc.seed, loss_chunk=loss_chunk(tc.loss_chunk, device)
+        heads.cfg,
+        seed=tc.seed,
+        loss_chunk=loss_chunk(tc.loss_chunk, device),
+        ttt_attention=ttt_attention(tc.ttt_attention, device),
     )
     objective = wrap(HeadObjective(heads, plan), par, device)
     params = [p for p in objective.parameters() if p.requires_grad]
@@ -319,6 +325,19 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
     bar.close()
     if logger:
         logger.close()
+
+
+def ttt_attention(setting: str, device: torch.device) -> str:
+    """train.ttt_attention resolved: auto is flex (block masks, no [T, T] tensors) on CUDA and structured
+    elsewhere; flex off CUDA is refused, since torch runs flex attention's backward on GPUs only."""
+    if setting == "auto":
+        return "flex" if device.type == "cuda" else "structured"
+    if setting == "flex" and device.type != "cuda":
+        raise HeadwayError(
+            f"train.ttt_attention=flex needs a CUDA device (torch runs flex attention's backward on GPUs "
+            f"only), and this run trains on {device}: use train.ttt_attention=structured or auto"
+        )
+    return setting
 
 
 def loss_chunk(setting: int, device: torch.device) -> int:

@@ -144,6 +144,7 @@ def ttt_unroll(
     steps: int,
     needed: Optional[torch.Tensor] = None,
     kept: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    attention: str = "structured",
 ) -> Unrolled:
     """The drafter unrolled `steps` times on its own outputs (see the module docstring).
 
@@ -153,6 +154,8 @@ def ttt_unroll(
         needed: [B, T] bool, the positions steps j >= 1 must compute; None = all of them.
         kept: (index, kept) [B, N], `kept_positions(needed)` worked out on the host beforehand (the
             objective's plan), so that the unroll reads nothing back from the device; overrides `needed`.
+        attention: structured (additive masks, the scores kept for backward; CPUs) or flex (block masks,
+            train/ttt_flex.py; its backward runs on CUDA only).
     Returns:
         an `Unrolled` with each step's layer output.
     """
@@ -164,10 +167,12 @@ def ttt_unroll(
     else:  # every position: no host read
         index = torch.arange(T, device=ids.device).expand(B, T)
         kept_mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
-    allowed = causal_allowed(attn)
     cache = DynamicCache(config=heads.decoder.config)
-    dtype = heads.fc.weight.dtype
     pos = torch.arange(T, device=ids.device).unsqueeze(0)
+    if attention == "flex":
+        return _flex_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos)
+    allowed = causal_allowed(attn)
+    dtype = heads.fc.weight.dtype
     out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)
     unrolled = Unrolled([out], index, kept_mask)
     if steps == 1:
@@ -179,6 +184,33 @@ def ttt_unroll(
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
             out = heads(tokens, hidden, index + j, prefix, cache)
+            unrolled.outputs.append(out)
+            hidden = heads.next_hidden(out)
+    return unrolled
+
+
+def _flex_unroll(
+    heads: Any,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    hidden: torch.Tensor,
+    steps: int,
+    index: torch.Tensor,
+    kept_mask: torch.Tensor,
+    cache: Any,
+    pos: torch.Tensor,
+) -> Unrolled:
+    """`ttt_unroll` with every step under flex attention and block masks (no [T, T] or [N, T] tensor)."""
+    from headway.train.ttt_flex import FlexAttention, causal_mask, step_mask
+
+    real = attn.bool()
+    with FlexAttention(heads.decoder):
+        out = heads(shifted(ids, 1), hidden, pos, causal_mask(real), cache)
+        unrolled = Unrolled([out], index, kept_mask)
+        hidden = unrolled.at(1, heads.next_hidden(out))
+        for j in range(1, steps):
+            tokens = unrolled.at(1, shifted(ids, 1 + j))
+            out = heads(tokens, hidden, index + j, step_mask(real, index, j), cache)
             unrolled.outputs.append(out)
             hidden = heads.next_hidden(out)
     return unrolled

@@ -88,15 +88,19 @@ class Objective(ABC):
             resumed run.
         loss_chunk: rows per chunk of the vocabulary loss (train.loss_chunk resolved; 0: in one pass),
             for the kinds that chunk it (train/chunked_loss.py).
+        ttt_attention: train.ttt_attention resolved (structured or flex), for the kinds that unroll.
     """
 
     # The batch keys `plan` adds (empty: the kind plans nothing).
     plan_keys: tuple[str, ...] = ()
 
-    def __init__(self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0) -> None:
+    def __init__(
+        self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0, ttt_attention: str = "structured"
+    ) -> None:
         self.cfg = cfg
         self.seed = seed
         self.loss_chunk = loss_chunk
+        self.ttt_attention = ttt_attention
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host-side planning of a micro-batch, on its CPU tensors before they go to the device: the index

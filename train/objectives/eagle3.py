@@ -24,8 +24,8 @@ class Eagle3Objective(Objective):
     into step j's output, `at{j}` [n_j] the sequence position t); the device masks out rows whose target
     token is outside the draft vocabulary by weight, not by indexing."""
 
-    def __init__(self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0) -> None:
-        super().__init__(cfg, seed=seed, loss_chunk=loss_chunk)
+    def __init__(self, cfg: Any, **train: Any) -> None:
+        super().__init__(cfg, **train)
         self.plan_keys = ("ttt_index", "ttt_kept", *(f"{k}{j}" for j in range(cfg.ttt_steps) for k in "rca"))
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -77,6 +77,7 @@ class Eagle3Objective(Objective):
             heads.project(feats.cat(ec.feature_layers)),
             ec.ttt_steps,
             kept=(batch["ttt_index"], batch["ttt_kept"]),
+            attention=self.ttt_attention,
         )
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, torch.Tensor] = {}

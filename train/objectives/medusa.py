@@ -20,8 +20,8 @@ class MedusaObjective(Objective):
     decay^i. The plan holds each head's answer positions (`rows{i}`, `cols{i}` [n_i]); a token outside a
     reduced draft vocabulary is masked out on the device by its label."""
 
-    def __init__(self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0) -> None:
-        super().__init__(cfg, seed=seed, loss_chunk=loss_chunk)
+    def __init__(self, cfg: Any, **train: Any) -> None:
+        super().__init__(cfg, **train)
         self.plan_keys = tuple(f"{k}{i}" for i in range(cfg.num_heads) for k in "rc")
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
