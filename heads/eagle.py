@@ -136,9 +136,14 @@ class EagleHead(EagleBase):
         return self.run_decoder(x, position_ids, attention_mask, cache)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return out @ self.readout_weight.to(out.dtype).T
+
+    @property
+    def readout_weight(self) -> torch.Tensor:
+        """The [V, h] weight `logits` multiplies by: the target's own lm_head (frozen)."""
         if self._target_lm_head is None:
             raise HeadwayError("an EAGLE head needs attach_target(target model) before it runs")
-        return out @ self._target_lm_head.to(out.dtype).T
+        return self._target_lm_head
 
     def next_hidden(self, out: torch.Tensor) -> torch.Tensor:
         """What the next draft step takes as its feature: the predicted feature."""

@@ -63,9 +63,13 @@ def test_an_unknown_kind_is_named():
         chunked_draft_loss("kl", hidden, weight, teacher, rows, 8)
 
 
-def test_eagle3_trains_the_same_with_a_chunked_loss(tiny_dirs, tiny_data, tmp_path):
-    """One EAGLE-3 micro-batch (3 TTT steps) in float64: the chunked loss gives the one-pass loss, metrics
-    and every head gradient."""
+@pytest.mark.parametrize(
+    "kind,attention",
+    [("eagle3", "structured"), ("eagle3", "recompute"), ("eagle", "structured"), ("eagle", "recompute")],
+)
+def test_a_head_trains_the_same_with_the_memory_settings(tiny_dirs, tiny_data, tmp_path, kind, attention):
+    """One EAGLE-3 (3 TTT steps) or EAGLE-1 micro-batch in float64: the chunked loss and the recomputed
+    attention give the one-pass, structured loss, metrics and every head gradient."""
     from dataclasses import replace
 
     from train_helpers import small_run
@@ -78,7 +82,7 @@ def test_eagle3_trains_the_same_with_a_chunked_loss(tiny_dirs, tiny_data, tmp_pa
         tiny_dirs["llama"],
         tiny_data,
         tmp_path / "r",
-        "head.kind=eagle3",
+        f"head.kind={kind}",
         "head.eagle3.draft_vocab_size=64",
         "head.eagle3.ttt_steps=3",
         "head.eagle.feature_noise=0",
@@ -91,8 +95,8 @@ def test_eagle3_trains_the_same_with_a_chunked_loss(tiny_dirs, tiny_data, tmp_pa
     model.heads.double()
     batch = data.train_set[:4]
     results = []
-    for chunk in (0, 5):
-        objective = head_kind("eagle3").objective(model.heads.cfg, seed=0, loss_chunk=chunk)
+    for chunk, how in ((0, "structured"), (5, attention)):
+        objective = head_kind(kind).objective(model.heads.cfg, seed=0, loss_chunk=chunk, ttt_attention=how)
         from headway.train.distributed import HeadObjective
 
         context = replace(model.context, objective=HeadObjective(model.heads, objective), plan=objective)

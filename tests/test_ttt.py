@@ -313,3 +313,35 @@ def test_flex_attention_off_cuda_is_refused_before_the_target_loads(tmp_path):
     )
     with pytest.raises(HeadwayError, match=r"train.ttt_attention=flex needs a CUDA device .* on cpu: use "):
         setup_run(cfg)
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_recomputed_attention_gives_the_dense_loss_and_gradients(
+    tiny_dirs, arch: str, norm_output: bool, monkeypatch
+):
+    """train.ttt_attention=recompute (scores recomputed in backward, in chunks of 5 queries here) gives the
+    dense unroll's loss and gradients."""
+    from headway.train import ttt_recompute
+
+    monkeypatch.setattr(ttt_recompute, "CHUNK", 5)
+    t = load64(tiny_dirs[arch])
+    heads = random_head(t, "eagle3").train()
+    heads.cfg.ttt_steps = 4
+    heads.cfg.norm_output = norm_output
+    batch, feats = padded_batch(t)
+    t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
+    objective = Eagle3Objective(heads.cfg, ttt_attention="recompute")
+
+    def grads(loss_fn):
+        heads.zero_grad()
+        loss = loss_fn()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in heads.named_parameters() if p.grad is not None}
+
+    dense_loss, dense_grads = grads(lambda: dense_eagle3_loss(heads, batch, feats, t2d))
+    loss, got = grads(lambda: objective(heads, {**batch, **objective.plan(batch)}, feats, t2d)[0])
+    torch.testing.assert_close(loss, dense_loss, rtol=1e-10, atol=1e-12)
+    assert dense_grads.keys() == got.keys() and len(dense_grads) > 5
+    for name, g in dense_grads.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-9, atol=1e-12, msg=name)

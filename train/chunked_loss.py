@@ -58,7 +58,8 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         w = weight.to(hidden.dtype)
         scale = rows.to(acc) / rows.sum().clamp(min=1).to(acc)  # each kept row's share of the mean
         grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        want_w = ctx.needs_input_grad[1]  # a frozen lm_head (EAGLE-1's, the target's) needs none
+        grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=acc, device=weight.device)
         best = torch.empty(n, dtype=torch.long, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for start in range(0, n, chunk):
@@ -71,7 +72,8 @@ class _ChunkedDraftLoss(torch.autograd.Function):
             total = total + (per_row * s).sum()
             dz = dz * s.unsqueeze(-1)
             grad_h[start:end] = dz @ weight.to(acc)
-            grad_w += dz.T @ h.to(acc)
+            if want_w:
+                grad_w += dz.T @ h.to(acc)
             best[start:end] = z.argmax(-1)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -83,7 +85,8 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         g = g_total.to(grad_h.dtype)
-        return (grad_h * g).to(h_dtype), (grad_w * g).to(w_dtype), None, None, None, None
+        gw = (grad_w * g).to(w_dtype) if ctx.needs_input_grad[1] else None
+        return (grad_h * g).to(h_dtype), gw, None, None, None, None
 
 
 def chunked_draft_loss(

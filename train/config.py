@@ -95,7 +95,8 @@ class TrainConfig:
     loss_chunk: int = -1
     # Attention of EAGLE-3's training-time test: structured (additive masks; its scores are kept for backward,
     # memory growing with the square of the length), flex (torch's flex attention with block masks: output
-    # and log-sum-exp kept only; CUDA), auto = flex on CUDA, structured elsewhere.
+    # and log-sum-exp kept only; CUDA), recompute (the scores recomputed in backward, in chunks of queries:
+    # memory flat in the length, any device, slower), auto = flex on CUDA, structured elsewhere.
     ttt_attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -112,7 +113,9 @@ class TrainConfig:
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
         check_choice("train", "target_dtype", self.target_dtype, ["auto", "float32", "bfloat16", "float16"])
         check_choice("train", "finite_check", self.finite_check, ["auto", "step", "lagged"])
-        check_choice("train", "ttt_attention", self.ttt_attention, ["auto", "structured", "flex"])
+        check_choice(
+            "train", "ttt_attention", self.ttt_attention, ["auto", "structured", "flex", "recompute"]
+        )
         if self.loss_chunk < -1:
             raise HeadwayError(
                 f"train.loss_chunk must be -1 (auto), 0 (one pass) or a row count, got {self.loss_chunk}"

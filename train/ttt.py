@@ -19,6 +19,8 @@ from transformers import AttentionInterface, DynamicCache
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
+from headway.train.ttt_flex import FlexAttention, causal_mask, step_mask
+from headway.train.ttt_recompute import Recompute
 
 # The attention implementation steps j >= 1 run under (registered once with transformers, below).
 ATTENTION = "headway_ttt"
@@ -154,8 +156,9 @@ def ttt_unroll(
         needed: [B, T] bool, the positions steps j >= 1 must compute; None = all of them.
         kept: (index, kept) [B, N], `kept_positions(needed)` worked out on the host beforehand (the
             objective's plan), so that the unroll reads nothing back from the device; overrides `needed`.
-        attention: structured (additive masks, the scores kept for backward; CPUs) or flex (block masks,
-            train/ttt_flex.py; its backward runs on CUDA only).
+        attention: structured (additive masks, the scores kept for backward), flex (block masks,
+            train/ttt_flex.py; its backward runs on CUDA only) or recompute (scores recomputed in backward,
+            train/ttt_recompute.py).
     Returns:
         an `Unrolled` with each step's layer output.
     """
@@ -171,6 +174,8 @@ def ttt_unroll(
     pos = torch.arange(T, device=ids.device).unsqueeze(0)
     if attention == "flex":
         return _flex_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos)
+    if attention == "recompute":
+        return _recompute_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos)
     allowed = causal_allowed(attn)
     dtype = heads.fc.weight.dtype
     out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)
@@ -201,8 +206,6 @@ def _flex_unroll(
     pos: torch.Tensor,
 ) -> Unrolled:
     """`ttt_unroll` with every step under flex attention and block masks (no [T, T] or [N, T] tensor)."""
-    from headway.train.ttt_flex import FlexAttention, causal_mask, step_mask
-
     real = attn.bool()
     with FlexAttention(heads.decoder):
         out = heads(shifted(ids, 1), hidden, pos, causal_mask(real), cache)
@@ -211,6 +214,33 @@ def _flex_unroll(
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
             out = heads(tokens, hidden, index + j, step_mask(real, index, j), cache)
+            unrolled.outputs.append(out)
+            hidden = heads.next_hidden(out)
+    return unrolled
+
+
+def _recompute_unroll(
+    heads: Any,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    hidden: torch.Tensor,
+    steps: int,
+    index: torch.Tensor,
+    kept_mask: torch.Tensor,
+    cache: Any,
+    pos: torch.Tensor,
+) -> Unrolled:
+    """`ttt_unroll` with every step's scores recomputed in backward (no mask, no scores kept)."""
+    B, T = ids.shape
+    with Recompute(heads.decoder, attn.bool()) as attention:
+        attention.at(pos.expand(B, T))
+        out = heads(shifted(ids, 1), hidden, pos, None, cache)
+        unrolled = Unrolled([out], index, kept_mask)
+        hidden = unrolled.at(1, heads.next_hidden(out))
+        attention.at(index)
+        for j in range(1, steps):
+            tokens = unrolled.at(1, shifted(ids, 1 + j))
+            out = heads(tokens, hidden, index + j, None, cache)
             unrolled.outputs.append(out)
             hidden = heads.next_hidden(out)
     return unrolled

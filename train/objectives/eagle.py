@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from headway.heads.draft_layer import drafter_mask
+from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import masked_mean
+from headway.train.losses import masked_mean, wide
 from headway.train.objectives.common import Features, Objective
-from headway.train.ttt import causal_allowed, shifted
+from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
 
 class EagleObjective(Objective):
@@ -42,20 +43,29 @@ class EagleObjective(Objective):
         ids, attn = batch["input_ids"], batch["attention_mask"]
         rows, cols = batch["rows"], batch["cols"]
         T = ids.shape[1]
-        f = feats.hidden[max(feats.hidden)].float()
+        f = wide(feats.hidden[max(feats.hidden)])
         noisy = heads.training and ec.feature_noise > 0
         f_in = f + (torch.rand_like(f) - 0.5) * ec.feature_noise if noisy else f
-        pos = torch.arange(T, device=ids.device).unsqueeze(0)
-        mask = drafter_mask(causal_allowed(attn), heads.fc.weight.dtype)
-        out = heads(shifted(ids, 1), f_in, pos, mask)
+        if self.ttt_attention == "structured":
+            pos = torch.arange(T, device=ids.device).unsqueeze(0)
+            out = heads(shifted(ids, 1), f_in, pos, drafter_mask(causal_allowed(attn), heads.fc.weight.dtype))
+        else:  # flex or recompute: no [T, T] mask, no scores kept (train/ttt.py; one step)
+            out = ttt_unroll(heads, ids, attn, f_in, 1, attention=self.ttt_attention).outputs[0]
         valid = shifted(batch["loss_mask"], 2).bool()
-        vloss = masked_mean(F.smooth_l1_loss(out.float(), shifted(f, 1), reduction="none").mean(-1), valid)
-        target_p = torch.softmax(feats.logits.detach()[rows, cols + 1].float(), -1)
-        pred = heads.logits(
-            out[rows, cols]
-        ).float()  # the full-vocabulary read-out only where a loss is taken
-        n = pred.shape[0]  # host-known: the plan's
-        ploss = -(target_p * F.log_softmax(pred, -1)).sum(-1).mean() if n else pred.sum()
-        top1 = (pred.detach().argmax(-1) == target_p.argmax(-1)).float().mean() if n else pred.detach().sum()
+        vloss = masked_mean(F.smooth_l1_loss(wide(out), shifted(f, 1), reduction="none").mean(-1), valid)
+        # the full-vocabulary read-out only where a loss is taken
+        teacher = feats.logits.detach()[rows, cols + 1]
+        n = teacher.shape[0]  # host-known: the plan's
+        if self.loss_chunk:
+            every = torch.ones(n, dtype=torch.bool, device=ids.device)
+            ploss, best = chunked_draft_loss(
+                "soft_ce", out[rows, cols], heads.readout_weight, teacher, every, self.loss_chunk
+            )
+        else:
+            pred = wide(heads.logits(out[rows, cols]))
+            target_p = torch.softmax(wide(teacher), -1)
+            ploss = -(target_p * F.log_softmax(pred, -1)).sum(-1).mean() if n else pred.sum()
+            best = pred.detach().argmax(-1)
+        top1 = (best == teacher.argmax(-1)).float().mean() if n else ploss.detach() * 0
         loss = ec.feature_weight * vloss + ec.token_weight * ploss
         return loss, {"loss/feature": vloss.detach(), "loss/token": ploss.detach(), "top1/step0": top1}
