@@ -197,27 +197,45 @@ class DFlashHead(nn.Module):
         """Logits [B, Q, draft vocab] of block tokens [B, Q] (anchors and mask ids) at positions [B, Q],
         attending to `context` (from `context`) and to each other where allowed [B, Q, N + Q]
         (None: everywhere)."""
+        return self.read_out(self.block_states(tokens, positions, context, allowed))
+
+    def block_states(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+        allowed: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """`block`'s normed states [B, Q, hidden], before the read-out (the training loss reads them in
+        chunks)."""
         if self._embed is None:
             raise HeadwayError("a DFlash head needs attach_target(target model) first")
         x = F.embedding(tokens, self._embed).to(self.fc.weight.dtype)
         cos, sin = self.rope_at(positions, x)
         for layer, kv in zip(self.layers, context):
             x = layer(x, cos, sin, kv, allowed)
-        return self.read_out(self.norm(x))
+        return self.norm(x)
 
     def read_out(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [..., draft vocab] of normed block states x [..., hidden]: the head's lm_head, or
         the target's."""
         if self.lm_head is not None:
             return self.lm_head(x)
-        weight = self._target_lm_head
-        if weight is None:
-            raise HeadwayError("a DFlash head with lm_head=target needs attach_target(target model) first")
+        weight = self.readout_weight
         if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
             # a head decoding in another dtype than the target's: convert the shared weight once, not
             # per draft
             weight = self._target_lm_head = weight.to(x.dtype)
         return F.linear(x, weight)
+
+    @property
+    def readout_weight(self) -> torch.Tensor:
+        """The read-out's weight [V, hidden]: the head's lm_head, or the target's (frozen)."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self._target_lm_head is None:
+            raise HeadwayError("a DFlash head with lm_head=target needs attach_target(target model) first")
+        return self._target_lm_head
 
     def draft_logits(self, context: list, root: int, position: int) -> torch.Tensor:
         """One drafting forward: the block [root, mask, ...] at `position` after the context ->

@@ -91,16 +91,26 @@ class MedusaHeads(nn.Module):
         self.shared_lm_head = target_model.get_output_embeddings().weight.detach()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each head's logits [K, B, T, V] from the target's last hidden state [B, T, h]."""
         outs = []
-        for i, block in enumerate(self.blocks):
-            h = block(hidden)
+        for i, h in enumerate(self.states(hidden)):
             if self.lm_heads is not None:
                 outs.append(self.lm_heads[i](h))
             else:
-                if self.shared_lm_head is None:
-                    raise HeadwayError("a shared-lm_head Medusa head needs attach_target(target model) first")
-                outs.append(h @ self.shared_lm_head.to(h.dtype).T)
+                outs.append(h @ self.readout(i).to(h.dtype).T)
         return torch.stack(outs)
+
+    def states(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """Each head's input to its lm_head [B, T, h] (the training loss reads them in chunks)."""
+        return [block(hidden) for block in self.blocks]
+
+    def readout(self, i: int) -> torch.Tensor:
+        """Head i's lm_head weight [V, h]: its own, or the target's frozen one (lm_head=shared)."""
+        if self.lm_heads is not None:
+            return self.lm_heads[i].weight
+        if self.shared_lm_head is None:
+            raise HeadwayError("a shared-lm_head Medusa head needs attach_target(target model) first")
+        return self.shared_lm_head
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.d2t is None else self.d2t[draft_ids]

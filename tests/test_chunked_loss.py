@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from headway.train.chunked_loss import KINDS, chunked_draft_loss
-from headway.train.losses import draft_loss
+from headway.train.losses import draft_loss, masked_mean
 
 
 def inputs(n: int = 37, d: int = 16, vocab: int = 53, seed: int = 0):
@@ -22,7 +22,12 @@ def inputs(n: int = 37, d: int = 16, vocab: int = 53, seed: int = 0):
 @pytest.mark.parametrize("chunk", [1, 8, 37, 64])
 def test_chunked_equals_full_in_value_and_gradients(kind: str, chunk: int):
     hidden, weight, teacher, rows = inputs()
-    full = draft_loss(kind, hidden @ weight.T, torch.softmax(teacher, -1), rows)
+    if kind == "ce":  # labels: the full loss is cross-entropy on them
+        teacher = teacher.argmin(-1)
+        per_row = torch.nn.functional.cross_entropy(hidden @ weight.T, teacher, reduction="none")
+        full = masked_mean(per_row, rows)
+    else:
+        full = draft_loss(kind, hidden @ weight.T, torch.softmax(teacher, -1), rows)
     gh, gw = torch.autograd.grad(3.0 * full, (hidden, weight))
     loss, best = chunked_draft_loss(kind, hidden, weight, teacher, rows, chunk)
     ch, cw = torch.autograd.grad(3.0 * loss, (hidden, weight))
@@ -64,12 +69,23 @@ def test_an_unknown_kind_is_named():
 
 
 @pytest.mark.parametrize(
-    "kind,attention",
-    [("eagle3", "structured"), ("eagle3", "recompute"), ("eagle", "structured"), ("eagle", "recompute")],
+    "kind,attention,extra",
+    [
+        ("eagle3", "structured", []),
+        ("eagle3", "recompute", []),
+        ("eagle", "structured", []),
+        ("eagle", "recompute", []),
+        ("medusa", "structured", []),
+        ("medusa", "structured", ["head.medusa.loss=kl"]),
+        ("medusa", "structured", ["head.medusa.lm_head=shared"]),
+        ("dflash", "structured", ["head.dflash.draft_vocab_size=64"]),
+    ],
 )
-def test_a_head_trains_the_same_with_the_memory_settings(tiny_dirs, tiny_data, tmp_path, kind, attention):
-    """One EAGLE-3 (3 TTT steps) or EAGLE-1 micro-batch in float64: the chunked loss and the recomputed
-    attention give the one-pass, structured loss, metrics and every head gradient."""
+def test_a_head_trains_the_same_with_the_memory_settings(
+    tiny_dirs, tiny_data, tmp_path, kind, attention, extra
+):
+    """One micro-batch of each kind in float64: the chunked loss (and for EAGLE-1 and EAGLE-3 the recomputed
+    attention) gives the one-pass, structured loss, metrics and every head gradient."""
     from dataclasses import replace
 
     from train_helpers import small_run
@@ -86,6 +102,7 @@ def test_a_head_trains_the_same_with_the_memory_settings(tiny_dirs, tiny_data, t
         "head.eagle3.draft_vocab_size=64",
         "head.eagle3.ttt_steps=3",
         "head.eagle.feature_noise=0",
+        *extra,
     )
     run = loop.setup_run(cfg)
     target = loop.setup_target(run)

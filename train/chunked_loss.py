@@ -8,8 +8,8 @@ those two are kept for backward, scaled there by the loss's incoming gradient (t
 values and gradients are the full loss's (tests/test_chunked_loss.py checks them in float64).
 
 The gradient of each kind with respect to the logits z (q = softmax(z), p = the target's distribution):
-soft_ce: q * sum(p) - p; argmax_ce: q - onehot(argmax p); tv (0.5 * |q - p|_1): q * (g - <q, g>) with
-g = 0.5 * sign(q - p).
+soft_ce: q * sum(p) - p; argmax_ce: q - onehot(argmax p), and ce the same on given labels; tv
+(0.5 * |q - p|_1): q * (g - <q, g>) with g = 0.5 * sign(q - p).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-KINDS = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv")
+KINDS = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv", "ce")  # ce: cross-entropy on given labels
 
 
 def _rows_and_grad(kind: str, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row loss [c] and its gradient with respect to the logits [c, V], for logits z and target p."""
     logp = torch.log_softmax(z, -1)
     q = logp.exp()
-    if kind == "argmax_ce":
-        best = p.argmax(-1, keepdim=True)
+    if kind in ("argmax_ce", "ce"):
+        best = p.unsqueeze(-1) if kind == "ce" else p.argmax(-1, keepdim=True)
         grad = q.scatter_add(-1, best, -torch.ones_like(best, dtype=q.dtype))
         return -logp.gather(-1, best).squeeze(-1), grad
     rows = torch.zeros(z.shape[0], dtype=z.dtype, device=z.device)
@@ -52,6 +52,7 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         rows: torch.Tensor,
         kind: str,
         chunk: int,
+        top: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 when given
@@ -60,13 +61,14 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
         want_w = ctx.needs_input_grad[1]  # a frozen lm_head (EAGLE-1's, the target's) needs none
         grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=acc, device=weight.device)
-        best = torch.empty(n, dtype=torch.long, device=hidden.device)
+        best = torch.empty((n, top) if top > 1 else n, dtype=torch.long, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         for start in range(0, n, chunk):
             end = min(n, start + chunk)
             h = hidden[start:end]
             z = (h @ w.T).to(acc)
-            p = torch.softmax(target_logits[start:end].to(acc), -1)
+            teacher = target_logits[start:end]
+            p = teacher if kind == "ce" else torch.softmax(teacher.to(acc), -1)
             per_row, dz = _rows_and_grad(kind, z, p)
             s = scale[start:end]
             total = total + (per_row * s).sum()
@@ -74,7 +76,7 @@ class _ChunkedDraftLoss(torch.autograd.Function):
             grad_h[start:end] = dz @ weight.to(acc)
             if want_w:
                 grad_w += dz.T @ h.to(acc)
-            best[start:end] = z.argmax(-1)
+            best[start:end] = z.argmax(-1) if top == 1 else z.topk(top, dim=-1).indices
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(best)
@@ -86,7 +88,7 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         g = g_total.to(grad_h.dtype)
         gw = (grad_w * g).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return (grad_h * g).to(h_dtype), gw, None, None, None, None
+        return (grad_h * g).to(h_dtype), gw, None, None, None, None, None
 
 
 def chunked_draft_loss(
@@ -96,20 +98,24 @@ def chunked_draft_loss(
     target_logits: torch.Tensor,
     rows: torch.Tensor,
     chunk: int,
+    top: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`draft_loss(kind, hidden @ weight.T, softmax(target_logits), rows)` computed `chunk` rows at a time.
 
     Args:
-        kind: soft_ce, argmax_ce, tv or soft_ce+tv (as `draft_loss`).
+        kind: soft_ce, argmax_ce, tv or soft_ce+tv (as `draft_loss`), or ce (cross-entropy on labels).
         hidden: [n, d] the lm_head's input (after the head's final norm), with gradient.
         weight: [V, d] the lm_head weight, with gradient.
-        target_logits: [n, V] the target's logits over the same vocabulary (no gradient; any dtype).
+        target_logits: [n, V] the target's logits over the same vocabulary (no gradient; any dtype); for
+            ce, the labels [n] (long, in range: clamp ignored rows' labels and leave them out of `rows`).
         rows: [n] bool, the rows the mean is over.
         chunk: rows per chunk (> 0).
+        top: how many of each row's best logits to return (1: the argmax).
     Returns:
-        (loss, argmax): the 0-dim mean loss (float32, float64 for float64 inputs) and the logits' argmax [n]
-        (for accuracy metrics), with no [n, V] tensor kept.
+        (loss, best): the 0-dim mean loss (float32, float64 for float64 inputs) and the logits' argmax [n]
+        (top=1) or top-k indices [n, top] (for accuracy metrics), with no [n, V] tensor kept.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown draft loss {kind!r}")
-    return _ChunkedDraftLoss.apply(hidden, weight, target_logits.detach(), rows, kind, chunk)
+    top = min(top, weight.shape[0])
+    return _ChunkedDraftLoss.apply(hidden, weight, target_logits.detach(), rows, kind, chunk, top)

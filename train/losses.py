@@ -64,7 +64,7 @@ def medusa_loss(
     Returns:
         (loss, metrics): loss/head{i}, top1/head{i}, top5/head{i}.
     """
-    total = logits.new_zeros((), dtype=torch.float32)
+    total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
     metrics: dict[str, torch.Tensor] = {}
     for i in range(logits.shape[0]):
         if rows is None:
@@ -77,11 +77,11 @@ def medusa_loss(
         if lg.shape[0] == 0:  # a host-known shape: no row of this head can take a loss
             continue
         weight = lab != IGNORE
-        lg = lg.float()
+        lg = wide(lg)
         if soft is None:
             per_row = F.cross_entropy(lg, lab.clamp(min=0), reduction="none")
         else:
-            per_row = -(soft.float() * F.log_softmax(lg, -1)).sum(-1)
+            per_row = -(wide(soft) * F.log_softmax(lg, -1)).sum(-1)
         loss = masked_mean(per_row, weight)
         total = total + (decay**i) * loss
         metrics[f"loss/head{i}"] = loss.detach()
@@ -101,22 +101,6 @@ def distill_kl(
     kl = (logq.exp() * (logq - logp)).sum(-1)
     mask = attention_mask.to(kl.dtype)
     return (kl * mask).sum() / mask.sum().clamp(min=1)
-
-
-def medusa_soft_targets(
-    target_logits: torch.Tensor, num_heads: int, d2t: Optional[torch.Tensor]
-) -> torch.Tensor:
-    """[K, B, T, V] target distributions: head i at t is taught the target's distribution at t+1+i
-    (the target's prediction of the token at t+2+i), restricted to the draft vocabulary."""
-    B, T, V = target_logits.shape
-    logits = target_logits if d2t is None else target_logits[..., d2t]
-    probs = torch.softmax(logits.float(), -1)
-    out = torch.zeros((num_heads, B, T, probs.shape[-1]), dtype=probs.dtype, device=probs.device)
-    for i in range(num_heads):
-        shift = 1 + i
-        if shift < T:
-            out[i, :, : T - shift] = probs[:, shift:]
-    return out
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ from typing import Any, Optional
 
 import torch
 
+from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import chain_acceptance, draft_loss
+from headway.train.losses import chain_acceptance, draft_loss, wide
 from headway.train.objectives.common import Features, Objective
 
 
@@ -85,10 +86,14 @@ class DFlashObjective(Objective):
             (ctx_ok.repeat_interleave(bs, 1), same.unsqueeze(0).expand(B, -1, -1)), dim=2
         )  # [B, A*bs, T + A*bs]
         context = heads.context(feats.cat(dc.feature_layers), torch.arange(T, device=device).expand(B, T))
-        logits = heads.block(tokens.view(B, A * bs), pos.view(B, A * bs), context, allowed).view(B, A, bs, -1)
-        target_p = torch.softmax(feats.draft_logits(heads.d2t.to(device)).detach().float(), -1)
+        states = heads.block_states(tokens.view(B, A * bs), pos.view(B, A * bs), context, allowed)
+        states = states.view(B, A, bs, -1)
+        teacher_all = feats.draft_logits(heads.d2t.to(device)).detach()
         in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
-        total = target_p.new_zeros(())
+        total = torch.zeros((), dtype=wide(teacher_all).dtype, device=device)
+        if not self.loss_chunk:  # the read-out and the target's distribution over every slot at once
+            logits = heads.read_out(states)
+            target_p = torch.softmax(wide(teacher_all), -1)
         metrics: dict[str, torch.Tensor] = {}
         correct, valid0 = [], None
         for j in range(1, bs):
@@ -101,12 +106,22 @@ class DFlashObjective(Objective):
             )
             valid0 = ok if valid0 is None else valid0
             # every anchor's slot, the invalid ones weighted out: a fixed shape, no host read
-            slot_logits = logits[:, :, j].flatten(0, 1).float()
-            p = torch.gather(target_p, 1, t.unsqueeze(-1).expand(-1, -1, target_p.shape[-1])).flatten(0, 1)
+            at = t.unsqueeze(-1).expand(-1, -1, teacher_all.shape[-1])
             weight = ok.flatten()
-            loss_j = draft_loss(dc.loss, slot_logits, p, weight)
+            if self.loss_chunk:
+                teacher = torch.gather(teacher_all, 1, at).flatten(0, 1)
+                x = states[:, :, j].flatten(0, 1)
+                loss_j, best = chunked_draft_loss(
+                    dc.loss, x, heads.readout_weight, teacher, weight, self.loss_chunk
+                )
+                want = teacher.argmax(-1)
+            else:
+                slot_logits = wide(logits[:, :, j].flatten(0, 1))
+                p = torch.gather(target_p, 1, at).flatten(0, 1)
+                loss_j = draft_loss(dc.loss, slot_logits, p, weight)
+                best, want = slot_logits.detach().argmax(-1), p.argmax(-1)
             total = total + math.exp(-(j - 1) / dc.loss_gamma) * loss_j
-            right = (slot_logits.detach().argmax(-1) == p.argmax(-1)) & weight
+            right = (best == want) & weight
             metrics[f"loss/slot{j}"] = loss_j.detach()
             metrics[f"top1/slot{j}"] = right.sum() / weight.sum().clamp(min=1)
             correct.append(right.view(B, -1))

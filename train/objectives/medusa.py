@@ -10,8 +10,9 @@ from typing import Any, Optional
 
 import torch
 
+from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, linear
-from headway.train.losses import medusa_labels, medusa_loss
+from headway.train.losses import IGNORE, masked_mean, medusa_labels, medusa_loss, wide
 from headway.train.objectives.common import Features, Objective
 
 
@@ -47,11 +48,13 @@ class MedusaObjective(Objective):
         self, heads: Any, batch: dict, feats: Features, t2d: Optional[torch.Tensor]
     ) -> tuple[torch.Tensor, dict]:
         batch = self.planned(batch)
-        num_layers = max(feats.hidden)
-        logits = heads(feats.hidden[num_layers].to(next(heads.parameters()).dtype))
-        K = logits.shape[0]
+        hidden = feats.hidden[max(feats.hidden)].to(next(heads.parameters()).dtype)
+        K = self.cfg.num_heads
         labels = medusa_labels(batch["input_ids"], batch["loss_mask"], K, t2d)
         rows = [(batch[f"r{i}"], batch[f"c{i}"]) for i in range(K)]
+        if self.loss_chunk:
+            return self._chunked(heads, hidden, labels, rows, feats)
+        logits = heads(hidden)
         soft = None
         if self.cfg.loss == "kl":  # head i at t: the target's distribution at t+1+i, at its rows only
             target = feats.logits.detach()
@@ -59,5 +62,34 @@ class MedusaObjective(Objective):
             soft = []
             for i, (r, c) in enumerate(rows):
                 at = target[r, c + 1 + i]
-                soft.append(torch.softmax((at if d2t is None else at[..., d2t]).float(), -1))
+                soft.append(torch.softmax(wide(at if d2t is None else at[..., d2t]), -1))
         return medusa_loss(logits, labels, self.cfg.decay, soft, rows)
+
+    def _chunked(
+        self, heads: Any, hidden: torch.Tensor, labels: torch.Tensor, rows: list, feats: Features
+    ) -> tuple[torch.Tensor, dict]:
+        """`medusa_loss` with each head's lm_head and loss run in chunks of its loss rows (train.loss_chunk):
+        the same loss and metrics, and no [n, V] tensor kept for backward."""
+        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        metrics: dict[str, torch.Tensor] = {}
+        target = feats.logits.detach() if self.cfg.loss == "kl" else None
+        d2t = None if heads.d2t is None or target is None else heads.d2t.to(target.device)
+        for i, (state, (r, c)) in enumerate(zip(heads.states(hidden), rows)):
+            if r.shape[0] == 0:  # a host-known shape: no row of this head can take a loss
+                continue
+            lab = labels[i][r, c]
+            weight = lab != IGNORE
+            if target is None:
+                kind, teacher = "ce", lab.clamp(min=0)
+            else:  # head i at t: the target's distribution at t+1+i
+                at = target[r, c + 1 + i]
+                kind, teacher = "soft_ce", at if d2t is None else at[..., d2t]
+            loss, top = chunked_draft_loss(
+                kind, state[r, c], heads.readout(i), teacher, weight, self.loss_chunk, top=5
+            )
+            total = total + (self.cfg.decay**i) * loss
+            want = lab.unsqueeze(-1)
+            metrics[f"loss/head{i}"] = loss.detach()
+            metrics[f"top1/head{i}"] = masked_mean((top[:, :1] == want).any(-1), weight)
+            metrics[f"top5/head{i}"] = masked_mean((top == want).any(-1), weight)
+        return total, metrics
