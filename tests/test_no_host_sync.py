@@ -92,12 +92,26 @@ def parts(model_dir: Path, data: Path, out: Path, kind: str, *extra: str):
     return cfg, run, target, data_, model, loop.setup_step(run, target, data_, model)
 
 
+SETTINGS = {
+    "padded": [],
+    "packed, recompute, chunked": [
+        "train.packing=true",
+        "train.max_length=128",
+        "train.ttt_attention=recompute",
+        "train.loss_chunk=16",
+    ],
+}
+
+
+@pytest.mark.parametrize("settings", sorted(SETTINGS))
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_a_cpu_training_step_reads_nothing_back(tiny_dirs, tiny_data, tmp_path: Path, kind: str):
-    *_, model, step = parts(tiny_dirs["llama"], tiny_data, tmp_path / "r", kind)
+def test_a_cpu_training_step_reads_nothing_back(
+    tiny_dirs, tiny_data, tmp_path: Path, kind: str, settings: str
+):
+    *_, model, step = parts(tiny_dirs["llama"], tiny_data, tmp_path / "r", kind, *SETTINGS[settings])
     step(1, 0)  # the optimizer's state exists from here on
     counters = frozenset(id(s["step"]) for s in model.optimizer.state.values() if "step" in s)
-    plan = step.plan(2, 8)
+    plan = step.plan(2, step.plan(1, 0).end)
     traffic, calls = DeviceTraffic(counters), HostCalls(counters)
     with calls, traffic:
         outcome = step.run_planned(plan)
@@ -178,8 +192,8 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
             plan = step.plan(1, 0)
         traffic = DeviceTraffic()
         # flex attention traces its backward graph on the query's device as it runs, which a CPU-only torch
-        # cannot do for CUDA tensors: EAGLE-3's flex path runs its forward here without autograd
-        flex = kind == "eagle3"  # the one kind that unrolls
+        # cannot do for CUDA tensors: EAGLE-1's and EAGLE-3's flex path runs its forward here without autograd
+        flex = kind in ("eagle", "eagle3")  # the kinds with a draft attention layer
         with traffic, torch.set_grad_enabled(not flex):
             outcome = step.run_planned(plan)
     assert dict(traffic.reads) == {}

@@ -37,6 +37,12 @@ class TrainConfig:
     dedup_threshold: float = 0.8
     # Longer sequences are cut to this many tokens.
     max_length: int = 1024
+    # Pack whole sequences into rows of train.pack_length tokens (each sequence attending to itself only, its
+    # positions restarting at 0) instead of padding each micro-batch to its longest sequence: a micro-batch is
+    # micro_batch_size rows, however many sequences fill them. Online training only (no train.features_dir).
+    packing: bool = False
+    # Row length when packing, in tokens; 0 = train.max_length. At least max_length (no sequence is split).
+    pack_length: int = 0
     # AdamW with linear warm-up then cosine decay to min_lr_ratio x lr. 1e-3 beat 5e-4 for EAGLE-3 at an hour
     # of CPU training (docs/benchmarks.md).
     lr: float = 1e-3
@@ -116,6 +122,16 @@ class TrainConfig:
         check_choice(
             "train", "ttt_attention", self.ttt_attention, ["auto", "structured", "flex", "recompute"]
         )
+        if self.pack_length < 0 or 0 < self.pack_length < self.max_length:
+            raise HeadwayError(
+                f"train.pack_length={self.pack_length} must be 0 (train.max_length) or at least "
+                f"train.max_length={self.max_length}: a packed row holds whole sequences"
+            )
+        if self.packing and self.features_dir:
+            raise HeadwayError(
+                "train.packing runs the target on the packed rows: it needs online training; unset "
+                "train.features_dir, or set train.packing=false"
+            )
         if self.loss_chunk < -1:
             raise HeadwayError(
                 f"train.loss_chunk must be -1 (auto), 0 (one pass) or a row count, got {self.loss_chunk}"

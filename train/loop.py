@@ -265,8 +265,9 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
         logger = RunLogger(run.out / "log.jsonl", cfg.logging, cfg, resume_step=step if step > 0 else None)
     micro = tc.micro_batch_size * par.world_size  # one global micro-batch; each rank reads its share
     log.info(
-        "effective batch: %d sequences (%d per rank x %d accumulation x %d ranks)",
+        "effective batch: %d %s (%d per rank x %d accumulation x %d ranks)",
         micro * tc.grad_accum,
+        f"packed rows of {tc.pack_length or tc.max_length} tokens" if tc.packing else "sequences",
         tc.micro_batch_size,
         tc.grad_accum,
         par.world_size,
@@ -281,7 +282,7 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
     started = time.time()
     while step < tc.max_steps:
         outcome = train_step(step + 1, consumed)
-        step, consumed = step + 1, consumed + micro * tc.grad_accum
+        step, consumed = step + 1, outcome.end
         seen += outcome.tokens
         throughput.add(outcome.tokens, outcome.flops)
         bar.update(1)

@@ -27,6 +27,7 @@ from headway.train.feature_cache import FeatureCache
 from headway.train.losses import distill_kl
 from headway.train.metrics import read
 from headway.train.objectives import Features
+from headway.train.packing import collate_packed, pack_at
 from headway.train.target_features import target_features, target_logits
 
 
@@ -40,6 +41,14 @@ def upload(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, to
 def plan_batch(samples: list[Sample], pad_id: int, objective: Any) -> dict[str, torch.Tensor]:
     """The micro-batch collated (right-padded) and planned by the kind's objective, on the host."""
     batch = collate(samples, pad_id)
+    return {**batch, **objective.plan(batch)}
+
+
+def plan_packed(
+    rows: list[list[Sample]], length: int, pad_id: int, objective: Any
+) -> dict[str, torch.Tensor]:
+    """The micro-batch packed into rows of `length` tokens (train/packing.py) and planned, on the host."""
+    batch = collate_packed(rows, length, pad_id)
     return {**batch, **objective.plan(batch)}
 
 
@@ -70,13 +79,15 @@ def step_loss(
         feats = Features(hidden, model=target.model, argmax=argmax)
     else:
         with torch.set_grad_enabled(adapt), autocast:
-            hidden, logits = target_features(target.model, ids, run.layers)
+            hidden, logits = target_features(
+                target.model, ids, run.layers, batch.get("positions"), batch.get("doc")
+            )
         feats = Features(hidden, logits, model=target.model)
     with autocast:
         loss, metrics = run.objective(batch, feats, run.t2d)
     if adapt:
         with torch.no_grad(), target.model.disable_adapter(), autocast:
-            frozen = target_logits(target.model, ids)
+            frozen = target_logits(target.model, ids, batch.get("positions"), batch.get("doc"))
         kl = distill_kl(logits, frozen, batch["attention_mask"])
         metrics["loss/distill"] = kl.detach()
         loss = loss + run.distill_weight * kl
@@ -103,6 +114,7 @@ class StepContext:
 class StepOutcome:
     """One optimizer step's figures: device tensors, read only by a log step or the finite check."""
 
+    end: int  # the stream position after the step's sequences
     step: int
     loss: torch.Tensor  # 0-dim: the mean of the micro-batches' losses
     metrics: dict[str, torch.Tensor]  # 0-dim each: means over the micro-batches
@@ -195,6 +207,7 @@ class StepPlan:
     tokens: int  # answer tokens of the global batch
     flops: float  # this rank's model FLOPs
     adapt: bool  # Medusa-2's LoRA-adapted target trains this step
+    end: int  # the stream position after the step's sequences (the next step's `consumed`)
 
 
 class TrainStep:
@@ -241,6 +254,9 @@ class TrainStep:
     def plan(self, step: int, consumed: int) -> StepPlan:
         """The host's part of step `step`: its micro-batches after `consumed` sequences, planned."""
         tc = self.tc
+        adapt = self.lora_warmup is not None and step - 1 >= self.lora_warmup
+        if tc.packing:
+            return self._plan_packed(step, consumed, adapt)
         micro, names, tokens, flops = [], [], 0, 0.0
         for k in range(tc.grad_accum):
             everyone = batch_at(
@@ -252,8 +268,26 @@ class TrainStep:
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
             micro.append((planned, batch))
-        adapt = self.lora_warmup is not None and step - 1 >= self.lora_warmup
-        return StepPlan(step, micro, names, tokens, flops, adapt)
+        return StepPlan(step, micro, names, tokens, flops, adapt, consumed + self.micro * tc.grad_accum)
+
+    def _plan_packed(self, step: int, consumed: int, adapt: bool) -> StepPlan:
+        """`plan` with packing: each global micro-batch is micro_batch_size rows per rank of
+        train.pack_length tokens, filled from the stream in order; rank r takes its own rows."""
+        tc, par = self.tc, self.par
+        rows, length = tc.micro_batch_size, tc.pack_length or tc.max_length
+        micro, names, tokens, flops, position = [], [], 0, 0.0, consumed
+        for _ in range(tc.grad_accum):
+            packed, position = pack_at(
+                self.train_set, position, rows * par.world_size, length, tc.seed, tc.length_window
+            )
+            tokens += sum(sum(s.loss_mask) for row in packed for s in row)
+            mine = packed[par.rank * rows : (par.rank + 1) * rows]
+            batch = [s for row in mine for s in row]
+            planned = plan_packed(mine, length, self.pad_id, self.run.plan)
+            flops += self.count_flops(planned)
+            names.append(batch_name(batch))
+            micro.append((planned, batch))
+        return StepPlan(step, micro, names, tokens, flops, adapt, position)
 
     def run_planned(self, plan: StepPlan) -> StepOutcome:
         """The device's part: forward and backward of each micro-batch, then the update."""
@@ -271,6 +305,7 @@ class TrainStep:
                 share = v.float() / accum
                 metrics_sum[key] = share if key not in metrics_sum else metrics_sum[key] + share
         outcome = StepOutcome(
+            plan.end,
             plan.step,
             loss_sum,
             metrics_sum,

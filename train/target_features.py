@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 ATTENTION = "headway_causal"
+_packed: dict[str, torch.Tensor] = {}  # the running forward's document-causal mask, on a packed batch
 
 
 def causal_attention(
@@ -33,8 +34,12 @@ def causal_attention(
     attention_mask: Optional[torch.Tensor],
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention with `is_causal` and no mask (query, key, value: [B, heads, T, D])."""
+    """transformers' SDPA attention with `is_causal` and no mask (query, key, value: [B, heads, T, D]); on a
+    packed batch, with its document-causal mask."""
     kwargs.pop("is_causal", None)
+    mask = _packed.get("mask")
+    if mask is not None:
+        return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
     return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
 
@@ -62,9 +67,10 @@ def _windowed(configs: list[Any], width: int) -> bool:
 
 
 @contextmanager
-def unmasked_causal(model: torch.nn.Module, width: int) -> Iterator[None]:
+def unmasked_causal(model: torch.nn.Module, width: int, doc: Optional[torch.Tensor] = None) -> Iterator[None]:
     """Run `model` under `causal_attention` inside the block (its own implementation when it is neither SDPA
-    nor eager, or when a sliding window is narrower than `width`, the batch's padded length)."""
+    nor eager, or when a sliding window is narrower than `width`, the batch's length: transformers then finds
+    a packed batch's sequences from its positions itself). `doc` [B, T]: a packed batch's sequence ids."""
     configs = _configs(model)
     saved = [cfg._attn_implementation for cfg in configs]
     if _windowed(configs, width) or any(s not in ("sdpa", "eager") for s in saved):
@@ -72,9 +78,14 @@ def unmasked_causal(model: torch.nn.Module, width: int) -> Iterator[None]:
         return
     for cfg in configs:
         cfg._attn_implementation = ATTENTION
+    if doc is not None:  # query t sees key s <= t of its own sequence: [B, 1, T, T], no gradient through it
+        T = doc.shape[1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+        _packed["mask"] = (causal & (doc.unsqueeze(-1) == doc.unsqueeze(1))).unsqueeze(1)
     try:
         yield
     finally:
+        _packed.clear()
         for cfg, s in zip(configs, saved):
             cfg._attn_implementation = s
 
@@ -90,22 +101,28 @@ def _decoder(model: torch.nn.Module) -> Optional[Any]:
 
 
 def target_features(
-    model: torch.nn.Module, ids: torch.Tensor, layers: list[int]
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    layers: list[int],
+    positions: Optional[torch.Tensor] = None,
+    doc: Optional[torch.Tensor] = None,
 ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """The target's forward on a right-padded batch.
+    """The target's forward on a right-padded or packed batch.
 
     Args:
         model: the target (a transformers causal LM, possibly LoRA-wrapped).
-        ids: [B, T] token ids, right-padded.
+        ids: [B, T] token ids, right-padded, or packed (train/packing.py).
         layers: hidden-state indices the head reads, as in transformers' `hidden_states` (0: the embeddings,
             i: after decoder layer i, the last: after the final norm).
+        positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded).
     Returns:
         (hidden, logits): index -> [B, T, h] for each of `layers`, and the logits [B, T, V].
     """
     decoder = _decoder(model)
-    with unmasked_causal(model, ids.shape[1]):
+    where = {} if positions is None else {"position_ids": positions}
+    with unmasked_causal(model, ids.shape[1], doc):
         if decoder is None:
-            out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            out = model(input_ids=ids, output_hidden_states=True, use_cache=False, **where)
             return {i: out.hidden_states[i] for i in layers}, out.logits
         n = len(decoder.layers)
         caught: dict[int, torch.Tensor] = {}
@@ -116,20 +133,26 @@ def target_features(
 
             return hook
 
-        where = {0: decoder.embed_tokens, n: decoder.norm}
+        ends = {0: decoder.embed_tokens, n: decoder.norm}
         hooks = [
-            (where[i] if i in where else decoder.layers[i - 1]).register_forward_hook(keep(i))
+            (ends[i] if i in ends else decoder.layers[i - 1]).register_forward_hook(keep(i))
             for i in set(layers)
         ]
         try:
-            logits = model(input_ids=ids, use_cache=False).logits
+            logits = model(input_ids=ids, use_cache=False, **where).logits
         finally:
             for h in hooks:
                 h.remove()
     return {i: caught[i] for i in layers}, logits
 
 
-def target_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The target's logits [B, T, V] on a right-padded batch [B, T], with no mask and no cache."""
-    with unmasked_causal(model, ids.shape[1]):
-        return model(input_ids=ids, use_cache=False).logits
+def target_logits(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    doc: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The target's logits [B, T, V] on a right-padded or packed batch [B, T] (as `target_features`)."""
+    where = {} if positions is None else {"position_ids": positions}
+    with unmasked_causal(model, ids.shape[1], doc):
+        return model(input_ids=ids, use_cache=False, **where).logits

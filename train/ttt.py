@@ -26,11 +26,13 @@ from headway.train.ttt_recompute import Recompute
 ATTENTION = "headway_ttt"
 
 
-def causal_allowed(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T, T] bool: position t sees real positions s <= t."""
+def causal_allowed(attention_mask: torch.Tensor, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[B, T, T] bool: position t sees real positions s <= t (of its own sequence, in a packed batch: `doc`
+    [B, T], train/packing.py)."""
     T = attention_mask.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
-    return causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
+    allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
+    return allowed if doc is None else allowed & (doc.unsqueeze(-1) == doc.unsqueeze(1))
 
 
 def ttt_attention(
@@ -147,6 +149,8 @@ def ttt_unroll(
     needed: Optional[torch.Tensor] = None,
     kept: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     attention: str = "structured",
+    positions: Optional[torch.Tensor] = None,
+    doc: Optional[torch.Tensor] = None,
 ) -> Unrolled:
     """The drafter unrolled `steps` times on its own outputs (see the module docstring).
 
@@ -159,6 +163,7 @@ def ttt_unroll(
         attention: structured (additive masks, the scores kept for backward), flex (block masks,
             train/ttt_flex.py; its backward runs on CUDA only) or recompute (scores recomputed in backward,
             train/ttt_recompute.py).
+        positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded rows).
     Returns:
         an `Unrolled` with each step's layer output.
     """
@@ -171,12 +176,14 @@ def ttt_unroll(
         index = torch.arange(T, device=ids.device).expand(B, T)
         kept_mask = torch.ones(B, T, dtype=torch.bool, device=ids.device)
     cache = DynamicCache(config=heads.decoder.config)
-    pos = torch.arange(T, device=ids.device).unsqueeze(0)
+    pos = torch.arange(T, device=ids.device).unsqueeze(0) if positions is None else positions
+    # step j >= 1 runs at the kept positions' own positions, j on
+    kept_pos = index if positions is None else positions.gather(1, index)
     if attention == "flex":
-        return _flex_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos)
+        return _flex_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos, kept_pos, doc)
     if attention == "recompute":
-        return _recompute_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos)
-    allowed = causal_allowed(attn)
+        return _recompute_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos, kept_pos, doc)
+    allowed = causal_allowed(attn, doc)
     dtype = heads.fc.weight.dtype
     out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)
     unrolled = Unrolled([out], index, kept_mask)
@@ -188,7 +195,7 @@ def ttt_unroll(
     with _Structured(heads.decoder):
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
-            out = heads(tokens, hidden, index + j, prefix, cache)
+            out = heads(tokens, hidden, kept_pos + j, prefix, cache)
             unrolled.outputs.append(out)
             hidden = heads.next_hidden(out)
     return unrolled
@@ -204,16 +211,18 @@ def _flex_unroll(
     kept_mask: torch.Tensor,
     cache: Any,
     pos: torch.Tensor,
+    kept_pos: torch.Tensor,
+    doc: Optional[torch.Tensor],
 ) -> Unrolled:
     """`ttt_unroll` with every step under flex attention and block masks (no [T, T] or [N, T] tensor)."""
     real = attn.bool()
     with FlexAttention(heads.decoder):
-        out = heads(shifted(ids, 1), hidden, pos, causal_mask(real), cache)
+        out = heads(shifted(ids, 1), hidden, pos, causal_mask(real, doc), cache)
         unrolled = Unrolled([out], index, kept_mask)
         hidden = unrolled.at(1, heads.next_hidden(out))
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
-            out = heads(tokens, hidden, index + j, step_mask(real, index, j), cache)
+            out = heads(tokens, hidden, kept_pos + j, step_mask(real, index, j, doc), cache)
             unrolled.outputs.append(out)
             hidden = heads.next_hidden(out)
     return unrolled
@@ -229,18 +238,20 @@ def _recompute_unroll(
     kept_mask: torch.Tensor,
     cache: Any,
     pos: torch.Tensor,
+    kept_pos: torch.Tensor,
+    doc: Optional[torch.Tensor],
 ) -> Unrolled:
     """`ttt_unroll` with every step's scores recomputed in backward (no mask, no scores kept)."""
     B, T = ids.shape
-    with Recompute(heads.decoder, attn.bool()) as attention:
-        attention.at(pos.expand(B, T))
+    with Recompute(heads.decoder, attn.bool(), doc) as attention:
+        attention.at(torch.arange(T, device=ids.device).expand(B, T))
         out = heads(shifted(ids, 1), hidden, pos, None, cache)
         unrolled = Unrolled([out], index, kept_mask)
         hidden = unrolled.at(1, heads.next_hidden(out))
         attention.at(index)
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
-            out = heads(tokens, hidden, index + j, None, cache)
+            out = heads(tokens, hidden, kept_pos + j, None, cache)
             unrolled.outputs.append(out)
             hidden = heads.next_hidden(out)
     return unrolled

@@ -99,24 +99,32 @@ def _block_mask(mask_mod: Callable, B: int, Q: int, K: int, probe: torch.Tensor)
     return build(mask_mod, B, None, Q, K, device=probe.device, BLOCK_SIZE=BLOCK)
 
 
-def causal_mask(real: torch.Tensor) -> BlockMask:
-    """Step 0's mask: query t sees the real keys s <= t (real: [B, T] bool)."""
+def causal_mask(real: torch.Tensor, doc: Optional[torch.Tensor] = None) -> BlockMask:
+    """Step 0's mask: query t sees the real keys s <= t (real: [B, T] bool), of its own sequence in a packed
+    batch (doc: [B, T] sequence ids)."""
     B, T = real.shape
 
     def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        return (kv <= q) & real[b, kv]
+        seen = (kv <= q) & real[b, kv]
+        return seen if doc is None else seen & (doc[b, kv] == doc[b, q])
 
     return _block_mask(mask_mod, B, T, T, real)
 
 
-def step_mask(real: torch.Tensor, index: torch.Tensor, j: int) -> BlockMask:
-    """Step j's mask (j >= 1): query n (at position index[b, n]) sees step 0's real keys s <= index[b, n], and
-    key T + (i - 1) N + n of each step i = 1..j (real: [B, T] bool; index: [B, N])."""
+def step_mask(
+    real: torch.Tensor, index: torch.Tensor, j: int, doc: Optional[torch.Tensor] = None
+) -> BlockMask:
+    """Step j's mask (j >= 1): query n (at position index[b, n]) sees step 0's real keys s <= index[b, n] (of
+    its own sequence, in a packed batch), and key T + (i - 1) N + n of each step i = 1..j (real: [B, T] bool;
+    index: [B, N]; doc: [B, T] sequence ids or None)."""
     B, T = real.shape
     N = index.shape[1]
 
     def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
-        prefix = (kv < T) & (kv <= index[b, q]) & real[b, torch.clamp(kv, max=T - 1)]
+        s = torch.clamp(kv, max=T - 1)
+        prefix = (kv < T) & (kv <= index[b, q]) & real[b, s]
+        if doc is not None:
+            prefix = prefix & (doc[b, s] == doc[b, index[b, q]])
         own = (kv >= T) & ((kv - T) % N == q)
         return prefix | own
 

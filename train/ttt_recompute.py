@@ -28,11 +28,13 @@ CHUNK = 256
 _current: dict[str, torch.Tensor] = {}  # the running unroll's index [B, N] and real [B, T] (`Recompute`)
 
 
-def _scores(q, k0, kd, index, real, scale):
+def _scores(q, k0, kd, index, real, doc, scale):
     """One chunk's scores: against step 0's keys (masked) [B, Hkv, g, c, T], and its own keys [.., c, j]."""
     T = k0.shape[2]
     pre = torch.einsum("bhgnd,bhsd->bhgns", q, k0) * scale
     seen = (torch.arange(T, device=q.device) <= index.unsqueeze(-1)) & real.unsqueeze(1)  # [B, c, T]
+    if doc.numel():  # a packed batch: the query's own sequence only
+        seen = seen & (doc.unsqueeze(1) == doc.gather(1, index).unsqueeze(-1))
     pre = pre.masked_fill(~seen[:, None, None], torch.finfo(pre.dtype).min)
     own = torch.einsum("bhgnd,bhjnd->bhgnj", q, kd) * scale
     return pre, own
@@ -40,34 +42,35 @@ def _scores(q, k0, kd, index, real, scale):
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q, k0, v0, kd, vd, index, real, scale: float, chunk: int):
-        """q [B, Hkv, g, N, D]; k0, v0 [B, Hkv, T, D]; kd, vd [B, Hkv, j, N, D]; index [B, N]; real [B, T]."""
+    def forward(ctx: Any, q, k0, v0, kd, vd, index, real, doc, scale: float, chunk: int):
+        """q [B, Hkv, g, N, D]; k0, v0 [B, Hkv, T, D]; kd, vd [B, Hkv, j, N, D]; index [B, N]; real [B, T];
+        doc [B, T] sequence ids, or empty (right-padded rows)."""
         N = q.shape[3]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
         for a in range(0, N, chunk):
             b = min(N, a + chunk)
-            pre, own = _scores(q[:, :, :, a:b], k0, kd[:, :, :, a:b], index[:, a:b], real, scale)
+            pre, own = _scores(q[:, :, :, a:b], k0, kd[:, :, :, a:b], index[:, a:b], real, doc, scale)
             m = torch.logsumexp(torch.cat([pre, own], dim=-1), dim=-1)
             lse[:, :, :, a:b] = m
             p_pre, p_own = (pre - m.unsqueeze(-1)).exp(), (own - m.unsqueeze(-1)).exp()
             out[:, :, :, a:b] = torch.einsum("bhgns,bhsd->bhgnd", p_pre, v0) + torch.einsum(
                 "bhgnj,bhjnd->bhgnd", p_own, vd[:, :, :, a:b]
             )
-        ctx.save_for_backward(q, k0, v0, kd, vd, index, real, out, lse)
+        ctx.save_for_backward(q, k0, v0, kd, vd, index, real, doc, out, lse)
         ctx.scale, ctx.chunk = scale, chunk
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor):
-        q, k0, v0, kd, vd, index, real, out, lse = ctx.saved_tensors
+        q, k0, v0, kd, vd, index, real, doc, out, lse = ctx.saved_tensors
         scale, chunk, N = ctx.scale, ctx.chunk, q.shape[3]
         dq, dkd, dvd = torch.empty_like(q), torch.empty_like(kd), torch.empty_like(vd)
         dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
         for a in range(0, N, chunk):
             b = min(N, a + chunk)
             qc, kdc, vdc, do = q[:, :, :, a:b], kd[:, :, :, a:b], vd[:, :, :, a:b], d_out[:, :, :, a:b]
-            pre, own = _scores(qc, k0, kdc, index[:, a:b], real, scale)
+            pre, own = _scores(qc, k0, kdc, index[:, a:b], real, doc, scale)
             m = lse[:, :, :, a:b].unsqueeze(-1)
             p_pre, p_own = (pre - m).exp(), (own - m).exp()
             delta = (do * out[:, :, :, a:b]).sum(-1, keepdim=True)
@@ -80,7 +83,7 @@ class _Attention(torch.autograd.Function):
             dv0 += torch.einsum("bhgns,bhgnd->bhsd", p_pre, do)
             dkd[:, :, :, a:b] = torch.einsum("bhgnj,bhgnd->bhjnd", ds_own, qc)
             dvd[:, :, :, a:b] = torch.einsum("bhgnj,bhgnd->bhjnd", p_own, do)
-        return dq, dk0, dv0, dkd, dvd, None, None, None, None
+        return dq, dk0, dv0, dkd, dvd, None, None, None, None, None
 
 
 def recompute_attention(
@@ -108,7 +111,7 @@ def recompute_attention(
         )
     if dropout and module.training:
         raise HeadwayError("train.ttt_attention=recompute has no attention dropout: use structured")
-    index, real = _current["index"], _current["real"]
+    index, real, doc = _current["index"], _current["real"], _current["doc"]
     B, Hq, N, D = query.shape
     Hkv, T = key.shape[1], real.shape[1]
     j = (key.shape[2] - T) // N
@@ -118,7 +121,7 @@ def recompute_attention(
     kd = key[:, :, T:].reshape(B, Hkv, j, N, D).to(acc)
     vd = value[:, :, T:].reshape(B, Hkv, j, N, D).to(acc)
     scale = D**-0.5 if scaling is None else scaling
-    out = _Attention.apply(q, k0, v0, kd, vd, index, real, scale, CHUNK)
+    out = _Attention.apply(q, k0, v0, kd, vd, index, real, doc, scale, CHUNK)
     return out.to(query.dtype).reshape(B, Hq, N, D).transpose(1, 2).contiguous(), None
 
 
@@ -126,16 +129,17 @@ AttentionInterface.register(RECOMPUTE, recompute_attention)
 
 
 class Recompute:
-    """Runs a decoder under `recompute_attention` inside a `with` block; `at(index)` sets the positions of
-    the step about to run (real: [B, T] bool, the real tokens)."""
+    """Runs a decoder under `recompute_attention` inside a `with` block; `at(index)` sets the row indices of
+    the step about to run (real: [B, T] bool, the real tokens; doc: a packed batch's sequence ids)."""
 
-    def __init__(self, decoder: Any, real: torch.Tensor):
+    def __init__(self, decoder: Any, real: torch.Tensor, doc: Optional[torch.Tensor] = None):
         self.config = decoder.config
         self.real = real
+        self.doc = doc if doc is not None else real.new_zeros((0,), dtype=torch.long)
         self.saved: Optional[str] = None
 
     def at(self, index: torch.Tensor) -> None:
-        _current.update(index=index, real=self.real)
+        _current.update(index=index, real=self.real, doc=self.doc)
 
     def __enter__(self) -> "Recompute":
         self.saved = self.config._attn_implementation

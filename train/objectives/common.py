@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from headway.train.losses import wide
+from headway.train.ttt import shifted
 
 
 class Features:
@@ -73,6 +74,15 @@ def target_logits(model: Any, last_hidden: torch.Tensor, rows: Optional[torch.Te
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cap = getattr(cfg, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def answer_ahead(batch: dict[str, torch.Tensor], k: int) -> torch.Tensor:
+    """[B, T] bool: the token k positions on is an answer token of the same sequence (loss_mask at t + k;
+    in a packed batch, train/packing.py, also of the same `doc`)."""
+    answer = shifted(batch["loss_mask"], k).bool()
+    if "doc" not in batch:
+        return answer
+    return answer & (shifted(batch["doc"], k, -2) == batch["doc"])
 
 
 class Objective(ABC):

@@ -11,24 +11,36 @@ import torch
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
 from headway.train.losses import chain_acceptance, draft_loss, wide
-from headway.train.objectives.common import Features, Objective
+from headway.train.objectives.common import Features, Objective, answer_ahead
 
 
 def dflash_anchors(batch: dict, count: int, block_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `count` anchors per sequence, [B, A] with a validity mask: positions whose next token is an
     answer token, drawn at random but fixed by the batch's tokens and the seed (a resumed or offline run draws
-    the same)."""
-    ids, loss_mask = batch["input_ids"], batch["loss_mask"].bool()
+    the same). In a packed batch (its `doc`) each sequence draws its own, seeded by its own tokens."""
+    ids = batch["input_ids"]
     B, T = ids.shape
     g = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(ids.long().sum()) % 1_000_000_007)
-    nxt = torch.zeros_like(loss_mask)
-    nxt[:, :-1] = loss_mask[:, 1:]
-    rows = []
-    for b in range(B):
-        where = nxt[b].nonzero().view(-1).cpu()
+    nxt = answer_ahead(batch, 1)
+
+    def draw(where: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         if len(where) > count:
             where = torch.sort(where[torch.randperm(len(where), generator=g)[:count]]).values
-        rows.append(where)
+        return where
+
+    rows = []
+    for b in range(B):
+        if "doc" not in batch:
+            rows.append(draw(nxt[b].nonzero().view(-1).cpu(), g))
+            continue
+        doc, picks = batch["doc"][b], []
+        for d in range(int(doc.max()) + 1):
+            own = doc == d
+            mine = torch.Generator().manual_seed(
+                int(seed) * 1_000_003 + int(ids[b][own].long().sum()) % 1_000_000_007
+            )
+            picks.append(draw((nxt[b] & own).nonzero().view(-1), mine))
+        rows.append(torch.cat(picks) if picks else torch.zeros(0, dtype=torch.long))
     A = max(1, max(len(r) for r in rows))
     anchors = torch.zeros(B, A, dtype=torch.long)
     valid = torch.zeros(B, A, dtype=torch.bool)
@@ -76,16 +88,21 @@ class DFlashObjective(Objective):
         anchors, anchor_ok = batch["anchors"], batch["anchor_ok"]
         A = anchors.shape[1]
         slots = torch.arange(bs, device=device)
-        pos = anchors.unsqueeze(-1) + slots  # [B, A, bs]
+        doc, positions = batch.get("doc"), batch.get("positions")
+        start = anchors if positions is None else torch.gather(positions, 1, anchors)
+        pos = start.unsqueeze(-1) + slots  # [B, A, bs]
         tokens = torch.full((B, A, bs), heads.mask_token_id, dtype=ids.dtype, device=device)
         tokens[..., 0] = torch.gather(ids, 1, anchors)
         # queries of block i see context positions < its anchor and their own block, both ways
         ctx_ok = torch.arange(T, device=device).view(1, 1, T) < anchors.view(B, A, 1)
+        if doc is not None:  # a packed batch: its own sequence's context only
+            ctx_ok = ctx_ok & (doc.unsqueeze(1) == torch.gather(doc, 1, anchors).unsqueeze(-1))
         same = torch.eye(A, dtype=torch.bool, device=device).repeat_interleave(bs, 0).repeat_interleave(bs, 1)
         allowed = torch.cat(
             (ctx_ok.repeat_interleave(bs, 1), same.unsqueeze(0).expand(B, -1, -1)), dim=2
         )  # [B, A*bs, T + A*bs]
-        context = heads.context(feats.cat(dc.feature_layers), torch.arange(T, device=device).expand(B, T))
+        context_pos = torch.arange(T, device=device).expand(B, T) if positions is None else positions
+        context = heads.context(feats.cat(dc.feature_layers), context_pos)
         states = heads.block_states(tokens.view(B, A * bs), pos.view(B, A * bs), context, allowed)
         states = states.view(B, A, bs, -1)
         teacher_all = feats.draft_logits(heads.d2t.to(device)).detach()
@@ -99,11 +116,10 @@ class DFlashObjective(Objective):
         for j in range(1, bs):
             t = (anchors + j - 1).clamp(max=T - 1)  # the target's distribution here is the token at a + j's
             ok = anchor_ok & (anchors + j < T)
-            ok = (
-                ok
-                & torch.gather(batch["loss_mask"].bool(), 1, (anchors + j).clamp(max=T - 1))
-                & torch.gather(in_draft, 1, t)
-            )
+            ahead = (anchors + j).clamp(max=T - 1)
+            ok = ok & torch.gather(batch["loss_mask"].bool(), 1, ahead) & torch.gather(in_draft, 1, t)
+            if doc is not None:
+                ok = ok & (torch.gather(doc, 1, ahead) == torch.gather(doc, 1, anchors))
             valid0 = ok if valid0 is None else valid0
             # every anchor's slot, the invalid ones weighted out: a fixed shape, no host read
             at = t.unsqueeze(-1).expand(-1, -1, teacher_all.shape[-1])

@@ -12,7 +12,7 @@ from headway.heads.draft_layer import drafter_mask
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
 from headway.train.losses import masked_mean, wide
-from headway.train.objectives.common import Features, Objective
+from headway.train.objectives.common import Features, Objective, answer_ahead
 from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
 
@@ -24,7 +24,7 @@ class EagleObjective(Objective):
     plan_keys = ("rows", "cols")
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        rows, cols = shifted(batch["loss_mask"], 2).bool().nonzero(as_tuple=True)
+        rows, cols = answer_ahead(batch, 2).nonzero(as_tuple=True)
         return {"rows": rows, "cols": cols}
 
     def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
@@ -46,12 +46,16 @@ class EagleObjective(Objective):
         f = wide(feats.hidden[max(feats.hidden)])
         noisy = heads.training and ec.feature_noise > 0
         f_in = f + (torch.rand_like(f) - 0.5) * ec.feature_noise if noisy else f
+        positions, doc = batch.get("positions"), batch.get("doc")
         if self.ttt_attention == "structured":
-            pos = torch.arange(T, device=ids.device).unsqueeze(0)
-            out = heads(shifted(ids, 1), f_in, pos, drafter_mask(causal_allowed(attn), heads.fc.weight.dtype))
+            pos = torch.arange(T, device=ids.device).unsqueeze(0) if positions is None else positions
+            allowed = causal_allowed(attn, doc)
+            out = heads(shifted(ids, 1), f_in, pos, drafter_mask(allowed, heads.fc.weight.dtype))
         else:  # flex or recompute: no [T, T] mask, no scores kept (train/ttt.py; one step)
-            out = ttt_unroll(heads, ids, attn, f_in, 1, attention=self.ttt_attention).outputs[0]
-        valid = shifted(batch["loss_mask"], 2).bool()
+            out = ttt_unroll(
+                heads, ids, attn, f_in, 1, attention=self.ttt_attention, positions=positions, doc=doc
+            ).outputs[0]
+        valid = answer_ahead(batch, 2)
         vloss = masked_mean(F.smooth_l1_loss(wide(out), shifted(f, 1), reduction="none").mean(-1), valid)
         # the full-vocabulary read-out only where a loss is taken
         teacher = feats.logits.detach()[rows, cols + 1]

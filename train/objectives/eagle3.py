@@ -10,7 +10,7 @@ import torch
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
 from headway.train.losses import chain_acceptance, draft_loss, wide
-from headway.train.objectives.common import Features, Objective
+from headway.train.objectives.common import Features, Objective, answer_ahead
 from headway.train.ttt import kept_positions, shifted, ttt_unroll
 
 
@@ -30,7 +30,7 @@ class Eagle3Objective(Objective):
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         steps = self.cfg.ttt_steps
-        answer = [shifted(batch["loss_mask"], 2 + j).bool() for j in range(steps)]
+        answer = [answer_ahead(batch, 2 + j) for j in range(steps)]
         if steps > 1:
             index, kept = kept_positions(torch.stack(answer[1:]).any(0))
         else:
@@ -78,6 +78,8 @@ class Eagle3Objective(Objective):
             ec.ttt_steps,
             kept=(batch["ttt_index"], batch["ttt_kept"]),
             attention=self.ttt_attention,
+            positions=batch.get("positions"),
+            doc=batch.get("doc"),
         )
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, torch.Tensor] = {}
@@ -105,6 +107,6 @@ class Eagle3Objective(Objective):
                 metrics[f"top1/step{j}"] = right.sum() / weight.sum().clamp(min=1)
                 hit = hit.index_put((rows, at), right)
             correct.append(hit)
-        valid0 = shifted(batch["loss_mask"], 2).bool() & shifted(in_draft, 1, False)
+        valid0 = answer_ahead(batch, 2) & shifted(in_draft, 1, False)
         metrics["tau/chain"] = chain_acceptance(correct, valid0).detach()
         return total, metrics

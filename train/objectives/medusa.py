@@ -13,7 +13,7 @@ import torch
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, linear
 from headway.train.losses import IGNORE, masked_mean, medusa_labels, medusa_loss, wide
-from headway.train.objectives.common import Features, Objective
+from headway.train.objectives.common import Features, Objective, answer_ahead
 
 
 class MedusaObjective(Objective):
@@ -26,11 +26,9 @@ class MedusaObjective(Objective):
         self.plan_keys = tuple(f"{k}{i}" for i in range(cfg.num_heads) for k in "rc")
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        loss_mask, out = batch["loss_mask"].bool(), {}
+        out = {}
         for i in range(self.cfg.num_heads):
-            answer = torch.zeros_like(loss_mask)
-            answer[:, : max(0, loss_mask.shape[1] - 2 - i)] = loss_mask[:, 2 + i :]
-            out[f"r{i}"], out[f"c{i}"] = answer.nonzero(as_tuple=True)
+            out[f"r{i}"], out[f"c{i}"] = answer_ahead(batch, 2 + i).nonzero(as_tuple=True)
         return out
 
     def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
