@@ -71,8 +71,9 @@ def samples(n: int, width: int, vocab: int) -> list[Sample]:
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind: str):
+@pytest.mark.parametrize("kind,lm_head", [(k, True) for k in sorted(KINDS)] + [("eagle3", False)])
+def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind: str, lm_head: bool):
+    """(lm_head False: train.target_argmax=data, the target's full lm_head skipped.)"""
     cfg = load_config(RunConfig, None, [f"head.kind={kind}", *KINDS[kind]])
     batch = samples(2, 512, SMOLLM2["vocab_size"])
     torch.manual_seed(0)
@@ -83,7 +84,7 @@ def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind:
 
     objective = head_kind(kind).objective(heads.cfg, seed=0)
     planned = plan_batch(batch, 0, objective)
-    analytic = counter(objective, heads, target, online=True)(planned)
+    analytic = counter(objective, heads, target, online=True, lm_head=lm_head)(planned)
 
     meta = {k: v.to("meta") for k, v in planned.items()}
     t2d = None
@@ -93,10 +94,11 @@ def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind:
         t2d = t2d.to("meta")
     with FlopCounterMode(display=False) as flops:
         with torch.no_grad():
-            hidden, logits = target_features(
-                target.model, meta["input_ids"], feature_layers(cfg.head, target)
-            )
-        loss, _ = HeadObjective(heads, objective)(meta, Features(hidden, logits, model=target.model), t2d)
+            layers = feature_layers(cfg.head, target)
+            hidden, logits = target_features(target.model, meta["input_ids"], layers, logits=lm_head)
+        argmax = None if lm_head else meta["input_ids"]
+        feats = Features(hidden, logits, model=target.model, argmax=argmax)
+        loss, _ = HeadObjective(heads, objective)(meta, feats, t2d)
         loss.backward()
     measured = flops.get_total_flops()
     assert measured > 0

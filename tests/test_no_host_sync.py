@@ -156,7 +156,7 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         par = Parallel(device=cuda)
         # the kind's objective as a CUDA run resolves it (EAGLE-3: flex attention, a chunked loss)
         from headway.kinds.registry import head_kind
-        from headway.train.loop import loss_chunk, ttt_attention
+        from headway.train.loop import argmax_from_data, loss_chunk, ttt_attention
 
         planner = head_kind(kind).objective(
             model.heads.cfg,
@@ -177,6 +177,7 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
             objective=objective,
             plan=planner,
             device=cuda,
+            argmax_from_data=argmax_from_data(tc.target_argmax, cuda, data.greedy),
             t2d=None if t2d is None else t2d.to(cuda),
         )
         step = TrainStep(context, stepper, data.train_set, tc, par, FiniteCheck("lagged", run.out, par))

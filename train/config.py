@@ -88,6 +88,11 @@ class TrainConfig:
     # Weights dtype of the frozen target in training: auto = bfloat16 on CUDA (its features as engines serve
     # them, at half the memory and twice the speed), target.dtype elsewhere; or float32, bfloat16, float16.
     target_dtype: str = "auto"
+    # Where the target's greedy next token comes from, for the kinds that need only it of the target's full
+    # distribution (EAGLE-3, DFlash; Medusa with CE reads none): logits = its full lm_head in every step;
+    # data = the next token of data distilled at temperature 0, which is that argmax, so the full lm_head
+    # ([tokens, vocabulary]) is skipped; auto = data on CUDA when every dataset is greedy, logits elsewhere.
+    target_argmax: str = "auto"
     # When a non-finite loss stops the run: step = read each step's loss before its update (nothing of a bad
     # step is applied; a host sync per step), lagged = read it one step later (no stall of the GPU; the bad
     # step's update is applied, never saved); auto = step on CPUs, lagged on CUDA.
@@ -119,6 +124,7 @@ class TrainConfig:
         check_choice("train", "backend", self.backend, ["none", "ddp", "fsdp", "deepspeed"])
         check_choice("train", "target_dtype", self.target_dtype, ["auto", "float32", "bfloat16", "float16"])
         check_choice("train", "finite_check", self.finite_check, ["auto", "step", "lagged"])
+        check_choice("train", "target_argmax", self.target_argmax, ["auto", "logits", "data"])
         check_choice(
             "train", "ttt_attention", self.ttt_attention, ["auto", "structured", "flex", "recompute"]
         )

@@ -29,14 +29,16 @@ class Sample:
 def load_samples(
     paths: list[str], fingerprint: dict, max_length: int
 ) -> tuple[list[tuple[str, Sample]], dict]:
-    """(key, sample) pairs from every dataset; a dataset made by another target is refused."""
+    """(key, sample) pairs from every dataset, and what the datasets share: `greedy`, every one distilled at
+    temperature 0 (each answer token is the target's argmax). A dataset made by another target is refused."""
     if not paths:
         raise HeadwayError(
             "no training data: set train.datasets=[DIR, ...] (directories written by `headway distill`)"
         )
-    out = []
+    out, greedy = [], True
     for path in paths:
         ds, manifest = load_distilled(path)
+        greedy = greedy and (manifest.get("generation") or {}).get("temperature", 1.0) == 0
         diff = fingerprint_mismatch(manifest["target_fingerprint"], fingerprint)
         if diff:
             raise HeadwayError(
@@ -47,7 +49,7 @@ def load_samples(
         for i, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
             key = f"{path}#{i}"
             out.append((key, Sample(list(ids[:max_length]), list(mask[:max_length]), key)))
-    return out, {"datasets": paths}
+    return out, {"datasets": paths, "greedy": greedy}
 
 
 def drop_duplicates(

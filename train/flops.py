@@ -73,14 +73,16 @@ def attention(batch: int, queries: int, keys: int, d: Dims) -> float:
     return 4.0 * batch * d.heads * queries * keys * d.head_dim
 
 
-def target_forward(batch: int, width: int, target: Dims) -> float:
-    """The frozen target's forward with its full-vocabulary logits."""
+def target_forward(batch: int, width: int, target: Dims, lm_head: bool = True) -> float:
+    """The frozen target's forward, with its full-vocabulary logits unless `lm_head` is False."""
     tokens = batch * width
     per_layer = layer_linears(tokens, target) + attention(batch, width, width, target)
-    return target.layers * per_layer + linear(tokens, target.hidden, target.vocab)
+    return target.layers * per_layer + (linear(tokens, target.hidden, target.vocab) if lm_head else 0.0)
 
 
-def counter(objective: Any, heads: Any, target: Any, online: bool = True) -> Callable[[dict], float]:
+def counter(
+    objective: Any, heads: Any, target: Any, online: bool = True, lm_head: bool = True
+) -> Callable[[dict], float]:
     """The model FLOPs of one of this run's planned micro-batches (train/step.py plans them): the head's
     forward and backward (its kind's objective counts them: `Objective.flops`), plus the target's forward
     when it runs online.
@@ -88,6 +90,7 @@ def counter(objective: Any, heads: Any, target: Any, online: bool = True) -> Cal
     Args:
         objective: the kind's objective; heads: the built head; target: the loaded target.
         online: the target runs in each step (train.features_dir unset).
+        lm_head: the target's full lm_head runs (False: train.target_argmax=data skips it).
     Returns:
         plan -> FLOPs, `plan` the micro-batch's host tensors (input_ids [B, T] and the kind's plan).
     """
@@ -95,6 +98,6 @@ def counter(objective: Any, heads: Any, target: Any, online: bool = True) -> Cal
 
     def count(plan: dict[str, torch.Tensor]) -> float:
         B, T = plan["input_ids"].shape
-        return objective.flops(heads, plan, dims) + (target_forward(B, T, dims) if online else 0.0)
+        return objective.flops(heads, plan, dims) + (target_forward(B, T, dims, lm_head) if online else 0.0)
 
     return count

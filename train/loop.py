@@ -68,6 +68,7 @@ class Data:
     train_set: list[Sample]
     held: list[Sample]
     cache: Optional[FeatureCache]
+    greedy: bool = False  # every training dataset distilled at temperature 0
 
 
 @dataclass
@@ -119,7 +120,7 @@ def setup_data(run: Run, target: Any) -> Data:
     """The self-distilled sequences (deduplicated), split into training and held-out ones, and the feature
     cache when training offline."""
     cfg, tc, par = run.cfg, run.tc, run.par
-    samples, _ = load_samples(tc.datasets, target.fingerprint, tc.max_length)
+    samples, info = load_samples(tc.datasets, target.fingerprint, tc.max_length)
     if tc.dedup != "none":
         samples, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
         log.info(
@@ -148,7 +149,7 @@ def setup_data(run: Run, target: Any) -> Data:
             {"datasets": list(tc.datasets), "max_length": tc.max_length},
         )
         log.info("offline: the target's features come from %s", tc.features_dir)
-    return Data(train_set, held, cache)
+    return Data(train_set, held, cache, info["greedy"])
 
 
 def setup_model(run: Run, target: Any, data: Data) -> Model:
@@ -203,6 +204,7 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
         tc.autocast_dtype,
         data.cache,
         lora.distill_weight if lora is not None else 0.0,
+        argmax_from_data(tc.target_argmax, device, data.greedy),
     )
     return Model(heads, objective, context, optimizer, scheduler, stepper, lora)
 
@@ -248,7 +250,13 @@ def setup_step(run: Run, target: Any, data: Data, model: Model) -> TrainStep:
         run.tc,
         run.par,
         finite,
-        count_flops=flops.counter(model.context.plan, model.heads, target, online=data.cache is None),
+        count_flops=flops.counter(
+            model.context.plan,
+            model.heads,
+            target,
+            online=data.cache is None,
+            lm_head=not (model.context.argmax_from_data and not model.context.plan.needs_logits),
+        ),
         lora_warmup=model.lora.heads_warmup_steps if model.lora is not None else None,
     )
 
@@ -326,6 +334,20 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
     bar.close()
     if logger:
         logger.close()
+
+
+def argmax_from_data(setting: str, device: torch.device, greedy: bool) -> bool:
+    """train.target_argmax resolved: whether the target's greedy next token is read from the data (skipping
+    its full lm_head); data on sampled datasets is refused, since their tokens are not the argmax."""
+    if setting == "data" and not greedy:
+        raise HeadwayError(
+            "train.target_argmax=data needs datasets distilled at temperature 0 (their answer tokens are the "
+            "target's argmax), and some of train.datasets were sampled: set train.target_argmax=logits or "
+            "auto"
+        )
+    if setting == "auto":
+        return greedy and device.type == "cuda"
+    return setting == "data"
 
 
 def ttt_attention(setting: str, device: torch.device) -> str:

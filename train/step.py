@@ -29,6 +29,7 @@ from headway.train.metrics import read
 from headway.train.objectives import Features
 from headway.train.packing import collate_packed, pack_at
 from headway.train.target_features import target_features, target_logits
+from headway.train.ttt import shifted
 
 
 def upload(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -77,6 +78,13 @@ def step_loss(
     if run.cache is not None:
         hidden, argmax = run.cache.batch([s.key for s in samples], ids.shape[1], device)
         feats = Features(hidden, model=target.model, argmax=argmax)
+    elif run.argmax_from_data and not run.plan.needs_logits and not adapt:
+        # greedy data: the token after t is the target's argmax at t, so its full lm_head is not run
+        with torch.no_grad(), autocast:
+            hidden, _ = target_features(
+                target.model, ids, run.layers, batch.get("positions"), batch.get("doc"), logits=False
+            )
+        feats = Features(hidden, model=target.model, argmax=shifted(ids, 1))
     else:
         with torch.set_grad_enabled(adapt), autocast:
             hidden, logits = target_features(
@@ -108,6 +116,9 @@ class StepContext:
     autocast: str = "auto"
     cache: Optional[FeatureCache] = None
     distill_weight: float = 0.0
+    argmax_from_data: bool = (
+        False  # train.target_argmax resolved: the target's argmax is the data's next token
+    )
 
 
 @dataclass

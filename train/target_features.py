@@ -106,7 +106,8 @@ def target_features(
     layers: list[int],
     positions: Optional[torch.Tensor] = None,
     doc: Optional[torch.Tensor] = None,
-) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    logits: bool = True,
+) -> tuple[dict[int, torch.Tensor], Optional[torch.Tensor]]:
     """The target's forward on a right-padded or packed batch.
 
     Args:
@@ -115,8 +116,9 @@ def target_features(
         layers: hidden-state indices the head reads, as in transformers' `hidden_states` (0: the embeddings,
             i: after decoder layer i, the last: after the final norm).
         positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded).
+        logits: run the lm_head; False: the decoder stack only, and logits None.
     Returns:
-        (hidden, logits): index -> [B, T, h] for each of `layers`, and the logits [B, T, V].
+        (hidden, logits): index -> [B, T, h] for each of `layers`, and the logits [B, T, V] (or None).
     """
     decoder = _decoder(model)
     where = {} if positions is None else {"position_ids": positions}
@@ -139,11 +141,15 @@ def target_features(
             for i in set(layers)
         ]
         try:
-            logits = model(input_ids=ids, use_cache=False, **where).logits
+            if logits:
+                out = model(input_ids=ids, use_cache=False, **where).logits
+            else:
+                out = None
+                decoder(input_ids=ids, use_cache=False, **where)
         finally:
             for h in hooks:
                 h.remove()
-    return {i: caught[i] for i in layers}, logits
+    return {i: caught[i] for i in layers}, out
 
 
 def target_logits(

@@ -103,6 +103,9 @@ class Objective(ABC):
 
     # The batch keys `plan` adds (empty: the kind plans nothing).
     plan_keys: tuple[str, ...] = ()
+    # Whether the loss reads the target's full distribution (its logits over the whole vocabulary), not only
+    # its argmax and hidden states: with train.target_argmax=data the target's lm_head is skipped otherwise.
+    needs_logits: bool = True
 
     def __init__(
         self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0, ttt_attention: str = "structured"

@@ -57,6 +57,7 @@ class DFlashObjective(Objective):
     on the host (the plan's `anchors`, `anchor_ok` [B, A]) with the objective's seed (train.seed)."""
 
     plan_keys = ("anchors", "anchor_ok")
+    needs_logits = False  # the target's draft-vocabulary rows from its hidden state, and its argmax
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         anchors, ok = dflash_anchors(batch, self.cfg.anchors, self.cfg.block_size, self.seed)

@@ -27,6 +27,7 @@ class Eagle3Objective(Objective):
     def __init__(self, cfg: Any, **train: Any) -> None:
         super().__init__(cfg, **train)
         self.plan_keys = ("ttt_index", "ttt_kept", *(f"{k}{j}" for j in range(cfg.ttt_steps) for k in "rca"))
+        self.needs_logits = False  # the target's draft-vocabulary rows from its hidden state, and its argmax
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         steps = self.cfg.ttt_steps

@@ -24,6 +24,7 @@ class MedusaObjective(Objective):
     def __init__(self, cfg: Any, **train: Any) -> None:
         super().__init__(cfg, **train)
         self.plan_keys = tuple(f"{k}{i}" for i in range(cfg.num_heads) for k in "rc")
+        self.needs_logits = cfg.loss == "kl"  # CE learns the data's tokens
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
