@@ -19,7 +19,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
-from headway.train.ttt_flex import FlexAttention, causal_mask, step_mask
+from headway.train.ttt_flex import FlexAttention
 from headway.train.ttt_recompute import Recompute
 
 # The attention implementation steps j >= 1 run under (registered once with transformers, below).
@@ -179,10 +179,10 @@ def ttt_unroll(
     pos = torch.arange(T, device=ids.device).unsqueeze(0) if positions is None else positions
     # step j >= 1 runs at the kept positions' own positions, j on
     kept_pos = index if positions is None else positions.gather(1, index)
-    if attention == "flex":
-        return _flex_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos, kept_pos, doc)
-    if attention == "recompute":
-        return _recompute_unroll(heads, ids, attn, hidden, steps, index, kept_mask, cache, pos, kept_pos, doc)
+    if attention in ("flex", "recompute"):
+        under = FlexAttention if attention == "flex" else Recompute
+        context = under(heads.decoder, attn.bool(), index, doc)
+        return _unroll_under(context, heads, ids, hidden, steps, index, kept_mask, cache, pos, kept_pos)
     allowed = causal_allowed(attn, doc)
     dtype = heads.fc.weight.dtype
     out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)
@@ -201,10 +201,10 @@ def ttt_unroll(
     return unrolled
 
 
-def _flex_unroll(
+def _unroll_under(
+    attention: Any,
     heads: Any,
     ids: torch.Tensor,
-    attn: torch.Tensor,
     hidden: torch.Tensor,
     steps: int,
     index: torch.Tensor,
@@ -212,46 +212,16 @@ def _flex_unroll(
     cache: Any,
     pos: torch.Tensor,
     kept_pos: torch.Tensor,
-    doc: Optional[torch.Tensor],
 ) -> Unrolled:
-    """`ttt_unroll` with every step under flex attention and block masks (no [T, T] or [N, T] tensor)."""
-    real = attn.bool()
-    with FlexAttention(heads.decoder):
-        out = heads(shifted(ids, 1), hidden, pos, causal_mask(real, doc), cache)
+    """`ttt_unroll` with every step under `attention` (FlexAttention or Recompute): a context whose
+    `mask(j)` is the attention_mask argument of step j (no [T, T] or [N, T] tensor on either)."""
+    with attention:
+        out = heads(shifted(ids, 1), hidden, pos, attention.mask(0), cache)
         unrolled = Unrolled([out], index, kept_mask)
         hidden = unrolled.at(1, heads.next_hidden(out))
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
-            out = heads(tokens, hidden, kept_pos + j, step_mask(real, index, j, doc), cache)
-            unrolled.outputs.append(out)
-            hidden = heads.next_hidden(out)
-    return unrolled
-
-
-def _recompute_unroll(
-    heads: Any,
-    ids: torch.Tensor,
-    attn: torch.Tensor,
-    hidden: torch.Tensor,
-    steps: int,
-    index: torch.Tensor,
-    kept_mask: torch.Tensor,
-    cache: Any,
-    pos: torch.Tensor,
-    kept_pos: torch.Tensor,
-    doc: Optional[torch.Tensor],
-) -> Unrolled:
-    """`ttt_unroll` with every step's scores recomputed in backward (no mask, no scores kept)."""
-    B, T = ids.shape
-    with Recompute(heads.decoder, attn.bool(), doc) as attention:
-        attention.at(torch.arange(T, device=ids.device).expand(B, T))
-        out = heads(shifted(ids, 1), hidden, pos, None, cache)
-        unrolled = Unrolled([out], index, kept_mask)
-        hidden = unrolled.at(1, heads.next_hidden(out))
-        attention.at(index)
-        for j in range(1, steps):
-            tokens = unrolled.at(1, shifted(ids, 1 + j))
-            out = heads(tokens, hidden, kept_pos + j, None, cache)
+            out = heads(tokens, hidden, kept_pos + j, attention.mask(j), cache)
             unrolled.outputs.append(out)
             hidden = heads.next_hidden(out)
     return unrolled

@@ -132,15 +132,25 @@ def step_mask(
 
 
 class FlexAttention:
-    """Runs a decoder under `flex_ttt_attention` for the duration of a `with` block."""
+    """Runs a decoder under `flex_ttt_attention` for the duration of a `with` block; `mask(j)` is step j's
+    block mask (real: [B, T] bool; index: [B, N] the kept positions; doc: a packed batch's sequence ids)."""
 
-    def __init__(self, decoder: Any):
+    def __init__(
+        self, decoder: Any, real: torch.Tensor, index: torch.Tensor, doc: Optional[torch.Tensor] = None
+    ):
         self.config = decoder.config
+        self.real, self.index, self.doc = real, index, doc
         self.saved: Optional[str] = None
 
-    def __enter__(self) -> None:
+    def mask(self, j: int) -> BlockMask:
+        if j == 0:
+            return causal_mask(self.real, self.doc)
+        return step_mask(self.real, self.index, j, self.doc)
+
+    def __enter__(self) -> "FlexAttention":
         self.saved = self.config._attn_implementation
         self.config._attn_implementation = FLEX
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.config._attn_implementation = self.saved

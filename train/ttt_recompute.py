@@ -129,17 +129,22 @@ AttentionInterface.register(RECOMPUTE, recompute_attention)
 
 
 class Recompute:
-    """Runs a decoder under `recompute_attention` inside a `with` block; `at(index)` sets the row indices of
-    the step about to run (real: [B, T] bool, the real tokens; doc: a packed batch's sequence ids)."""
+    """Runs a decoder under `recompute_attention` inside a `with` block; `mask(j)` readies step j (step 0 at
+    every row index, later steps at the kept ones) and returns no mask: the attention builds its own chunk by
+    chunk (real: [B, T] bool; index: [B, N]; doc: a packed batch's sequence ids)."""
 
-    def __init__(self, decoder: Any, real: torch.Tensor, doc: Optional[torch.Tensor] = None):
+    def __init__(
+        self, decoder: Any, real: torch.Tensor, index: torch.Tensor, doc: Optional[torch.Tensor] = None
+    ):
         self.config = decoder.config
-        self.real = real
+        self.real, self.index = real, index
         self.doc = doc if doc is not None else real.new_zeros((0,), dtype=torch.long)
         self.saved: Optional[str] = None
 
-    def at(self, index: torch.Tensor) -> None:
-        _current.update(index=index, real=self.real, doc=self.doc)
+    def mask(self, j: int) -> None:
+        B, T = self.real.shape
+        rows = torch.arange(T, device=self.real.device).expand(B, T) if j == 0 else self.index
+        _current.update(index=rows, real=self.real, doc=self.doc)
 
     def __enter__(self) -> "Recompute":
         self.saved = self.config._attn_implementation
