@@ -88,7 +88,7 @@ def test_a_head_trains_the_same_with_the_memory_settings(
     attention) gives the one-pass, structured loss, metrics and every head gradient."""
     from dataclasses import replace
 
-    from train_helpers import small_run
+    from train_helpers import assert_same_training, loss_and_grads, small_run
 
     from headway.kinds.registry import head_kind
     from headway.train import loop
@@ -117,17 +117,6 @@ def test_a_head_trains_the_same_with_the_memory_settings(
         from headway.train.distributed import HeadObjective
 
         context = replace(model.context, objective=HeadObjective(model.heads, objective), plan=objective)
-        model.heads.zero_grad()
-        loss, metrics = step_loss(context, plan_batch(batch, 0, objective), batch)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.heads.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), metrics, grads))
-    (full, fm, fg), (chunked, cm, cg) = results
-    assert full.dtype == torch.float64 and fg
-    torch.testing.assert_close(chunked, full, rtol=1e-10, atol=1e-12)
-    assert fm.keys() == cm.keys()
-    for k in fm:
-        torch.testing.assert_close(cm[k].double(), fm[k].double(), rtol=1e-9, atol=1e-12)
-    assert fg.keys() == cg.keys()
-    for k in fg:
-        torch.testing.assert_close(cg[k], fg[k], rtol=1e-8, atol=1e-12)
+        planned = plan_batch(batch, 0, objective)
+        results.append(loss_and_grads(model.heads, lambda: step_loss(context, planned, batch)))
+    assert_same_training(*results)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import ARCHS, make_tiny_model
-from train_helpers import losses, small_run
+from train_helpers import assert_same_training, loss_and_grads, losses, small_run
 
 from headway.config import load_config
 from headway.errors import HeadwayError
@@ -53,22 +53,11 @@ def test_packed_rows_train_as_the_padded_ones(tiny_dirs, tiny_data, tmp_path: Pa
     samples = data.train_set[:4]
     rows = [samples[:2], samples[2:]]
     length = max(sum(len(s.input_ids) for s in row) for row in rows) + 3  # some padding too
-    results = []
-    for planned in (plan_batch(samples, 0, objective), plan_packed(rows, length, 0, objective)):
-        model.heads.zero_grad()
-        loss, metrics = step_loss(context, planned, samples)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.heads.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), metrics, grads))
-    (padded, pm, pg), (packed, km, kg) = results
-    assert padded.dtype == torch.float64 and pg
-    torch.testing.assert_close(packed, padded, rtol=1e-10, atol=1e-12)
-    assert pm.keys() == km.keys()
-    for k in pm:
-        torch.testing.assert_close(km[k].double(), pm[k].double(), rtol=1e-9, atol=1e-12, msg=k)
-    assert pg.keys() == kg.keys()
-    for k in pg:
-        torch.testing.assert_close(kg[k], pg[k], rtol=1e-8, atol=1e-12, msg=k)
+    results = [
+        loss_and_grads(model.heads, lambda: step_loss(context, planned, samples))
+        for planned in (plan_batch(samples, 0, objective), plan_packed(rows, length, 0, objective))
+    ]
+    assert_same_training(*results)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from decode_helpers import load64
 from test_eagle import ARCHS, random_head
+from train_helpers import loss_and_grads
 from transformers import DynamicCache
 
 from headway.heads.draft_layer import drafter_mask
@@ -72,10 +73,8 @@ def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str, 
     t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
 
     def grads(loss_fn):
-        heads.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in heads.named_parameters() if p.grad is not None}
+        loss, _, got = loss_and_grads(heads, loss_fn)
+        return loss, got
 
     dense_loss, dense_grads = grads(lambda: dense_eagle3_loss(heads, batch, feats, t2d))
     sparse_loss, sparse_grads = grads(lambda: Eagle3Objective(heads.cfg)(heads, batch, feats, t2d)[0])
@@ -334,10 +333,8 @@ def test_recomputed_attention_gives_the_dense_loss_and_gradients(
     objective = Eagle3Objective(heads.cfg, ttt_attention="recompute")
 
     def grads(loss_fn):
-        heads.zero_grad()
-        loss = loss_fn()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in heads.named_parameters() if p.grad is not None}
+        loss, _, got = loss_and_grads(heads, loss_fn)
+        return loss, got
 
     dense_loss, dense_grads = grads(lambda: dense_eagle3_loss(heads, batch, feats, t2d))
     loss, got = grads(lambda: objective(heads, {**batch, **objective.plan(batch)}, feats, t2d)[0])

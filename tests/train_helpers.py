@@ -41,3 +41,29 @@ def small_run(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
 def losses(run: Path) -> list[tuple[int, float]]:
     rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in rows if "loss" in r]
+
+
+def loss_and_grads(module, loss_fn) -> tuple:
+    """(loss, extra, grads) of one backward: `loss_fn()` gives a loss or (loss, extra); grads by parameter
+    name, of the parameters that got one."""
+    module.zero_grad()
+    out = loss_fn()
+    loss, extra = out if isinstance(out, tuple) else (out, None)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return loss.detach(), extra, grads
+
+
+def assert_same_training(reference: tuple, other: tuple) -> None:
+    """Two `loss_and_grads` results agree in float64: the loss, every metric, every gradient."""
+    import torch
+
+    (loss_a, metrics_a, grads_a), (loss_b, metrics_b, grads_b) = reference, other
+    assert loss_a.dtype == torch.float64 and grads_a
+    torch.testing.assert_close(loss_b, loss_a, rtol=1e-10, atol=1e-12)
+    assert (metrics_a or {}).keys() == (metrics_b or {}).keys()
+    for k in metrics_a or {}:
+        torch.testing.assert_close(metrics_b[k].double(), metrics_a[k].double(), rtol=1e-9, atol=1e-12, msg=k)
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-8, atol=1e-12, msg=k)
