@@ -88,10 +88,9 @@ def test_a_head_trains_the_same_with_the_memory_settings(
     attention) gives the one-pass, structured loss, metrics and every head gradient."""
     from dataclasses import replace
 
-    from train_helpers import assert_same_training, loss_and_grads, small_run
+    from train_helpers import assert_same_training, loss_and_grads, recipe_parts, small_run
 
     from headway.kinds.registry import head_kind
-    from headway.train import loop
     from headway.train.step import plan_batch, step_loss
 
     cfg = small_run(
@@ -104,12 +103,7 @@ def test_a_head_trains_the_same_with_the_memory_settings(
         "head.eagle.feature_noise=0",
         *extra,
     )
-    run = loop.setup_run(cfg)
-    target = loop.setup_target(run)
-    data = loop.setup_data(run, target)
-    model = loop.setup_model(run, target, data)
-    target.model.double()
-    model.heads.double()
+    run, target, data, model = recipe_parts(cfg, float64=True)
     batch = data.train_set[:4]
     results = []
     for chunk, how in ((0, "structured"), (5, attention)):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import ARCHS, make_tiny_model
-from train_helpers import assert_same_training, loss_and_grads, losses, small_run
+from train_helpers import assert_same_training, loss_and_grads, losses, recipe_parts, small_run
 
 from headway.config import load_config
 from headway.errors import HeadwayError
@@ -40,12 +40,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_packed_rows_train_as_the_padded_ones(tiny_dirs, tiny_data, tmp_path: Path, case: str):
     cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", *CASES[case])
-    run = loop.setup_run(cfg)
-    target = loop.setup_target(run)
-    data = loop.setup_data(run, target)
-    model = loop.setup_model(run, target, data)
-    target.model.double()
-    model.heads.double()
+    run, target, data, model = recipe_parts(cfg, float64=True)
     kind = cfg.head.kind
     attention = "recompute" if case.endswith("recompute") else "structured"
     objective = head_kind(kind).objective(model.heads.cfg, seed=0, ttt_attention=attention)

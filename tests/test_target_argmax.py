@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import small_run
+from train_helpers import recipe_parts, small_run
 
 from headway.errors import HeadwayError
 from headway.train import loop
@@ -25,11 +25,8 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_datas_next_token_trains_as_the_targets_argmax(tiny_dirs, tiny_data, tmp_path: Path, case: str):
     cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", *CASES[case])
-    run = loop.setup_run(cfg)
-    target = loop.setup_target(run)
-    data = loop.setup_data(run, target)
+    run, target, data, model = recipe_parts(cfg)
     assert data.greedy  # the fixture's data was distilled at temperature 0
-    model = loop.setup_model(run, target, data)
     assert not model.context.plan.needs_logits
     samples = data.train_set[:4]
     planned = plan_batch(samples, 0, model.context.plan)

@@ -67,3 +67,17 @@ def assert_same_training(reference: tuple, other: tuple) -> None:
     assert grads_a.keys() == grads_b.keys()
     for k in grads_a:
         torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-8, atol=1e-12, msg=k)
+
+
+def recipe_parts(cfg: RunConfig, float64: bool = False) -> tuple:
+    """train()'s named steps up to the model: (run, target, data, model), in float64 when asked."""
+    from headway.train import loop
+
+    run = loop.setup_run(cfg)
+    target = loop.setup_target(run)
+    data = loop.setup_data(run, target)
+    model = loop.setup_model(run, target, data)
+    if float64:
+        target.model.double()
+        model.heads.double()
+    return run, target, data, model
