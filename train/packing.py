@@ -28,11 +28,15 @@ def pack_at(
         (the rows' sequences, the stream position after the last one taken).
     """
     n = len(samples)
-    lengths = tuple(len(s.input_ids) for s in samples)
+    lengths = tuple(len(s.input_ids) for s in samples) if window > 1 else None
     out: list[list[Sample]] = [[] for _ in range(rows)]
     used, r, k = 0, 0, consumed
+    epoch, order = -1, ()
     while r < rows:
-        s = samples[sample_order(n, seed, k // n, lengths if window > 1 else None, window)[k % n]]
+        if k // n != epoch:  # the epoch's order, once (not per sequence: it hashes every length)
+            epoch = k // n
+            order = sample_order(n, seed, epoch, lengths, window)
+        s = samples[order[k % n]]
         size = len(s.input_ids)
         if size > length:
             raise HeadwayError(

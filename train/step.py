@@ -12,7 +12,7 @@ host never waits on the device inside a step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -116,16 +116,14 @@ class StepContext:
     autocast: str = "auto"
     cache: Optional[FeatureCache] = None
     distill_weight: float = 0.0
-    argmax_from_data: bool = (
-        False  # train.target_argmax resolved: the target's argmax is the data's next token
-    )
+    # train.target_argmax resolved: the target's argmax is the data's next token (its lm_head skipped)
+    argmax_from_data: bool = False
 
 
 @dataclass
 class StepOutcome:
     """One optimizer step's figures: device tensors, read only by a log step or the finite check."""
 
-    end: int  # the stream position after the step's sequences
     step: int
     loss: torch.Tensor  # 0-dim: the mean of the micro-batches' losses
     metrics: dict[str, torch.Tensor]  # 0-dim each: means over the micro-batches
@@ -134,7 +132,7 @@ class StepOutcome:
     grad_norm: Optional[torch.Tensor] = None
     tokens: int = 0  # answer tokens of the global batch (host: from the samples' loss masks)
     flops: float = 0.0  # this rank's model FLOPs (host: from the batch shapes)
-    figures: dict[str, torch.Tensor] = field(default_factory=dict)
+    end: int = 0  # the stream position after the step's sequences (the next step's `consumed`)
 
     def values(self) -> dict[str, torch.Tensor]:
         """Everything a log step reads, by its logged name."""
@@ -316,7 +314,6 @@ class TrainStep:
                 share = v.float() / accum
                 metrics_sum[key] = share if key not in metrics_sum else metrics_sum[key] + share
         outcome = StepOutcome(
-            plan.end,
             plan.step,
             loss_sum,
             metrics_sum,
@@ -324,6 +321,7 @@ class TrainStep:
             plan.names,
             tokens=plan.tokens,
             flops=plan.flops,
+            end=plan.end,
         )
         self.finite.before_update(outcome)
         outcome.grad_norm = torch.as_tensor(self.stepper.step(), device=self.run.device).float()
