@@ -48,16 +48,17 @@ def saved_bytes(kind: str, width: int, attention: str, chunk: int, cpu_target) -
         t2d = t2d.to("meta")
     with torch.no_grad():
         hidden, logits = target_features(target.model, meta["input_ids"], feature_layers(cfg.head, target))
-    kept: dict[int, int] = {}
+    # by object, each held here until counted: an id alone could be reused by a tensor made after one is freed
+    kept: dict[int, tuple[torch.Tensor, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter):
-            kept[id(t)] = t.numel() * t.element_size()
+            kept[id(t)] = (t, t.numel() * t.element_size())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         HeadObjective(heads, objective)(meta, Features(hidden, logits, model=target.model), t2d)
-    return sum(kept.values())
+    return sum(size for _, size in kept.values())
 
 
 def per_token(kind: str, short: int, long: int, attention: str, chunk: int, cpu_target) -> float:

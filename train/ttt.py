@@ -19,6 +19,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
+from headway.train.attention_swap import UnderAttention
 from headway.train.ttt_flex import FlexAttention
 from headway.train.ttt_recompute import Recompute
 
@@ -84,21 +85,6 @@ def ttt_attention(
 
 
 AttentionInterface.register(ATTENTION, ttt_attention)
-
-
-class _Structured:
-    """Runs the drafter's layer under `ttt_attention` for the duration of a `with` block."""
-
-    def __init__(self, decoder: Any):
-        self.config = decoder.config
-        self.saved: Optional[str] = None
-
-    def __enter__(self) -> None:
-        self.saved = self.config._attn_implementation
-        self.config._attn_implementation = ATTENTION
-
-    def __exit__(self, *exc: Any) -> None:
-        self.config._attn_implementation = self.saved
 
 
 @dataclass
@@ -192,7 +178,7 @@ def ttt_unroll(
     # step 0's keys each kept query sees, once for all later steps
     prefix = drafter_mask(allowed.gather(1, index.unsqueeze(-1).expand(-1, -1, T)), dtype)
     hidden = unrolled.at(1, heads.next_hidden(out))
-    with _Structured(heads.decoder):
+    with UnderAttention(heads.decoder, ATTENTION):
         for j in range(1, steps):
             tokens = unrolled.at(1, shifted(ids, 1 + j))
             out = heads(tokens, hidden, kept_pos + j, prefix, cache)

@@ -26,6 +26,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import AttentionInterface
 
 from headway.errors import HeadwayError
+from headway.train.attention_swap import UnderAttention
 
 # The attention implementation every step runs under on the flex path (registered once, below).
 FLEX = "headway_ttt_flex"
@@ -131,26 +132,17 @@ def step_mask(
     return _block_mask(mask_mod, B, N, T + j * N, real)
 
 
-class FlexAttention:
+class FlexAttention(UnderAttention):
     """Runs a decoder under `flex_ttt_attention` for the duration of a `with` block; `mask(j)` is step j's
     block mask (real: [B, T] bool; index: [B, N] the kept positions; doc: a packed batch's sequence ids)."""
 
     def __init__(
         self, decoder: Any, real: torch.Tensor, index: torch.Tensor, doc: Optional[torch.Tensor] = None
     ):
-        self.config = decoder.config
+        super().__init__(decoder, FLEX)
         self.real, self.index, self.doc = real, index, doc
-        self.saved: Optional[str] = None
 
     def mask(self, j: int) -> BlockMask:
         if j == 0:
             return causal_mask(self.real, self.doc)
         return step_mask(self.real, self.index, j, self.doc)
-
-    def __enter__(self) -> "FlexAttention":
-        self.saved = self.config._attn_implementation
-        self.config._attn_implementation = FLEX
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.config._attn_implementation = self.saved

@@ -19,6 +19,7 @@ import torch
 from transformers import AttentionInterface
 
 from headway.errors import HeadwayError
+from headway.train.attention_swap import UnderAttention
 
 # The attention implementation every step runs under on this path (registered once, below).
 RECOMPUTE = "headway_ttt_recompute"
@@ -128,7 +129,7 @@ def recompute_attention(
 AttentionInterface.register(RECOMPUTE, recompute_attention)
 
 
-class Recompute:
+class Recompute(UnderAttention):
     """Runs a decoder under `recompute_attention` inside a `with` block; `mask(j)` readies step j (step 0 at
     every row index, later steps at the kept ones) and returns no mask: the attention builds its own chunk by
     chunk (real: [B, T] bool; index: [B, N]; doc: a packed batch's sequence ids)."""
@@ -136,21 +137,15 @@ class Recompute:
     def __init__(
         self, decoder: Any, real: torch.Tensor, index: torch.Tensor, doc: Optional[torch.Tensor] = None
     ):
-        self.config = decoder.config
+        super().__init__(decoder, RECOMPUTE)
         self.real, self.index = real, index
         self.doc = doc if doc is not None else real.new_zeros((0,), dtype=torch.long)
-        self.saved: Optional[str] = None
 
     def mask(self, j: int) -> None:
         B, T = self.real.shape
         rows = torch.arange(T, device=self.real.device).expand(B, T) if j == 0 else self.index
         _current.update(index=rows, real=self.real, doc=self.doc)
 
-    def __enter__(self) -> "Recompute":
-        self.saved = self.config._attn_implementation
-        self.config._attn_implementation = RECOMPUTE
-        return self
-
     def __exit__(self, *exc: Any) -> None:
-        self.config._attn_implementation = self.saved
+        super().__exit__(*exc)
         _current.clear()

@@ -98,7 +98,8 @@ class Objective(ABC):
             resumed run.
         loss_chunk: rows per chunk of the vocabulary loss (train.loss_chunk resolved; 0: in one pass),
             for the kinds that chunk it (train/chunked_loss.py).
-        ttt_attention: train.ttt_attention resolved (structured or flex), for the kinds that unroll.
+        ttt_attention: train.ttt_attention resolved (structured, flex or recompute), for the kinds with a
+            draft attention layer (EAGLE-1, EAGLE-3).
     """
 
     # The batch keys `plan` adds (empty: the kind plans nothing).

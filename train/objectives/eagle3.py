@@ -9,7 +9,7 @@ import torch
 
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import chain_acceptance, draft_loss, wide
+from headway.train.losses import chain_acceptance, draft_loss, masked_mean, wide
 from headway.train.objectives.common import Features, Objective, answer_ahead
 from headway.train.ttt import kept_positions, shifted, ttt_unroll
 
@@ -105,7 +105,7 @@ class Eagle3Objective(Objective):
                 total = total + (ec.ttt_decay**j) * loss_j
                 right = (best == teacher.argmax(-1)) & weight
                 metrics[f"loss/step{j}"] = loss_j.detach()
-                metrics[f"top1/step{j}"] = right.sum() / weight.sum().clamp(min=1)
+                metrics[f"top1/step{j}"] = masked_mean(right, weight)
                 hit = hit.index_put((rows, at), right)
             correct.append(hit)
         valid0 = answer_ahead(batch, 2) & shifted(in_draft, 1, False)
