@@ -20,7 +20,7 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
 from headway.inference.cache import truncate_cache
-from headway.inference.engine import StaticLayerCache
+from headway.inference.engine_cpu import StaticLayerCache
 from headway.inference.row_select import top_logprobs
 from headway.inference.tree import Tree, build_tree
 

@@ -134,7 +134,7 @@ def loop_mode(model: Any) -> str:
 
 
 def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any]:
-    """The C++ loop over `plans` (engine.LayerPlan, lean) and the model's final norm; None when `mode` is
+    """The C++ loop over `plans` (engine_step.LayerPlan, lean) and the model's final norm; None when `mode` is
     python, or (auto) when it cannot build or cover these layers. mode=cpp makes either of those an error."""
     if mode == "python":
         return None

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from headway.inference.engine import RowAttention, TransposedKeys
+from headway.inference.engine_plans import RowAttention, TransposedKeys
 from headway.inference.layer_loop import extension, row_kernel
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from decode_helpers import load_packed, with_threads
 
 from headway.inference import layer_loop
-from headway.inference.engine import LeanRMSNorm, StaticRunner, rope_tables
+from headway.inference.engine_cpu import StaticRunner
+from headway.inference.engine_step import LeanRMSNorm, rope_tables
 from headway.inference.tree import build_tree
 
 pytestmark = pytest.mark.skipif(
@@ -52,7 +53,7 @@ def test_rope_split_is_atens_bit_for_bit(heads: int, kv: int, dim: int):
     emb = torch.cat((angles, angles), -1)
     cos, sin = rope_tables(emb.cos().bfloat16()[None], emb.sin().bfloat16()[None])
     q, k, v = _ext().rope_split(qkv, cos, sin, heads, kv, dim)
-    # engine.layer_step's rotation
+    # engine_step.layer_step's rotation
     qk = qkv[:, : (heads + kv) * dim].view(n, heads + kv, dim)
     ref = qk * cos + qk.view(n, heads + kv, 2, dim // 2).flip(2).view(n, heads + kv, dim) * sin
     assert torch.equal(q, ref[:, :heads].transpose(0, 1))

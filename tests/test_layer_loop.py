@@ -13,7 +13,7 @@ from decode_helpers import engine_steps, load_packed
 
 from headway.errors import HeadwayError
 from headway.inference import layer_loop
-from headway.inference.engine import StaticRunner
+from headway.inference.engine_cpu import StaticRunner
 from headway.runtime import native_bf16
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from decode_helpers import load_packed
 
 from headway.inference import layer_loop
-from headway.inference.engine import StaticRunner
+from headway.inference.engine_cpu import StaticRunner
 from headway.inference.tree import build_tree
 from headway.runtime import native_bf16
 
