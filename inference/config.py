@@ -12,7 +12,7 @@ from headway.config import check_choice
 from headway.errors import HeadwayError
 
 # The target's forward: see InferenceConfig.engine.
-ENGINES = ("auto", "static", "compiled", "hf")
+ENGINES = ("auto", "static", "compiled", "cuda", "hf")
 # The inference keys a tree `headway tune` chose (tuned.json) replaces.
 TREE_KEYS = ("tree", "tree_nodes", "depth", "top_k", "total_tokens", "drafter")
 BASELINES = ("hf_generate", "hf_prompt_lookup")  # the peers `headway bench` can run
@@ -157,9 +157,11 @@ class InferenceConfig:
     top_k: int = 8
     total_tokens: int = 15
     max_new_tokens: int = 256
-    # The target's forward: auto (static for llama, qwen2 and mistral targets with full attention, else hf),
-    # static (a preallocated KV cache and Headway's own attention around the model's modules), hf (the
-    # model's own forward and transformers cache), compiled (static, its decoder layers under torch.compile:
+    # The target's forward: auto (for llama, qwen2 and mistral targets with full attention: cuda on a CUDA
+    # device, static elsewhere; else hf), cuda (the static engine's CUDA backend: bucketed steps over
+    # persistent buffers, CUDA graphs, greedy acceptance on the device; it runs on CPU tensors too), static
+    # (a preallocated KV cache and Headway's own attention around the model's modules), hf (the model's own
+    # forward and transformers cache), compiled (static, its decoder layers under torch.compile:
     # faster plain decoding in float32 after minutes of compiling on first use, docs/benchmarks.md; in bf16
     # only the static engine is exact). Plain and speculative decoding use the same one.
     engine: str = "auto"

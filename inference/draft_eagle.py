@@ -20,6 +20,7 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
 from headway.inference.cache import truncate_cache
+from headway.inference.draft_eagle_device import expand
 from headway.inference.engine_cpu import StaticLayerCache
 from headway.inference.row_select import top_logprobs
 from headway.inference.tree import Tree, build_tree
@@ -121,6 +122,15 @@ class EagleDrafter:
 
     def draft(self, root: int) -> tuple[torch.Tensor, Tree]:
         return self._select(root, *self.candidates())
+
+    def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` on the device, for the CUDA backend's loop: root [1] (a device tensor) -> node ids [n] and
+        parent indices [n] of the same tree, by the tensor expansion (draft_eagle_device.py) where the
+        drafter's cache is the static one; otherwise the host tree, uploaded."""
+        if isinstance(self.cache, StaticLayerCache):
+            return expand(self, root)
+        nodes, tree = self.draft(int(root))
+        return nodes, torch.tensor(tree.parent, dtype=torch.long, device=nodes.device)
 
     def proposals(self, root: int, depth: Optional[int] = None) -> tuple[list[int], list[float], list[int]]:
         """Every expanded candidate for a hybrid tree: target token id, draft probability given its parent,

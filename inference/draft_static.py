@@ -74,6 +74,7 @@ class StaticTreeDrafter:
         self.kmax = max(self.ks)
         self.node_depth = (tree.depth[1:] - 1).tolist()
         self.node_rank = [p[-1] for p in tree.paths[1:]]
+        self._on_device: dict = {}  # device -> (node depth, node rank, parent) as device tensors
 
     @property
     def max_depth(self) -> int:
@@ -110,3 +111,18 @@ class StaticTreeDrafter:
         top = self.heads.to_target_ids(torch.topk(self.offset_logits(root), self.kmax, dim=-1).indices)
         nodes = top[self.node_depth, self.node_rank]
         return torch.cat([torch.tensor([root], device=nodes.device), nodes]), self.tree
+
+    @torch.no_grad()
+    def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`draft` on the device, for the CUDA backend's loop: root [1] (a device tensor) -> the tree's node
+        ids [n] and parent indices [n] (-1: the root), without a host read; the tree's indices are uploaded
+        once."""
+        device = root.device
+        if device not in self._on_device:
+            self._on_device[device] = tuple(
+                torch.tensor(x, dtype=torch.long, device=device)
+                for x in (self.node_depth, self.node_rank, self.tree.parent)
+            )
+        depth, rank, parent = self._on_device[device]
+        top = self.heads.to_target_ids(torch.topk(self.offset_logits(root), self.kmax, dim=-1).indices)
+        return torch.cat([root.view(1), top[depth, rank]]), parent

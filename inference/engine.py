@@ -6,9 +6,14 @@ model's own modules (embedding, norms, projections, MLP, rotary embedding), so i
 family without a forked modeling file. It has no per-step reallocation, compacts an accepted tree path
 in place, and skips transformers' mask and cache machinery. Llama-style families with full attention
 (llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`. Both give the same
-logits (tests compare them in float64). `StaticLayerCache` runs the EAGLE drafter's one layer the same way
-(`layer_step` is the layer body both share). The compiled engine is the static one with its decoder stack
-under torch.compile (`ModelEngine.compiled_stack`).
+logits (tests compare them in float64). The compiled engine is the static one with its decoder stack under
+torch.compile (`ModelEngine.compiled_stack`); the cuda engine (`CudaRunner`) is the static engine's CUDA
+backend: bucketed steps over persistent buffers, CUDA graphs, greedy acceptance on the device.
+
+The modules behind it, one job each: engine_step.py (the layer math every static backend shares),
+engine_kv.py (the KV cache), engine_plans.py (the CPU backend's attention plans), engine_cpu.py (the CPU
+backend, and `StaticLayerCache`, the EAGLE drafter's layer), engine_cuda.py and engine_graphs.py (the CUDA
+backend and its graphs), accept_device.py (tree bookkeeping and greedy acceptance on the device).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from headway.inference.cache import (
     truncate_cache,
 )
 from headway.inference.engine_cpu import StaticRunner, _row_exact_dtype
+from headway.inference.engine_cuda import DEFAULT_BUCKETS, CudaRunner, rope_by_position
 from headway.inference.engine_step import STATIC_FAMILIES
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -100,15 +106,19 @@ def static_supported(model: Any) -> bool:
 
 
 def engine_name(model: Any, engine: str = "auto") -> str:
-    """The engine `engine` means for this model: auto is static where supported, else hf."""
-    if engine in ("static", "compiled") and not static_supported(model):
+    """The engine `engine` means for this model: auto is the CUDA backend (cuda) for a supported target on a
+    CUDA device, static for one elsewhere, else hf."""
+    if engine in ("static", "compiled", "cuda") and not static_supported(model):
         family = getattr(text_config(model.config), "model_type", "?")
         raise HeadwayError(
             f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
             f"this '{family}' target: use inference.engine=auto or hf"
         )
     if engine == "auto":
-        return "static" if static_supported(model) else "hf"
+        if not static_supported(model):
+            return "hf"
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        return "cuda" if on_cuda and rope_by_position(model) else "static"
     return engine
 
 
@@ -123,7 +133,8 @@ def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
     """A fresh runner (empty cache) for sequences of up to `max_len` tokens.
 
     Args:
-        model: the target; engine: auto (static where the family supports it, else hf), static, compiled, hf.
+        model: the target; engine: auto (see `engine_name`), static, compiled, cuda (engine_cuda.py; it runs
+            on CPU tensors too), hf.
     Returns:
         A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(),
         truncate(). Static runners of one model share its KV buffers (`ModelEngine`): one sequence at
@@ -131,4 +142,6 @@ def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
     name = engine_name(model, engine)
     if name == "hf":
         return HFRunner(model)
+    if name == "cuda":
+        return CudaRunner(model, max_len, getattr(model, "headway_cuda_buckets", DEFAULT_BUCKETS))
     return StaticRunner(model, max_len, compiled=name == "compiled")

@@ -85,11 +85,13 @@ class StaticLayerCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    def _rope_tables(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope_tables` at these positions [1, n]."""
+    def _rope_tables(
+        self, x: torch.Tensor, position_ids: torch.Tensor, top: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables` at these positions [1, n], each below `top` (a bound the caller knows: a drafter
+        position never exceeds its slot, so reading the largest from the device is not needed)."""
         if not self.rope_by_position:
             return rope_tables(*self.rotary(x, position_ids))
-        top = int(position_ids.max()) + 1
         if self.rope is None or self.rope[0].shape[0] < top or self.rope[0].dtype != x.dtype:
             size = max(top, 2 * (0 if self.rope is None else self.rope[0].shape[0]), self.k.shape[1])
             every = torch.arange(size, device=x.device).unsqueeze(0)
@@ -111,7 +113,7 @@ class StaticLayerCache:
                 new = old.new_empty(self.kv_heads, grow, self.head_dim)
                 new[:, :start] = old[:, :start]
                 setattr(self, name, new)
-        cos, sin = self._rope_tables(x, position_ids)
+        cos, sin = self._rope_tables(x, position_ids, start + n)
         slots = torch.arange(start, start + n, device=x.device)
         mask = None if mask is None else mask[0, 0]
         embedding = getattr(decoder.layers[0].input_layernorm, "embedding", None)

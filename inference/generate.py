@@ -20,6 +20,8 @@ import torch
 from headway.errors import HeadwayError
 from headway.inference.cache import sliding_window_limit
 from headway.inference.engine import make_runner
+from headway.inference.engine_cuda import CudaRunner
+from headway.inference.generate_device import device_loop
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
 from headway.inference.tree import Tree
 
@@ -184,9 +186,17 @@ def speculative_generate(
     stops = set(stop_ids)
     layers = drafter.feature_layers
     sampler = Sampler(sampling)
-    rule = rule or acceptance_rule(sampling)
+    own_rule, rule = rule is not None, rule or acceptance_rule(sampling)
     start = time.perf_counter()
     runner = make_runner(model, len(prompt) + max_new_tokens + drafter.max_nodes, engine)
+    if (
+        isinstance(runner, CudaRunner)
+        and sampling.greedy
+        and not own_rule
+        and hasattr(drafter, "draft_tensors")
+    ):
+        # the CUDA backend's greedy loop: drafting, verification and acceptance on the device, one read a step
+        return device_loop(runner, drafter, prompt, max_new_tokens, stops, _finish, GenerationResult)
     logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
     root = sampler.next_token(logits[-1])
     drafter.begin(prompt, root, features_at(hidden, layers, slice(None)))

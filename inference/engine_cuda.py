@@ -1,0 +1,249 @@
+"""The CUDA backend of the static engine (`inference.engine=cuda`): every decoding step is one bucketed step
+over persistent buffers, shaped for CUDA graphs.
+
+gpt-fast, SGLang's graph runners and vLLM's persistent buffers are the models:
+- a fixed cache length (`max_len` + one scratch slot that pad rows write) and a few row buckets;
+- the step reads only persistent device buffers (token ids, the tree as parent indices, the cache length and
+  the node count), written before it runs, so nothing per-step is a Python number frozen into it: a bucket's
+  step is the same kernels with the same shapes at every position and for every tree;
+- attention spans the whole cache under a mask built on the device (the prefix below the length, and each
+  node's ancestors), the lm_head runs over every row in one matmul, and greedy acceptance runs on the device
+  (accept_device.py), so a speculative step reads the host once: the accepted count, the bonus token, the
+  path and its tokens, in one small tensor;
+- the prompt runs eagerly (once per sequence); on CUDA each bucket's step is captured as a CUDA graph after
+  warm-up, with an eager fallback (engine_graphs.py), and SDPA is pinned to the flash, memory-efficient and
+  math kernels (cuDNN's builds a plan per new shape; see docs/inference.md).
+
+The same code runs on CPU tensors (the tests prove it there: the same logits as the model's own forward, and
+greedy speculative tokens equal to plain greedy ones).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Optional
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from headway.errors import HeadwayError
+from headway.heads.draft_layer import text_config
+from headway.inference.accept_device import greedy_accept, tree_ancestors
+from headway.inference.engine_graphs import StepGraphs
+from headway.inference.engine_kv import KVCache
+from headway.inference.engine_step import LayerPlan, _rms_norm_fn, layer_step, rope_tables
+from headway.inference.tree import Tree
+
+# the row buckets a step pads to when inference.cuda_buckets is not given: plain decoding, EAGLE's 15 + 1,
+# the hybrid's 32 + 1 and the GPU-sized trees (60 + 1)
+DEFAULT_BUCKETS = (1, 16, 48, 64)
+# SDPA's kernels for the backend's attention, in order of preference: never cuDNN's, whose plan is built
+# anew for each shape (and the prompt's shapes change with every request)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def pinned_sdpa() -> Any:
+    """The context every step of this backend runs in: SDPA without cuDNN."""
+    return sdpa_kernel(SDPA_BACKENDS)
+
+
+def rope_by_position(model: Any) -> bool:
+    """Whether the model's rotary tables are a function of the position alone (not rescaled with the
+    sequence length, as the dynamic types are), so the backend can precompute them for every slot."""
+    return "dynamic" not in str(getattr(model.model.rotary_emb, "rope_type", "default"))
+
+
+class StepBuffers:
+    """The persistent inputs of every step, sized for the largest bucket: token ids [Mmax], parent indices
+    [Mmax] (-1: root and pads), and meta [2] = (cache length before the step, real node count)."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.parent = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.meta = torch.zeros(2, dtype=torch.long, device=device)
+
+
+class CudaRunner:
+    """The bucketed, graph-shaped runner (see the module docstring). A `Runner` (forward, keep, truncate) for
+    every decoding loop, plus `step` / `read` / `keep_path`: the greedy loop's device-side verification
+    (generate_device.py).
+
+    Args:
+        model: a static-family target (engine_step.STATIC_FAMILIES) whose rotary tables depend on the position
+            alone; max_len: the most tokens a sequence holds; buckets: row counts a step pads to (a tree of n
+            nodes runs in the smallest bucket >= n); graphs: capture each bucket's step as a CUDA graph (CUDA
+            only; None: on CUDA)."""
+
+    def __init__(
+        self,
+        model: Any,
+        max_len: int,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        graphs: Optional[bool] = None,
+    ):
+        if not rope_by_position(model):
+            raise HeadwayError(
+                "inference.engine=cuda needs rotary tables that depend on the position alone (this target's "
+                "rope scales with the sequence length): use inference.engine=static or hf"
+            )
+        cfg = text_config(model.config)
+        self.model, self.base = model, model.model
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.plans = [LayerPlan(layer, lean=True) for layer in self.base.layers]
+        self.norm = _rms_norm_fn(self.base.norm, lean=True)
+        attn = self.base.layers[0].self_attn
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise HeadwayError(f"inference.cuda_buckets must be row counts >= 1 (got {list(buckets)})")
+        # slot `max_len` is the scratch slot pad rows write; no real row reaches it
+        self.capacity = max_len + 1
+        self.scratch = max_len
+        self.max_len = max_len
+        self.cache = KVCache(
+            len(self.plans),
+            int(cfg.num_key_value_heads),
+            self.capacity,
+            int(attn.head_dim),
+            p.dtype,
+            p.device,
+        )
+        # the rotary tables of every slot, once: each position's values are what rotary_emb gives it per call
+        every = torch.arange(self.capacity, device=self.device).view(1, -1)
+        probe = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
+        self.cos, self.sin = rope_tables(*self.base.rotary_emb(probe, every))
+        self.buf = StepBuffers(self.buckets[-1], self.device)
+        self.graphs = StepGraphs(self._step, self.device, enabled=graphs)
+        self.length = 0
+        self._last_bucket = self.buckets[0]
+
+    # -- the step ------------------------------------------------------------------------------------------
+
+    def bucket(self, n: int) -> int:
+        """The smallest bucket of at least n rows."""
+        i = bisect.bisect_left(self.buckets, n)
+        if i == len(self.buckets):
+            raise HeadwayError(
+                f"a step of {n} rows exceeds the largest row bucket ({self.buckets[-1]}): add a bucket to "
+                "inference.cuda_buckets or draft smaller trees"
+            )
+        return self.buckets[i]
+
+    def _step(self, m: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Bucket m's step over the persistent buffers: the logits [m, V] of every row, the hidden states
+        (transformers' output_hidden_states order, each [m, H], the last normed), and the greedy verdict
+        (`accept_device.greedy_accept` [2 + m], then the path's tokens [m]). Reads no host value: its every
+        shape is m's or the cache's."""
+        ids, parent = self.buf.ids[:m], self.buf.parent[:m]
+        start, n = self.buf.meta[0], self.buf.meta[1]
+        r = torch.arange(m, device=self.device)
+        ancestors = tree_ancestors(parent)
+        positions = start + ancestors.sum(1) - 1
+        slots = torch.where(r < n, start + r, torch.full_like(r, self.scratch))
+        cols = torch.arange(self.capacity, device=self.device)
+        rel = cols - start
+        in_tree = (rel >= 0) & (rel < m)
+        tree_part = ancestors.gather(1, rel.clamp(0, m - 1).expand(m, -1)) & in_tree
+        mask = (cols < start)[None, :] | tree_part
+        x = self.base.embed_tokens(ids)
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        states = [x]
+        for plan, k, v in zip(self.plans, self.cache.k, self.cache.v):
+            x = layer_step(plan, x, cos, sin, k, v, slots, self.capacity, mask)
+            states.append(x)
+        x = self.norm(x)
+        states[-1] = x
+        logits = self.model.lm_head(x)
+        argmax = logits.argmax(-1)
+        verdict = greedy_accept(ids, parent, ancestors, argmax, n)
+        return logits, states, torch.cat((verdict, ids.gather(0, verdict[2:])))
+
+    def step(self, ids: torch.Tensor, parent: torch.Tensor, n: int) -> tuple[Any, list, torch.Tensor]:
+        """Verify n nodes continuing the cache: ids [n] and parent [n] (device or host tensors) go into the
+        persistent buffers, and bucket(n)'s step runs (its graph where captured). Returns its outputs (see
+        `_step`), views of the graph's own memory where captured: read them before the next step."""
+        if self.length + n > self.max_len:
+            raise HeadwayError(
+                f"internal: static cache of {self.max_len} positions overflows ({self.length} + {n})"
+            )
+        m = self.bucket(n)
+        self.buf.ids[:n].copy_(ids.view(-1), non_blocking=True)
+        self.buf.parent[:n].copy_(parent.view(-1), non_blocking=True)
+        if m > n:
+            self.buf.parent[n:m].fill_(-1)
+        meta = torch.tensor([self.length, n], dtype=torch.long)
+        if self.device.type == "cuda":
+            meta = meta.pin_memory()
+        self.buf.meta.copy_(meta, non_blocking=True)
+        self._last_bucket = m
+        with pinned_sdpa():
+            out = self.graphs.run(m)
+        self.length += n
+        return out
+
+    @staticmethod
+    def read(verdict: torch.Tensor) -> list[int]:
+        """The speculative step's one device-to-host read: the verdict as a list."""
+        return verdict.tolist()
+
+    def keep_path(self, tree_size: int, path: torch.Tensor) -> None:
+        """Keep the accepted path (device node indices [k], root first) of the last `tree_size` entries, by
+        one gather-copy over every layer; no host read."""
+        first = self.length - tree_size
+        self.cache.compact(first, (path + first).clamp(max=self.scratch))
+        self.length = first + path.shape[0]
+
+    # -- the Runner interface --------------------------------------------------------------------------------
+
+    def forward(
+        self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        ids = ids.view(-1)
+        n = ids.shape[0]
+        if self.length == 0 and tree is None and n > 1:
+            return self._prefill(ids.to(self.device), hidden)
+        parent = list(range(-1, n - 1)) if tree is None else tree.parent
+        logits, states, _ = self.step(ids, torch.tensor(parent, dtype=torch.long), n)
+        states_n = tuple(h[None, :n] for h in states) if hidden else None
+        return logits[:n], states_n
+
+    def _prefill(self, ids: torch.Tensor, hidden: bool) -> tuple[Any, Any]:
+        """The prompt at the cache's start, eagerly: causal attention over its own slots; logits of the last
+        row only (the one the loops read)."""
+        n = ids.shape[0]
+        if n > self.max_len:
+            raise HeadwayError(f"internal: a prompt of {n} tokens overflows the {self.max_len}-slot cache")
+        slots = torch.arange(n, device=self.device)
+        x = self.base.embed_tokens(ids)
+        cos, sin = self.cos[:n], self.sin[:n]
+        states = [x]
+        with pinned_sdpa():
+            for plan, k, v in zip(self.plans, self.cache.k, self.cache.v):
+                x = layer_step(plan, x, cos, sin, k, v, slots, n, None, causal=True)
+                states.append(x)
+        x = self.norm(x)
+        states[-1] = x
+        self.length = n
+        logits = _LastRowLogits(self.model.lm_head(x[-1:]), n)
+        return logits, tuple(h[None] for h in states) if hidden else None
+
+    def keep(self, tree_size: int, keep: list[int]) -> None:
+        self.keep_path(tree_size, torch.tensor(keep, dtype=torch.long, device=self.device))
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+class _LastRowLogits:
+    """The prompt's logits as the loops read them: only the last row exists (index -1 or n - 1)."""
+
+    def __init__(self, last: torch.Tensor, n: int):
+        self.last, self.n = last, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if int(i) % self.n != self.n - 1:
+            raise HeadwayError("internal: the CUDA backend keeps only the prompt's last logits row")
+        return self.last[0]

@@ -1,0 +1,218 @@
+"""The CUDA backend (inference.engine=cuda) proven on a CPU: its code on CPU tensors gives the model's logits
+and plain greedy's tokens (float64), its device bookkeeping equals the host's, its EAGLE expansion builds the
+host drafter's tree, and its step reads nothing from the host (see also test_cuda_capture.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from decode_helpers import chat_ids, load64
+from test_eagle import random_head
+from test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
+
+from headway.errors import HeadwayError
+from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.inference.accept_device import greedy_accept, tree_ancestors
+from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.engine import HFRunner, engine_name, make_runner
+from headway.inference.engine_cuda import CudaRunner, pinned_sdpa
+from headway.inference.engine_kv import KVCache
+from headway.inference.generate import greedy_generate, speculative_generate
+from headway.inference.sampling import Sampler, SamplingConfig, accept_greedy
+from headway.inference.sync_guard import HostReads
+from headway.inference.tree import build_tree, tree_from_parents
+
+STATIC = ["llama", "qwen2", "mistral"]
+
+
+class DeviceOracle(OracleDrafter):
+    """The oracle drafter (the greedy continuation on some branches, noise on others) on tensors."""
+
+    def draft_tensors(self, root: torch.Tensor):
+        nodes, tree = self.draft(int(root))
+        return nodes.to(root.device), torch.tensor(tree.parent, device=root.device)
+
+
+def random_tree(rng: random.Random, n: int):
+    parents = [-1] + [rng.randrange(i) if rng.random() < 0.7 else i - 1 for i in range(1, n)]
+    tree, _ = tree_from_parents([p - 1 if p > 0 else -1 for p in parents[1:]])
+    return tree
+
+
+@pytest.mark.parametrize("arch", STATIC)
+def test_cuda_runner_matches_the_model_forward(tiny_dirs, arch: str):
+    t = load64(tiny_dirs[arch])
+    hf, cu = HFRunner(t.model), CudaRunner(t.model, 64, buckets=(1, 8, 16))
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
+    steps = [
+        (torch.arange(10, 40), None, None),
+        (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
+        (torch.tensor([11]), None, None),
+        (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
+        (torch.tensor([12, 13, 14, 15, 16, 17]), tree, [0, 1]),
+        (torch.tensor([18, 19]), None, None),  # a chain of two continuing the cache
+        (torch.tensor([24]), None, None),
+    ]
+    for ids, t_, keep in steps:
+        (la, ha), (lb, hb) = hf.forward(ids, t_, hidden=True), cu.forward(ids, t_, hidden=True)
+        rows = [len(ids) - 1] if t_ is None and len(ids) > 2 else range(len(ids))
+        assert all(torch.allclose(la[i], lb[i], atol=1e-10, rtol=0) for i in rows)
+        assert len(ha) == len(hb) == t.config.num_hidden_layers + 1
+        assert all(torch.allclose(x, y, atol=1e-10, rtol=0) for x, y in zip(ha, hb))
+        if keep:
+            hf.keep(tree.size, keep)
+            cu.keep(tree.size, keep)
+        assert hf.length == cu.length
+
+
+def test_the_cuda_engine_is_chosen_and_refused_with_a_reason(tiny_dirs):
+    llama, gemma = load64(tiny_dirs["llama"]), load64(tiny_dirs["gemma3"])
+    assert engine_name(llama.model) == "static"  # on a CPU; cuda on a CUDA device
+    assert isinstance(make_runner(llama.model, 32, "cuda"), CudaRunner)
+    assert engine_name(gemma.model) == "hf"
+    with pytest.raises(HeadwayError, match="inference.engine=cuda supports llama, qwen2, mistral"):
+        make_runner(gemma.model, 32, "cuda")
+    with pytest.raises(HeadwayError, match="largest row bucket"):
+        CudaRunner(llama.model, 32, buckets=(1, 4)).bucket(5)
+
+
+@pytest.mark.parametrize("arch", STATIC)
+def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
+    """The device loop (drafts, verification and acceptance on tensors) writes plain greedy's tokens, with
+    accepted paths of every length, and plain decoding on the backend writes the hf engine's."""
+    t = load64(tiny_dirs[arch])
+    tree = build_tree(WIDE_TREE)
+    for seed, prompt in enumerate(prompts_for(t.tokenizer)):
+        ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ref = greedy_generate(t.model, ids, 48, [], engine="hf").tokens
+        assert greedy_generate(t.model, ids, 48, [], engine="cuda").tokens == ref
+        oracle = DeviceOracle(tree, ref, t.config.vocab_size, seed)
+        res = speculative_generate(t.model, oracle, ids, 48, [], engine="cuda")
+        assert res.tokens == ref
+        assert max(res.accepted) >= 3 and min(res.accepted) == 0, res.accepted
+
+
+@pytest.mark.parametrize("arch", STATIC)
+def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
+    """EAGLE-3 (the device expansion) and Medusa (the static tree) through the device loop: plain greedy's
+    tokens, and the EAGLE steps accept what the static engine's host loop accepts."""
+    t = load64(tiny_dirs[arch])
+    stop = [t.tokenizer.eos_token_id]
+    eagle = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 4, 3, 10)
+    torch.manual_seed(0)
+    hidden, vocab = t.config.hidden_size, t.config.vocab_size
+    medusa_heads = MedusaHeads(MedusaConfig(num_heads=4, lm_head="shared"), hidden, vocab).double()
+    medusa_heads.init_from_target(t.model)
+    medusa_heads.attach_target(t.model)
+    for block in medusa_heads.blocks:
+        torch.nn.init.normal_(block[0].linear.weight, std=0.5)
+    medusa = MedusaDrafter(medusa_heads, build_tree(WIDE_TREE), t.config.num_hidden_layers)
+    for text in ["What is two plus three?", "Write a short poem about the sea."]:
+        ids = chat_ids(t, text)
+        ref = greedy_generate(t.model, ids, 32, stop, engine="hf")
+        for drafter in (eagle, medusa):
+            spec = speculative_generate(t.model, drafter, ids, 32, stop, engine="cuda")
+            host = speculative_generate(t.model, drafter, ids, 32, stop, engine="static")
+            assert spec.tokens == ref.tokens
+            assert spec.accepted == host.accepted
+
+
+def test_device_acceptance_is_the_host_walk():
+    """greedy_accept gives accept_greedy's path and bonus on random trees, duplicate sibling tokens, pads and
+    argmax ties included (first max)."""
+    rng = random.Random(0)
+    for trial in range(300):
+        n = rng.randrange(1, 14)
+        m = n + rng.randrange(0, 4)
+        tree = random_tree(rng, n)
+        vocab = rng.choice([3, 5, 50])
+        node_ids = [rng.randrange(vocab) for _ in range(n)]
+        logits = torch.randint(0, 3, (n, vocab)).double()  # small integers: ties are common
+        for i in range(n):  # the walk should often go deep: make some nodes the argmax of their parent
+            for c in tree.children[i]:
+                if rng.random() < 0.6:
+                    logits[i, node_ids[c]] = 9.0
+                    break
+        path, bonus = accept_greedy(tree, node_ids, logits, Sampler(SamplingConfig()))
+        parent = torch.tensor(tree.parent + [-1] * (m - n))
+        tokens = torch.tensor(node_ids + [0] * (m - n))
+        argmax = torch.cat([logits.argmax(-1), torch.zeros(m - n, dtype=torch.long)])
+        v = greedy_accept(tokens, parent, tree_ancestors(parent), argmax, torch.tensor(n)).tolist()
+        assert v[0] == len(path) - 1 and v[1] == bonus and v[2 : 2 + len(path)] == path, trial
+
+
+def test_tree_ancestors_are_the_host_trees():
+    rng = random.Random(1)
+    for _ in range(100):
+        tree = random_tree(rng, rng.randrange(1, 40))
+        parent = torch.tensor(tree.parent)
+        assert torch.equal(tree_ancestors(parent), tree.ancestors)
+        assert torch.equal(tree_ancestors(parent).sum(1) - 1, tree.depth)
+
+
+def test_kv_compaction_is_one_gather_copy_equal_to_the_per_layer_loop():
+    torch.manual_seed(0)
+    for trial in range(20):
+        cache = KVCache(3, 2, 40, 4, torch.float64, torch.device("cpu"))
+        cache.data.normal_()
+        ref = [t.clone() for t in (*cache.k, *cache.v)]
+        first = 10 + trial
+        keep = sorted(random.Random(trial).sample(range(8), random.Random(trial).randrange(1, 8)))
+        keep[0] = 0
+        src = torch.tensor(keep) + first
+        for c in ref:
+            c[:, first : first + len(keep)] = c.index_select(1, src)
+        as_tensor = trial % 2 == 0  # the CUDA backend passes the first slot as a device tensor
+        cache.compact(torch.tensor(first) if as_tensor else first, src)
+        assert all(torch.equal(a, b) for a, b in zip((*cache.k, *cache.v), ref))
+    # each layer's keys and values stay views of the one tensor, which the layer step writes in place
+    assert (
+        cache.k[2].data_ptr() == cache.data[2, 0].data_ptr()
+        and cache.v[1].data_ptr() == cache.data[1, 1].data_ptr()
+    )
+
+
+@pytest.mark.parametrize("setting", [(3, 3, 8), (4, 4, 15), (1, 5, 1), (2, 1, 2), (3, 8, 20)])
+def test_eagle_device_expansion_builds_the_host_tree(tiny_dirs, setting):
+    """draft_tensors (the expansion on tensors) gives draft()'s tree: the same node ids in the same order,
+    the same parents, step after step."""
+    depth, k, total = setting
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, "eagle3", seed=depth)
+    drafter = EagleDrafter(heads, t.config.num_hidden_layers, depth, k, total)
+    ids = chat_ids(t, "Write a short poem about the sea.")
+    _, hidden = HFRunner(t.model).forward(torch.tensor(ids), hidden=True)
+    feats = torch.cat([hidden[i][0] for i in drafter.feature_layers], -1)
+    drafter.begin(ids, 7, feats)
+    for step in range(4):
+        root = 5 + step
+        nodes, tree = drafter.draft(root)
+        d_nodes, d_parent = drafter.draft_tensors(torch.tensor([root]))
+        assert d_nodes.tolist() == nodes.tolist(), step
+        assert d_parent.tolist() == tree.parent, step
+        drafter.accept([3 + step, 4], feats[step : step + 2])
+
+
+def test_cuda_backend_loop_reads_the_host_once_a_step(tiny_dirs):
+    """On CPU tensors, the device loop with the EAGLE expansion reads the host once per speculative step (the
+    verdict), plus the prompt's first token; the host loop reads many times per node and level."""
+    t = load64(tiny_dirs["llama"])
+    drafter = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 3, 3, 8)
+    ids = chat_ids(t, "What is two plus three?")
+    counts = {}
+    for engine in ("cuda", "static"):
+        with HostReads() as reads:
+            res = speculative_generate(t.model, drafter, ids, 16, [], engine=engine)
+        counts[engine] = (reads.count, res.target_forwards)
+    reads, steps = counts["cuda"]
+    assert reads == steps + 1, counts
+    assert counts["static"][0] > 5 * counts["static"][1], counts
+
+
+def test_sdpa_is_pinned_off_cudnn():
+    with pinned_sdpa():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
