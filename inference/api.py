@@ -158,6 +158,9 @@ class SpeculativeDecoder:
             dtype=drafter_dtype(cfg.inference.drafter_dtype, head_config.get("kind"), target.model),
         )
         heads.attach_target(target.model)
+        # read by the CUDA backend (engine.make_runner)
+        target.model.headway_cuda_buckets = tuple(cfg.inference.cuda_buckets)
+        target.model.headway_cuda_graphs = cfg.inference.cuda_graphs
         if linear_weights(target.model) != "native":
             pack_head_linear_weights(heads, linear_weights(target.model))
         tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)

@@ -13,6 +13,9 @@ from headway.errors import HeadwayError
 
 # The target's forward: see InferenceConfig.engine.
 ENGINES = ("auto", "static", "compiled", "cuda", "hf")
+# inference.cuda_buckets by default: plain decoding, EAGLE's 15 draft nodes + root, the hybrid's 32 + 1,
+# and the GPU-sized trees (60 + 1).
+CUDA_BUCKETS = (1, 16, 48, 64)
 # The inference keys a tree `headway tune` chose (tuned.json) replaces.
 TREE_KEYS = ("tree", "tree_nodes", "depth", "top_k", "total_tokens", "drafter")
 BASELINES = ("hf_generate", "hf_prompt_lookup")  # the peers `headway bench` can run
@@ -165,6 +168,12 @@ class InferenceConfig:
     # faster plain decoding in float32 after minutes of compiling on first use, docs/benchmarks.md; in bf16
     # only the static engine is exact). Plain and speculative decoding use the same one.
     engine: str = "auto"
+    # The CUDA backend's row buckets (inference.engine=cuda): a step of n rows pads to the smallest bucket of
+    # at least n, and each bucket is one CUDA graph. Every tree a drafter makes must fit the largest.
+    cuda_buckets: list[int] = field(default_factory=lambda: list(CUDA_BUCKETS))
+    # Capture each bucket's step as a CUDA graph after two eager warm-up runs (false: every step eager; a
+    # failed capture falls back to eager for its bucket either way).
+    cuda_graphs: bool = True
     # What proposes the draft tree: hybrid (the head's branches and prompt-lookup branches in one tree, its
     # size and split chosen each step from calibrated confidence and this machine's verify cost; see
     # inference.hybrid), neural (the head's tree alone, sized by the settings above), ngram (prompt lookup
@@ -191,6 +200,11 @@ class InferenceConfig:
         check_choice("inference", "engine", self.engine, list(ENGINES))
         check_choice("inference", "drafter", self.drafter, list(DRAFTERS))
         check_choice("inference", "drafter_dtype", self.drafter_dtype, list(DRAFTER_DTYPES))
+        if not self.cuda_buckets or any(int(b) < 1 for b in self.cuda_buckets):
+            raise HeadwayError(
+                f"inference.cuda_buckets must be a list of row counts >= 1 (got {self.cuda_buckets}): e.g. "
+                "[1, 16, 48, 64]"
+            )
 
 
 @dataclass

@@ -61,7 +61,6 @@ class EagleDrafter:
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_nodes = total_tokens + 1
         self.feature_layers = heads.feature_layers(heads.cfg, num_target_layers)
-        self.param = next(heads.parameters())
         self.cache: Any = None
         self.committed = 0
         self.last_out: torch.Tensor | None = None  # drafter output at the last committed position [h]
@@ -73,6 +72,11 @@ class EagleDrafter:
     @property
     def max_depth(self) -> int:
         return self.depth
+
+    @property
+    def param(self) -> torch.Tensor:
+        """A parameter of the head: its device and dtype now (the head may move after the drafter is made)."""
+        return next(self.heads.parameters())
 
     def settings(self) -> dict:
         return {
@@ -103,7 +107,7 @@ class EagleDrafter:
         allowed = torch.ones(1, n, self.committed + n, dtype=torch.bool, device=dev)
         allowed[0, :, self.committed :] = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
         out = self.heads(
-            torch.tensor([tokens], device=dev),
+            torch.tensor([tokens]).to(dev, non_blocking=True),  # (one upload, from a host tensor)
             hidden,
             pos,
             drafter_mask(allowed, self.param.dtype),

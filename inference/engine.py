@@ -143,5 +143,7 @@ def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
     if name == "hf":
         return HFRunner(model)
     if name == "cuda":
-        return CudaRunner(model, max_len, getattr(model, "headway_cuda_buckets", DEFAULT_BUCKETS))
+        # (the decoder sets these from inference.cuda_buckets and inference.cuda_graphs)
+        buckets = getattr(model, "headway_cuda_buckets", DEFAULT_BUCKETS)
+        return CudaRunner(model, max_len, buckets, getattr(model, "headway_cuda_graphs", None))
     return StaticRunner(model, max_len, compiled=name == "compiled")

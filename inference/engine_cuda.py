@@ -29,14 +29,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.accept_device import greedy_accept, tree_ancestors
+from headway.inference.config import CUDA_BUCKETS
 from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
 from headway.inference.engine_step import LayerPlan, _rms_norm_fn, layer_step, rope_tables
 from headway.inference.tree import Tree
 
-# the row buckets a step pads to when inference.cuda_buckets is not given: plain decoding, EAGLE's 15 + 1,
-# the hybrid's 32 + 1 and the GPU-sized trees (60 + 1)
-DEFAULT_BUCKETS = (1, 16, 48, 64)
+# the row buckets of a runner made without inference.cuda_buckets: its default
+DEFAULT_BUCKETS = CUDA_BUCKETS
 # SDPA's kernels for the backend's attention, in order of preference: never cuDNN's, whose plan is built
 # anew for each shape (and the prompt's shapes change with every request)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -172,7 +172,7 @@ class CudaRunner:
         if m > n:
             self.buf.parent[n:m].fill_(-1)
         meta = torch.tensor([self.length, n], dtype=torch.long)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.cuda.is_available():  # (not on fake CUDA)
             meta = meta.pin_memory()
         self.buf.meta.copy_(meta, non_blocking=True)
         self._last_bucket = m

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from headway.inference.engine_cuda import CudaRunner
-from headway.inference.sampling import greedy_token
 
 
 def device_features(states: list, layers: list[int], rows: torch.Tensor) -> torch.Tensor:
@@ -42,12 +41,12 @@ def device_loop(
     layers = drafter.feature_layers
     start = time.perf_counter()
     logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
-    root = greedy_token(logits[-1])
+    root_dev = logits[-1].argmax().view(1)  # argmax: the first max, as plain decoding's
+    root = runner.read(root_dev)[0]  # the prompt's one read
     drafter.begin(
         prompt, root, torch.cat([hidden[i][0] for i in layers], -1) if layers else torch.empty(0, 0)
     )
     out, done = finish([root], stops, max_new_tokens)
-    root_dev = torch.tensor([root], device=runner.device)
     forwards, accepted_counts = 0, []
     t_draft = t_verify = 0.0
     while not done:

@@ -85,8 +85,14 @@ def to_fake_cuda(*modules: torch.nn.Module) -> None:
 def fake_cuda() -> Iterator[torch._subclasses.fake_tensor.FakeTensorMode]:
     """Inside the block, tensors made on or moved to "cuda" are fake CUDA tensors (`to_fake_cuda` moves a
     module)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses import fake_tensor
 
     install_guard()
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        yield mode
+    # a one-element constant made inside the block (torch.tensor([[token]])) is otherwise kept as a real
+    # constant, whose ops run for real: its move to "cuda" would reach the CPU build's missing CUDA kernels
+    limit, fake_tensor.CONSTANT_NUMEL_LIMIT = fake_tensor.CONSTANT_NUMEL_LIMIT, 0
+    try:
+        with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            yield mode
+    finally:
+        fake_tensor.CONSTANT_NUMEL_LIMIT = limit
