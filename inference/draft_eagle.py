@@ -20,7 +20,7 @@ import torch
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
 from headway.inference.cache import truncate_cache
-from headway.inference.draft_eagle_device import expand
+from headway.inference.draft_eagle_device import EagleExpansion
 from headway.inference.engine_cpu import StaticLayerCache
 from headway.inference.row_select import top_logprobs
 from headway.inference.tree import Tree, build_tree
@@ -68,6 +68,10 @@ class EagleDrafter:
         # seconds from the start of the last expansion to the end of each of its levels (the hybrid prices
         # depth with them)
         self.level_seconds: list[float] = []
+        # the device expansion (draft_tensors) over this drafter's reserved cache, kept across sequences (on
+        # CUDA its graph), and the slots to reserve for it (`reserve`; 0: sized at first use)
+        self.expansion: Optional[EagleExpansion] = None
+        self.reserved, self.graphs = 0, None
 
     @property
     def max_depth(self) -> int:
@@ -102,6 +106,9 @@ class EagleDrafter:
         """Drafter positions committed..committed+n-1 from the target's real features and the next tokens."""
         n = len(tokens)
         dev = self.param.device
+        if self.expansion is not None and not self._fits(self.committed + n):
+            # past the reserved cache: let it grow, and make a larger expansion when next asked
+            self.expansion, self.cache.fixed = None, False
         hidden = self.heads.project(features.to(dev).unsqueeze(0))
         pos = torch.arange(self.committed, self.committed + n, device=dev).unsqueeze(0)
         allowed = torch.ones(1, n, self.committed + n, dtype=torch.bool, device=dev)
@@ -117,9 +124,24 @@ class EagleDrafter:
         self.last_out = out[0, -1]
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
-        self.cache = self._new_cache()
+        if self.expansion is not None and self._fits(len(prompt)):
+            self.cache = self.expansion.cache  # reserved: reused, so a captured expansion stays valid
+            self.cache.truncate(0)
+        else:
+            self.cache, self.expansion = self._new_cache(), None
         self.committed = 0
         self._commit(prompt[1:] + [root], features)
+
+    def reserve(self, max_len: int, graphs: Optional[bool] = None) -> None:
+        """Size the device expansion's cache for sequences of up to `max_len` tokens, and say whether to
+        capture it as a CUDA graph (None: on CUDA); the CUDA backend's loop calls it before `begin`."""
+        self.reserved, self.graphs = max_len + self.depth * self.top_k, graphs
+        if self.expansion is not None and self.expansion.cache.k.shape[1] < self.reserved:
+            self.expansion = None
+
+    def _fits(self, length: int) -> bool:
+        """Whether the reserved cache holds `length` committed positions and an expansion after them."""
+        return length + self.depth * self.top_k <= self.expansion.cache.k.shape[1]
 
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
         self._commit(tokens, features)
@@ -132,7 +154,10 @@ class EagleDrafter:
         parent indices [n] of the same tree, by the tensor expansion (draft_eagle_device.py) where the
         drafter's cache is the static one; otherwise the host tree, uploaded."""
         if isinstance(self.cache, StaticLayerCache):
-            return expand(self, root)
+            if self.expansion is None:
+                room = self.reserved or self.committed + 1024 + self.depth * self.top_k
+                self.expansion = EagleExpansion(self, room, self.graphs)
+            return self.expansion.run(root)
         nodes, tree = self.draft(int(root))
         return nodes, torch.tensor(tree.parent, dtype=torch.long, device=nodes.device)
 

@@ -1,19 +1,23 @@
 """EAGLE-2's expansion on the device, for the CUDA backend's loop: the tree `EagleDrafter.draft` builds on the
-host (the same nodes, in the same order, with the same parents), from tensors alone, with no host read.
+host (the same nodes, in the same order, with the same parents), from tensors alone, with no host read, as
+one CUDA graph on CUDA.
 
-Every size is fixed by (top_k, depth, total_tokens): each level expands exactly top_k rows, so candidate c's
-parent, depth and drafter slot follow from tensors of static shape. The host's tie rules are kept by stable
+Every size is fixed by (top_k, depth, total_tokens) and the reserved drafter cache: each level expands
+exactly top_k rows, so candidate c's parent, depth and drafter slot follow from tensors of static shape, and
+the drafter's attention spans its whole reserved cache under a mask built on the device from the committed
+length (a device buffer, like the root and the drafter's last output). The host's tie rules are kept by stable
 sorts: the best `total_tokens` candidates by (-score, depth, index); each chosen node's rank among its chosen
 siblings by (-score, index); the tree's node order by (depth, path) as `build_tree` orders paths.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from headway.heads.draft_layer import drafter_mask
+from headway.inference.engine_graphs import StepGraphs
 from headway.inference.row_select import top_logprobs
 
 
@@ -26,51 +30,73 @@ def lexsort(*keys: torch.Tensor) -> torch.Tensor:
     return order
 
 
-@torch.no_grad()
-def expand(drafter: Any, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafter's tree on the device.
+class EagleExpansion:
+    """The expansion of one drafter as a fixed-shape step over persistent buffers (the root, the committed
+    length, the drafter's last output), over the drafter cache reserved at `capacity` slots: on CUDA one
+    graph, captured after warm-up (engine_graphs.StepGraphs), replayed for every tree.
 
     Args:
-        drafter: an EagleDrafter after `begin` / `accept` (its cache holds the committed positions).
-        root: [1] the root token (device).
-    Returns:
-        node ids [total_tokens + 1] (target vocabulary, root first) and parent indices [total_tokens + 1]
-        (-1: the root), in `build_tree`'s node order; the drafter cache is left as it was."""
-    heads, dev, k = drafter.heads, drafter.param.device, drafter.top_k
-    committed = drafter.committed
-    values, indices = top_logprobs(heads.logits(drafter.last_out.view(1, -1)), k)
-    tokens, scores = [indices[0]], [values[0]]
-    parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
-    depths = [torch.ones(k, dtype=torch.long, device=dev)]
-    layer = torch.arange(k, device=dev)  # candidate index of each row to expand next
-    layer_hidden = heads.next_hidden(drafter.last_out).view(1, 1, -1).expand(1, k, -1)
-    anc = torch.empty(k, 0, dtype=torch.long, device=dev)  # each row's ancestors' expansion slots
-    rows = torch.arange(k, device=dev)
-    count = k
-    for d in range(1, drafter.depth):
-        n_prev = (d - 1) * k
-        anc = torch.cat((anc, (n_prev + rows).view(k, 1)), 1)
-        allowed = torch.zeros(k, committed + n_prev + k, dtype=torch.bool, device=dev)
-        allowed[:, :committed] = True
-        allowed.scatter_(1, committed + anc, True)
-        cand_tokens = torch.cat(tokens).index_select(0, layer)
-        ids = heads.to_target_ids(cand_tokens).view(1, -1)
-        pos = torch.full((1, k), committed + d - 1, device=dev)
-        out = heads(ids, layer_hidden, pos, drafter_mask(allowed[None], drafter.param.dtype), drafter.cache)
-        child_logp, child_ids = top_logprobs(heads.logits(out[0]), k)
-        base = torch.cat(scores).index_select(0, layer).unsqueeze(-1)
-        cum = (base + child_logp).flatten()
-        tokens.append(child_ids.flatten())
-        scores.append(cum)
-        parents.append(layer.repeat_interleave(k))
-        depths.append(torch.full((k * k,), d + 1, dtype=torch.long, device=dev))
-        best = cum.topk(k).indices
-        layer = count + best
-        count += k * k
-        anc = anc.index_select(0, best // k)
-        layer_hidden = heads.next_hidden(out[0].index_select(0, best // k)).unsqueeze(0)
-    drafter.cache.truncate(committed)
-    return _select(drafter, root, torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(depths))
+        drafter: the EagleDrafter (its cache a StaticLayerCache); capacity: the slots to reserve, at least
+            the longest sequence plus (depth - 1) * top_k expansion slots; graphs: None = on CUDA."""
+
+    def __init__(self, drafter: Any, capacity: int, graphs: Optional[bool] = None):
+        self.drafter = drafter
+        p = drafter.param
+        self.cache = drafter.cache
+        self.cache.reserve(capacity, p.new_zeros(1))
+        self.root = torch.zeros(1, dtype=torch.long, device=p.device)
+        self.committed = torch.zeros((), dtype=torch.long, device=p.device)
+        self.last_out = p.new_zeros(drafter.last_out.shape)
+        self.graphs = StepGraphs(lambda _: self._expand(), p.device, enabled=graphs)
+
+    def run(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tree after `root` [1] (device): node ids and parents (see `expand`)."""
+        self.root.copy_(root.view(1))
+        self.committed.fill_(self.drafter.committed)
+        self.last_out.copy_(self.drafter.last_out)
+        return self.graphs.run(0)
+
+    def _expand(self) -> tuple[torch.Tensor, torch.Tensor]:
+        drafter, cache = self.drafter, self.cache
+        heads, dev, k = drafter.heads, self.root.device, drafter.top_k
+        committed, width = self.committed, cache.k.shape[1]
+        cols = torch.arange(width, device=dev)
+        values, indices = top_logprobs(heads.logits(self.last_out.view(1, -1)), k)
+        tokens, scores = [indices[0]], [values[0]]
+        parents = [torch.full((k,), -1, dtype=torch.long, device=dev)]
+        depths = [torch.ones(k, dtype=torch.long, device=dev)]
+        layer = torch.arange(k, device=dev)  # candidate index of each row to expand next
+        layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
+        anc = torch.empty(k, 0, dtype=torch.long, device=dev)  # each row's ancestors' expansion slots
+        rows = torch.arange(k, device=dev)
+        count = k
+        try:
+            for d in range(1, drafter.depth):
+                anc = torch.cat((anc, ((d - 1) * k + rows).view(k, 1)), 1)
+                # each row sees the committed prefix, its own slot and its ancestors' slots
+                allowed = (cols[None, :] < committed) | (
+                    cols[None, None, :] == (committed + anc)[:, :, None]
+                ).any(1)
+                cache.at = committed + (d - 1) * k + rows
+                ids = heads.to_target_ids(torch.cat(tokens).index_select(0, layer)).view(1, -1)
+                pos = (committed + d - 1).expand(1, k)
+                out = heads(ids, layer_hidden, pos, drafter_mask(allowed[None], self.last_out.dtype), cache)
+                child_logp, child_ids = top_logprobs(heads.logits(out[0]), k)
+                cum = (torch.cat(scores).index_select(0, layer).unsqueeze(-1) + child_logp).flatten()
+                tokens.append(child_ids.flatten())
+                scores.append(cum)
+                parents.append(layer.repeat_interleave(k))
+                depths.append(torch.full((k * k,), d + 1, dtype=torch.long, device=dev))
+                best = cum.topk(k).indices
+                layer = count + best
+                count += k * k
+                anc = anc.index_select(0, best // k)
+                layer_hidden = heads.next_hidden(out[0].index_select(0, best // k)).unsqueeze(0)
+        finally:
+            cache.at = None
+        return _select(
+            drafter, self.root, torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+        )
 
 
 def _select(

@@ -57,6 +57,10 @@ class StaticLayerCache:
         self.rope_by_position = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
         self.loop, self.emb_norm = self._build_loop(layer, decoder, loop, p.device.type)
         self.fused = fused and p.dtype == torch.bfloat16
+        # the device expansion's rows (draft_eagle_device.py): the slots the next `run` writes, as a device
+        # tensor; its attention then spans the whole buffer under a mask of that width, and the length stays
+        self.at: Optional[torch.Tensor] = None
+        self.fixed = False  # reserved: the buffers never move again (a captured graph holds their addresses)
 
     def _build_loop(self, layer: Any, decoder: Any, mode: str, device: str) -> tuple[Optional[Any], Any]:
         """The C++ loop over this one layer (EAGLE-3's fused input norm: its hidden half as the layer's norm,
@@ -85,6 +89,18 @@ class StaticLayerCache:
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    def reserve(self, capacity: int, x: torch.Tensor) -> None:
+        """Grow the buffers once to `capacity` slots and the rotary tables to as many positions (x: any
+        tensor of the layer's dtype and device), and never move them again."""
+        if self.k.shape[1] < capacity:
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_zeros(self.kv_heads, capacity, self.head_dim)
+                new[:, : self.length] = old[:, : self.length]
+                setattr(self, name, new)
+        self._rope_tables(x, torch.zeros(1, 1, dtype=torch.long, device=x.device), self.k.shape[1])
+        self.fixed = True
+
     def _rope_tables(
         self, x: torch.Tensor, position_ids: torch.Tensor, top: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,11 +118,20 @@ class StaticLayerCache:
         self, decoder: Any, x: torch.Tensor, position_ids: torch.Tensor, mask: Optional[torch.Tensor]
     ) -> torch.Tensor:
         """The layer over x [1, n, h] at the next n slots; `mask` [1, 1, n, length + n] as the drafter
-        builds it."""
+        builds it (with `at` set: at slots `at`, `mask` [1, 1, n, capacity])."""
         if x.shape[0] != 1:
             raise HeadwayError("internal: the drafter's static cache decodes one sequence at a time")
         start, n = self.length, x.shape[1]
+        if self.at is not None:
+            cos, sin = self._rope_tables(x, position_ids, self.k.shape[1])
+            end = self.k.shape[1]
+            return layer_step(self.plan, x[0], cos, sin, self.k, self.v, self.at, end, mask[0, 0])[None]
         if start + n > self.k.shape[1]:
+            if self.fixed:
+                raise HeadwayError(
+                    f"internal: the drafter's reserved cache of {self.k.shape[1]} slots overflows "
+                    f"({start} + {n})"
+                )
             grow = max(2 * self.k.shape[1], start + n)
             for name in ("k", "v"):
                 old = getattr(self, name)

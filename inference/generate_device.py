@@ -40,6 +40,8 @@ def device_loop(
     (generate._finish), `result` builds the GenerationResult."""
     layers = drafter.feature_layers
     start = time.perf_counter()
+    if hasattr(drafter, "reserve"):  # a drafter with a device cache of its own sizes it once
+        drafter.reserve(runner.max_len, runner.graphs.enabled)
     logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
     root_dev = logits[-1].argmax().view(1)  # argmax: the first max, as plain decoding's
     root = runner.read(root_dev)[0]  # the prompt's one read

@@ -21,6 +21,7 @@ from test_eagle import random_head
 from test_speculative_exact import WIDE_TREE
 
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.inference import draft_eagle, draft_eagle_device
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.engine_cuda import CudaRunner
@@ -177,3 +178,41 @@ def test_steps_of_a_bucket_record_the_same_ops(tiny_dirs):
         runner.keep_path(size, torch.tensor([0]))
     assert len(traces) == 3 and traces[0] == traces[1] == traces[2]
     assert runner.length == 23
+
+
+def torch_top_logprobs(logits, k):
+    """row_select.top_logprobs as it runs off the CPU (no C++ kernel)."""
+    top = torch.log_softmax(logits.float(), -1).topk(k)
+    return top.values, top.indices
+
+
+def test_the_eagle_expansion_compiles_to_one_checked_graph(tiny_dirs, monkeypatch):
+    """The drafter's expansion (its own graph on CUDA): one graph over steps at growing committed lengths,
+    free of host syncs, writing only the drafter's cache, and the host drafter's tree at every step."""
+    for module in (draft_eagle, draft_eagle_device):  # the CPU's C++ top-k kernel is not traceable
+        monkeypatch.setattr(module, "top_logprobs", torch_top_logprobs)
+    t = load32(tiny_dirs["llama"])
+    heads = head(t, "eagle3")
+    drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8)
+    drafter.reserve(96)
+    ids = chat_ids(t, "Write a short poem about the sea.")
+    runner = CudaRunner(t.model, 96, graphs=False)
+    _, hidden = runner.forward(torch.tensor(ids), hidden=True)
+    feats = torch.cat([hidden[i][0] for i in drafter.feature_layers], -1)
+    drafter.begin(ids, 7, feats)
+    drafter.draft_tensors(torch.tensor([5]))  # makes the expansion
+    backend = CheckingBackend()
+    expansion = drafter.expansion
+    expansion.graphs.step = torch.compile(lambda _: expansion._expand(), backend=backend, fullgraph=True)
+    try:
+        for step in range(4):
+            if step == 1:
+                torch.compiler.set_stance("fail_on_recompile")
+            nodes, tree = drafter.draft(5 + step)
+            d_nodes, d_parent = drafter.draft_tensors(torch.tensor([5 + step]))
+            assert d_nodes.tolist() == nodes.tolist() and d_parent.tolist() == tree.parent
+            drafter.accept([3 + step, 4, 6][: 1 + step % 3], feats[step : step + 1 + step % 3])
+    finally:
+        torch.compiler.set_stance("default")
+    assert backend.graphs == 1
+    assert backend.mutated and all(".cache." in name for name in backend.mutated), backend.mutated
