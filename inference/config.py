@@ -16,6 +16,12 @@ ENGINES = ("auto", "static", "compiled", "cuda", "hf")
 # inference.cuda_buckets by default: plain decoding, EAGLE's 15 draft nodes + root, the hybrid's 32 + 1,
 # and the GPU-sized trees (60 + 1).
 CUDA_BUCKETS = (1, 16, 48, 64)
+# The tree a target on a CUDA device decodes with where `headway tune` has chosen none for the machine (with
+# inference.use_tuned=true): EAGLE-2's GPU tree (depth 6, top_k 10, the best 60 nodes), and a hybrid tree of
+# up to 60 nodes. A GPU verifies 61 rows in about the time of one (one inference.cuda_buckets bucket of 64),
+# where a CPU's cost grows with every row.
+GPU_TREE = {"depth": 6, "top_k": 10, "total_tokens": 60}
+GPU_HYBRID_MAX_NODES = 60
 # The inference keys a tree `headway tune` chose (tuned.json) replaces.
 TREE_KEYS = ("tree", "tree_nodes", "depth", "top_k", "total_tokens", "drafter")
 BASELINES = ("hf_generate", "hf_prompt_lookup")  # the peers `headway bench` can run

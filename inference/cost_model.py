@@ -2,7 +2,8 @@
 
 The hybrid drafter sizes its tree from these curves each step, and `headway tune` prices candidate trees
 with them. A row-exact engine's cost also depends on the tree's depth (`depth_matters`): there the model
-interpolates between a chain and a flat tree.
+interpolates between a chain and a flat tree. The CUDA backend's cost is a step function, one value per row
+bucket (`bucket_costs`): on a GPU 64 rows cost about what one does, so tune and the hybrid pick larger trees.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 
 from headway.inference.config import TREE_SIZES
 from headway.inference.engine import engine_name, make_runner
+from headway.inference.engine_cuda import CudaRunner
+from headway.inference.engine_graphs import WARMUP
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule, greedy_token
 from headway.inference.tree import build_tree
 from headway.target.packed_model import linear_weights
@@ -77,6 +80,10 @@ def verify_cost(
     gen = torch.Generator().manual_seed(0)
     runner = make_runner(model, prefix_len + max(sizes) + 1, engine)
     runner.forward(torch.randint(vocab, (prefix_len,), generator=gen))
+    if isinstance(runner, CudaRunner):
+        return bucket_costs(
+            runner, sizes, prefix_len, repeats, torch.randint(vocab, (max(sizes),), generator=gen)
+        )
     greedy, rule = Sampler(SamplingConfig()), acceptance_rule(SamplingConfig())
     out: dict[int, float] = {}
     for n in sorted(set(sizes)):
@@ -97,6 +104,31 @@ def verify_cost(
             runner.truncate(prefix_len)
         out[n] = statistics.median(times[1:])
     return out
+
+
+def bucket_costs(
+    runner: CudaRunner, sizes: list[int], prefix_len: int, repeats: int, ids: torch.Tensor
+) -> dict[int, float]:
+    """The CUDA backend's verification cost: a step function of the node count, one value per row bucket
+    (a tree of n nodes runs as its bucket's step). Each bucket is timed as the device loop runs it (the step,
+    the verdict's read, the path kept), after the warm-up that captures its graph; the curve holds every n
+    from 1 to max(sizes), so interpolating it keeps the steps."""
+    per_bucket: dict[int, float] = {}
+    for m in sorted({runner.bucket(n) for n in sizes}):
+        n = max(k for k in sizes if runner.bucket(k) == m)  # (any n of the bucket runs the same step)
+        parent = torch.arange(-1, n - 1)  # a chain: on this backend the tree's shape costs nothing
+        times = []
+        for _ in range(WARMUP + 1 + repeats):
+            _sync(runner.device)
+            t0 = time.perf_counter()
+            _, _, verdict = runner.step(ids[:n], parent, n)
+            runner.read(verdict)
+            runner.keep_path(n, verdict[2:3])
+            _sync(runner.device)
+            times.append(time.perf_counter() - t0)
+            runner.truncate(prefix_len)
+        per_bucket[m] = statistics.median(times[WARMUP + 1 :])
+    return {n: per_bucket[runner.bucket(n)] for n in range(1, max(sizes) + 1)}
 
 
 def _sync(device: torch.device) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from headway.errors import HeadwayError
+from headway.inference.config import GPU_HYBRID_MAX_NODES, GPU_TREE
 from headway.inference.cost_model import machine_key
 from headway.io import atomic_write_json, read_json
 
@@ -51,6 +52,9 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
         return cfg
     entries = read_tuned(head_dir)
     match = tuned_entry(head_dir, model, cfg.inference.engine)
+    if match is None and next(model.parameters()).device.type == "cuda":
+        log.info("no tree tuned for this GPU: using GPU-sized trees (%s; run `headway tune`)", GPU_TREE)
+        return gpu_sized(cfg)
     if match is None:
         if entries:
             log.info(
@@ -68,3 +72,9 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
         chosen,
     )
     return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **chosen))
+
+
+def gpu_sized(cfg: Any) -> Any:
+    """cfg with the GPU-sized trees (config.GPU_TREE, GPU_HYBRID_MAX_NODES) in place of its tree settings."""
+    hybrid = dataclasses.replace(cfg.inference.hybrid, max_nodes=GPU_HYBRID_MAX_NODES)
+    return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **GPU_TREE, hybrid=hybrid))

@@ -15,6 +15,7 @@ from test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.accept_device import greedy_accept, tree_ancestors
+from headway.inference.cost_model import verify_cost
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.engine import HFRunner, engine_name, make_runner
@@ -24,6 +25,8 @@ from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.sampling import Sampler, SamplingConfig, accept_greedy
 from headway.inference.sync_guard import HostReads
 from headway.inference.tree import build_tree, tree_from_parents
+from headway.inference.tuned import gpu_sized
+from headway.run_config import RunConfig
 
 STATIC = ["llama", "qwen2", "mistral"]
 
@@ -216,3 +219,24 @@ def test_sdpa_is_pinned_off_cudnn():
     with pinned_sdpa():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.math_sdp_enabled()
+
+
+def test_the_cuda_backend_costs_a_step_function_of_its_buckets(tiny_dirs):
+    """verify_cost on the CUDA backend: one value per bucket, every node count from 1 up, so tune and the
+    hybrid price a tree by its bucket."""
+    t = load64(tiny_dirs["llama"])
+    t.model.headway_cuda_buckets = (1, 4, 12)
+    try:
+        costs = verify_cost(t.model, [1, 3, 9], prefix_len=16, repeats=1, engine="cuda")
+    finally:
+        del t.model.headway_cuda_buckets
+    assert sorted(costs) == list(range(1, 10))
+    assert costs[2] == costs[3] == costs[4] and len({costs[n] for n in range(5, 10)}) == 1
+
+
+def test_gpu_targets_get_gpu_sized_trees():
+    cfg = gpu_sized(RunConfig())
+    assert (cfg.inference.depth, cfg.inference.top_k, cfg.inference.total_tokens) == (6, 10, 60)
+    assert cfg.inference.hybrid.max_nodes == 60
+    # the largest tree fits the largest default bucket
+    assert cfg.inference.total_tokens + 1 <= max(cfg.inference.cuda_buckets)

@@ -158,3 +158,12 @@ def test_config_modules_are_torch_free():
     a config before anything heavy loads."""
     loaded = _modules_loaded_by("import headway.run_config, headway.demo_config, headway.checks")
     assert not [m for m in loaded if m.split(".")[0] in HEAVY]
+
+
+def test_no_inference_module_is_over_600_lines():
+    """The engine is split by concern and device (engine.py is the facade): no module grows past a screenful
+    of screens."""
+    long = {
+        p.name: n for p in (ROOT / "inference").glob("*.py") if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, long
