@@ -3,9 +3,15 @@
 Every figure is written as soon as it is measured, so a run killed at its time limit still leaves what it
 measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the script cannot rot).
 
-    python scripts/gpu_check.py env|exact|decode|profile --results FILE [--dry-run] [--prompts FILE.jsonl]
+    python scripts/gpu_check.py env|cudnn|backend|exact|decode|profile|distill --results FILE [--dry-run]
+        [--prompts FILE.jsonl]
 
 - env: the GPU, torch, CUDA and transformers versions, the commit.
+- cudnn: the old path's bf16 step times (static engine, HF generate); run with and without
+  TORCH_CUDNN_SDPA_DEPRIORITIZED=1, it settles whether cuDNN's SDPA plans slow bf16.
+- backend: the CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at 1, 16,
+  48 and 64 rows; host reads per speculative step of its device loop (and inside captured regions, under
+  set_sync_debug_mode("error") on CUDA), its tokens against plain decoding.
 - exact: greedy speculative output against plain greedy output on the same engine and dtype, per prompt, on
   tiny random models of four architectures (an untrained EAGLE-3 head) and on the default target (the shipped
   head); each (model, dtype, engine) records how many prompts were equal and where the first one parted.
@@ -23,7 +29,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,8 +59,12 @@ from headway.heads.eagle3 import Eagle3Head  # noqa: E402
 from headway.inference.api import SpeculativeDecoder  # noqa: E402
 from headway.inference.baselines import hf_generate  # noqa: E402
 from headway.inference.draft_eagle import EagleDrafter  # noqa: E402
-from headway.inference.engine import static_supported  # noqa: E402
+from headway.inference.engine import make_runner, static_supported  # noqa: E402
+from headway.inference.engine_cuda import CudaRunner  # noqa: E402
+from headway.inference.engine_graphs import WARMUP, StepGraphs  # noqa: E402
 from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
+from headway.inference.sync_guard import HostReads  # noqa: E402
+from headway.inference.tree import build_tree  # noqa: E402
 from headway.kinds.registry import build_head  # noqa: E402
 from headway.run_config import RunConfig  # noqa: E402
 from headway.target.config import TargetConfig  # noqa: E402
@@ -68,9 +80,19 @@ BUILT_IN = [
 # (dtype, engine) pairs decoded: every pair on the GPU; in the dry run one pair per dtype, covering
 # both engines
 PAIRS = {
-    "gpu": [("bfloat16", "static"), ("bfloat16", "hf"), ("float32", "static"), ("float32", "hf")],
-    "dry": [("bfloat16", "static"), ("float32", "hf")],
+    "gpu": [
+        ("bfloat16", "cuda"),
+        ("bfloat16", "static"),
+        ("bfloat16", "hf"),
+        ("float32", "cuda"),
+        ("float32", "static"),
+        ("float32", "hf"),
+    ],
+    "dry": [("bfloat16", "static"), ("float32", "cuda"), ("float32", "hf")],
 }
+# the CUDA backend's row counts timed per step (replay ms), and the cache length before them
+REPLAY_ROWS = (1, 16, 48, 64)
+REPLAY_PREFIX = 256
 BUDGET = {
     "gpu": {"prompts": 14, "tokens": 128, "tiny_tokens": 48},
     "dry": {"prompts": 2, "tokens": 8, "tiny_tokens": 8},
@@ -173,7 +195,7 @@ def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
             heads = heads.to(device=t.device, dtype=t.model.dtype).eval()
             drafter = EagleDrafter(heads, L, 4, 3, 10)
             ids = [chat_ids(t, text) for text in texts]
-            for engine in ["hf"] + (["static"] if static_supported(t.model) else []):
+            for engine in ["hf"] + (["static", "cuda"] if static_supported(t.model) else []):
                 got = _exactness(
                     t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine
                 )
@@ -181,7 +203,7 @@ def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
     for dtype in ("float32", "bfloat16"):
         d = _decoder(device, dtype, dry)
         ids = [d.fmt.first_turn(text) for text in _prompt_texts(prompts, budget["prompts"])]
-        for engine in ("hf", "static"):
+        for engine in ("hf", "static", "cuda"):
             got = _exactness(d.target.model, d.drafter, ids, budget["tokens"], d.fmt.stop_ids, engine)
             res.write(model="default-target", dtype=dtype, engine=engine, device=device, **got)
 
@@ -315,6 +337,148 @@ def step_profile(res: Results, dry: bool, prompts: str | None) -> None:
             )
 
 
+def step_cudnn(res: Results, dry: bool, prompts: str | None) -> None:
+    """The old path's bf16 steps (the static engine, SDPA at whatever backend torch prefers) and HF generate:
+    ms per plain step, per 16-node verification at a new cache length each time (as decoding gives), and per
+    HF-generated token. gpu_check.sh runs it twice, with and without TORCH_CUDNN_SDPA_DEPRIORITIZED=1: if
+    cuDNN's per-shape plans are what slows bf16, the second run is the faster."""
+    device = _device(dry)
+    dtype = "float32" if dry else "bfloat16"
+    d = _decoder(device, dtype, dry, "inference.engine=static")
+    model = d.target.model
+    n, steps = (8, 4) if dry else (64, 24)
+    ids = d.fmt.first_turn(BUILT_IN[0])
+    tree = build_tree([[0] * k for k in range(1, 5)] + [[i] for i in range(1, 12)])
+    d.generate_plain(ids, 4)  # warm-up
+    plain = d.generate_plain(ids, n)
+    runner = make_runner(model, len(ids) + steps * tree.size + 1, "static")
+    runner.forward(torch.tensor(ids))
+    times = []
+    for i in range(steps):
+        nodes = torch.randint(100, 1000, (tree.size,))
+        _sync(device)
+        t0 = time.perf_counter()
+        runner.forward(nodes, tree)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        runner.keep(tree.size, [0, 1][: 1 + i % 2])  # the cache length changes every step
+    _sync(device)
+    t0 = time.perf_counter()
+    hf = hf_generate(model, ids, n, d.fmt.stop_ids, d.cfg.inference.sampling)
+    _sync(device)
+    res.write(
+        device=device,
+        dtype=dtype,
+        cudnn_sdpa_deprioritized=os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", ""),
+        plain_ms_per_step=round(1e3 * plain.seconds / max(1, len(plain.tokens)), 3),
+        verify16_ms_first=round(1e3 * times[0], 3),
+        verify16_ms_median=round(1e3 * statistics.median(times[1:]), 3),
+        hf_generate_ms_per_token=round(1e3 * (time.perf_counter() - t0) / max(1, len(hf.tokens)), 3),
+    )
+
+
+def _step_ms(runner: CudaRunner, rows: int, repeats: int) -> float:
+    """Median ms of the CUDA backend's step at `rows` rows as the device loop runs it (step, verdict read,
+    root kept), after the warm-up that captures its graph."""
+    ids, parent = torch.randint(100, 1000, (rows,)), torch.arange(-1, rows - 1)
+    times = []
+    for _ in range(WARMUP + 1 + repeats):
+        _sync(str(runner.device))
+        t0 = time.perf_counter()
+        _, _, verdict = runner.step(ids, parent, rows)
+        runner.read(verdict)
+        runner.keep_path(rows, verdict[2:3])
+        _sync(str(runner.device))
+        times.append(time.perf_counter() - t0)
+        runner.truncate(REPLAY_PREFIX)
+    return 1e3 * statistics.median(times[WARMUP + 1 :])
+
+
+class _NoSyncInSteps:
+    """Inside every captured region (the target's bucket steps, the drafter's expansion): on CUDA
+    torch.cuda.set_sync_debug_mode("error"), so a host sync there raises; everywhere, a count of host reads
+    there (`reads`, which must stay 0)."""
+
+    def __init__(self) -> None:
+        self.reads, self.regions, self._run = 0, 0, StepGraphs.run
+
+    def __enter__(self) -> "_NoSyncInSteps":
+        outer = self
+
+        def run(graphs: StepGraphs, m: int) -> Any:
+            # (not while a bucket warms up or is captured: those synchronise on purpose)
+            settled = m in graphs.graphs or m in graphs.failed or not graphs.enabled
+            cuda = settled and torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with HostReads() as reads:
+                    out = outer._run(graphs, m)
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode("default")
+            outer.reads += reads.count
+            outer.regions += 1
+            return out
+
+        StepGraphs.run = run
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        StepGraphs.run = self._run
+
+
+def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
+    """The CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at 1, 16, 48
+    and 64 rows; then greedy EAGLE-3 decoding through its device loop with the host reads per speculative
+    step counted (budget: 1) and, inside every captured region, none (on CUDA under
+    set_sync_debug_mode("error")), its tokens against plain decoding on the same backend."""
+    device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
+    for dtype in ("float32",) if dry else ("bfloat16", "float32"):
+        d = _decoder(device, dtype, dry, "inference.engine=cuda", "inference.drafter=neural")
+        model = d.target.model
+        runner = make_runner(model, REPLAY_PREFIX + max(REPLAY_ROWS) + 1, "cuda")
+        runner.forward(torch.randint(100, 1000, (REPLAY_PREFIX,)))
+        for rows in REPLAY_ROWS:
+            ms = _step_ms(runner, rows, 3 if dry else 20)
+            stats = runner.graphs.stats.get(runner.bucket(rows), {})
+            res.write(
+                kind="replay",
+                device=device,
+                dtype=dtype,
+                rows=rows,
+                bucket=runner.bucket(rows),
+                ms_per_step=round(ms, 3),
+                graph=runner.bucket(rows) in runner.graphs.graphs,
+                capture_s=round(stats.get("capture_s", 0.0), 3),
+                pool_mib=round(stats.get("pool_bytes", 0) / 2**20, 1),
+            )
+        texts = _prompt_texts(prompts, 2 if dry else 4)
+        d.warm_up(4)
+        for text in texts:
+            ids = d.fmt.first_turn(text)
+            plain = d.generate_plain(ids, budget["tokens"])
+            with _NoSyncInSteps() as guard, HostReads() as reads:
+                spec = d.generate(ids, budget["tokens"])
+            steps = max(1, spec.target_forwards)
+            res.write(
+                kind="loop",
+                device=device,
+                dtype=dtype,
+                drafter=d.cfg.inference.drafter,
+                tree=d.drafter.settings(),
+                steps=spec.target_forwards,
+                host_reads=reads.count,
+                host_reads_per_step=round((reads.count - 1) / steps, 3),  # less the prompt's first token
+                reads_inside_captured=guard.reads,
+                captured_regions=guard.regions,
+                tau=round(spec.tau, 3),
+                tok_s=round(spec.tokens_per_second, 2),
+                plain_tok_s=round(plain.tokens_per_second, 2),
+                equal_to_plain=spec.tokens == plain.tokens,
+            )
+
+
 # distill: (dtype, cache, batch size), most telling first (a run cut at its limit keeps those)
 DISTILL = {
     "gpu": [
@@ -363,7 +527,7 @@ def step_distill(res: Results, dry: bool, prompts: str | None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["env", "exact", "decode", "profile", "distill"])
+    ap.add_argument("step", choices=["env", "cudnn", "backend", "exact", "decode", "profile", "distill"])
     ap.add_argument("--results", required=True, help="the JSON-lines file every figure is appended to")
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, with tiny budgets")
     ap.add_argument(
@@ -374,9 +538,15 @@ def main() -> int:
     if args.step == "env":
         step_env(res, args.dry_run)
     else:
-        {"exact": step_exact, "decode": step_decode, "profile": step_profile, "distill": step_distill}[
-            args.step
-        ](res, args.dry_run, args.prompts)
+        steps = {
+            "cudnn": step_cudnn,
+            "backend": step_backend,
+            "exact": step_exact,
+            "decode": step_decode,
+            "profile": step_profile,
+            "distill": step_distill,
+        }
+        steps[args.step](res, args.dry_run, args.prompts)
     return 0
 
 

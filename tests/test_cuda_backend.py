@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from decode_helpers import chat_ids, load64
+from test_dflash import random_head as dflash_head
 from test_eagle import random_head
 from test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
 
@@ -16,6 +17,7 @@ from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.accept_device import greedy_accept, tree_ancestors
 from headway.inference.cost_model import verify_cost
+from headway.inference.draft_dflash import DFlashDrafter
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.engine import HFRunner, engine_name, make_runner
@@ -100,8 +102,8 @@ def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
 
 @pytest.mark.parametrize("arch", STATIC)
 def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
-    """EAGLE-3 (the device expansion) and Medusa (the static tree) through the device loop: plain greedy's
-    tokens, and the EAGLE steps accept what the static engine's host loop accepts."""
+    """EAGLE-3 (the device expansion), Medusa and DFlash (static trees) through the device loop: plain
+    greedy's tokens, and every step accepts what the static engine's host loop accepts."""
     t = load64(tiny_dirs[arch])
     stop = [t.tokenizer.eos_token_id]
     eagle = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 4, 3, 10)
@@ -113,10 +115,14 @@ def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
     for block in medusa_heads.blocks:
         torch.nn.init.normal_(block[0].linear.weight, std=0.5)
     medusa = MedusaDrafter(medusa_heads, build_tree(WIDE_TREE), t.config.num_hidden_layers)
+    dflash_heads = dflash_head(t)
+    dflash = DFlashDrafter(
+        dflash_heads, build_tree(DFlashDrafter.default_tree(dflash_heads)), t.config.num_hidden_layers
+    )
     for text in ["What is two plus three?", "Write a short poem about the sea."]:
         ids = chat_ids(t, text)
         ref = greedy_generate(t.model, ids, 32, stop, engine="hf")
-        for drafter in (eagle, medusa):
+        for drafter in (eagle, medusa, dflash):
             spec = speculative_generate(t.model, drafter, ids, 32, stop, engine="cuda")
             host = speculative_generate(t.model, drafter, ids, 32, stop, engine="static")
             assert spec.tokens == ref.tokens

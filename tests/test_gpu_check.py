@@ -24,9 +24,20 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     runs = {r["name"]: r["rc"] for r in records if r["step"] == "run"}
-    assert runs == dict.fromkeys(["setup", "env", "exact", "decode", "profile", "distill", "bench"], 0), (
+    steps = ["setup", "env", "cudnn", "cudnn_deprioritized", "capture_tests", "backend", "exact", "decode"]
+    assert runs == dict.fromkeys([*steps, "profile", "distill", "bench"], 0), (
         tmp_path / "gpu_check.log"
     ).read_text()[-3000:]
+    cudnn = [r for r in records if r["step"] == "cudnn"]
+    assert [r["cudnn_sdpa_deprioritized"] for r in cudnn] == ["", "1"]
+    assert all(r["plain_ms_per_step"] > 0 and r["verify16_ms_median"] > 0 for r in cudnn)
+    # the CUDA backend: a replay time per row count, and its device loop's host reads: one per speculative
+    # step, none inside a captured region (what the fake-CUDA run counts, here on CPU tensors)
+    backend = [r for r in records if r["step"] == "backend"]
+    assert [r["rows"] for r in backend if r["kind"] == "replay"] == [1, 16, 48, 64]
+    loops = [r for r in backend if r["kind"] == "loop"]
+    assert loops and all(r["host_reads_per_step"] == 1.0 and r["reads_inside_captured"] == 0 for r in loops)
+    assert all(r["captured_regions"] >= 2 * r["steps"] for r in loops)  # the expansion and the verification
     exact = [r for r in records if r["step"] == "exact"]
     assert {r["model"] for r in exact} == {
         "tiny-llama",
@@ -36,7 +47,7 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
         "default-target",
     }
     assert {(r["dtype"], r["engine"]) for r in exact if r["model"] == "default-target"} == {
-        (d, e) for d in ("float32", "bfloat16") for e in ("hf", "static")
+        (d, e) for d in ("float32", "bfloat16") for e in ("hf", "static", "cuda")
     }
     # on a CPU, bf16 verification on the static engine is row-exact: every output equals plain greedy decoding
     for r in exact:
