@@ -9,7 +9,8 @@ measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it
 - env: the GPU, torch, CUDA and transformers versions, the commit.
 - cudnn: the old path's bf16 step times (static engine, HF generate); run with and without
   TORCH_CUDNN_SDPA_DEPRIORITIZED=1, it settles whether cuDNN's SDPA plans slow bf16.
-- backend: the CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at 1, 16,
+- backend: the CUDA backend (inference.engine=cuda): its loop on a fake CUDA device (host reads per step,
+  and inside steps), capture time and memory and replay ms per step at 1, 16,
   48 and 64 rows; host reads per speculative step of its device loop (and inside captured regions, under
   set_sync_debug_mode("error") on CUDA), its tokens against plain decoding.
 - exact: greedy speculative output against plain greedy output on the same engine and dtype, per prompt, on
@@ -45,6 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny random models the test suite builds
 
 from decode_helpers import chat_ids  # noqa: E402
+from fake_cuda import fake_cuda, to_fake_cuda  # noqa: E402
 from tiny_models import ARCHS, make_tiny_model  # noqa: E402
 
 from headway.config import load_config  # noqa: E402
@@ -63,7 +65,7 @@ from headway.inference.engine import make_runner, static_supported  # noqa: E402
 from headway.inference.engine_cuda import CudaRunner  # noqa: E402
 from headway.inference.engine_graphs import WARMUP, StepGraphs  # noqa: E402
 from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
-from headway.inference.sync_guard import HostReads  # noqa: E402
+from headway.inference.sync_guard import HostReads, Uploads  # noqa: E402
 from headway.inference.tree import build_tree  # noqa: E402
 from headway.kinds.registry import build_head  # noqa: E402
 from headway.run_config import RunConfig  # noqa: E402
@@ -178,22 +180,11 @@ def _exactness(
 
 def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
-    tiny_root = Path(tempfile.mkdtemp(prefix="headway-tiny-"))
     texts = ["What is two plus three?", "Write a short poem about the sea.", "def add(a, b):"]
     for arch in ARCHS:
-        path = make_tiny_model(arch, tiny_root / arch)
         for dtype in ("float32", "bfloat16"):
-            t = load_target(TargetConfig(name_or_path=str(path), device=device, dtype=dtype, num_threads=1))
-            torch.manual_seed(0)
-            L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
-            cfg = Eagle3Config(draft_vocab_size=min(96, V), ttt_steps=3, draft_layer="llama")
-            cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
-            layer = draft_layer_config(t.model.config, "llama")
-            heads = build_head("eagle3", cfg, h, V, d2t=torch.arange(min(96, V)), layer_config=layer)
-            heads.init_from_target(t.model)
-            heads.attach_target(t.model)
-            heads = heads.to(device=t.device, dtype=t.model.dtype).eval()
-            drafter = EagleDrafter(heads, L, 4, 3, 10)
+            t, heads = _tiny_eagle(device, dtype, arch)
+            drafter = EagleDrafter(heads, t.config.num_hidden_layers, 4, 3, 10)
             ids = [chat_ids(t, text) for text in texts]
             for engine in ["hf"] + (["static", "cuda"] if static_supported(t.model) else []):
                 got = _exactness(
@@ -428,12 +419,72 @@ class _NoSyncInSteps:
         StepGraphs.run = self._run
 
 
+def _tiny_eagle(device: str, dtype: str, arch: str = "llama") -> tuple[Any, Any]:
+    """A tiny random target of `arch` and an untrained EAGLE-3 head for it (Llama draft layer)."""
+    path = make_tiny_model(arch, Path(tempfile.mkdtemp(prefix="headway-tiny-")) / arch)
+    t = load_target(TargetConfig(name_or_path=str(path), device=device, dtype=dtype, num_threads=1))
+    torch.manual_seed(0)
+    L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
+    cfg = Eagle3Config(draft_vocab_size=min(96, V), ttt_steps=3, draft_layer="llama")
+    cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
+    layer = draft_layer_config(t.model.config, "llama")
+    heads = build_head("eagle3", cfg, h, V, d2t=torch.arange(min(96, V)), layer_config=layer)
+    heads.init_from_target(t.model)
+    heads.attach_target(t.model)
+    return t, heads.to(device=t.device, dtype=t.model.dtype).eval()
+
+
+def _fake_cuda_loop(res: Results) -> None:
+    """The CUDA backend's real loop with every tensor on a fake CUDA device (tests/fake_cuda.py): a device
+    mismatch or any host read but the loop's own raises there; the loop's reads (`CudaRunner.read`) are
+    counted and answered (0, 1, 2 accepted in turn), and the host reads and uploads inside each step
+    counted."""
+    t, heads = _tiny_eagle("cpu", "float32")
+    drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8)
+    ids = chat_ids(t, "What is two plus three?")
+    t.model.headway_cuda_graphs = False  # fake tensors have no graphs to capture
+    reads, inside, turn = [], [], iter(range(10**6))
+    real_read, real_step = CudaRunner.read, CudaRunner._step
+
+    def read(verdict: torch.Tensor) -> list[int]:
+        reads.append(1)
+        if verdict.shape == (1,):
+            return [1]
+        m = verdict.shape[0] // 2 - 1
+        return [next(turn) % 3, 1] + list(range(m)) + [1] * m
+
+    def step(self: CudaRunner, m: int) -> Any:
+        with HostReads() as host, Uploads() as up:
+            out = real_step(self, m)
+        inside.append((host.count, up.count))
+        return out
+
+    CudaRunner.read, CudaRunner._step = staticmethod(read), step
+    try:
+        with fake_cuda():
+            to_fake_cuda(t.model, heads)
+            r = speculative_generate(t.model, drafter, ids, 12, [], engine="cuda")
+    finally:
+        CudaRunner.read, CudaRunner._step = real_read, real_step
+    steps = max(1, r.target_forwards)
+    res.write(
+        kind="fake_cuda",
+        model="tiny-llama",
+        drafter="eagle3",
+        steps=r.target_forwards,
+        host_reads_per_step=round((len(reads) - 1) / steps, 3),  # less the prompt's first token
+        reads_inside_steps=sum(h for h, _ in inside),
+        uploads_inside_steps=sum(u for _, u in inside),
+    )
+
+
 def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
     """The CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at 1, 16, 48
     and 64 rows; then greedy EAGLE-3 decoding through its device loop with the host reads per speculative
     step counted (budget: 1) and, inside every captured region, none (on CUDA under
     set_sync_debug_mode("error")), its tokens against plain decoding on the same backend."""
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
+    _fake_cuda_loop(res)
     for dtype in ("float32",) if dry else ("bfloat16", "float32"):
         d = _decoder(device, dtype, dry, "inference.engine=cuda", "inference.drafter=neural")
         model = d.target.model

@@ -35,6 +35,10 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     # step, none inside a captured region (what the fake-CUDA run counts, here on CPU tensors)
     backend = [r for r in records if r["step"] == "backend"]
     assert [r["rows"] for r in backend if r["kind"] == "replay"] == [1, 16, 48, 64]
+    fake = [r for r in backend if r["kind"] == "fake_cuda"]
+    assert len(fake) == 1 and fake[0]["steps"] >= 4, fake
+    assert fake[0]["host_reads_per_step"] == 1.0 and fake[0]["reads_inside_steps"] == 0, fake
+    assert fake[0]["uploads_inside_steps"] == 0, fake
     loops = [r for r in backend if r["kind"] == "loop"]
     assert loops and all(r["host_reads_per_step"] == 1.0 and r["reads_inside_captured"] == 0 for r in loops)
     assert all(r["captured_regions"] >= 2 * r["steps"] for r in loops)  # the expansion and the verification
