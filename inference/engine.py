@@ -137,13 +137,13 @@ def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
             on CPU tensors too), hf.
     Returns:
         A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(),
-        truncate(). Static runners of one model share its KV buffers (`ModelEngine`): one sequence at
-        a time."""
+        truncate(). Static runners of one model share its KV buffers (`ModelEngine`), and the cuda engine's
+        its runner (`CudaRunner.of`): one sequence at a time."""
     name = engine_name(model, engine)
     if name == "hf":
         return HFRunner(model)
     if name == "cuda":
         # (the decoder sets these from inference.cuda_buckets and inference.cuda_graphs)
         buckets = getattr(model, "headway_cuda_buckets", DEFAULT_BUCKETS)
-        return CudaRunner(model, max_len, buckets, getattr(model, "headway_cuda_graphs", None))
+        return CudaRunner.of(model, max_len, buckets, getattr(model, "headway_cuda_graphs", None))
     return StaticRunner(model, max_len, compiled=name == "compiled")

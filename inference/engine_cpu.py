@@ -95,9 +95,13 @@ class StaticLayerCache:
         if self.k.shape[1] < capacity:
             for name in ("k", "v"):
                 old = getattr(self, name)
-                new = old.new_zeros(self.kv_heads, capacity, self.head_dim)
+                new = old.new_empty(self.kv_heads, capacity, self.head_dim)
                 new[:, : self.length] = old[:, : self.length]
                 setattr(self, name, new)
+        # the expansion's attention spans the whole buffer, masked: a masked slot weighs exactly 0, unless
+        # it holds a NaN or an infinity (fresh memory may), which would poison the row
+        self.k[:, self.length :].zero_()
+        self.v[:, self.length :].zero_()
         self._rope_tables(x, torch.zeros(1, 1, dtype=torch.long, device=x.device), self.k.shape[1])
         self.fixed = True
 

@@ -55,12 +55,14 @@ def rope_by_position(model: Any) -> bool:
 
 class StepBuffers:
     """The persistent inputs of every step, sized for the largest bucket: token ids [Mmax], parent indices
-    [Mmax] (-1: root and pads), and meta [2] = (cache length before the step, real node count)."""
+    [Mmax] (-1: root and pads), and two 0-d counts: the cache length before the step and the real node count
+    (each set by a fill with the host's number, so no staging copy can race the step that reads it)."""
 
     def __init__(self, rows: int, device: torch.device):
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.parent = torch.full((rows,), -1, dtype=torch.long, device=device)
-        self.meta = torch.zeros(2, dtype=torch.long, device=device)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.n = torch.zeros((), dtype=torch.long, device=device)
 
 
 class CudaRunner:
@@ -115,7 +117,38 @@ class CudaRunner:
         self.buf = StepBuffers(self.buckets[-1], self.device)
         self.graphs = StepGraphs(self._step, self.device, enabled=graphs)
         self.length = 0
-        self._last_bucket = self.buckets[0]
+
+    ATTRIBUTE = "_headway_cuda_runner"
+
+    @classmethod
+    def of(
+        cls,
+        model: Any,
+        max_len: int,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        graphs: Optional[bool] = None,
+    ) -> "CudaRunner":
+        """The model's runner, emptied, for sequences of up to `max_len` tokens: the one it keeps (its
+        buffers, cache and captured graphs reused) while it is long enough and of these buckets, else a new
+        one of at least twice the length (so a few long requests do not each capture anew). One sequence at
+        a time."""
+        kept = model.__dict__.get(cls.ATTRIBUTE)
+        wanted = tuple(sorted(set(int(b) for b in buckets)))
+        p = next(model.parameters())
+        if (
+            kept is None
+            or kept.max_len < max_len
+            or kept.buckets != wanted
+            or kept.dtype != p.dtype
+            or kept.device != p.device
+            or kept.graphs.requested != graphs
+        ):
+            size = max_len if kept is None else max(max_len, 2 * kept.max_len)
+            model.__dict__.pop(cls.ATTRIBUTE, None)  # free the old cache first
+            kept = cls(model, size, buckets, graphs)
+            object.__setattr__(model, cls.ATTRIBUTE, kept)
+        kept.length = 0
+        return kept
 
     # -- the step ------------------------------------------------------------------------------------------
 
@@ -135,7 +168,7 @@ class CudaRunner:
         (`accept_device.greedy_accept` [2 + m], then the path's tokens [m]). Reads no host value: its every
         shape is m's or the cache's."""
         ids, parent = self.buf.ids[:m], self.buf.parent[:m]
-        start, n = self.buf.meta[0], self.buf.meta[1]
+        start, n = self.buf.start, self.buf.n
         r = torch.arange(m, device=self.device)
         ancestors = tree_ancestors(parent)
         positions = start + ancestors.sum(1) - 1
@@ -171,11 +204,8 @@ class CudaRunner:
         self.buf.parent[:n].copy_(parent.view(-1), non_blocking=True)
         if m > n:
             self.buf.parent[n:m].fill_(-1)
-        meta = torch.tensor([self.length, n], dtype=torch.long)
-        if self.device.type == "cuda" and torch.cuda.is_available():  # (not on fake CUDA)
-            meta = meta.pin_memory()
-        self.buf.meta.copy_(meta, non_blocking=True)
-        self._last_bucket = m
+        self.buf.start.fill_(self.length)
+        self.buf.n.fill_(n)
         with pinned_sdpa():
             out = self.graphs.run(m)
         self.length += n

@@ -31,6 +31,7 @@ class StepGraphs:
 
     def __init__(self, step: Callable[[int], Any], device: torch.device, enabled: Optional[bool] = None):
         self.step = step
+        self.requested = enabled
         self.enabled = device.type == "cuda" if enabled is None else enabled and device.type == "cuda"
         self.graphs: dict[int, tuple[Any, Any]] = {}
         self.calls: dict[int, int] = {}
