@@ -33,7 +33,7 @@ from headway.inference.cache import (
     truncate_cache,
 )
 from headway.inference.engine_cpu import StaticRunner, _row_exact_dtype
-from headway.inference.engine_cuda import DEFAULT_BUCKETS, CudaRunner, rope_by_position
+from headway.inference.engine_cuda import DEFAULT_BUCKETS, CudaRunner, cuda_supported
 from headway.inference.engine_step import STATIC_FAMILIES
 from headway.inference.tree import Tree, tree_attention_bias
 
@@ -106,19 +106,24 @@ def static_supported(model: Any) -> bool:
 
 
 def engine_name(model: Any, engine: str = "auto") -> str:
-    """The engine `engine` means for this model: auto is the CUDA backend (cuda) for a supported target on a
-    CUDA device, static for one elsewhere, else hf."""
-    if engine in ("static", "compiled", "cuda") and not static_supported(model):
+    """The engine `engine` means for this model: auto is the CUDA backend (cuda) for a target it runs on a
+    CUDA device, else static where supported, else hf."""
+    if engine == "cuda" and not cuda_supported(model):
+        family = getattr(text_config(model.config), "model_type", "?")
+        raise HeadwayError(
+            f"inference.engine=cuda runs {', '.join(STATIC_FAMILIES)} with full attention and Gemma-3, not "
+            f"this '{family}' target: use inference.engine=auto or hf"
+        )
+    if engine in ("static", "compiled") and not static_supported(model):
         family = getattr(text_config(model.config), "model_type", "?")
         raise HeadwayError(
             f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
             f"this '{family}' target: use inference.engine=auto or hf"
         )
     if engine == "auto":
-        if not static_supported(model):
-            return "hf"
-        on_cuda = next(model.parameters()).device.type == "cuda"
-        return "cuda" if on_cuda and rope_by_position(model) else "static"
+        if next(model.parameters()).device.type == "cuda" and cuda_supported(model):
+            return "cuda"
+        return "static" if static_supported(model) else "hf"
     return engine
 
 

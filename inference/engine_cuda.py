@@ -32,7 +32,15 @@ from headway.inference.accept_device import greedy_accept, tree_ancestors
 from headway.inference.config import CUDA_BUCKETS
 from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
-from headway.inference.engine_step import LayerPlan, _rms_norm_fn, layer_step, rope_tables
+from headway.inference.engine_step import (
+    GEMMA3_FAMILIES,
+    STATIC_FAMILIES,
+    LayerPlan,
+    _rms_norm_fn,
+    gemma3_layer_step,
+    layer_step,
+    rope_tables,
+)
 from headway.inference.tree import Tree
 
 # the row buckets of a runner made without inference.cuda_buckets: its default
@@ -51,6 +59,21 @@ def rope_by_position(model: Any) -> bool:
     """Whether the model's rotary tables are a function of the position alone (not rescaled with the
     sequence length, as the dynamic types are), so the backend can precompute them for every slot."""
     return "dynamic" not in str(getattr(model.model.rotary_emb, "rope_type", "default"))
+
+
+def cuda_supported(model: Any) -> bool:
+    """Whether the CUDA backend runs this target: a static family (engine_step.STATIC_FAMILIES, full
+    attention), or Gemma-3's text model (sliding-window and full layers, no attention soft-capping); rotary
+    tables by position alone."""
+    cfg = text_config(model.config)
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+        return False
+    family = getattr(cfg, "model_type", None)
+    if family in GEMMA3_FAMILIES:
+        return getattr(cfg, "attn_logit_softcapping", None) is None and rope_by_position(model)
+    full = getattr(cfg, "sliding_window", None) is None
+    return family in STATIC_FAMILIES and full and rope_by_position(model)
 
 
 class StepBuffers:
@@ -83,17 +106,25 @@ class CudaRunner:
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         graphs: Optional[bool] = None,
     ):
-        if not rope_by_position(model):
+        if not cuda_supported(model):
+            family = getattr(text_config(model.config), "model_type", "?")
             raise HeadwayError(
-                "inference.engine=cuda needs rotary tables that depend on the position alone (this target's "
-                "rope scales with the sequence length): use inference.engine=static or hf"
+                f"inference.engine=cuda runs {', '.join(STATIC_FAMILIES)} with full attention and "
+                f"Gemma-3, with rotary tables by position alone, not this '{family}' target: use "
+                "inference.engine=auto or hf"
             )
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.plans = [LayerPlan(layer, lean=True) for layer in self.base.layers]
+        self.layers = list(self.base.layers)
+        self.gemma3 = getattr(cfg, "model_type", None) in GEMMA3_FAMILIES
+        self.plans = [None if self.gemma3 else LayerPlan(layer, lean=True) for layer in self.layers]
         self.norm = _rms_norm_fn(self.base.norm, lean=True)
+        # each layer's kind (Gemma-3: sliding_attention or full_attention), its rotary tables and mask
+        self.kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
+        self.window = getattr(cfg, "sliding_window", None) if self.gemma3 else None
+        self.softcap = getattr(cfg, "final_logit_softcapping", None)
         attn = self.base.layers[0].self_attn
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not self.buckets or self.buckets[0] < 1:
@@ -103,17 +134,21 @@ class CudaRunner:
         self.scratch = max_len
         self.max_len = max_len
         self.cache = KVCache(
-            len(self.plans),
+            len(self.layers),
             int(cfg.num_key_value_heads),
             self.capacity,
             int(attn.head_dim),
             p.dtype,
             p.device,
         )
-        # the rotary tables of every slot, once: each position's values are what rotary_emb gives it per call
+        # the rotary tables of every slot, once per layer kind: each position's values are what rotary_emb
+        # gives it per call
         every = torch.arange(self.capacity, device=self.device).view(1, -1)
         probe = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
-        self.cos, self.sin = rope_tables(*self.base.rotary_emb(probe, every))
+        self.rope = {
+            kind: rope_tables(*self.base.rotary_emb(probe, every, *([kind] if self.gemma3 else [])))
+            for kind in set(self.kinds)
+        }
         self.buf = StepBuffers(self.buckets[-1], self.device)
         self.graphs = StepGraphs(self._step, self.device, enabled=graphs)
         self.length = 0
@@ -177,19 +212,54 @@ class CudaRunner:
         rel = cols - start
         in_tree = (rel >= 0) & (rel < m)
         tree_part = ancestors.gather(1, rel.clamp(0, m - 1).expand(m, -1)) & in_tree
-        mask = (cols < start)[None, :] | tree_part
+        masks = {"full_attention": (cols < start)[None, :] | tree_part}
+        if self.window is not None:  # a key is seen while its position is less than the window behind
+            depth = ancestors.sum(1) - 1
+            col_pos = torch.where(in_tree, start + depth.gather(0, rel.clamp(0, m - 1)), cols)
+            masks["sliding_attention"] = masks["full_attention"] & (
+                positions[:, None] - col_pos[None, :] < self.window
+            )
+        rope = {
+            kind: (cos.index_select(0, positions), sin.index_select(0, positions))
+            for kind, (cos, sin) in self.rope.items()
+        }
         x = self.base.embed_tokens(ids)
-        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         states = [x]
-        for plan, k, v in zip(self.plans, self.cache.k, self.cache.v):
-            x = layer_step(plan, x, cos, sin, k, v, slots, self.capacity, mask)
+        for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+            x = self._layer(i, x, *rope[self.kinds[i]], k, v, slots, self.capacity, masks[self.kinds[i]])
             states.append(x)
         x = self.norm(x)
         states[-1] = x
-        logits = self.model.lm_head(x)
+        logits = self._logits(x)
         argmax = logits.argmax(-1)
         verdict = greedy_accept(ids, parent, ancestors, argmax, n)
         return logits, states, torch.cat((verdict, ids.gather(0, verdict[2:])))
+
+    def _layer(
+        self,
+        i: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slots: torch.Tensor,
+        end: int,
+        mask: Optional[torch.Tensor],
+        causal: bool = False,
+    ) -> torch.Tensor:
+        """Decoder layer i (engine_step's math for its family)."""
+        if self.gemma3:
+            return gemma3_layer_step(self.layers[i], x, cos, sin, k, v, slots, end, mask, causal)
+        return layer_step(self.plans[i], x, cos, sin, k, v, slots, end, mask, causal=causal)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The lm_head over rows x [n, H] in one matmul (then the final soft-capping, where the model has
+        it)."""
+        logits = self.model.lm_head(x)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
     def step(self, ids: torch.Tensor, parent: torch.Tensor, n: int) -> tuple[Any, list, torch.Tensor]:
         """Verify n nodes continuing the cache: ids [n] and parent [n] (device or host tensors) go into the
@@ -245,16 +315,20 @@ class CudaRunner:
             raise HeadwayError(f"internal: a prompt of {n} tokens overflows the {self.max_len}-slot cache")
         slots = torch.arange(n, device=self.device)
         x = self.base.embed_tokens(ids)
-        cos, sin = self.cos[:n], self.sin[:n]
+        sliding = None  # the sliding layers' mask, where the prompt is longer than the window
+        if self.window is not None and n > self.window:
+            sliding = (slots[:, None] >= slots[None, :]) & (slots[:, None] - slots[None, :] < self.window)
         states = [x]
         with pinned_sdpa():
-            for plan, k, v in zip(self.plans, self.cache.k, self.cache.v):
-                x = layer_step(plan, x, cos, sin, k, v, slots, n, None, causal=True)
+            for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+                cos, sin = self.rope[self.kinds[i]]
+                mask = sliding if self.kinds[i] == "sliding_attention" else None
+                x = self._layer(i, x, cos[:n], sin[:n], k, v, slots, n, mask, causal=mask is None)
                 states.append(x)
         x = self.norm(x)
         states[-1] = x
         self.length = n
-        logits = _LastRowLogits(self.model.lm_head(x[-1:]), n)
+        logits = _LastRowLogits(self._logits(x[-1:]), n)
         return logits, tuple(h[None] for h in states) if hidden else None
 
     def keep(self, tree_size: int, keep: list[int]) -> None:

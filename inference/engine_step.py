@@ -174,3 +174,50 @@ def decoder_stack(
 def _lean_norm(norm: Any) -> bool:
     """Whether `norm` is an RMSNorm the C++ loop runs (a weight and a variance_epsilon)."""
     return getattr(norm, "weight", None) is not None and getattr(norm, "variance_epsilon", None) is not None
+
+
+# the families the CUDA backend runs besides the static ones: their layers through `gemma3_layer_step`
+GEMMA3_FAMILIES = ("gemma3_text", "gemma3")
+
+
+def gemma3_layer_step(
+    layer: Any,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    end: int,
+    mask: Optional[torch.Tensor],
+    causal: bool = False,
+) -> torch.Tensor:
+    """One Gemma-3 decoder layer over rows x [n, hidden], in `layer_step`'s contract (cache slots, attention
+    over slots [0, end) under `mask`, or `causal`): the layer's own modules do the projections, the q/k
+    norms, the four RMSNorms (1 + weight, in float32) and the GeLU MLP; the cache and the attention are
+    Headway's. The caller passes the mask of the layer's kind (full, or sliding-window) and the rotary
+    tables of its kind."""
+    a = layer.self_attn
+    n, hd = x.shape[0], int(a.head_dim)
+    h = layer.input_layernorm(x)
+    q = a.q_norm(a.q_proj(h).view(n, -1, hd))
+    k = a.k_norm(a.k_proj(h).view(n, -1, hd))
+    v = a.v_proj(h).view(n, -1, hd)
+    heads = q.shape[1]
+    qk = torch.cat((q, k), dim=1)
+    qk = qk * cos + qk.view(n, qk.shape[1], 2, hd // 2).flip(2).view(n, qk.shape[1], hd) * sin
+    q, k = qk[:, :heads], qk[:, heads:]
+    k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k_cache[None, :, :end],
+        v_cache[None, :, :end],
+        attn_mask=mask,
+        is_causal=causal,
+        scale=float(a.scaling),
+        enable_gqa=True,
+    )
+    o = a.o_proj(o[0].transpose(0, 1).reshape(n, -1).to(x.dtype))
+    x = x + layer.post_attention_layernorm(o)
+    return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))

@@ -28,7 +28,9 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
         int64 indices [n] (a 0-d tensor for a [V] row)."""
     rows = logits.reshape(-1, logits.shape[-1])
     ext = _kernels(logits)
-    picked = ext.first_max(rows) if ext is not None else rows.max(-1).indices
+    # argmax, not max(-1).indices: only argmax promises the first of tied maxima on every device (the CUDA
+    # backend's step picks greedy tokens with it, and plain decoding must pick the same)
+    picked = ext.first_max(rows) if ext is not None else rows.argmax(-1)
     return picked.reshape(logits.shape[:-1])
 
 

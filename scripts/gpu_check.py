@@ -62,7 +62,7 @@ from headway.inference.api import SpeculativeDecoder  # noqa: E402
 from headway.inference.baselines import hf_generate  # noqa: E402
 from headway.inference.draft_eagle import EagleDrafter  # noqa: E402
 from headway.inference.engine import make_runner, static_supported  # noqa: E402
-from headway.inference.engine_cuda import CudaRunner  # noqa: E402
+from headway.inference.engine_cuda import CudaRunner, cuda_supported  # noqa: E402
 from headway.inference.engine_graphs import WARMUP, StepGraphs  # noqa: E402
 from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
 from headway.inference.sync_guard import HostReads, Uploads  # noqa: E402
@@ -186,7 +186,8 @@ def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
             t, heads = _tiny_eagle(device, dtype, arch)
             drafter = EagleDrafter(heads, t.config.num_hidden_layers, 4, 3, 10)
             ids = [chat_ids(t, text) for text in texts]
-            for engine in ["hf"] + (["static", "cuda"] if static_supported(t.model) else []):
+            engines = ["hf"] + (["static"] if static_supported(t.model) else [])
+            for engine in engines + (["cuda"] if cuda_supported(t.model) else []):
                 got = _exactness(
                     t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine
                 )

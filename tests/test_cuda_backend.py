@@ -30,7 +30,7 @@ from headway.inference.tree import build_tree, tree_from_parents
 from headway.inference.tuned import gpu_sized
 from headway.run_config import RunConfig
 
-STATIC = ["llama", "qwen2", "mistral"]
+ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
 
 class DeviceOracle(OracleDrafter):
@@ -47,7 +47,7 @@ def random_tree(rng: random.Random, n: int):
     return tree
 
 
-@pytest.mark.parametrize("arch", STATIC)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_runner_matches_the_model_forward(tiny_dirs, arch: str):
     t = load64(tiny_dirs[arch])
     hf, cu = HFRunner(t.model), CudaRunner(t.model, 64, buckets=(1, 8, 16))
@@ -74,17 +74,19 @@ def test_cuda_runner_matches_the_model_forward(tiny_dirs, arch: str):
 
 
 def test_the_cuda_engine_is_chosen_and_refused_with_a_reason(tiny_dirs):
-    llama, gemma = load64(tiny_dirs["llama"]), load64(tiny_dirs["gemma3"])
+    llama, gemma, mistral = (load64(tiny_dirs[a]) for a in ("llama", "gemma3", "mistral"))
     assert engine_name(llama.model) == "static"  # on a CPU; cuda on a CUDA device
-    assert isinstance(make_runner(llama.model, 32, "cuda"), CudaRunner)
     assert engine_name(gemma.model) == "hf"
-    with pytest.raises(HeadwayError, match="inference.engine=cuda supports llama, qwen2, mistral"):
-        make_runner(gemma.model, 32, "cuda")
+    assert isinstance(make_runner(llama.model, 32, "cuda"), CudaRunner)
+    assert isinstance(make_runner(gemma.model, 32, "cuda"), CudaRunner)
+    mistral.model.config.sliding_window = 16  # a Mistral with a window is neither static nor Gemma-3
+    with pytest.raises(HeadwayError, match="inference.engine=cuda runs llama, qwen2, mistral with full"):
+        make_runner(mistral.model, 32, "cuda")
     with pytest.raises(HeadwayError, match="largest row bucket"):
         CudaRunner(llama.model, 32, buckets=(1, 4)).bucket(5)
 
 
-@pytest.mark.parametrize("arch", STATIC)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
     """The device loop (drafts, verification and acceptance on tensors) writes plain greedy's tokens, with
     accepted paths of every length, and plain decoding on the backend writes the hf engine's."""
@@ -100,12 +102,13 @@ def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
         assert max(res.accepted) >= 3 and min(res.accepted) == 0, res.accepted
 
 
-@pytest.mark.parametrize("arch", STATIC)
+@pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
     """EAGLE-3 (the device expansion), Medusa and DFlash (static trees) through the device loop: plain
     greedy's tokens, and every step accepts what the static engine's host loop accepts."""
     t = load64(tiny_dirs[arch])
     stop = [t.tokenizer.eos_token_id]
+    host_engine = "hf" if arch == "gemma3" else "static"  # (Gemma-3: no static engine on the host)
     eagle = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 4, 3, 10)
     torch.manual_seed(0)
     hidden, vocab = t.config.hidden_size, t.config.vocab_size
@@ -124,7 +127,7 @@ def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
         ref = greedy_generate(t.model, ids, 32, stop, engine="hf")
         for drafter in (eagle, medusa, dflash):
             spec = speculative_generate(t.model, drafter, ids, 32, stop, engine="cuda")
-            host = speculative_generate(t.model, drafter, ids, 32, stop, engine="static")
+            host = speculative_generate(t.model, drafter, ids, 32, stop, engine=host_engine)
             assert spec.tokens == ref.tokens
             assert spec.accepted == host.accepted
 
@@ -246,3 +249,20 @@ def test_gpu_targets_get_gpu_sized_trees():
     assert cfg.inference.hybrid.max_nodes == 60
     # the largest tree fits the largest default bucket
     assert cfg.inference.total_tokens + 1 <= max(cfg.inference.cuda_buckets)
+
+
+def test_gemma3_past_its_sliding_window_matches_the_model_forward(tiny_dirs):
+    """A prompt longer than Gemma-3's window (128 in the tiny model), then one-token steps: the sliding
+    layers' masks (the prompt's, and each step's over the whole cache) keep the model's own logits."""
+    t = load64(tiny_dirs["gemma3"])
+    assert t.config.sliding_window == 128
+    hf, cu = HFRunner(t.model), CudaRunner(t.model, 200, buckets=(1, 4))
+    (la, _), (lb, _) = hf.forward(torch.arange(3, 153)), cu.forward(torch.arange(3, 153))
+    assert torch.allclose(la[-1], lb[-1], atol=1e-10, rtol=0)
+    for token in range(20, 30):
+        (la, _), (lb, _) = hf.forward(torch.tensor([token])), cu.forward(torch.tensor([token]))
+        assert torch.allclose(la[0], lb[0], atol=1e-10, rtol=0)
+    # and the same step padded into a 4-row bucket
+    cu.buckets = (4,)
+    (la, _), (lb, _) = hf.forward(torch.tensor([31])), cu.forward(torch.tensor([31]))
+    assert torch.allclose(la[0], lb[0], atol=1e-10, rtol=0)

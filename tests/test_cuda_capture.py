@@ -112,8 +112,9 @@ TREES = [
 ]
 
 
-def test_each_bucket_compiles_to_one_checked_graph_with_no_recompile(tiny_dirs):
-    t = load32(tiny_dirs["qwen2"])
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_each_bucket_compiles_to_one_checked_graph_with_no_recompile(tiny_dirs, arch):
+    t = load32(tiny_dirs[arch])
     runner = CudaRunner(t.model, 96, buckets=(1, 12))
     runner.forward(torch.arange(5, 25))
     backend = CheckingBackend()
