@@ -21,6 +21,7 @@ greedy speculative tokens equal to plain greedy ones).
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Any, Optional
 
 import torch
@@ -42,6 +43,8 @@ from headway.inference.engine_step import (
     rope_tables,
 )
 from headway.inference.tree import Tree
+
+log = logging.getLogger("headway")
 
 # the row buckets of a runner made without inference.cuda_buckets: its default
 DEFAULT_BUCKETS = CUDA_BUCKETS
@@ -149,6 +152,11 @@ class CudaRunner:
             kind: rope_tables(*self.base.rotary_emb(probe, every, *([kind] if self.gemma3 else [])))
             for kind in set(self.kinds)
         }
+        if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+            # process-wide, so the drafters' attention (and the hybrid's host loop) avoids it as well; the
+            # steps also run under pinned_sdpa()
+            log.info("the CUDA backend turns cuDNN's SDPA off (it builds a plan for every new shape)")
+            torch.backends.cuda.enable_cudnn_sdp(False)
         self.buf = StepBuffers(self.buckets[-1], self.device)
         self.graphs = StepGraphs(self._step, self.device, enabled=graphs)
         self.length = 0

@@ -104,12 +104,13 @@ def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
-    """EAGLE-3 (the device expansion), Medusa and DFlash (static trees) through the device loop: plain
-    greedy's tokens, and every step accepts what the static engine's host loop accepts."""
+    """EAGLE-3 and EAGLE-1 (the device expansion), Medusa and DFlash (static trees) through the device loop:
+    plain greedy's tokens, and every step accepts what the host loop accepts."""
     t = load64(tiny_dirs[arch])
     stop = [t.tokenizer.eos_token_id]
     host_engine = "hf" if arch == "gemma3" else "static"  # (Gemma-3: no static engine on the host)
     eagle = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 4, 3, 10)
+    eagle1 = EagleDrafter(random_head(t, "eagle"), t.config.num_hidden_layers, 3, 2, 6)
     torch.manual_seed(0)
     hidden, vocab = t.config.hidden_size, t.config.vocab_size
     medusa_heads = MedusaHeads(MedusaConfig(num_heads=4, lm_head="shared"), hidden, vocab).double()
@@ -125,7 +126,7 @@ def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
     for text in ["What is two plus three?", "Write a short poem about the sea."]:
         ids = chat_ids(t, text)
         ref = greedy_generate(t.model, ids, 32, stop, engine="hf")
-        for drafter in (eagle, medusa, dflash):
+        for drafter in (eagle, eagle1, medusa, dflash):
             spec = speculative_generate(t.model, drafter, ids, 32, stop, engine="cuda")
             host = speculative_generate(t.model, drafter, ids, 32, stop, engine=host_engine)
             assert spec.tokens == ref.tokens
