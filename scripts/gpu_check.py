@@ -329,6 +329,7 @@ def step_profile(res: Results, dry: bool, prompts: str | None) -> None:
             )
 
 
+@torch.inference_mode()  # (the engines' caches hold inference tensors)
 def step_cudnn(res: Results, dry: bool, prompts: str | None) -> None:
     """The old path's bf16 steps (the static engine, SDPA at whatever backend torch prefers) and HF generate:
     ms per plain step, per 16-node verification at a new cache length each time (as decoding gives), and per
@@ -445,7 +446,7 @@ def _fake_cuda_loop(res: Results) -> None:
     ids = chat_ids(t, "What is two plus three?")
     t.model.headway_cuda_graphs = False  # fake tensors have no graphs to capture
     reads, inside, turn = [], [], iter(range(10**6))
-    real_read, real_step = CudaRunner.read, CudaRunner._step
+    real_read, real_step = CudaRunner.__dict__["read"], CudaRunner._step  # (read: the staticmethod itself)
 
     def read(verdict: torch.Tensor) -> list[int]:
         reads.append(1)
@@ -479,6 +480,7 @@ def _fake_cuda_loop(res: Results) -> None:
     )
 
 
+@torch.inference_mode()  # (the engines' caches hold inference tensors)
 def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
     """The CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at 1, 16, 48
     and 64 rows; then greedy EAGLE-3 decoding through its device loop with the host reads per speculative
