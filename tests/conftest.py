@@ -10,6 +10,10 @@ import torch
 from tiny_models import ARCHS, make_tiny_model
 
 torch.set_num_threads(int(os.environ.get("HEADWAY_TEST_THREADS", "1")))
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors; triton reads this when a kernel is
+# defined (on import), so it is set before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

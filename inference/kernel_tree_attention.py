@@ -1,0 +1,248 @@
+"""Tree attention whose every row reduces over its own virtual sequence, in fixed key blocks: a tree row gives
+exactly the bits of the one-token step of its token after its accepted ancestors, and no row's bits depend on
+how many rows the call has.
+
+Row i attends to its virtual sequence: virtual position v < start is cache slot v (the committed prefix),
+v >= start is slot tails[i][v - start] (its ancestors and itself, by depth), for v < start + lens[i]. That is
+the contract of the CPU's row attention (csrc/row_attention.cpp). The keys are taken in blocks of `BLOCK_N`
+virtual positions, from the first, with an online softmax in float32, so the reduction order is a function of
+the row's own virtual length alone: the plain row of the same token (its ancestors compacted into the prefix)
+runs the same loads, the same blocks and the same arithmetic.
+
+Two implementations of that algorithm:
+- `_kernel`, in Triton: one program per (row, key-value head), a fixed key block, no split across programs,
+  no atomics, no autotune; the row count is the grid and the lengths are read from memory, so nothing the
+  compiler specialises on depends on them. bf16 is loaded and computed in float32 (no `tl.dot`: the
+  interpreter computes bf16 dots wrongly, triton#11584, and a decode row is memory-bound anyway).
+- `reference`, in torch, with the same blocking: on CPU tensors, and where triton is absent. Its dot products
+  and sums are pairwise sums of slices (element-wise adds), so a row's bits do not depend on the other rows
+  either.
+
+This module imports without triton.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+try:  # optional: the torch reference serves where it is absent
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is not installed
+    triton = None
+    tl = None
+
+# keys per block of a row's reduction: fixed, so that the order is the row's own
+BLOCK_N = 16
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernel can run here: triton installed, and a CUDA device or the interpreter
+    (TRITON_INTERPRET=1, CPU tensors)."""
+    return triton is not None and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _pairwise_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over `dim` (a power of two long) as a tree of element-wise adds of halves: the same order for
+    every row, whatever the tensor's other sizes."""
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x.squeeze(dim)
+
+
+def _pad_pow2(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x zero-padded along `dim` to a power of two (zeros add nothing to a sum)."""
+    size = x.shape[dim]
+    full = 1 << max(0, math.ceil(math.log2(size)))
+    if full == size:
+        return x
+    pad = list(x.shape)
+    pad[dim] = full - size
+    return torch.cat((x, x.new_zeros(pad)), dim)
+
+
+def virtual_slots(
+    v: torch.Tensor, start: torch.Tensor, tails: torch.Tensor, lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slots [n, B] of virtual positions v [B] for each row, and whether each is in the row's
+    sequence."""
+    valid = v[None, :] < (start + lens)[:, None]
+    depth = (v - start).clamp(0, tails.shape[1] - 1)
+    slot = torch.where(v[None, :] < start, v[None, :], tails.gather(1, depth.expand(tails.shape[0], -1)))
+    return torch.where(valid, slot, torch.zeros_like(slot)), valid
+
+
+def reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    tails: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    blocks: Optional[int] = None,
+) -> torch.Tensor:
+    """The kernel's algorithm in torch.
+
+    Args:
+        q: [n, heads, head_dim] (rotated queries); k_cache, v_cache: [kv_heads, slots, head_dim]; start: 0-d
+        int64, the committed prefix; tails: [n, depth] int64 slots (row i's first lens[i] used); lens: [n];
+        scale: the softmax scale; blocks: key blocks to run (None: enough for the whole cache; blocks past a
+        row's length change nothing in it).
+    Returns:
+        [n, heads * head_dim] in q's dtype."""
+    n, heads, hd = q.shape
+    kv = k_cache.shape[0]
+    group = heads // kv
+    qf = _pad_pow2(q.float().view(n, kv, group, hd), 3)
+    if blocks is None:
+        blocks = -(-k_cache.shape[1] // BLOCK_N)
+    m = torch.full((n, kv, group), float("-inf"), device=q.device)
+    total = torch.zeros((n, kv, group), device=q.device)
+    acc = torch.zeros((n, kv, group, qf.shape[-1]), device=q.device)
+    start = torch.as_tensor(start, device=q.device)
+    for b in range(blocks):
+        v = b * BLOCK_N + torch.arange(BLOCK_N, device=q.device)
+        slot, valid = virtual_slots(v, start, tails, lens)
+        keys = _pad_pow2(k_cache[:, slot].float().permute(1, 0, 2, 3), 3)  # [n, kv, B, hd']
+        vals = _pad_pow2(v_cache[:, slot].float().permute(1, 0, 2, 3), 3)
+        s = _pairwise_sum(qf[:, :, :, None, :] * keys[:, :, None, :, :], 4) * scale  # [n, kv, g, B]
+        s = torch.where(valid[:, None, None, :], s, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        total = total * alpha + _pairwise_sum(p, 3)
+        acc = acc * alpha[..., None] + _pairwise_sum(p[..., None] * vals[:, :, None, :, :], 3)
+        m = m_new
+    out = (acc / total[..., None])[..., :hd]
+    return out.reshape(n, heads * hd).to(q.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _kernel(
+        Q,
+        K,
+        V,
+        OUT,
+        START,
+        TAILS,
+        LENS,
+        scale,
+        stride_qn,
+        stride_qh,
+        stride_kh,
+        stride_ks,
+        stride_on,
+        stride_oh,
+        stride_tn,
+        GROUP: tl.constexpr,
+        GROUP_P: tl.constexpr,
+        HD: tl.constexpr,
+        HD_P: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        g = tl.program_id(1)
+        start = tl.load(START)
+        total = start + tl.load(LENS + row)
+        heads = g * GROUP + tl.arange(0, GROUP_P)
+        head_ok = tl.arange(0, GROUP_P) < GROUP
+        d = tl.arange(0, HD_P)
+        d_ok = d < HD
+        q = tl.load(
+            Q + row * stride_qn + heads[:, None] * stride_qh + d[None, :],
+            mask=head_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        ls = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HD_P], tl.float32)
+        for b in range(0, tl.cdiv(total, BLOCK)):
+            v = b * BLOCK + tl.arange(0, BLOCK)
+            valid = v < total
+            tail = tl.load(TAILS + row * stride_tn + (v - start), mask=valid & (v >= start), other=0)
+            slot = tl.where(v < start, v, tail)
+            slot = tl.where(valid, slot, 0)
+            kv_mask = valid[:, None] & d_ok[None, :]
+            k = tl.load(K + g * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            ls = ls * alpha + tl.sum(p, axis=1)
+            vv = tl.load(V + g * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
+        out = acc / ls[:, None]
+        tl.store(
+            OUT + row * stride_on + heads[:, None] * stride_oh + d[None, :],
+            out.to(OUT.dtype.element_ty),
+            mask=head_ok[:, None] & d_ok[None, :],
+        )
+
+
+def kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    tails: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The Triton kernel (see `reference` for the arguments); needs `triton_available()`."""
+    n, heads, hd = q.shape
+    kv = k_cache.shape[0]
+    group = heads // kv
+    q, tails = q.contiguous(), tails.contiguous()
+    out = torch.empty_like(q)
+    start = torch.as_tensor(start, device=q.device).view(1)
+    if k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("internal: the tree attention kernel takes contiguous, alike key and value caches")
+    _kernel[(n, kv)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        start,
+        tails,
+        lens,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        tails.stride(0),
+        GROUP=group,
+        GROUP_P=triton.next_power_of_2(group),
+        HD=hd,
+        HD_P=triton.next_power_of_2(hd),
+        BLOCK=BLOCK_N,
+    )
+    return out.reshape(n, heads * hd)
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    tails: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Row-exact tree attention: the Triton kernel on CUDA (or under the interpreter), else the torch
+    reference. Arguments and result as `reference`."""
+    if triton_available() and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return kernel(q, k_cache, v_cache, start, tails, lens, scale)
+    return reference(q, k_cache, v_cache, start, tails, lens, scale)
