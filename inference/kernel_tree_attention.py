@@ -86,6 +86,7 @@ def reference(
     lens: torch.Tensor,
     scale: float,
     blocks: Optional[int] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """The kernel's algorithm in torch.
 
@@ -93,7 +94,8 @@ def reference(
         q: [n, heads, head_dim] (rotated queries); k_cache, v_cache: [kv_heads, slots, head_dim]; start: 0-d
         int64, the committed prefix; tails: [n, depth] int64 slots (row i's first lens[i] used); lens: [n];
         scale: the softmax scale; blocks: key blocks to run (None: enough for the whole cache; blocks past a
-        row's length change nothing in it).
+        row's length change nothing in it); window: a sliding window (a row sees the last `window` positions
+        of its sequence; None: all).
     Returns:
         [n, heads * head_dim] in q's dtype."""
     n, heads, hd = q.shape
@@ -109,13 +111,17 @@ def reference(
     for b in range(blocks):
         v = b * BLOCK_N + torch.arange(BLOCK_N, device=q.device)
         slot, valid = virtual_slots(v, start, tails, lens)
+        if window is not None:
+            valid = valid & (v[None, :] >= (start + lens)[:, None] - window)
         keys = _pad_pow2(k_cache[:, slot].float().permute(1, 0, 2, 3), 3)  # [n, kv, B, hd']
         vals = _pad_pow2(v_cache[:, slot].float().permute(1, 0, 2, 3), 3)
         s = _pairwise_sum(qf[:, :, :, None, :] * keys[:, :, None, :, :], 4) * scale  # [n, kv, g, B]
         s = torch.where(valid[:, None, None, :], s, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(s - m_new[..., None])
+        # (a block the window hides whole leaves m at -inf: exponents then subtract 0, not -inf)
+        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(s - m_safe[..., None])
         total = total * alpha + _pairwise_sum(p, 3)
         acc = acc * alpha[..., None] + _pairwise_sum(p[..., None] * vals[:, :, None, :, :], 3)
         m = m_new
@@ -142,6 +148,7 @@ if triton is not None:
         stride_on,
         stride_oh,
         stride_tn,
+        window,
         GROUP: tl.constexpr,
         GROUP_P: tl.constexpr,
         HD: tl.constexpr,
@@ -167,16 +174,18 @@ if triton is not None:
         for b in range(0, tl.cdiv(total, BLOCK)):
             v = b * BLOCK + tl.arange(0, BLOCK)
             valid = v < total
+            seen = valid & (v >= total - window)
             tail = tl.load(TAILS + row * stride_tn + (v - start), mask=valid & (v >= start), other=0)
             slot = tl.where(v < start, v, tail)
             slot = tl.where(valid, slot, 0)
             kv_mask = valid[:, None] & d_ok[None, :]
             k = tl.load(K + g * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.where(seen[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(s - m_safe[:, None])
             ls = ls * alpha + tl.sum(p, axis=1)
             vv = tl.load(V + g * stride_kh + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv.to(tl.float32)[None, :, :], axis=1)
@@ -197,6 +206,7 @@ def kernel(
     tails: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """The Triton kernel (see `reference` for the arguments); needs `triton_available()`."""
     n, heads, hd = q.shape
@@ -223,6 +233,7 @@ def kernel(
         out.stride(0),
         out.stride(1),
         tails.stride(0),
+        window if window is not None else 2**31 - 1,
         GROUP=group,
         GROUP_P=triton.next_power_of_2(group),
         HD=hd,
@@ -240,9 +251,11 @@ def tree_attention(
     tails: torch.Tensor,
     lens: torch.Tensor,
     scale: float,
+    window: Optional[int] = None,
+    interpret: bool = False,
 ) -> torch.Tensor:
-    """Row-exact tree attention: the Triton kernel on CUDA (or under the interpreter), else the torch
-    reference. Arguments and result as `reference`."""
-    if triton_available() and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return kernel(q, k_cache, v_cache, start, tails, lens, scale)
-    return reference(q, k_cache, v_cache, start, tails, lens, scale)
+    """Row-exact tree attention: the Triton kernel on CUDA (or, with `interpret`, in the interpreter on CPU
+    tensors), else the torch reference. Arguments and result as `reference`."""
+    if triton_available() and (q.is_cuda or interpret):
+        return kernel(q, k_cache, v_cache, start, tails, lens, scale, window)
+    return reference(q, k_cache, v_cache, start, tails, lens, scale, window=window)

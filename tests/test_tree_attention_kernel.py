@@ -38,11 +38,12 @@ def queries(n, dtype=torch.bfloat16, seed=1):
     return torch.randn(n, KV * GROUP, HD, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def dense(q, k, v, start, tails, lens, scale):
-    """float64 attention of each row over its gathered virtual sequence."""
+def dense(q, k, v, start, tails, lens, scale, window=None):
+    """float64 attention of each row over its gathered virtual sequence (its last `window` positions)."""
     out = []
     for i in range(q.shape[0]):
         slots = list(range(start)) + tails[i, : lens[i]].tolist()
+        slots = slots[-window:] if window else slots
         kk = k[:, slots].double().repeat_interleave(GROUP, 0)
         vv = v[:, slots].double().repeat_interleave(GROUP, 0)
         w = torch.softmax((q[i].double()[:, None, :] * kk).sum(-1) * scale, -1)
@@ -78,7 +79,8 @@ def test_a_row_alone_equals_the_row_among_64(impl):
 
 @pytest.mark.parametrize("impl", implementations())
 @pytest.mark.parametrize("start", [0, 1, kta.BLOCK_N - 1, kta.BLOCK_N, 37])
-def test_a_tree_row_equals_the_plain_row_of_its_virtual_sequence(impl, start):
+@pytest.mark.parametrize("window", [None, 20])
+def test_a_tree_row_equals_the_plain_row_of_its_virtual_sequence(impl, start, window):
     """The tree row's ancestors sit at scattered slots; the plain row has them compacted after the prefix (the
     cache after the path is kept) and is itself the one-token step that follows."""
     import numpy as np
@@ -96,26 +98,27 @@ def test_a_tree_row_equals_the_plain_row_of_its_virtual_sequence(impl, start):
             torch.tensor([slots + [0] * (DEPTH - depth)]),
             torch.tensor([depth]),
             HD**-0.5,
+            window=window,
         )
         kc, vc = k.clone(), v.clone()
         kc[:, start : start + depth], vc[:, start : start + depth] = k[:, slots], v[:, slots]
         me = start + depth - 1
-        plain = impl(
-            q, kc, vc, torch.tensor(me), torch.tensor([[me] + [0] * (DEPTH - 1)]), torch.tensor([1]), HD**-0.5
-        )
+        one = torch.tensor([[me] + [0] * (DEPTH - 1)])
+        plain = impl(q, kc, vc, torch.tensor(me), one, torch.tensor([1]), HD**-0.5, window=window)
         assert torch.equal(tree, plain), (start, depth)
 
 
 @pytest.mark.parametrize("impl", implementations())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_it_is_attention_within_the_storage_rounding(impl, dtype):
+@pytest.mark.parametrize("window", [None, 20])
+def test_it_is_attention_within_the_storage_rounding(impl, dtype, window):
     import numpy as np
 
     k, v = caches(dtype)
     q = queries(9, dtype)
     tails, lens = random_rows(9, 30, np.random.default_rng(3))
-    got = impl(q, k, v, torch.tensor(30), tails, lens, HD**-0.5).double()
-    want = dense(q, k, v, 30, tails, lens, HD**-0.5)
+    got = impl(q, k, v, torch.tensor(30), tails, lens, HD**-0.5, window=window).double()
+    want = dense(q, k, v, 30, tails, lens, HD**-0.5, window)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # the output's rounding to bf16; float32's own
     assert torch.allclose(got, want, atol=tol, rtol=tol), (got - want).abs().max()
 
