@@ -42,6 +42,7 @@ from headway.inference.engine_step import (
     layer_step,
     rope_tables,
 )
+from headway.inference.kernel_tree_attention import tree_attention
 from headway.inference.tree import Tree
 
 log = logging.getLogger("headway")
@@ -108,6 +109,7 @@ class CudaRunner:
         max_len: int,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         graphs: Optional[bool] = None,
+        attention: str = "tree",
     ):
         if not cuda_supported(model):
             family = getattr(text_config(model.config), "model_type", "?")
@@ -128,6 +130,9 @@ class CudaRunner:
         self.kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
         self.window = getattr(cfg, "sliding_window", None) if self.gemma3 else None
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        # tree: every row along its own virtual sequence (kernel_tree_attention; row-exact); masked: SDPA over
+        # the whole cache under the tree mask
+        self.attention = attention
         attn = self.base.layers[0].self_attn
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not self.buckets or self.buckets[0] < 1:
@@ -220,13 +225,23 @@ class CudaRunner:
         rel = cols - start
         in_tree = (rel >= 0) & (rel < m)
         tree_part = ancestors.gather(1, rel.clamp(0, m - 1).expand(m, -1)) & in_tree
+        depth = ancestors.sum(1) - 1
         masks = {"full_attention": (cols < start)[None, :] | tree_part}
         if self.window is not None:  # a key is seen while its position is less than the window behind
-            depth = ancestors.sum(1) - 1
             col_pos = torch.where(in_tree, start + depth.gather(0, rel.clamp(0, m - 1)), cols)
             masks["sliding_attention"] = masks["full_attention"] & (
                 positions[:, None] - col_pos[None, :] < self.window
             )
+        attends = {kind: None for kind in masks}
+        if self.attention == "tree":
+            # each row's virtual sequence: the prefix, then its ancestors' slots by depth (itself last)
+            where = torch.where(ancestors, depth[None, :], torch.full_like(ancestors, m, dtype=torch.long))
+            tails = torch.zeros(m, m + 1, dtype=torch.long, device=self.device)
+            own = torch.where(r < n, start + r, torch.full_like(r, self.scratch))  # (pads: the scratch slot)
+            tails = tails.scatter_(1, where, own[None, :].expand(m, m))[:, :m]
+            for kind in masks:
+                window = self.window if kind == "sliding_attention" else None
+                attends[kind] = _TreeAttend(start, tails, depth + 1, window)
         rope = {
             kind: (cos.index_select(0, positions), sin.index_select(0, positions))
             for kind, (cos, sin) in self.rope.items()
@@ -234,7 +249,8 @@ class CudaRunner:
         x = self.base.embed_tokens(ids)
         states = [x]
         for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-            x = self._layer(i, x, *rope[self.kinds[i]], k, v, slots, self.capacity, masks[self.kinds[i]])
+            kind = self.kinds[i]
+            x = self._layer(i, x, *rope[kind], k, v, slots, self.capacity, masks[kind], attend=attends[kind])
             states.append(x)
         x = self.norm(x)
         states[-1] = x
@@ -255,11 +271,13 @@ class CudaRunner:
         end: int,
         mask: Optional[torch.Tensor],
         causal: bool = False,
+        attend: Optional[Any] = None,
     ) -> torch.Tensor:
-        """Decoder layer i (engine_step's math for its family)."""
+        """Decoder layer i (engine_step's math for its family); `attend`: the tree attention, else SDPA under
+        `mask`."""
         if self.gemma3:
-            return gemma3_layer_step(self.layers[i], x, cos, sin, k, v, slots, end, mask, causal)
-        return layer_step(self.plans[i], x, cos, sin, k, v, slots, end, mask, causal=causal)
+            return gemma3_layer_step(self.layers[i], x, cos, sin, k, v, slots, end, mask, causal, attend)
+        return layer_step(self.plans[i], x, cos, sin, k, v, slots, end, mask, attend, causal=causal)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """The lm_head over rows x [n, H] in one matmul (then the final soft-capping, where the model has
@@ -344,6 +362,17 @@ class CudaRunner:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+
+class _TreeAttend:
+    """A step's row-exact attention (kernel_tree_attention) as `layer_step` calls it: q [n, heads, head_dim]
+    over the layer's cache, each row along its own virtual sequence."""
+
+    def __init__(self, start: torch.Tensor, tails: torch.Tensor, lens: torch.Tensor, window: Optional[int]):
+        self.start, self.tails, self.lens, self.window = start, tails, lens, window
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return tree_attention(q, k, v, self.start, self.tails, self.lens, scale, self.window)
 
 
 class _LastRowLogits:

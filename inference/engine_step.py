@@ -191,12 +191,13 @@ def gemma3_layer_step(
     end: int,
     mask: Optional[torch.Tensor],
     causal: bool = False,
+    attend: Optional[Any] = None,
 ) -> torch.Tensor:
     """One Gemma-3 decoder layer over rows x [n, hidden], in `layer_step`'s contract (cache slots, attention
-    over slots [0, end) under `mask`, or `causal`): the layer's own modules do the projections, the q/k
-    norms, the four RMSNorms (1 + weight, in float32) and the GeLU MLP; the cache and the attention are
-    Headway's. The caller passes the mask of the layer's kind (full, or sliding-window) and the rotary
-    tables of its kind."""
+    over slots [0, end) under `mask`, or `causal`, or by `attend`): the layer's own modules do the
+    projections, the q/k norms, the four RMSNorms (1 + weight, in float32) and the GeLU MLP; the cache and
+    the attention are Headway's. The caller passes the mask of the layer's kind (full, or sliding-window)
+    and the rotary tables of its kind."""
     a = layer.self_attn
     n, hd = x.shape[0], int(a.head_dim)
     h = layer.input_layernorm(x)
@@ -209,15 +210,19 @@ def gemma3_layer_step(
     q, k = qk[:, :heads], qk[:, heads:]
     k_cache.index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        k_cache[None, :, :end],
-        v_cache[None, :, :end],
-        attn_mask=mask,
-        is_causal=causal,
-        scale=float(a.scaling),
-        enable_gqa=True,
-    )
-    o = a.o_proj(o[0].transpose(0, 1).reshape(n, -1).to(x.dtype))
+    if attend is not None:
+        o = attend(q, k_cache, v_cache, float(a.scaling))
+    else:
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k_cache[None, :, :end],
+            v_cache[None, :, :end],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=float(a.scaling),
+            enable_gqa=True,
+        )
+        o = o[0].transpose(0, 1).reshape(n, -1)
+    o = a.o_proj(o.to(x.dtype))
     x = x + layer.post_attention_layernorm(o)
     return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))

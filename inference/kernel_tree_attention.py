@@ -101,25 +101,27 @@ def reference(
     n, heads, hd = q.shape
     kv = k_cache.shape[0]
     group = heads // kv
-    qf = _pad_pow2(q.float().view(n, kv, group, hd), 3)
+    # float32, as the kernel computes (float64 for a float64 model, whose tests compare at 1e-10)
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = _pad_pow2(q.to(cd).view(n, kv, group, hd), 3)
     if blocks is None:
         blocks = -(-k_cache.shape[1] // BLOCK_N)
-    m = torch.full((n, kv, group), float("-inf"), device=q.device)
-    total = torch.zeros((n, kv, group), device=q.device)
-    acc = torch.zeros((n, kv, group, qf.shape[-1]), device=q.device)
+    m = torch.full((n, kv, group), float("-inf"), dtype=cd, device=q.device)
+    total = torch.zeros((n, kv, group), dtype=cd, device=q.device)
+    acc = torch.zeros((n, kv, group, qf.shape[-1]), dtype=cd, device=q.device)
     start = torch.as_tensor(start, device=q.device)
     for b in range(blocks):
         v = b * BLOCK_N + torch.arange(BLOCK_N, device=q.device)
         slot, valid = virtual_slots(v, start, tails, lens)
         if window is not None:
             valid = valid & (v[None, :] >= (start + lens)[:, None] - window)
-        keys = _pad_pow2(k_cache[:, slot].float().permute(1, 0, 2, 3), 3)  # [n, kv, B, hd']
-        vals = _pad_pow2(v_cache[:, slot].float().permute(1, 0, 2, 3), 3)
+        keys = _pad_pow2(k_cache[:, slot].to(cd).permute(1, 0, 2, 3), 3)  # [n, kv, B, hd']
+        vals = _pad_pow2(v_cache[:, slot].to(cd).permute(1, 0, 2, 3), 3)
         s = _pairwise_sum(qf[:, :, :, None, :] * keys[:, :, None, :, :], 4) * scale  # [n, kv, g, B]
         s = torch.where(valid[:, None, None, :], s, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         # (a block the window hides whole leaves m at -inf: exponents then subtract 0, not -inf)
-        m_safe = torch.where(m_new == float("-inf"), 0.0, m_new)
+        m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe[..., None])
         total = total * alpha + _pairwise_sum(p, 3)
@@ -243,6 +245,26 @@ def kernel(
     return out.reshape(n, heads * hd)
 
 
+@torch.library.custom_op("headway::tree_attention", mutates_args=())
+def _tree_attention_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    tails: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """The kernel as one opaque op (window -1: none): fake tensors and torch.compile see its shape alone."""
+    return kernel(q, k_cache, v_cache, start, tails, lens, scale, None if window < 0 else window)
+
+
+@_tree_attention_op.register_fake
+def _(q, k_cache, v_cache, start, tails, lens, scale, window):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -257,5 +279,6 @@ def tree_attention(
     """Row-exact tree attention: the Triton kernel on CUDA (or, with `interpret`, in the interpreter on CPU
     tensors), else the torch reference. Arguments and result as `reference`."""
     if triton_available() and (q.is_cuda or interpret):
-        return kernel(q, k_cache, v_cache, start, tails, lens, scale, window)
+        win = -1 if window is None else int(window)
+        return torch.ops.headway.tree_attention(q, k_cache, v_cache, start, tails, lens, float(scale), win)
     return reference(q, k_cache, v_cache, start, tails, lens, scale, window=window)
