@@ -12,7 +12,7 @@ import torch
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.config import InferenceConfig
+from headway.inference.config import InferenceConfig, cuda_buckets
 from headway.inference.cost_model import verify_cost_curve, verify_costs
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
@@ -126,6 +126,9 @@ class SpeculativeDecoder:
             themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
         self.head_config, self.saved_costs = head_config or {}, saved_costs
+        # read by the CUDA backend (engine.make_runner): set before a hybrid drafter measures its costs there
+        target.model.headway_cuda_buckets = cuda_buckets(cfg.inference)
+        target.model.headway_cuda_graphs = cfg.inference.cuda_graphs
         self.drafter = build_drafter(
             cfg.inference.drafter, heads, cfg.inference, self.head_config, target, saved_costs
         )
@@ -158,9 +161,6 @@ class SpeculativeDecoder:
             dtype=drafter_dtype(cfg.inference.drafter_dtype, head_config.get("kind"), target.model),
         )
         heads.attach_target(target.model)
-        # read by the CUDA backend (engine.make_runner)
-        target.model.headway_cuda_buckets = tuple(cfg.inference.cuda_buckets)
-        target.model.headway_cuda_graphs = cfg.inference.cuda_graphs
         if linear_weights(target.model) != "native":
             pack_head_linear_weights(heads, linear_weights(target.model))
         tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)

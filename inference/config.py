@@ -13,8 +13,8 @@ from headway.errors import HeadwayError
 
 # The target's forward: see InferenceConfig.engine.
 ENGINES = ("auto", "static", "compiled", "cuda", "hf")
-# inference.cuda_buckets by default: plain decoding, EAGLE's 15 draft nodes + root, the hybrid's 32 + 1,
-# and the GPU-sized trees (60 + 1).
+# The CUDA backend's buckets where no decoder chose them (a runner made directly, as the tests do): plain
+# decoding, EAGLE's 15 draft nodes + root, the hybrid's 32 + 1, and the GPU-sized trees (60 + 1).
 CUDA_BUCKETS = (1, 16, 48, 64)
 # The tree a target on a CUDA device decodes with where `headway tune` has chosen none for the machine (with
 # inference.use_tuned=true): EAGLE-2's GPU tree (depth 6, top_k 10, the best 60 nodes), and a hybrid tree of
@@ -175,8 +175,10 @@ class InferenceConfig:
     # only the static engine is exact). Plain and speculative decoding use the same one.
     engine: str = "auto"
     # The CUDA backend's row buckets (inference.engine=cuda): a step of n rows pads to the smallest bucket of
-    # at least n, and each bucket is one CUDA graph. Every tree a drafter makes must fit the largest.
-    cuda_buckets: list[int] = field(default_factory=lambda: list(CUDA_BUCKETS))
+    # at least n, and each bucket is one CUDA graph. [] (exact): one bucket for every step, plain decoding
+    # included, that the drafters' largest tree fits (`cuda_buckets`): a row's bits then never depend on the
+    # other rows. Several (e.g. [1, 16, 48, 64]: cheaper plain steps) are exact in float32 but not in bf16.
+    cuda_buckets: list[int] = field(default_factory=list)
     # Capture each bucket's step as a CUDA graph after two eager warm-up runs (false: every step eager; a
     # failed capture falls back to eager for its bucket either way).
     cuda_graphs: bool = True
@@ -206,10 +208,10 @@ class InferenceConfig:
         check_choice("inference", "engine", self.engine, list(ENGINES))
         check_choice("inference", "drafter", self.drafter, list(DRAFTERS))
         check_choice("inference", "drafter_dtype", self.drafter_dtype, list(DRAFTER_DTYPES))
-        if not self.cuda_buckets or any(int(b) < 1 for b in self.cuda_buckets):
+        if any(int(b) < 1 for b in self.cuda_buckets):
             raise HeadwayError(
-                f"inference.cuda_buckets must be a list of row counts >= 1 (got {self.cuda_buckets}): e.g. "
-                "[1, 16, 48, 64]"
+                f"inference.cuda_buckets must be row counts >= 1, or [] for one exact bucket (got "
+                f"{self.cuda_buckets}): e.g. [1, 16, 48, 64]"
             )
 
 
@@ -304,3 +306,14 @@ class TuneConfig:
             raise HeadwayError(
                 "tune.num_prompts, tune.repeats and tune.static_top_k must be >= 1, tune.max_new_tokens >= 2"
             )
+
+
+def cuda_buckets(ic: InferenceConfig) -> tuple[int, ...]:
+    """The CUDA backend's row buckets for these settings: inference.cuda_buckets, or (empty) one bucket that
+    every tree of the drafters this config can make fits (EAGLE's total_tokens, the hybrid's max_nodes, a
+    static tree's nodes, at least 15), plus the root, rounded up to a multiple of 16 rows."""
+    if ic.cuda_buckets:
+        return tuple(int(b) for b in ic.cuda_buckets)
+    static = len(ic.tree) if ic.tree is not None else len(DEFAULT_STATIC_TREE)
+    nodes = max(ic.total_tokens, ic.hybrid.max_nodes, ic.tree_nodes, static, 15) + 1
+    return (-(-nodes // 16) * 16,)

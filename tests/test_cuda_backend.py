@@ -4,6 +4,7 @@ host drafter's tree, and its step reads nothing from the host (see also test_cud
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -16,6 +17,7 @@ from test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.accept_device import greedy_accept, tree_ancestors
+from headway.inference.config import cuda_buckets
 from headway.inference.cost_model import verify_cost
 from headway.inference.draft_dflash import DFlashDrafter
 from headway.inference.draft_eagle import EagleDrafter
@@ -29,6 +31,8 @@ from headway.inference.sync_guard import HostReads
 from headway.inference.tree import build_tree, tree_from_parents
 from headway.inference.tuned import gpu_sized
 from headway.run_config import RunConfig
+from headway.target.config import TargetConfig
+from headway.target.loading import load_target
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
@@ -249,7 +253,7 @@ def test_gpu_targets_get_gpu_sized_trees():
     assert (cfg.inference.depth, cfg.inference.top_k, cfg.inference.total_tokens) == (6, 10, 60)
     assert cfg.inference.hybrid.max_nodes == 60
     # the largest tree fits the largest default bucket
-    assert cfg.inference.total_tokens + 1 <= max(cfg.inference.cuda_buckets)
+    assert cfg.inference.total_tokens + 1 <= max(cuda_buckets(cfg.inference))
 
 
 def test_gemma3_past_its_sliding_window_matches_the_model_forward(tiny_dirs):
@@ -267,3 +271,37 @@ def test_gemma3_past_its_sliding_window_matches_the_model_forward(tiny_dirs):
     cu.buckets = (4,)
     (la, _), (lb, _) = hf.forward(torch.tensor([31])), cu.forward(torch.tensor([31]))
     assert torch.allclose(la[0], lb[0], atol=1e-10, rtol=0)
+
+
+def test_one_exact_bucket_fits_every_tree_of_the_config():
+    ic = RunConfig().inference
+    assert cuda_buckets(ic) == (48,)  # the hybrid's 32 nodes and the root
+    assert cuda_buckets(gpu_sized(RunConfig()).inference) == (64,)  # EAGLE-2's 60 and the hybrid's 60
+    assert cuda_buckets(dataclasses.replace(ic, cuda_buckets=[1, 16])) == (1, 16)
+    with pytest.raises(HeadwayError, match="inference.cuda_buckets must be row counts >= 1"):
+        dataclasses.replace(ic, cuda_buckets=[0, 16])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_speculative_equals_plain_in_one_bucket(tiny_dirs, arch):
+    """bf16, the CUDA algorithm on CPU tensors with one bucket for every step (plain decoding included) and
+    the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of every length
+    (the oracle) and through the EAGLE-3 expansion and a Medusa tree."""
+    t = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16")
+    )
+    t.model.headway_cuda_buckets = (16,)
+    tree = build_tree(WIDE_TREE)
+    eagle = EagleDrafter(random_head(t, "eagle3").to(torch.bfloat16), t.config.num_hidden_layers, 3, 3, 8)
+    medusa_heads = MedusaHeads(
+        MedusaConfig(num_heads=4, lm_head="shared"), t.config.hidden_size, t.config.vocab_size
+    )
+    medusa_heads.init_from_target(t.model)
+    medusa_heads.attach_target(t.model)
+    medusa = MedusaDrafter(medusa_heads.to(torch.bfloat16), tree, t.config.num_hidden_layers)
+    for seed, prompt in enumerate(prompts_for(t.tokenizer)):
+        ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ref = greedy_generate(t.model, ids, 40, [], engine="cuda").tokens
+        oracle = DeviceOracle(tree, ref, t.config.vocab_size, seed)
+        for drafter in (oracle, eagle, medusa):
+            assert speculative_generate(t.model, drafter, ids, 40, [], engine="cuda").tokens == ref, drafter
