@@ -11,7 +11,8 @@
 #            $HEADWAY_CACHE/wheels/
 #   env      GPU, torch, CUDA, transformers, commit
 #   cudnn    the old path's bf16 steps with cuDNN's SDPA preferred, then (cudnn_deprioritized) deprioritised
-#   capture_tests  the CUDA backend's fake-CUDA and capturability tests (tests/test_cuda_capture.py)
+#   capture_tests  the CUDA backend's fake-CUDA and capturability tests and the tree attention kernel's bit tests
+#            (tests/test_cuda_capture.py, tests/test_tree_attention_kernel.py)
 #   backend  the CUDA backend: capture time and memory, replay ms at 1/16/48/64 rows, host reads per step
 #   exact    speculative greedy output against plain greedy output, per engine and dtype: tiny models of four
 #            architectures and the default target in float32 and bf16
@@ -98,8 +99,10 @@ run_step cudnn_deprioritized "${LIMITS[3]}" env TORCH_CUDNN_SDPA_DEPRIORITIZED=1
     $PY scripts/gpu_check.py cudnn --results "$RESULTS" $DRY
 # the CUDA backend's CPU proofs rerun here (fake CUDA, the checking compile backend, frozen scalars)
 K=()
-if [ -n "$DRY" ]; then K=(-k "fake_cuda or frozen or same_ops"); fi  # CI runs the rest in the suite
-run_step capture_tests "${LIMITS[4]}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_capture.py "${K[@]}"
+# (on a GPU the tree attention tests run the Triton kernel compiled for the device, not the interpreter)
+if [ -n "$DRY" ]; then K=(-k "fake_cuda or frozen or same_ops or alone"); fi  # CI runs the rest in the suite
+run_step capture_tests "${LIMITS[4]}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_capture.py \
+    tests/test_tree_attention_kernel.py "${K[@]}"
 run_step backend "${LIMITS[5]}" $PY scripts/gpu_check.py backend --results "$RESULTS" $DRY "${P[@]}"
 run_step exact "${LIMITS[6]}" $PY scripts/gpu_check.py exact --results "$RESULTS" $DRY "${P[@]}"
 run_step decode "${LIMITS[7]}" $PY scripts/gpu_check.py decode --results "$RESULTS" $DRY "${P[@]}"

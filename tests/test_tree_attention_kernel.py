@@ -20,10 +20,25 @@ ROOT = Path(__file__).resolve().parents[1]
 KV, GROUP, HD, CAP, DEPTH = 2, 3, 32, 96, 6
 
 
+# where the kernels run: the GPU when there is one (scripts/gpu_check.sh reruns these tests there), else CPU
+# tensors (the Triton kernel in its interpreter; tests/conftest.py sets TRITON_INTERPRET=1)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(fn):
+    """fn with its tensor arguments on DEVICE and its result back on the CPU."""
+
+    def run(*args, **kwargs):
+        moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+        return fn(*moved, **kwargs).cpu()
+
+    return run
+
+
 def implementations() -> list:
-    impls = [pytest.param(kta.reference, id="reference")]
+    impls = [pytest.param(on_device(kta.reference), id="reference")]
     if kta.triton is not None:
-        impls.append(pytest.param(kta.kernel, id="triton-interpreter"))
+        impls.append(pytest.param(on_device(kta.kernel), id="triton"))
     return impls
 
 
@@ -130,8 +145,8 @@ def test_the_kernel_and_the_reference_agree():
     k, v = caches(torch.float32)
     q = queries(12, torch.float32)
     tails, lens = random_rows(12, 40, np.random.default_rng(5))
-    a = kta.kernel(q, k, v, torch.tensor(40), tails, lens, 0.2)
-    b = kta.reference(q, k, v, torch.tensor(40), tails, lens, 0.2)
+    a = on_device(kta.kernel)(q, k, v, torch.tensor(40), tails, lens, 0.2)
+    b = on_device(kta.reference)(q, k, v, torch.tensor(40), tails, lens, 0.2)
     assert torch.allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
