@@ -21,6 +21,7 @@ greedy speculative tokens equal to plain greedy ones).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.accept_device import greedy_accept, tree_ancestors
+from headway.inference.accept_device import greedy_accept, sample_accept, tree_ancestors
 from headway.inference.config import CUDA_BUCKETS
 from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
@@ -43,6 +44,7 @@ from headway.inference.engine_step import (
     rope_tables,
 )
 from headway.inference.kernel_tree_attention import tree_attention
+from headway.inference.sampling import SamplingConfig, target_distribution
 from headway.inference.tree import Tree
 
 log = logging.getLogger("headway")
@@ -90,6 +92,8 @@ class StepBuffers:
         self.parent = torch.full((rows,), -1, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.n = torch.zeros((), dtype=torch.long, device=device)
+        # sampling: one uniform per row, then one for the bonus token (drawn before the step)
+        self.uniforms = torch.zeros(rows + 1, dtype=torch.float64, device=device)
 
 
 class CudaRunner:
@@ -164,6 +168,7 @@ class CudaRunner:
             torch.backends.cuda.enable_cudnn_sdp(False)
         self.buf = StepBuffers(self.buckets[-1], self.device)
         self.graphs = StepGraphs(self._step, self.device, enabled=graphs)
+        self.sampling: Optional[SamplingConfig] = None  # None: greedy acceptance in the step
         self.length = 0
 
     ATTRIBUTE = "_headway_cuda_runner"
@@ -255,8 +260,12 @@ class CudaRunner:
         x = self.norm(x)
         states[-1] = x
         logits = self._logits(x)
-        argmax = logits.argmax(-1)
-        verdict = greedy_accept(ids, parent, ancestors, argmax, n)
+        if self.sampling is None:
+            verdict = greedy_accept(ids, parent, ancestors, logits.argmax(-1), n)
+        else:
+            probs = target_distribution(logits, self.sampling)
+            uniforms = torch.cat((self.buf.uniforms[:m], self.buf.uniforms[-1:]))
+            verdict = sample_accept(ids, parent, ancestors, probs, uniforms, n)
         return logits, states, torch.cat((verdict, ids.gather(0, verdict[2:])))
 
     def _layer(
@@ -306,6 +315,14 @@ class CudaRunner:
             out = self.graphs.run(m)
         self.length += n
         return out
+
+    def set_sampling(self, cfg: SamplingConfig) -> None:
+        """The acceptance the step runs: greedy (temperature 0), else tree rejection sampling under `cfg`;
+        a change drops the captured graphs (they hold the other rule)."""
+        wanted = None if cfg.greedy else dataclasses.replace(cfg, seed=0)  # (the seed is the loop's)
+        if wanted != self.sampling:
+            self.sampling = wanted
+            self.graphs = StepGraphs(self._step, self.device, enabled=self.graphs.requested)
 
     @staticmethod
     def read(verdict: torch.Tensor) -> list[int]:

@@ -189,14 +189,12 @@ def speculative_generate(
     own_rule, rule = rule is not None, rule or acceptance_rule(sampling)
     start = time.perf_counter()
     runner = make_runner(model, len(prompt) + max_new_tokens + drafter.max_nodes, engine)
-    if (
-        isinstance(runner, CudaRunner)
-        and sampling.greedy
-        and not own_rule
-        and hasattr(drafter, "draft_tensors")
-    ):
-        # the CUDA backend's greedy loop: drafting, verification and acceptance on the device, one read a step
-        return device_loop(runner, drafter, prompt, max_new_tokens, stops, _finish, GenerationResult)
+    lossless = sampling.greedy or sampling.acceptance == "exact"
+    if isinstance(runner, CudaRunner) and lossless and not own_rule and hasattr(drafter, "draft_tensors"):
+        # the CUDA backend's loop: drafting, verification and acceptance on the device, one read a step
+        return device_loop(
+            runner, drafter, prompt, max_new_tokens, stops, _finish, GenerationResult, sampling
+        )
     logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
     root = sampler.next_token(logits[-1])
     drafter.begin(prompt, root, features_at(hidden, layers, slice(None)))

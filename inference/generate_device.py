@@ -12,11 +12,12 @@ the device, roots the next tree. The tokens are exactly plain greedy decoding's 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from headway.inference.engine_cuda import CudaRunner
+from headway.inference.sampling import SamplingConfig, target_distribution
 
 
 def device_features(states: list, layers: list[int], rows: torch.Tensor) -> torch.Tensor:
@@ -35,15 +36,32 @@ def device_loop(
     stops: set[int],
     finish: Any,
     result: Any,
+    sampling: Optional[SamplingConfig] = None,
 ) -> Any:
-    """The greedy loop (see the module docstring): `finish` cuts the new tokens at a stop token or the budget
-    (generate._finish), `result` builds the GenerationResult."""
+    """The loop (see the module docstring): `finish` cuts the new tokens at a stop token or the budget
+    (generate._finish), `result` builds the GenerationResult; `sampling` at temperature > 0: tree rejection
+    sampling on the device (accept_device.sample_accept), its uniforms drawn before each step from a device
+    generator seeded with sampling.seed."""
     layers = drafter.feature_layers
     start = time.perf_counter()
+    cfg = sampling or SamplingConfig()
+    runner.set_sampling(cfg)
+    uniforms = None
+    if not cfg.greedy:
+        gen = torch.Generator(device=runner.device).manual_seed(cfg.seed)
+
+        def uniforms(k: int) -> torch.Tensor:
+            return torch.rand(k, generator=gen, dtype=torch.float64, device=runner.device)
+
     if hasattr(drafter, "reserve"):  # a drafter with a device cache of its own sizes it once
         drafter.reserve(runner.max_len, runner.graphs.enabled)
     logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
-    root_dev = logits[-1].argmax().view(1)  # argmax: the first max, as plain decoding's
+    if uniforms is None:
+        root_dev = logits[-1].argmax().view(1)  # argmax: the first max, as plain decoding's
+    else:
+        cumulative = target_distribution(logits[-1], cfg).cumsum(0)
+        root_dev = torch.searchsorted(cumulative, uniforms(1) * cumulative[-1:], right=True)
+        root_dev = root_dev.clamp(max=cumulative.shape[0] - 1)
     root = runner.read(root_dev)[0]  # the prompt's one read
     drafter.begin(
         prompt, root, torch.cat([hidden[i][0] for i in layers], -1) if layers else torch.empty(0, 0)
@@ -56,6 +74,8 @@ def device_loop(
         nodes, parent = drafter.draft_tensors(root_dev)
         t1 = time.perf_counter()
         n = nodes.shape[0]
+        if uniforms is not None:  # outside the step: a captured step reads them from its buffer
+            runner.buf.uniforms.copy_(uniforms(runner.buf.uniforms.shape[0]))
         _, states, verdict = runner.step(nodes, parent, n)
         m = verdict.shape[0] // 2 - 1
         host = runner.read(verdict)  # the step's one device-to-host read

@@ -21,6 +21,7 @@ from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.medusa import MedusaConfig, MedusaHeads
+from headway.inference import accept_device, engine_cuda
 from headway.inference.draft_dflash import DFlashDrafter
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
@@ -173,13 +174,13 @@ def p_value(counts: Counter, expected: dict[tuple, float]) -> float:
     return min(1.0, 2 * min(p))
 
 
-def spec_p_value(m, drafter, cfg: SamplingConfig, rule=None) -> tuple[float, float]:
+def spec_p_value(m, drafter, cfg: SamplingConfig, rule=None, engine: str = "auto") -> tuple[float, float]:
     """The test's p-value for speculative samples against the exact distribution, and their
     mean acceptance."""
     accepted: list[int] = []
 
     def generate(c):
-        r = speculative_generate(m, drafter, PROMPT, N_TOKENS, [], c, rule)
+        r = speculative_generate(m, drafter, PROMPT, N_TOKENS, [], c, rule, engine=engine)
         accepted.extend(r.accepted)
         return r
 
@@ -330,3 +331,42 @@ def test_greedy_token_is_the_first_largest_logit_among_ties(dtype: torch.dtype):
         logits = (torch.randint(-3, 4, (n,), generator=gen) * 0.5).to(dtype)
         first = int((logits == logits.max()).nonzero()[0])
         assert greedy_token(logits) == first == int(logits.argmax())
+
+
+@pytest.mark.parametrize(
+    "kind,cfg",
+    [
+        ("medusa", SamplingConfig(temperature=1.0)),
+        ("eagle3", SamplingConfig(temperature=0.7, top_k=4, top_p=0.9)),
+        ("dflash", SamplingConfig(temperature=1.0)),
+    ],
+)
+def test_sampling_on_the_device_is_lossless(model, kind: str, cfg: SamplingConfig):
+    """The CUDA backend's loop (its code on CPU tensors): tree rejection sampling in the step
+    (accept_device.sample_accept, uniforms drawn before it), the drafts on tensors."""
+    makers = {"medusa": medusa_drafter, "dflash": dflash_drafter}
+    drafter = makers[kind](model) if kind in makers else eagle_drafter(model, kind)
+    p, mean_accepted = spec_p_value(model, drafter, cfg, engine="cuda")
+    assert p > ALPHA, (kind, cfg, p)
+    assert mean_accepted > 0.3
+
+
+def test_a_wrong_rule_on_the_device_fails_the_same_test(model, monkeypatch):
+    """The device rule without renormalising after a rejection (a child accepted with p(x), not
+    p(x) / (1 - S)): the test rejects it."""
+    real = accept_device.sample_accept
+
+    def without_renormalising(tokens, parent, ancestors, probs, uniforms, n):
+        # the real rule accepts child c when u < p / (1 - S); given u * ... / (1 - S) it accepts when u < p
+        m = tokens.shape[0]
+        r = torch.arange(m)
+        earlier = (parent[None, :] == parent[:, None]) & (r[None, :] < r[:, None])
+        removed = (earlier.double() * probs[parent.clamp(min=0), tokens][None, :]).sum(1)
+        scaled = uniforms.clone()
+        scaled[:m] = uniforms[:m] / (1 - removed).clamp_min(1e-300)
+        return real(tokens, parent, ancestors, probs, scaled, n)
+
+    monkeypatch.setattr(engine_cuda, "sample_accept", without_renormalising)
+    cfg = SamplingConfig(temperature=1.0)
+    p, _ = spec_p_value(model, medusa_drafter(model), cfg, engine="cuda")
+    assert p < ALPHA, p
