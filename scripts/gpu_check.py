@@ -491,7 +491,10 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
     for dtype in ("float32",) if dry else ("bfloat16", "float32"):
         d = _decoder(device, dtype, dry, "inference.engine=cuda", "inference.drafter=neural")
         model = d.target.model
-        runner = make_runner(model, REPLAY_PREFIX + max(REPLAY_ROWS) + 1, "cuda")
+        # (a runner of its own, one bucket per row count timed; the decoder's runner keeps its one bucket)
+        runner = CudaRunner(
+            model, REPLAY_PREFIX + max(REPLAY_ROWS) + 1, REPLAY_ROWS, model.headway_cuda_graphs
+        )
         runner.forward(torch.randint(100, 1000, (REPLAY_PREFIX,)))
         for rows in REPLAY_ROWS:
             ms = _step_ms(runner, rows, 3 if dry else 20)
