@@ -224,13 +224,13 @@ class CudaRunner:
         start, n = self.buf.start, self.buf.n
         r = torch.arange(m, device=self.device)
         ancestors = tree_ancestors(parent)
-        positions = start + ancestors.sum(1) - 1
+        depth = ancestors.sum(1) - 1
+        positions = start + depth
         slots = torch.where(r < n, start + r, torch.full_like(r, self.scratch))
         cols = torch.arange(self.capacity, device=self.device)
         rel = cols - start
         in_tree = (rel >= 0) & (rel < m)
         tree_part = ancestors.gather(1, rel.clamp(0, m - 1).expand(m, -1)) & in_tree
-        depth = ancestors.sum(1) - 1
         masks = {"full_attention": (cols < start)[None, :] | tree_part}
         if self.window is not None:  # a key is seen while its position is less than the window behind
             col_pos = torch.where(in_tree, start + depth.gather(0, rel.clamp(0, m - 1)), cols)
