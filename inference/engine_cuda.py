@@ -43,7 +43,7 @@ from headway.inference.engine_step import (
     layer_step,
     rope_tables,
 )
-from headway.inference.kernel_tree_attention import tree_attention
+from headway.inference.kernel_tree_attention import BLOCK_N, tree_attention
 from headway.inference.sampling import SamplingConfig, target_distribution
 from headway.inference.tree import Tree
 
@@ -137,6 +137,13 @@ class CudaRunner:
         # tree: every row along its own virtual sequence (kernel_tree_attention; row-exact); masked: SDPA over
         # the whole cache under the tree mask
         self.attention = attention
+        # on CPU tensors (never a graph) the torch tree attention skips what cannot change a real row, by host
+        # numbers: blocks past the longest row's last key (they leave every row unchanged) and the pad rows
+        # (whose outputs only ever reach the scratch slot, which no real row reads). A row's bits do not
+        # depend on the others', so the real rows' are the full pass's; the emulation is spared a pass over
+        # the whole cache for every pad. A graphable step (CUDA, fake or compiled) runs them all.
+        self.trim_blocks = self.device.type == "cpu"
+        self._reach = (0, 0)  # the step being run: its longest row's virtual length, its real rows (host)
         attn = self.base.layers[0].self_attn
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not self.buckets or self.buckets[0] < 1:
@@ -244,9 +251,12 @@ class CudaRunner:
             tails = torch.zeros(m, m + 1, dtype=torch.long, device=self.device)
             own = torch.where(r < n, start + r, torch.full_like(r, self.scratch))  # (pads: the scratch slot)
             tails = tails.scatter_(1, where, own[None, :].expand(m, m))[:, :m]
+            trim = None
+            if self.trim_blocks and not torch.compiler.is_compiling():
+                trim = (-(-self._reach[0] // BLOCK_N), self._reach[1])
             for kind in masks:
                 window = self.window if kind == "sliding_attention" else None
-                attends[kind] = _TreeAttend(start, tails, depth + 1, window)
+                attends[kind] = _TreeAttend(start, tails, depth + 1, window, trim)
         rope = {
             kind: (cos.index_select(0, positions), sin.index_select(0, positions))
             for kind, (cos, sin) in self.rope.items()
@@ -311,6 +321,7 @@ class CudaRunner:
             self.buf.parent[n:m].fill_(-1)
         self.buf.start.fill_(self.length)
         self.buf.n.fill_(n)
+        self._reach = (self.length + n, n)
         with pinned_sdpa():
             out = self.graphs.run(m)
         self.length += n
@@ -383,13 +394,28 @@ class CudaRunner:
 
 class _TreeAttend:
     """A step's row-exact attention (kernel_tree_attention) as `layer_step` calls it: q [n, heads, head_dim]
-    over the layer's cache, each row along its own virtual sequence."""
+    over the layer's cache, each row along its own virtual sequence. `trim` (blocks, real rows): the CPU
+    emulation's host bounds (CudaRunner.trim_blocks)."""
 
-    def __init__(self, start: torch.Tensor, tails: torch.Tensor, lens: torch.Tensor, window: Optional[int]):
-        self.start, self.tails, self.lens, self.window = start, tails, lens, window
+    def __init__(
+        self,
+        start: torch.Tensor,
+        tails: torch.Tensor,
+        lens: torch.Tensor,
+        window: Optional[int],
+        trim: Optional[tuple[int, int]] = None,
+    ):
+        self.start, self.tails, self.lens, self.window, self.trim = start, tails, lens, window, trim
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        return tree_attention(q, k, v, self.start, self.tails, self.lens, scale, self.window)
+        if self.trim is None:
+            return tree_attention(q, k, v, self.start, self.tails, self.lens, scale, self.window)
+        # the CPU emulation (CudaRunner.trim_blocks): the real rows over the blocks they reach; pads get zeros
+        blocks, n = self.trim
+        real = tree_attention(
+            q[:n], k, v, self.start, self.tails[:n], self.lens[:n], scale, self.window, blocks=blocks
+        )
+        return torch.cat((real, real.new_zeros(q.shape[0] - n, real.shape[1])))
 
 
 class _LastRowLogits:

@@ -90,12 +90,16 @@ def reference(
 ) -> torch.Tensor:
     """The kernel's algorithm in torch.
 
+    The scores, exponents and per-block sums of every block are formed at once (element-wise ops and pairwise
+    sums, so each is the bits the block would give alone); only the online softmax's running state (the
+    row's total and accumulator, rescaled by each block's alpha) goes block by block, as in the kernel.
+
     Args:
         q: [n, heads, head_dim] (rotated queries); k_cache, v_cache: [kv_heads, slots, head_dim]; start: 0-d
         int64, the committed prefix; tails: [n, depth] int64 slots (row i's first lens[i] used); lens: [n];
         scale: the softmax scale; blocks: key blocks to run (None: enough for the whole cache; blocks past a
-        row's length change nothing in it); window: a sliding window (a row sees the last `window` positions
-        of its sequence; None: all).
+        row's length change nothing in it: alpha is 1 and they add zeros); window: a sliding window (a row
+        sees the last `window` positions of its sequence; None: all).
     Returns:
         [n, heads * head_dim] in q's dtype."""
     n, heads, hd = q.shape
@@ -106,28 +110,29 @@ def reference(
     qf = _pad_pow2(q.to(cd).view(n, kv, group, hd), 3)
     if blocks is None:
         blocks = -(-k_cache.shape[1] // BLOCK_N)
-    m = torch.full((n, kv, group), float("-inf"), dtype=cd, device=q.device)
-    total = torch.zeros((n, kv, group), dtype=cd, device=q.device)
-    acc = torch.zeros((n, kv, group, qf.shape[-1]), dtype=cd, device=q.device)
     start = torch.as_tensor(start, device=q.device)
+    v = torch.arange(blocks * BLOCK_N, device=q.device)
+    slot, valid = virtual_slots(v, start, tails, lens)  # [n, blocks * B]
+    if window is not None:
+        valid = valid & (v[None, :] >= (start + lens)[:, None] - window)
+    keys = _pad_pow2(k_cache[:, slot].to(cd).permute(1, 0, 2, 3), 3)  # [n, kv, blocks * B, hd']
+    vals = _pad_pow2(v_cache[:, slot].to(cd).permute(1, 0, 2, 3), 3)
+    s = _pairwise_sum(qf[:, :, :, None, :] * keys[:, :, None, :, :], 4) * scale  # [n, kv, g, blocks * B]
+    s = torch.where(valid[:, None, None, :], s, float("-inf")).view(n, kv, group, blocks, BLOCK_N)
+    # the running max after each block, and the one before it (exact: a max rounds nothing)
+    m = s.amax(-1).cummax(-1).values  # [n, kv, g, blocks]
+    m_before = torch.cat((torch.full_like(m[..., :1], float("-inf")), m[..., :-1]), -1)
+    # (a block the window hides whole leaves m at -inf: exponents then subtract 0, not -inf)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    alpha = torch.exp(m_before - m_safe)
+    p = torch.exp(s - m_safe[..., None])  # [n, kv, g, blocks, B]
+    pv = p[..., None] * vals.view(n, kv, 1, blocks, BLOCK_N, -1)
+    # per block: [sum of p*v over its keys (hd'), sum of p], the state the kernel rescales
+    adds = torch.cat((_pairwise_sum(pv, 4), _pairwise_sum(p, 4)[..., None]), -1)  # [n, kv, g, blocks, hd'+1]
+    state = torch.zeros_like(adds[..., 0, :])
     for b in range(blocks):
-        v = b * BLOCK_N + torch.arange(BLOCK_N, device=q.device)
-        slot, valid = virtual_slots(v, start, tails, lens)
-        if window is not None:
-            valid = valid & (v[None, :] >= (start + lens)[:, None] - window)
-        keys = _pad_pow2(k_cache[:, slot].to(cd).permute(1, 0, 2, 3), 3)  # [n, kv, B, hd']
-        vals = _pad_pow2(v_cache[:, slot].to(cd).permute(1, 0, 2, 3), 3)
-        s = _pairwise_sum(qf[:, :, :, None, :] * keys[:, :, None, :, :], 4) * scale  # [n, kv, g, B]
-        s = torch.where(valid[:, None, None, :], s, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        # (a block the window hides whole leaves m at -inf: exponents then subtract 0, not -inf)
-        m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe[..., None])
-        total = total * alpha + _pairwise_sum(p, 3)
-        acc = acc * alpha[..., None] + _pairwise_sum(p[..., None] * vals[:, :, None, :, :], 3)
-        m = m_new
-    out = (acc / total[..., None])[..., :hd]
+        state = state * alpha[..., b, None] + adds[..., b, :]
+    out = (state[..., :-1] / state[..., -1:])[..., :hd]
     return out.reshape(n, heads * hd).to(q.dtype)
 
 
@@ -275,10 +280,12 @@ def tree_attention(
     scale: float,
     window: Optional[int] = None,
     interpret: bool = False,
+    blocks: Optional[int] = None,
 ) -> torch.Tensor:
     """Row-exact tree attention: the Triton kernel on CUDA (or, with `interpret`, in the interpreter on CPU
-    tensors), else the torch reference. Arguments and result as `reference`."""
+    tensors), else the torch reference. Arguments and result as `reference` (`blocks` serves the reference
+    alone: the kernel stops at each row's own length)."""
     if triton_available() and (q.is_cuda or interpret):
         win = -1 if window is None else int(window)
         return torch.ops.headway.tree_attention(q, k_cache, v_cache, start, tails, lens, float(scale), win)
-    return reference(q, k_cache, v_cache, start, tails, lens, scale, window=window)
+    return reference(q, k_cache, v_cache, start, tails, lens, scale, blocks=blocks, window=window)

@@ -5,8 +5,8 @@ drafter on a prompt set (greedy), beside plain decoding; `--compare` sets two re
     python scripts/decode_record.py --compare before.json after.json
 
 Prompts are first turns: the first `--per-category` of each category, then `--limit` in all. Overrides are run
-config keys (target.dtype=bfloat16 target.num_threads=1 ...). Timing-sized trees (hybrid, ngram) may differ in
-forwards between runs; their tokens may not.
+config keys (target.dtype=bfloat16 target.num_threads=1 ...); `--drafters` picks which drafters to record.
+Timing-sized trees (hybrid, ngram) may differ in forwards between runs; their tokens may not.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def record(args: argparse.Namespace) -> None:
     out: dict = {"prompts": [c.id for c in convs], "plain": []}
     for ids in prompts:
         out["plain"].append(decoder.generate_plain(ids, args.max_new_tokens).tokens)
-    for kind in DRAFTERS:
+    for kind in args.drafters:
         d = decoder.with_drafter(kind)
         runs = [d.generate(ids, args.max_new_tokens) for ids in prompts]
         out[kind] = [
@@ -54,7 +54,7 @@ def compare(before: Path, after: Path) -> None:
     if a["prompts"] != b["prompts"]:
         raise SystemExit("the two records hold different prompts")
     print(f"plain tokens equal: {a['plain'] == b['plain']}")
-    for kind in DRAFTERS:
+    for kind in [k for k in DRAFTERS if k in a and k in b]:
         same = sum(x["tokens"] == y["tokens"] for x, y in zip(a[kind], b[kind]))
         forwards = sum(x["forwards"] == y["forwards"] for x, y in zip(a[kind], b[kind]))
         taus = [
@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS))
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     if args.compare:

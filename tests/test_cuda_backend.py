@@ -286,7 +286,7 @@ def test_one_exact_bucket_fits_every_tree_of_the_config():
 def test_bf16_speculative_equals_plain_in_one_bucket(tiny_dirs, arch):
     """bf16, the CUDA algorithm on CPU tensors with one bucket for every step (plain decoding included) and
     the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of every length
-    (the oracle) and through the EAGLE-3 expansion and a Medusa tree."""
+    (the oracle) and for every head kind: the EAGLE-3 and EAGLE-1 expansions, Medusa and DFlash trees."""
     t = load_target(
         TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16")
     )
@@ -299,9 +299,32 @@ def test_bf16_speculative_equals_plain_in_one_bucket(tiny_dirs, arch):
     medusa_heads.init_from_target(t.model)
     medusa_heads.attach_target(t.model)
     medusa = MedusaDrafter(medusa_heads.to(torch.bfloat16), tree, t.config.num_hidden_layers)
+    eagle1 = EagleDrafter(random_head(t, "eagle").to(torch.bfloat16), t.config.num_hidden_layers, 3, 2, 6)
+    dflash_heads = dflash_head(t).to(torch.bfloat16)
+    dflash = DFlashDrafter(
+        dflash_heads, build_tree(DFlashDrafter.default_tree(dflash_heads)), t.config.num_hidden_layers
+    )
     for seed, prompt in enumerate(prompts_for(t.tokenizer)):
         ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         ref = greedy_generate(t.model, ids, 40, [], engine="cuda").tokens
         oracle = DeviceOracle(tree, ref, t.config.vocab_size, seed)
-        for drafter in (oracle, eagle, medusa):
+        for drafter in (oracle, eagle, eagle1, medusa, dflash):
             assert speculative_generate(t.model, drafter, ids, 40, [], engine="cuda").tokens == ref, drafter
+
+
+def test_the_cpu_emulation_trims_only_what_no_real_row_reads(tiny_dirs):
+    """On CPU tensors the tree attention skips the pad rows and the blocks past the longest row
+    (CudaRunner.trim_blocks): every real row's logits and hidden states keep the bits of the full pass."""
+    outs = []
+    for trim in (True, False):
+        t = load_target(
+            TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="bfloat16")
+        )
+        runner = CudaRunner(t.model, 96, buckets=(16,), graphs=False)
+        runner.trim_blocks = trim
+        runner.forward(torch.arange(5, 30))
+        tree = random_tree(random.Random(3), 7)
+        logits, states, _ = runner.step(torch.arange(40, 47), torch.tensor(tree.parent), 7)
+        outs.append((logits[:7].clone(), [h[:7].clone() for h in states]))
+    (a, ha), (b, hb) = outs
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ha, hb))

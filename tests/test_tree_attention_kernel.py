@@ -123,6 +123,22 @@ def test_a_tree_row_equals_the_plain_row_of_its_virtual_sequence(impl, start, wi
         assert torch.equal(tree, plain), (start, depth)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_the_reference_stopped_at_the_longest_row_gives_the_same_bits(window):
+    """The CPU emulation runs only the blocks up to the longest row's last key (a host number): every block
+    past a row's length leaves it unchanged, so the bits are those of the pass over the whole cache."""
+    import numpy as np
+
+    k, v = caches()
+    q = queries(16)
+    tails, lens = random_rows(16, 33, np.random.default_rng(9))
+    tails = tails.clamp(max=40)  # (every row ends by slot 40: block 2 of 6)
+    whole = kta.reference(q, k, v, torch.tensor(33), tails, lens, HD**-0.5, window=window)
+    reach = -(-(33 + DEPTH) // kta.BLOCK_N)
+    trimmed = kta.reference(q, k, v, torch.tensor(33), tails, lens, HD**-0.5, blocks=reach, window=window)
+    assert reach < -(-CAP // kta.BLOCK_N) and torch.equal(whole, trimmed)
+
+
 @pytest.mark.parametrize("impl", implementations())
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("window", [None, 20])
