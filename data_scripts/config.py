@@ -58,16 +58,24 @@ class MagpieConfig:
 class DistillConfig:
     # Where the dataset, manifest.json, the resolved config and the resumable chunks are written.
     output_dir: str = "outputs/distill"
-    # auto (vllm when installed, else hf), hf, vllm.
+    # auto (vllm when installed, else static on CUDA, else hf), hf, static (Headway's batched decoder on its
+    # static KV cache, refilling slots as answers end; the CUDA backend's targets), vllm.
     engine: str = "auto"
-    # hf engine: sequences per generate call (batched with left padding).
+    # hf engine: sequences per generate call (batched with left padding); static engine: slots decoded
+    # together.
     batch_size: int = 32
+    # static engine: decode steps between the host's checks for finished answers (each check is one read).
+    check_every: int = 8
     # hf engine: the KV cache transformers' generate keeps: dynamic (grows per step), static (preallocated for
     # the batch's longest prompt + max_new_tokens, which lets transformers compile the decoding step on GPUs),
     # or auto (static on CUDA, dynamic on CPUs, where compiling costs more than it saves).
     hf_cache: str = "auto"
+    # hf engine with the static cache: prompts are left-padded to a multiple of this many tokens and every
+    # batch to batch_size rows, so generate sees a few fixed shapes and compiles once for each.
+    hf_width_bucket: int = 64
     # Prompts per chunk file: the unit of resume and of the split between ranks.
-    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf.
+    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf, 4 * batch_size for static
+    # (so freed slots are refilled within a chunk).
     chunk_size: int = 0
     # Tokens the target may write per assistant turn.
     max_new_tokens: int = 256
@@ -90,13 +98,13 @@ class DistillConfig:
     vllm_max_num_seqs: int = 256
 
     def __post_init__(self) -> None:
-        check_choice("distill", "engine", self.engine, ["auto", "hf", "vllm"])
+        check_choice("distill", "engine", self.engine, ["auto", "hf", "static", "vllm"])
         check_choice("distill", "hf_cache", self.hf_cache, ["auto", "dynamic", "static"])
         if self.chunk_size < 0:
             raise HeadwayError(f"distill.chunk_size must be 0 (auto) or positive, got {self.chunk_size}")
         check_choice("distill", "on_too_long", self.on_too_long, ["skip", "error"])
         check_choice("distill", "vllm_dtype", self.vllm_dtype, ["auto", "bfloat16", "float16", "float32"])
-        for key in ("batch_size", "max_new_tokens", "vllm_max_num_seqs"):
+        for key in ("batch_size", "check_every", "hf_width_bucket", "max_new_tokens", "vllm_max_num_seqs"):
             if getattr(self, key) < 1:
                 raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
 

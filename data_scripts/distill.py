@@ -23,7 +23,14 @@ import headway
 from headway.config import save_config
 from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.config import MANIFEST, RUN_STATE, DistillConfig, require_finished
-from headway.data_scripts.engines import Engine, HFEngine, SamplingSettings, VLLMEngine, vllm_available
+from headway.data_scripts.engines import (
+    Engine,
+    HFEngine,
+    SamplingSettings,
+    StaticEngine,
+    VLLMEngine,
+    vllm_available,
+)
 from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
@@ -137,10 +144,25 @@ def _chunk_is_whole(out: Path, k: int) -> bool:
     return False
 
 
-def _make_engine(d: DistillConfig, target: Target, max_length: int, trust_remote_code: bool) -> Engine:
-    name = d.engine
-    if name == "auto":
-        name = "vllm" if vllm_available() else "hf"
+def engine_name(d: DistillConfig, target: Target) -> str:
+    """The engine distill.engine picks for this target: auto is vllm where installed, else static for a CUDA
+    target the static engine runs, else hf."""
+    if d.engine != "auto":
+        return d.engine
+    if vllm_available():
+        return "vllm"
+    model = target.model
+    if model is not None and next(model.parameters()).device.type == "cuda":
+        from headway.inference.engine_cuda import cuda_supported
+
+        if cuda_supported(model):
+            return "static"
+    return "hf"
+
+
+def _make_engine(
+    name: str, d: DistillConfig, target: Target, max_length: int, trust_remote_code: bool
+) -> Engine:
     stop_ids = ChatFormat(target.tokenizer, None, target.generation_config).stop_ids
     if name == "vllm":
         log.info("generation engine: vllm")
@@ -154,14 +176,19 @@ def _make_engine(d: DistillConfig, target: Target, max_length: int, trust_remote
             target.num_threads,
             trust_remote_code,
         )
+    if target.model is None:
+        raise HeadwayError("internal: the hf and static engines need the target model loaded")
+    if name == "static":
+        log.info("generation engine: static (Headway's batched decoder), %d slots", d.batch_size)
+        return StaticEngine(target.model, stop_ids, d.batch_size, max_length, d.check_every)
     log.info(
         "generation engine: hf (transformers), batch %d, %s cache",
         d.batch_size,
         d.hf_cache,
     )
-    if target.model is None:
-        raise HeadwayError("internal: the hf engine needs the target model loaded")
-    return HFEngine(target.model, target.tokenizer.pad_token_id, stop_ids, d.batch_size, d.hf_cache)
+    return HFEngine(
+        target.model, target.tokenizer.pad_token_id, stop_ids, d.batch_size, d.hf_cache, d.hf_width_bucket
+    )
 
 
 def _run_identity(
@@ -227,9 +254,10 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
         if not dist.is_initialized():  # gloo: only barriers are needed, on CPU or GPU alike
             dist.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
     use_vllm = d.engine == "vllm" or (d.engine == "auto" and vllm_available())
-    if d.chunk_size == 0:
-        d.chunk_size = d.vllm_max_num_seqs if use_vllm else d.batch_size
     target = load_target(target_cfg, with_model=not use_vllm)
+    name = engine_name(d, target)
+    if d.chunk_size == 0:
+        d.chunk_size = {"vllm": d.vllm_max_num_seqs, "static": 4 * d.batch_size}.get(name, d.batch_size)
     max_length = min(d.max_length or target.max_position_embeddings, target.max_position_embeddings)
     fmt = ChatFormat(target.tokenizer, d.system_prompt, target.generation_config)
 
@@ -261,7 +289,7 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
     done = my_total - sum(min(cs, total - k * cs) for k in todo)
     if done:
         log.info("resuming: %d of %d chunks already written", len(mine) - len(todo), len(mine))
-    engine = _make_engine(d, target, max_length, target_cfg.trust_remote_code)
+    engine = _make_engine(name, d, target, max_length, target_cfg.trust_remote_code)
     bar = tqdm(
         total=my_total,
         initial=done,
@@ -296,7 +324,8 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
     barrier(info)
     if info.is_main:
         expected = [c.id for c in convs] if convs is not None else list(range(total))
-        _merge(out, num_chunks, expected, identity, engine.name, stats["tokens"], elapsed)
+        batch = d.vllm_max_num_seqs if name == "vllm" else d.batch_size
+        _merge(out, num_chunks, expected, identity, engine.name, stats["tokens"], elapsed, batch)
     barrier(info)
     if info.world_size > 1:
         import torch.distributed as dist
@@ -313,6 +342,7 @@ def _merge(
     engine: str,
     tokens: int,
     elapsed: float,
+    batch: int,
 ) -> None:
     """Join the chunk files into one dataset; every prompt id (`expected`: the prompt file's record indices,
     from prompts.offset, or 0..N-1 for Magpie) must appear exactly once."""
@@ -382,6 +412,8 @@ def _merge(
         },
         # this run's generation only: a rerun that found every chunk written generated nothing (None, not 0)
         "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 and tokens > 0 else None,
+        # the sequences the engine decoded together (hf: per generate call; static: slots; vllm: at most)
+        "engine_batch_size": batch,
         "files": file_checksums(
             out,
             [

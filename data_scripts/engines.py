@@ -1,4 +1,5 @@
-"""Generation engines behind one interface: `hf` (transformers, always there) and `vllm` (much faster).
+"""Generation engines behind one interface: `hf` (transformers, always there), `static` (Headway's batched
+decoder on its static KV cache: fast on a GPU without vLLM) and `vllm` (much faster where installed).
 
 An engine takes prompt token ids and returns the token ids the target wrote for each, including the
 stop token when it stopped on one. Sampling settings and seeds mean the same thing in both.
@@ -62,11 +63,19 @@ class HFEngine:
     name = "hf"
 
     def __init__(
-        self, model: Any, pad_token_id: int, stop_ids: list[int], batch_size: int = 32, cache: str = "auto"
+        self,
+        model: Any,
+        pad_token_id: int,
+        stop_ids: list[int],
+        batch_size: int = 32,
+        cache: str = "auto",
+        width_bucket: int = 64,
     ):
-        """cache: transformers' KV cache for generate, dynamic or static; auto = static on
-        CUDA (DistillConfig.hf_cache)."""
+        """cache: transformers' KV cache for generate, dynamic or static; auto = static on CUDA
+        (DistillConfig.hf_cache). With the static cache, every batch is padded to `batch_size` rows and
+        `width_bucket`-multiple prompt widths, so generate compiles once per width, not once per batch."""
         self.model = model
+        self.width_bucket = width_bucket
         self.pad_id = pad_token_id
         self.stop_ids = list(stop_ids)
         self.batch_size = batch_size
@@ -101,9 +110,13 @@ class HFEngine:
         for b, start in enumerate(range(0, len(order), self.batch_size)):
             idx = order[start : start + self.batch_size]
             width = max(len(prompts[i]) for i in idx)
-            input_ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):
+            rows = idx
+            if self.cache == "static":  # fixed shapes: filler rows (the last prompt again), bucketed width
+                rows = idx + [idx[-1]] * (self.batch_size - len(idx))
+                width = -(-width // self.width_bucket) * self.width_bucket
+            input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(rows), width), dtype=torch.long)
+            for row, i in enumerate(rows):
                 input_ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
                 mask[row, width - len(prompts[i]) :] = 1
             torch.manual_seed(seed + b)
@@ -119,6 +132,57 @@ class HFEngine:
             if progress:
                 progress(new_tokens)
         return [results[i] for i in range(len(prompts))]
+
+
+class StaticEngine:
+    """Headway's batched decoder (inference/batch_decode.py): `batch_size` slots on one static KV cache, each
+    refilled with the next prompt as its answer ends; the decode step is a CUDA graph on GPUs, greedy (or
+    sampling) runs on the device, and the host checks for finished answers every `check_every` steps."""
+
+    name = "static"
+
+    def __init__(
+        self,
+        model: Any,
+        stop_ids: list[int],
+        batch_size: int,
+        max_length: int,
+        check_every: int = 8,
+        span_block: int = 256,
+    ):
+        from headway.inference.batch_decode import BatchDecoder
+
+        self.batch_size = batch_size
+        self.decoder = BatchDecoder(model, batch_size, max_length, list(stop_ids), check_every, span_block)
+        self.stop_ids = set(stop_ids)
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        settings: SamplingSettings,
+        seed: int,
+        progress: Optional[ProgressFn] = None,
+    ) -> list[Generation]:
+        from headway.inference.config import SamplingConfig
+
+        sample = settings.temperature > 0
+        cfg = SamplingConfig(settings.temperature, settings.top_k, settings.top_p) if sample else None
+        self.decoder.set_sampling(cfg)
+        generator = None
+        if sample:
+            generator = torch.Generator(device=self.decoder.device).manual_seed(seed)
+        done = {"tokens": 0}
+
+        def count(_: int, answer: list[int]) -> None:
+            done["tokens"] += len(answer)
+            if progress and done["tokens"] >= 4096:
+                progress(done["tokens"])
+                done["tokens"] = 0
+
+        answers = self.decoder.generate(prompts, settings.max_new_tokens, generator, count)
+        if progress and done["tokens"]:
+            progress(done["tokens"])
+        return [_cut_at_stop(a, self.stop_ids) for a in answers]
 
 
 def vllm_available() -> bool:

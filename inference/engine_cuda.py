@@ -37,14 +37,10 @@ from headway.inference.engine_kv import KVCache
 from headway.inference.engine_step import (
     GEMMA3_FAMILIES,
     STATIC_FAMILIES,
-    LayerPlan,
-    _rms_norm_fn,
-    gemma3_layer_step,
-    layer_step,
-    rope_tables,
 )
 from headway.inference.kernel_tree_attention import BLOCK_N, tree_attention
 from headway.inference.sampling import SamplingConfig, target_distribution
+from headway.inference.step_model import StepModel
 from headway.inference.tree import Tree
 
 log = logging.getLogger("headway")
@@ -122,18 +118,13 @@ class CudaRunner:
                 f"Gemma-3, with rotary tables by position alone, not this '{family}' target: use "
                 "inference.engine=auto or hf"
             )
-        cfg = text_config(model.config)
-        self.model, self.base = model, model.model
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.layers = list(self.base.layers)
-        self.gemma3 = getattr(cfg, "model_type", None) in GEMMA3_FAMILIES
-        self.plans = [None if self.gemma3 else LayerPlan(layer, lean=True) for layer in self.layers]
-        self.norm = _rms_norm_fn(self.base.norm, lean=True)
-        # each layer's kind (Gemma-3: sliding_attention or full_attention), its rotary tables and mask
-        self.kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
-        self.window = getattr(cfg, "sliding_window", None) if self.gemma3 else None
-        self.softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.model = model
+        # slot `max_len` is the scratch slot pad rows write; no real row reaches it
+        self.capacity = max_len + 1
+        self.scratch = max_len
+        self.max_len = max_len
+        self.net = StepModel(model, self.capacity)
+        self.device, self.dtype = self.net.device, self.net.dtype
         # tree: every row along its own virtual sequence (kernel_tree_attention; row-exact); masked: SDPA over
         # the whole cache under the tree mask
         self.attention = attention
@@ -144,30 +135,13 @@ class CudaRunner:
         # the whole cache for every pad. A graphable step (CUDA, fake or compiled) runs them all.
         self.trim_blocks = self.device.type == "cpu"
         self._reach = (0, 0)  # the step being run: its longest row's virtual length, its real rows (host)
-        attn = self.base.layers[0].self_attn
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         if not self.buckets or self.buckets[0] < 1:
             raise HeadwayError(f"inference.cuda_buckets must be row counts >= 1 (got {list(buckets)})")
-        # slot `max_len` is the scratch slot pad rows write; no real row reaches it
-        self.capacity = max_len + 1
-        self.scratch = max_len
-        self.max_len = max_len
+        net = self.net
         self.cache = KVCache(
-            len(self.layers),
-            int(cfg.num_key_value_heads),
-            self.capacity,
-            int(attn.head_dim),
-            p.dtype,
-            p.device,
+            len(net.layers), net.kv_heads, self.capacity, net.head_dim, self.dtype, self.device
         )
-        # the rotary tables of every slot, once per layer kind: each position's values are what rotary_emb
-        # gives it per call
-        every = torch.arange(self.capacity, device=self.device).view(1, -1)
-        probe = torch.zeros(1, 1, dtype=self.dtype, device=self.device)
-        self.rope = {
-            kind: rope_tables(*self.base.rotary_emb(probe, every, *([kind] if self.gemma3 else [])))
-            for kind in set(self.kinds)
-        }
         if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
             # process-wide, so the drafters' attention (and the hybrid's host loop) avoids it as well; the
             # steps also run under pinned_sdpa()
@@ -239,10 +213,10 @@ class CudaRunner:
         in_tree = (rel >= 0) & (rel < m)
         tree_part = ancestors.gather(1, rel.clamp(0, m - 1).expand(m, -1)) & in_tree
         masks = {"full_attention": (cols < start)[None, :] | tree_part}
-        if self.window is not None:  # a key is seen while its position is less than the window behind
+        if self.net.window is not None:  # a key is seen while its position is less than the window behind
             col_pos = torch.where(in_tree, start + depth.gather(0, rel.clamp(0, m - 1)), cols)
             masks["sliding_attention"] = masks["full_attention"] & (
-                positions[:, None] - col_pos[None, :] < self.window
+                positions[:, None] - col_pos[None, :] < self.net.window
             )
         attends = {kind: None for kind in masks}
         if self.attention == "tree":
@@ -255,21 +229,23 @@ class CudaRunner:
             if self.trim_blocks and not torch.compiler.is_compiling():
                 trim = (-(-self._reach[0] // BLOCK_N), self._reach[1])
             for kind in masks:
-                window = self.window if kind == "sliding_attention" else None
+                window = self.net.window if kind == "sliding_attention" else None
                 attends[kind] = _TreeAttend(start, tails, depth + 1, window, trim)
         rope = {
             kind: (cos.index_select(0, positions), sin.index_select(0, positions))
-            for kind, (cos, sin) in self.rope.items()
+            for kind, (cos, sin) in self.net.rope.items()
         }
-        x = self.base.embed_tokens(ids)
+        x = self.net.embed(ids)
         states = [x]
         for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-            kind = self.kinds[i]
-            x = self._layer(i, x, *rope[kind], k, v, slots, self.capacity, masks[kind], attend=attends[kind])
+            kind = self.net.kinds[i]
+            x = self.net.layer(
+                i, x, *rope[kind], k, v, slots, self.capacity, masks[kind], attend=attends[kind]
+            )
             states.append(x)
-        x = self.norm(x)
+        x = self.net.norm(x)
         states[-1] = x
-        logits = self._logits(x)
+        logits = self.net.logits(x)
         if self.sampling is None:
             verdict = greedy_accept(ids, parent, ancestors, logits.argmax(-1), n)
         else:
@@ -277,34 +253,6 @@ class CudaRunner:
             uniforms = torch.cat((self.buf.uniforms[:m], self.buf.uniforms[-1:]))
             verdict = sample_accept(ids, parent, ancestors, probs, uniforms, n)
         return logits, states, torch.cat((verdict, ids.gather(0, verdict[2:])))
-
-    def _layer(
-        self,
-        i: int,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        slots: torch.Tensor,
-        end: int,
-        mask: Optional[torch.Tensor],
-        causal: bool = False,
-        attend: Optional[Any] = None,
-    ) -> torch.Tensor:
-        """Decoder layer i (engine_step's math for its family); `attend`: the tree attention, else SDPA under
-        `mask`."""
-        if self.gemma3:
-            return gemma3_layer_step(self.layers[i], x, cos, sin, k, v, slots, end, mask, causal, attend)
-        return layer_step(self.plans[i], x, cos, sin, k, v, slots, end, mask, attend, causal=causal)
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The lm_head over rows x [n, H] in one matmul (then the final soft-capping, where the model has
-        it)."""
-        logits = self.model.lm_head(x)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
 
     def step(self, ids: torch.Tensor, parent: torch.Tensor, n: int) -> tuple[Any, list, torch.Tensor]:
         """Verify n nodes continuing the cache: ids [n] and parent [n] (device or host tensors) go into the
@@ -368,21 +316,21 @@ class CudaRunner:
         if n > self.max_len:
             raise HeadwayError(f"internal: a prompt of {n} tokens overflows the {self.max_len}-slot cache")
         slots = torch.arange(n, device=self.device)
-        x = self.base.embed_tokens(ids)
+        x = self.net.embed(ids)
         sliding = None  # the sliding layers' mask, where the prompt is longer than the window
-        if self.window is not None and n > self.window:
-            sliding = (slots[:, None] >= slots[None, :]) & (slots[:, None] - slots[None, :] < self.window)
+        if self.net.window is not None and n > self.net.window:
+            sliding = (slots[:, None] >= slots[None, :]) & (slots[:, None] - slots[None, :] < self.net.window)
         states = [x]
         with pinned_sdpa():
             for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-                cos, sin = self.rope[self.kinds[i]]
-                mask = sliding if self.kinds[i] == "sliding_attention" else None
-                x = self._layer(i, x, cos[:n], sin[:n], k, v, slots, n, mask, causal=mask is None)
+                cos, sin = self.net.rope[self.net.kinds[i]]
+                mask = sliding if self.net.kinds[i] == "sliding_attention" else None
+                x = self.net.layer(i, x, cos[:n], sin[:n], k, v, slots, n, mask, causal=mask is None)
                 states.append(x)
-        x = self.norm(x)
+        x = self.net.norm(x)
         states[-1] = x
         self.length = n
-        logits = _LastRowLogits(self._logits(x[-1:]), n)
+        logits = _LastRowLogits(self.net.logits(x[-1:]), n)
         return logits, tuple(h[None] for h in states) if hidden else None
 
     def keep(self, tree_size: int, keep: list[int]) -> None:
