@@ -494,3 +494,17 @@ def test_memory_stays_flat_over_a_long_prompt_set(tiny_dirs):
         if i in (20, 55):  # prompts of the same length
             marks[i] = live_tensor_bytes()
     assert marks[55] <= marks[20] * 1.01 + 4096, marks  # nothing kept per prompt: no cache or history growth
+
+
+def test_a_time_limit_stops_at_a_log_step_with_a_checkpoint_and_a_head(tiny_dirs, tiny_data, tmp_path: Path):
+    """train.max_seconds: the run stops at the first log step past it, evaluated, checkpointed and exported as
+    at max_steps; a rerun without the limit resumes there and finishes."""
+    from headway.train.loop import train
+
+    out = tmp_path / "run"
+    head = train(small_run(tiny_dirs["llama"], tiny_data, out, "train.max_seconds=1e-9", "train.log_every=2"))
+    assert (head / "config.json").is_file()
+    assert [s for s, _ in losses(out)] == [1, 2]
+    assert latest_checkpoint(out / "checkpoints").name == "step-00000002"
+    train(small_run(tiny_dirs["llama"], tiny_data, out))
+    assert [s for s, _ in losses(out)] == [1, 2, 3, 4, 5, 6]

@@ -19,6 +19,9 @@ class TrainConfig:
     output_dir: str = "outputs/train"
     # Optimiser steps; each sees micro_batch_size x grad_accum sequences.
     max_steps: int = 1000
+    # Stop this process's training after this many seconds (checked every log_every steps, by rank 0's clock),
+    # then evaluate, checkpoint and export as at max_steps; a rerun resumes towards max_steps. 0 = no limit.
+    max_seconds: float = 0.0
     micro_batch_size: int = 4
     # Length windows: the shuffled stream of sequences is cut into windows of this many, each sorted by
     # length, so a micro-batch's sequences are of similar length and pad little (a random batch of 4
@@ -112,6 +115,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
+        if self.max_seconds < 0:
+            raise HeadwayError(f"train.max_seconds must be 0 (no limit) or positive, got {self.max_seconds}")
         overlap = sorted(set(self.eval_datasets) & set(self.datasets))
         if overlap:
             raise HeadwayError(

@@ -262,8 +262,8 @@ def setup_step(run: Run, target: Any, data: Data, model: Model) -> TrainStep:
 
 
 def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[int, int, dict]) -> None:
-    """Steps up to train.max_steps: logs every log_every steps (the only reads of the device's figures),
-    evaluates every eval_every, checkpoints every save_every and at the end."""
+    """Steps up to train.max_steps (or train.max_seconds): logs every log_every steps (the only reads of the
+    device's figures), evaluates every eval_every, checkpoints every save_every and at the end."""
     cfg, tc, par = run.cfg, run.tc, run.par
     step, consumed, progress = position
     ckpt_root = run.out / "checkpoints"
@@ -295,8 +295,12 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
         throughput.add(outcome.tokens, outcome.flops)
         bar.update(1)
         progress = {"answer_tokens": seen, "wall_seconds": round(earlier_s + time.time() - started, 1)}
-        evaluating = tc.eval_every and (step % tc.eval_every == 0 or step == tc.max_steps) and data.held
-        saving = (tc.save_every and step % tc.save_every == 0) or step == tc.max_steps
+        out_of_time = False
+        if tc.max_seconds and step % tc.log_every == 0:  # rank 0's clock, so every rank stops at one step
+            out_of_time = bool(par.broadcast_object(time.time() - started >= tc.max_seconds))
+        last = step == tc.max_steps or out_of_time
+        evaluating = tc.eval_every and (step % tc.eval_every == 0 or last) and data.held
+        saving = (tc.save_every and step % tc.save_every == 0) or last
         if step % tc.log_every == 0 or step == 1:
             values = read(outcome.values(), par)  # the loop's one read of the device's figures
             bar.set_postfix(loss=f"{values['loss']:.3f}")
@@ -330,6 +334,9 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
                 par,
                 progress,
             )
+        if out_of_time:
+            log.info("train.max_seconds=%s reached at step %d of %d", tc.max_seconds, step, tc.max_steps)
+            break
     finite.settle()
     bar.close()
     if logger:
