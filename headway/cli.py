@@ -171,8 +171,9 @@ def cmd_train(cfg: RunConfig, args: argparse.Namespace) -> int:
 def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
     checks.before_export(args)
     from headway.export.exporter import export_head, needs_target_lm_head, read_export, serve_hint
+    from headway.kinds.checkpoint import check_head_shapes
     from headway.kinds.head_dir import read_head_config, resolve_head_dir
-    from headway.target.loading import load_target
+    from headway.target.loading import load_target, target_sizes
 
     if args.check:
         fmt, config, tensors = read_export(args.check)
@@ -182,6 +183,7 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
         )
         return 0
     head = resolve_head_dir(args.head)
+    check_head_shapes(head, target_sizes(cfg.target))  # (before the target loads)
     with_model = args.format != "native" and needs_target_lm_head(read_head_config(head))
     target = load_target(cfg.target, with_model=with_model)
     lm_head = target.model.get_output_embeddings().weight if with_model else None

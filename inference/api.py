@@ -18,11 +18,11 @@ from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.tuned import apply_tuned, tuned_entry
-from headway.kinds.checkpoint import load_head
+from headway.kinds.checkpoint import check_head_shapes, load_head
 from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
-from headway.target.loading import Target, load_target
+from headway.target.loading import Target, load_target, target_sizes
 from headway.target.packed_model import linear_weights, pack_head_linear_weights
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
 
@@ -149,6 +149,8 @@ class SpeculativeDecoder:
         lora_dir = Path(head_dir) / "lora"
         if lora_dir.is_dir() and not head_kind(head_config.get("kind")).adapts_target:
             raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
+        # a head whose config.json disagrees with its weights or its target: one line, before the target loads
+        check_head_shapes(head_dir, target_sizes(cfg.target))
         target = load_target(cfg.target)
         if lora_dir.is_dir():  # Medusa-2: decode the adapted target (its output is what this reproduces)
             from peft import PeftModel

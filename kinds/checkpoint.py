@@ -120,3 +120,88 @@ def load_head(
         config, config["head"], state, f"{p / 'model.safetensors'} does not match its config"
     )
     return heads.to(device=device, dtype=dtype).eval()  # dtype casts floating tensors only: d2t stays int64
+
+
+# the sizes a head's config.json shares with its target's config.json
+TARGET_SIZES = ("hidden_size", "vocab_size")
+
+
+def check_head_shapes(path: str | os.PathLike, target_sizes: Optional[dict] = None) -> None:
+    """Refuse, in one line, a head whose config.json disagrees with its own weights (the shapes the config
+    builds, on the meta device, against model.safetensors' header) or with its target's sizes
+    (`target_sizes`: the target's config.json, e.g. hidden_size and vocab_size), before any weight or the
+    target loads.
+
+    Args:
+        path: a native head directory; target_sizes: the target's sizes by name (None: not checked)."""
+    import torch
+    from safetensors import safe_open
+
+    p = Path(path)
+    config = read_head_config(p)
+    kind = config.get("kind")
+    if kind not in KINDS or not (p / "model.safetensors").is_file():
+        return  # (named where the head loads)
+    # the shapes from the header; integer tensors (the draft vocabulary's maps, small) read whole, since a
+    # head's build reads their values
+    saved, state = {}, {}
+    try:
+        with safe_open(str(p / "model.safetensors"), framework="pt") as f:
+            for k in f.keys():
+                part = f.get_slice(k)
+                saved[k] = tuple(part.get_shape())
+                integer = part.get_dtype().startswith(("I", "U"))
+                state[k] = f.get_tensor(k) if integer else torch.empty(saved[k], device="meta")
+    except Exception:
+        return  # a damaged file is named where the head loads, by its checksum
+    try:
+        with torch.device("meta"):
+            heads = head_kind(kind).build(
+                saved_head_config(kind, config["head"], state),
+                config["hidden_size"],
+                config["vocab_size"],
+                d2t=state.get("d2t"),
+                layer_config=config.get("draft_layer"),
+            )
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise HeadwayError(
+            f"{p / 'config.json'} does not describe a '{kind}' head ({type(e).__name__}: {e}): restore the "
+            "config.json that came with these weights, or export the head again"
+        ) from None
+    wrong = [
+        (key, tuple(t.shape), saved[key])
+        for key, t in heads.state_dict().items()
+        if key in saved and tuple(t.shape) != saved[key]
+    ]
+    if wrong:
+        key, expected, actual = wrong[0]
+        # the config's fields that give a size the weights do not have, over every mismatched tensor
+        fields = _fields_of(config, {d for _, e, a in wrong for d in e if d not in a})
+        said = f" (config.json: {', '.join(fields)})" if fields else ""
+        raise HeadwayError(
+            f"{p / 'config.json'} disagrees with its weights: {key} is {list(actual)} in model.safetensors "
+            f"but {list(expected)} by the config{said}: restore the config.json that came with these "
+            "weights, or export the head again"
+        )
+    for name in TARGET_SIZES:
+        want = (target_sizes or {}).get(name)
+        if want is not None and config.get(name) is not None and config[name] != want:
+            raise HeadwayError(
+                f"{p / 'config.json'} says {name}={config[name]}, but the target has {name}={want}: use the "
+                "head's own target, or restore the config.json that came with these weights"
+            )
+
+
+def _fields_of(config: dict, values: set) -> list[str]:
+    """The config's numeric fields (top level, `head`, `draft_layer`) whose value is one of `values`."""
+    found = []
+    for prefix, section in (
+        ("", config),
+        ("head.", config.get("head")),
+        ("draft_layer.", config.get("draft_layer")),
+    ):
+        if isinstance(section, dict):
+            for k, v in section.items():
+                if isinstance(v, int) and not isinstance(v, bool) and v in values:
+                    found.append(f"{prefix}{k}={v}")
+    return found

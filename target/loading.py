@@ -115,6 +115,17 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
     return sources.cached_hub_dir(name)
 
 
+def target_sizes(cfg: TargetConfig) -> dict:
+    """The target's hidden_size and vocab_size from its config.json (its text model's, for a multimodal one),
+    read without loading it; {} where there is no local config.json (a hub id)."""
+    path = Path(resolve_target_dir(cfg)) / "config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return {k: text[k] for k in ("hidden_size", "vocab_size") if isinstance(text.get(k), int)}
+
+
 def _remote_code_refused(path: Path | str, e: Exception) -> HeadwayError:
     return HeadwayError(
         f"{path} ships its own Python code (auto_map), which Headway does not run unless you set "

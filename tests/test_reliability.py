@@ -508,3 +508,73 @@ def test_a_time_limit_stops_at_a_log_step_with_a_checkpoint_and_a_head(tiny_dirs
     assert latest_checkpoint(out / "checkpoints").name == "step-00000002"
     train(small_run(tiny_dirs["llama"], tiny_data, out))
     assert [s for s, _ in losses(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def _edited_copy(head: Path, out: Path, **changes) -> Path:
+    copy = shutil.copytree(head, out)
+    config = json.loads((copy / "config.json").read_text())
+    for key, value in changes.items():  # (only the fields the config has)
+        section, _, name = key.rpartition("__")
+        table = config[section] if section else config
+        if name in table:
+            table[name] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_head_config_that_disagrees_with_its_weights_is_refused_in_one_line(tiny_dirs, tmp_path: Path):
+    """Every kind: an edited size in config.json is named with its field (the weights' shapes read from the
+    file's header, the config's built on the meta device); a config sized for another target is named
+    against the target's; the untouched head passes."""
+    from test_dflash import random_head as dflash_head
+
+    from headway.heads.medusa import MedusaConfig, MedusaHeads
+    from headway.kinds.checkpoint import check_head_shapes
+    from headway.target.loading import target_sizes
+
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
+    h, v = t.config.hidden_size, t.config.vocab_size
+    medusa = MedusaHeads(MedusaConfig(num_heads=2, lm_head="reduced", draft_vocab_size=64), h, v)
+    medusa.attach_target(t.model)
+    heads = {
+        "eagle3": random_head(t, "eagle3"),
+        "eagle": random_head(t, "eagle"),
+        "dflash": dflash_head(t),
+        "medusa": medusa,
+    }
+    sizes = target_sizes(TargetConfig(name_or_path=str(tiny_dirs["llama"])))
+    assert sizes == {"hidden_size": h, "vocab_size": v}
+    for kind, head in heads.items():
+        saved = save_head(head, tmp_path / kind, t.fingerprint)
+        check_head_shapes(saved, sizes)
+        wrong = _edited_copy(saved, tmp_path / f"{kind}-wide", hidden_size=h + 16)
+        with pytest.raises(HeadwayError, match=rf"disagrees with its weights: .*hidden_size={h + 16}"):
+            check_head_shapes(wrong, sizes)
+        vocab = _edited_copy(
+            saved, tmp_path / f"{kind}-vocab", draft_vocab_size=40, head__draft_vocab_size=40
+        )
+        # a size the weights decide (a draft vocabulary read from d2t) is refused by name, or harmless: the
+        # head then loads as its weights say
+        try:
+            check_head_shapes(vocab, sizes)
+        except HeadwayError as e:
+            assert "draft_vocab_size=40" in str(e), e
+        else:
+            load_head(vocab, t.fingerprint)
+    with pytest.raises(HeadwayError, match=rf"says vocab_size={v}, but the target has vocab_size={v + 1}"):
+        check_head_shapes(tmp_path / "eagle3", {"hidden_size": h, "vocab_size": v + 1})
+
+
+def test_generate_refuses_an_edited_head_before_the_target_loads(tiny_dirs, tmp_path: Path):
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
+    saved = save_head(random_head(t, "eagle3"), tmp_path / "head", t.fingerprint)
+    wrong = _edited_copy(saved, tmp_path / "wrong", hidden_size=t.config.hidden_size * 2)
+    res = headway(
+        "generate", "--head", str(wrong), "--prompt", "Hi", f"target.name_or_path={tiny_dirs['llama']}"
+    )
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.strip() and "Loading" not in line]
+    assert len(lines) == 1 and "disagrees with its weights" in lines[0] and "hidden_size=" in lines[0], (
+        res.stderr
+    )
+    assert "loading target" not in res.stdout + res.stderr
