@@ -77,6 +77,33 @@ def check_file_parent(path: str | os.PathLike, setting: str) -> None:
     check_writable(p.parent, setting)
 
 
+# the files a `headway bench` result is: its JSON, and beside it a Markdown table and a PNG plot
+BENCH_SUFFIXES = (".json", ".md", ".png")
+
+
+def bench_output(out: Optional[str], now: Optional[float] = None) -> Path:
+    """Where `headway bench` writes, never over a result it did not make: --out if none of its files exist
+    (else an error naming them), or by default bench-YYYYmmdd-HHMMSS.json in the working directory, with -2,
+    -3 ... added while that name's files exist."""
+    if out:
+        p = Path(out).expanduser()
+        taken = [str(p.with_suffix(x)) for x in BENCH_SUFFIXES if p.with_suffix(x).exists()]
+        if taken:
+            raise HeadwayError(
+                f"--out {p}: {', '.join(taken)} already exist (an earlier result): name another file, or "
+                "delete them"
+            )
+        return p
+    import time
+
+    stem = "bench-" + time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    p, n = Path(f"{stem}.json"), 1
+    while any(p.with_suffix(x).exists() for x in BENCH_SUFFIXES):
+        n += 1
+        p = Path(f"{stem}-{n}.json")
+    return p
+
+
 def check_head(path: Optional[str], setting: str = "--head", run_dir: bool = True) -> dict:
     """A head directory with its config, weights and a known kind (`run_dir`: or a training run's directory,
     whose head/ is used); returns its config.json."""
@@ -235,6 +262,7 @@ def before_bench(cfg: RunConfig, args: Any) -> PromptConfig:
     before_decoding(cfg, args.head)
     prompts = bench_prompts(cfg, args)
     check_prompts(prompts, "--prompts")
+    args.out = str(bench_output(args.out))
     check_file_parent(args.out, "--out")
     return prompts
 

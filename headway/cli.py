@@ -428,8 +428,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, help="user turns per prompt, 0 = all (bench.turns)")
     p.add_argument(
         "--out",
-        default="bench.json",
-        help="results JSON (a Markdown table and a PNG plot are written beside it)",
+        default=None,
+        help="results JSON (a Markdown table and a PNG plot beside it); default bench-DATE-TIME.json here. "
+        "An existing result is never overwritten",
     )
     _add_config_args(p, RunConfig, cmd_bench)
 

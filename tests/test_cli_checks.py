@@ -74,6 +74,12 @@ def test_bench_refuses_bad_prompts_and_outputs(tmp_path, capsys):
     _refused(
         capsys, ["bench", "--head", HEAD, "--prompts", str(good), "--out", str(tmp_path)], "is a directory"
     )
+    (tmp_path / "old.md").write_text("an earlier result")
+    _refused(
+        capsys,
+        ["bench", "--head", HEAD, "--prompts", str(good), "--out", str(tmp_path / "old.json")],
+        "old.md already exist (an earlier result)",
+    )
     _refused(capsys, ["bench", "--head", HEAD], "headway bench needs prompts")
     _refused(
         capsys, ["bench", "--head", HEAD, "--prompts", str(good), "prompts.offset=5"], "no prompts selected"
@@ -168,3 +174,19 @@ def test_config_values_out_of_range_are_refused(capsys):
     )
     _refused(capsys, ["train", "head.kind=hydra"], "head.kind='hydra' is not allowed")
     _refused(capsys, ["bench", "--head", HEAD, "inference.engine=fast"], "inference.engine='fast'")
+
+
+def test_two_bench_runs_in_one_directory_keep_both_results(tmp_path, monkeypatch):
+    """By default each run writes bench-DATE-TIME.json (and .md, .png); a second run in the same second gets
+    its own name."""
+    from headway.checks import bench_output
+
+    monkeypatch.chdir(tmp_path)
+    first = bench_output(None, now=0)
+    for suffix in (".json", ".md"):
+        first.with_suffix(suffix).write_text("first run")
+    second = bench_output(None, now=0)
+    assert first.name.startswith("bench-") and second != first and second.name.endswith("-2.json")
+    second.write_text("second run")
+    assert bench_output(None, now=0).name.endswith("-3.json")
+    assert first.read_text() == "first run" and bench_output(str(tmp_path / "new.json")).name == "new.json"
