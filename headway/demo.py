@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -174,15 +175,26 @@ def _by_branch(sources: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(sources.items()))
 
 
+def speedup_summary(speedups: list[float], wide: float) -> dict:
+    """The median of per-round speedups, their range, and whether the range is wide: (max - min) over the
+    median above `wide`."""
+    ordered = sorted(speedups)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    spread = (ordered[-1] - ordered[0]) / median if median else 0.0
+    return {"speedup": median, "range": [ordered[0], ordered[-1]], "spread": spread, "wide": spread > wide}
+
+
 def measure(cfg: DemoConfig, head_dir: Path) -> dict:
-    """Plain and speculative decoding of every prompt, alternating which goes first; prints as it goes."""
+    """Plain and speculative decoding of every prompt, `cfg.rounds` times, alternating which goes first;
+    prints the first round's answers as it goes, then the median speedup over rounds with its range."""
 
     target = decoding_target(cfg)
     run = _run_config(dataclasses.replace(cfg, target=target, inference=decoding_inference(cfg, target)))
     decoder = SpeculativeDecoder.load(head_dir, run)
     print(
-        f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding "
-        f"({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, "
+        f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding, {cfg.rounds} "
+        f"rounds ({_describe(decoder.drafter.settings())}, {decoder.target.num_threads} threads, "
         f"{cfg.max_new_tokens} new tokens)"
     )
     decoder.warm_up()
@@ -191,47 +203,52 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
         "plain": lambda ids: decoder.generate_plain(ids, cfg.max_new_tokens),
         "spec": lambda ids: decoder.generate(ids, cfg.max_new_tokens),
     }
-    rows, specs, plains = [], [], []
-    for i, text in enumerate(tqdm(cfg.prompts, desc="demo", unit="prompt")):
-        res = alternate(runners, decoder.fmt.first_turn(text), i)
-        spec, plain = res["spec"], res["plain"]
-        same = spec.tokens == plain.tokens if greedy else None
-        answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
-        tqdm.write(
-            f"\n-- {text[:100]}\n{answer[: cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
-            f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | "
-            f"plain {plain.tokens_per_second:.1f} tok/s | "
-            f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
-            + (f"\n   accepted drafts by branch: {_by_branch(spec.sources)}" if spec.sources else "")
-        )
-        rows.append(
-            {
-                "prompt": text,
-                "tokens": len(spec.tokens),
-                "tau": spec.tau,
-                "spec_seconds": spec.seconds,
-                "plain_tokens": len(plain.tokens),
-                "plain_seconds": plain.seconds,
-                "target_forwards": spec.target_forwards,
-                "equals_plain": same,
-                "accepted_by_branch": spec.sources,
-            }
-        )
-        specs.append(spec)
-        plains.append(plain)
+    ids = [decoder.fmt.first_turn(text) for text in cfg.prompts]
+    rows: list[dict] = []
+    specs, plains, speedups = [], [], []
+    bar = tqdm(total=cfg.rounds * len(ids), desc="demo", unit="prompt")
+    for r in range(cfg.rounds):
+        round_specs, round_plains = [], []
+        for i, text in enumerate(cfg.prompts):
+            # each prompt's pair runs back to back, the order alternating by prompt and round
+            res = alternate(runners, ids[i], i + r)
+            spec, plain = res["spec"], res["plain"]
+            bar.update(1)
+            round_specs.append(spec)
+            round_plains.append(plain)
+            same = spec.tokens == plain.tokens if greedy else None
+            if r == 0:
+                rows.append(_first_round_row(cfg, decoder, text, spec, plain, same))
+            else:
+                rows[i]["equals_plain"] = rows[i]["equals_plain"] and same if greedy else None
+            rows[i].setdefault("speedups", []).append(spec.tokens_per_second / plain.tokens_per_second)
+        speedups.append(pooled(round_specs)["tok_s"] / pooled(round_plains)["tok_s"])
+        specs += round_specs
+        plains += round_plains
+    bar.close()
     spec_all, plain_all = pooled(specs), pooled(plains)
+    summary = speedup_summary(speedups, cfg.wide_spread)
     overall = {
         "tau": spec_all["tau"],
         "spec_tok_s": spec_all["tok_s"],
         "plain_tok_s": plain_all["tok_s"],
-        "speedup": spec_all["tok_s"] / plain_all["tok_s"],
+        "speedup": summary["speedup"],
+        "speedup_range": summary["range"],
+        "speedups": speedups,
         "all_equal_plain": all(r["equals_plain"] for r in rows) if greedy else None,
     }
+    lo, hi = summary["range"]
     print(
         f"\n== overall: tau {overall['tau']:.2f} | speculative {spec_all['tok_s']:.1f} tok/s | plain "
-        f"{plain_all['tok_s']:.1f} tok/s | speedup {overall['speedup']:.2f}x | every output equals plain "
-        f"greedy: {overall['all_equal_plain']}"
+        f"{plain_all['tok_s']:.1f} tok/s | speedup {summary['speedup']:.2f}x (median of {cfg.rounds} rounds, "
+        f"range {lo:.2f}-{hi:.2f}x) | every output equals plain greedy: {overall['all_equal_plain']}"
     )
+    if summary["wide"]:
+        print(
+            f"== the rounds' speedups spread {summary['spread']:.0%} around their median: something else is "
+            "using this machine, or its clock is changing. For a figure to trust, run on a quiet machine, "
+            "with fewer threads than cores (target.num_threads=N), or more rounds (rounds=N)"
+        )
     return {
         "head": str(head_dir),
         "drafter": decoder.drafter.settings(),
@@ -241,4 +258,27 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
         "linear_weights": run.target.linear_weights,
         "overall": overall,
         "prompts": rows,
+    }
+
+
+def _first_round_row(cfg: DemoConfig, decoder: Any, text: str, spec: Any, plain: Any, same: Any) -> dict:
+    """A prompt's first round: its answer printed, and its record."""
+    answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
+    tqdm.write(
+        f"\n-- {text[:100]}\n{answer[: cfg.show_chars]}{' ...' if len(answer) > cfg.show_chars else ''}\n"
+        f"   tau {spec.tau:.2f} | speculative {spec.tokens_per_second:.1f} tok/s | "
+        f"plain {plain.tokens_per_second:.1f} tok/s | "
+        f"speedup {spec.tokens_per_second / plain.tokens_per_second:.2f}x | equals plain greedy: {same}"
+        + (f"\n   accepted drafts by branch: {_by_branch(spec.sources)}" if spec.sources else "")
+    )
+    return {
+        "prompt": text,
+        "tokens": len(spec.tokens),
+        "tau": spec.tau,
+        "spec_seconds": spec.seconds,
+        "plain_tokens": len(plain.tokens),
+        "plain_seconds": plain.seconds,
+        "target_forwards": spec.target_forwards,
+        "equals_plain": same,
+        "accepted_by_branch": spec.sources,
     }

@@ -63,6 +63,11 @@ class DemoConfig:
     # User messages decoded with plain and speculative decoding; a mix of kinds.
     prompts: list[str] = field(default_factory=lambda: list(DEMO_PROMPTS))
     max_new_tokens: int = 128
+    # Rounds: every prompt is decoded plainly and speculatively this many times (each pair back to back, the
+    # order alternating), and the speedup reported is the median of the rounds' speedups, with their range.
+    rounds: int = 3
+    # A range wider than this fraction of the median is reported as wide, with what to do about it.
+    wide_spread: float = 0.1
     # Characters of each answer to print.
     show_chars: int = 300
     # Results (results.json) and, with --train, the dataset, the training run and the export.
@@ -83,6 +88,8 @@ class DemoConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise HeadwayError(f"rounds={self.rounds}: give 1 or more rounds of the prompts")
         if self.float32_depth is not None and self.float32_depth < 1:
             raise HeadwayError(
                 f"float32_depth={self.float32_depth}: give a depth >= 1, or null for inference.depth"

@@ -51,6 +51,11 @@ def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: P
         assert stage in res.stdout, stage
     result = json.loads((out / "results.json").read_text())
     assert result["overall"]["all_equal_plain"] is True and len(result["prompts"]) == 2
+    # the speedup is the median of 3 rounds, each prompt's pair decoded back to back in every round
+    assert "(median of 3 rounds, range" in res.stdout
+    overall = result["overall"]
+    assert len(overall["speedups"]) == 3 and overall["speedup"] == sorted(overall["speedups"])[1]
+    assert all(len(p["speedups"]) == 3 for p in result["prompts"])
     assert result["head"] == str(out / "eagle3" / "head")
     assert json.loads((out / "eagle3-vllm" / "config.json").read_text())["architectures"] == [
         "LlamaForCausalLMEagle3"
@@ -61,6 +66,16 @@ def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: P
     again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads((out / "results.json").read_text())["overall"]["all_equal_plain"] is True
+
+
+def test_the_speedup_is_the_median_of_rounds_and_a_wide_range_is_flagged():
+    from headway.demo import speedup_summary
+
+    tight = speedup_summary([1.50, 1.40, 1.45], wide=0.1)
+    assert tight["speedup"] == 1.45 and tight["range"] == [1.40, 1.50] and not tight["wide"]
+    assert abs(tight["spread"] - 0.10 / 1.45) < 1e-12
+    loose = speedup_summary([1.29, 1.63, 1.50, 1.52], wide=0.1)
+    assert loose["speedup"] == (1.50 + 1.52) / 2 and loose["wide"]
 
 
 def test_demo_without_a_head_names_the_fix(tmp_path: Path):
