@@ -170,6 +170,9 @@ def test_auto_picks_static_only_on_cuda(tiny_dirs, tmp_path: Path):
     t = load64(tiny_dirs["llama"])
     assert engine_name(DistillConfig(), t) == "hf"  # a CPU target: today's choice
     assert engine_name(DistillConfig(engine="static"), t) == "static"
+    with fake_cuda():
+        to_fake_cuda(t.model)
+        assert engine_name(DistillConfig(), t) == "static"  # CUDA without vLLM
 
 
 def test_static_engine_refuses_what_it_does_not_run(tiny_dirs):
