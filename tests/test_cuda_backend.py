@@ -282,25 +282,25 @@ def test_one_exact_bucket_fits_every_tree_of_the_config():
         dataclasses.replace(ic, cuda_buckets=[0, 16])
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_speculative_equals_plain_in_one_bucket(tiny_dirs, arch):
-    """bf16, the CUDA algorithm on CPU tensors with one bucket for every step (plain decoding included) and
-    the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of every length
+def test_speculative_equals_plain_in_one_bucket(tiny_dirs, arch, dtype):
+    """bf16 and float32, the CUDA algorithm on CPU tensors with one bucket for every step (plain decoding
+    included) and the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of every length
     (the oracle) and for every head kind: the EAGLE-3 and EAGLE-1 expansions, Medusa and DFlash trees."""
-    t = load_target(
-        TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype="bfloat16")
-    )
+    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype=dtype))
     t.model.headway_cuda_buckets = (16,)
+    low = getattr(torch, dtype)
     tree = build_tree(WIDE_TREE)
-    eagle = EagleDrafter(random_head(t, "eagle3").to(torch.bfloat16), t.config.num_hidden_layers, 3, 3, 8)
+    eagle = EagleDrafter(random_head(t, "eagle3").to(low), t.config.num_hidden_layers, 3, 3, 8)
     medusa_heads = MedusaHeads(
         MedusaConfig(num_heads=4, lm_head="shared"), t.config.hidden_size, t.config.vocab_size
     )
     medusa_heads.init_from_target(t.model)
     medusa_heads.attach_target(t.model)
-    medusa = MedusaDrafter(medusa_heads.to(torch.bfloat16), tree, t.config.num_hidden_layers)
-    eagle1 = EagleDrafter(random_head(t, "eagle").to(torch.bfloat16), t.config.num_hidden_layers, 3, 2, 6)
-    dflash_heads = dflash_head(t).to(torch.bfloat16)
+    medusa = MedusaDrafter(medusa_heads.to(low), tree, t.config.num_hidden_layers)
+    eagle1 = EagleDrafter(random_head(t, "eagle").to(low), t.config.num_hidden_layers, 3, 2, 6)
+    dflash_heads = dflash_head(t).to(low)
     dflash = DFlashDrafter(
         dflash_heads, build_tree(DFlashDrafter.default_tree(dflash_heads)), t.config.num_hidden_layers
     )
