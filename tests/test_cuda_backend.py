@@ -286,8 +286,9 @@ def test_one_exact_bucket_fits_every_tree_of_the_config():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_speculative_equals_plain_in_one_bucket(tiny_dirs, arch, dtype):
     """bf16 and float32, the CUDA algorithm on CPU tensors with one bucket for every step (plain decoding
-    included) and the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of every length
-    (the oracle) and for every head kind: the EAGLE-3 and EAGLE-1 expansions, Medusa and DFlash trees."""
+    included) and the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of
+    every length (the oracle) and for every head kind: the EAGLE-3 and EAGLE-1 expansions, Medusa and DFlash
+    trees."""
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype=dtype))
     t.model.headway_cuda_buckets = (16,)
     low = getattr(torch, dtype)
