@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--per-category", type=int, default=1)
     p.add_argument("--limit", type=int, default=12)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--drafters", nargs="+", choices=DRAFTERS, default=list(DRAFTERS))
+    p.add_argument("--drafters", nargs="*", choices=DRAFTERS, default=list(DRAFTERS))
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     if args.compare:
