@@ -35,6 +35,7 @@ from headway.data_scripts.magpie import write_prompts
 from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
 from headway.faults import fault_point
+from headway.inference.engine_cuda import cuda_supported
 from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
 from headway.ranks import DistInfo, dist_info
 from headway.runtime import barrier
@@ -152,11 +153,8 @@ def engine_name(d: DistillConfig, target: Target) -> str:
     if vllm_available():
         return "vllm"
     model = target.model
-    if model is not None and next(model.parameters()).device.type == "cuda":
-        from headway.inference.engine_cuda import cuda_supported
-
-        if cuda_supported(model):
-            return "static"
+    if model is not None and next(model.parameters()).device.type == "cuda" and cuda_supported(model):
+        return "static"
     return "hf"
 
 

@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from headway.errors import HeadwayError
+from headway.inference.batch_decode import BatchDecoder
+from headway.inference.config import SamplingConfig
 from headway.runtime import native_bf16
 
 log = logging.getLogger("headway")
@@ -150,8 +152,6 @@ class StaticEngine:
         check_every: int = 8,
         span_block: int = 256,
     ):
-        from headway.inference.batch_decode import BatchDecoder
-
         self.batch_size = batch_size
         self.decoder = BatchDecoder(model, batch_size, max_length, list(stop_ids), check_every, span_block)
         self.stop_ids = set(stop_ids)
@@ -163,8 +163,6 @@ class StaticEngine:
         seed: int,
         progress: Optional[ProgressFn] = None,
     ) -> list[Generation]:
-        from headway.inference.config import SamplingConfig
-
         sample = settings.temperature > 0
         cfg = SamplingConfig(settings.temperature, settings.top_k, settings.top_p) if sample else None
         self.decoder.set_sampling(cfg)

@@ -227,7 +227,10 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
     assert v["tuned"]["matches_plain"] == 1.0 and v["configured"]["matches_plain"] == 1.0
     assert "saved in" in res.stdout and "tuned/configured" in res.stdout
 
+    runs = iter(range(100))
+
     def bench_drafter(*extra: str) -> dict:
+        out = tmp_path / f"b{next(runs)}.json"  # (bench never writes over an earlier result)
         r = _headway(
             "bench",
             "--head",
@@ -235,7 +238,7 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
             "--prompts",
             str(prompts),
             "--out",
-            str(tmp_path / "b.json"),
+            str(out),
             *target,
             "inference.max_new_tokens=8",
             "bench.baselines=[]",
@@ -243,7 +246,7 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
             *extra,
         )
         assert r.returncode == 0, r.stderr[-3000:]
-        return json.loads((tmp_path / "b.json").read_text())["settings"]["drafter"]
+        return json.loads(out.read_text())["settings"]["drafter"]
 
     used = bench_drafter()
     assert used["drafter"] == chosen["drafter"]  # the tuned choice is the default here
