@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tqdm import tqdm
 
 from headway.data_scripts.config import PromptConfig
@@ -29,10 +28,9 @@ from headway.inference.config import InferenceConfig
 from headway.inference.generate import alternate, pooled
 from headway.io import atomic_write_json
 from headway.run_config import RunConfig
-from headway.runtime import amx_bf16, resolve_device, resolve_threads
 from headway.target.config import TargetConfig
+from headway.target.cpu_format import fastest_cpu_format
 from headway.target.loading import load_target
-from headway.target.packed_capability import kernels_missing
 from headway.train.loop import train
 
 log = logging.getLogger("headway")
@@ -68,65 +66,12 @@ def decoding_inference(cfg: DemoConfig, target: TargetConfig) -> InferenceConfig
 
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
-    """The target settings the demo decodes with where `fast_cpu_format` applies: on CPUs with oneDNN's bf16
-    kernels, bf16 with oneDNN-packed weights where they run on AMX (a tree's rows beside the first cost
-    little), else bf16 through Headway's AVX512-BF16 streaming linear (the fastest step, and cheap tree rows),
-    or where it cannot build, float16-packed weights (fbgemm's one-row kernel; prompts take a oneDNN copy); on
-    other CPUs (AVX2) bf16 through the streaming linear's AVX2 build, else float32 through it, or where it
-    cannot run, float32 with oneDNN-packed weights (one-row steps that use every thread), or MKL-packed
-    ones on
-    one thread."""
-
-    t = cfg.target
-    if (
-        not cfg.fast_cpu_format
-        or t.dtype != "float32"
-        or t.linear_weights != "native"
-        or resolve_device(t.device).type != "cpu"
-        or kernels_missing("onednn", torch.float32)
-    ):
-        return t
-    if kernels_missing("onednn", torch.bfloat16):
-        if not kernels_missing("stream", torch.bfloat16):
-            print(
-                "== no oneDNN bf16 kernels on this CPU: decoding the target in bf16 through the AVX2 build "
-                "of Headway's streaming linear, half the float32 format's bytes (fast_cpu_format=false: "
-                "torch's float32 linears)"
-            )
-            return dataclasses.replace(t, dtype="bfloat16", linear_weights="stream")
-        if not kernels_missing("stream", torch.float32):
-            print(
-                "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 through "
-                "Headway's streaming linear (fast_cpu_format=false: torch's own float32 linears)"
-            )
-            return dataclasses.replace(t, linear_weights="stream")
-        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses
-        # more threads
-        packed = "mkl" if resolve_threads(t.num_threads) == 1 and not kernels_missing("mkl") else "onednn"
-        print(
-            "== no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked "
-            f"for {'MKL' if packed == 'mkl' else 'oneDNN'} (fast_cpu_format=false: torch's own float32 "
-            "linears)"
-        )
-        return dataclasses.replace(t, linear_weights=packed)
-    if not amx_bf16() and not kernels_missing("stream", torch.bfloat16):
-        print(
-            "== this CPU has bf16 instructions without AMX: decoding the target in bf16 through Headway's "
-            "AVX512-BF16 streaming linear, the fastest step and cheapest tree rows here "
-            "(fast_cpu_format=false: float32)"
-        )
-        return dataclasses.replace(t, dtype="bfloat16", linear_weights="stream")
-    if amx_bf16() or kernels_missing("float16", torch.bfloat16):
-        print(
-            "== this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
-            "(fast_cpu_format=false: float32)"
-        )
-        return dataclasses.replace(t, dtype="bfloat16", linear_weights="onednn")
-    print(
-        "== this CPU has bf16 instructions without AMX: decoding the target in bf16 with its weights "
-        "packed as float16 for fbgemm, the fastest one-token step here (fast_cpu_format=false: float32)"
-    )
-    return dataclasses.replace(t, dtype="bfloat16", linear_weights="float16")
+    """The target settings the demo decodes with: with target.dtype=auto on a CPU, the fastest exact format
+    for it (target/cpu_format.py, as every decoding command), said in one line."""
+    target, why = fastest_cpu_format(cfg.target)
+    if why:
+        print(f"== {why}")
+    return target
 
 
 def train_pipeline(cfg: DemoConfig, out: Path) -> Path:

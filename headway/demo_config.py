@@ -48,15 +48,6 @@ class DemoConfig:
     """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
-    # Decode in bf16 where the CPU has oneDNN's bf16 kernels and target.* is left at float32 / native weights:
-    # with the weights prepacked for oneDNN on AMX CPUs (target.linear_weights=onednn: the format whose trees
-    # are cheapest), through Headway's bf16 streaming linear elsewhere (AVX512-BF16:
-    # target.linear_weights=stream, the fastest step there, or where it cannot build, float16-packed weights;
-    # docs/benchmarks.md); all exact bf16; on other CPUs (AVX2) float32 through Headway's streaming linear
-    # (target.linear_weights=stream), which reads a step's weights at about the memory's rate, or where it
-    # cannot build, oneDNN-packed weights (on one thread, MKL-packed ones). --train still distils and trains
-    # in target.dtype. false: decode as target.* says.
-    fast_cpu_format: bool = True
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one
     # trained here).
     head_dir: Optional[str] = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -22,9 +23,12 @@ from headway.kinds.checkpoint import check_head_shapes, load_head
 from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
+from headway.target.cpu_format import fastest_cpu_format
 from headway.target.loading import Target, load_target, target_sizes
-from headway.target.packed_model import linear_weights, pack_head_linear_weights
+from headway.target.packed_model import linear_weights, pack_head_linear_weights, pack_linear_weights
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
+
+log = logging.getLogger("headway")
 
 
 def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
@@ -151,11 +155,19 @@ class SpeculativeDecoder:
             raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
         # a head whose config.json disagrees with its weights or its target: one line, before the target loads
         check_head_shapes(head_dir, target_sizes(cfg.target))
-        target = load_target(cfg.target)
-        if lora_dir.is_dir():  # Medusa-2: decode the adapted target (its output is what this reproduces)
+        target_cfg, why = fastest_cpu_format(cfg.target)  # (target.dtype=auto; may build a kernel once)
+        if why:
+            log.info(why)
+        cfg = dataclasses.replace(cfg, target=target_cfg)
+        if not lora_dir.is_dir():
+            target = load_target(cfg.target)
+        else:  # Medusa-2: decode the adapted target (its output is what this reproduces), merged, then packed
             from peft import PeftModel
 
+            target = load_target(dataclasses.replace(cfg.target, linear_weights="native"))
             target.model = PeftModel.from_pretrained(target.model, str(lora_dir)).merge_and_unload().eval()
+            if cfg.target.linear_weights != "native":
+                pack_linear_weights(target.model, cfg.target.linear_weights)
         heads = load_head(
             head_dir,
             target.fingerprint,

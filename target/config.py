@@ -3,7 +3,7 @@ config module is, so that the command line checks a config before it loads torch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from headway.config import DTYPE_NAMES, check_choice
@@ -49,8 +49,13 @@ class TargetConfig:
     name_or_path: str = DEFAULT_TARGET
     # GGUF file name inside `name_or_path` when that is a directory holding several .gguf files.
     gguf_file: Optional[str] = None
-    # Weights dtype for the target: float32, bfloat16, float16 or float64 (exact checks use float64).
-    dtype: str = "float32"
+    # Weights dtype for the target: float32, bfloat16, float16 or float64 (exact checks use float64), or auto:
+    # decoding commands (generate, bench, tune, demo) on a CPU decode in the fastest exact format for it
+    # (with linear_weights=auto: bf16 with oneDNN-packed weights on AMX, bf16 through Headway's streaming
+    # linear on AVX512-BF16 and AVX2 CPUs, float32 through it where bf16 cannot run; target/cpu_format.py),
+    # and everything else (training, distillation, GPU decoding, exports) loads float32. Every format keeps
+    # speculative decoding equal to its plain decoding.
+    dtype: str = "auto"
     # auto (CUDA when present, else CPU), cpu, cuda, cuda:N.
     device: str = "auto"
     # torch intra-op threads for this process; 0 = this machine's cores divided by local processes.
@@ -72,8 +77,9 @@ class TargetConfig:
     # through Headway's streaming kernels, a row's bits independent of the row count and thread count;
     # float32: the weights as loaded, the fastest float32 one-token step, needs AVX2 with FMA or AVX-512;
     # bfloat16: a packed copy, needs AVX512-BF16, the fastest bf16 step and cheapest tree rows without AMX; a
-    # C++ compiler once). See target/packed_formats.py.
-    linear_weights: str = "native"
+    # C++ compiler once). See target/packed_formats.py. auto: the format target/cpu_format.py picks where it
+    # picks the dtype (dtype=auto, decoding on a CPU), else native.
+    linear_weights: str = "auto"
     # How the static engine runs the decoder layers of a CPU decoding step: cpp (one C++ call per step, built
     # with this machine's compiler on first use and cached; the same kernels in the same order as python, so
     # the same output bits, without the interpreter between them), python, or auto (cpp where it builds and
@@ -101,9 +107,19 @@ class TargetConfig:
     prompt_attention: str = "auto"
 
     def __post_init__(self) -> None:
-        check_choice("target", "dtype", self.dtype, list(DTYPE_NAMES))
-        check_choice("target", "linear_weights", self.linear_weights, list(LINEAR_WEIGHTS))
+        check_choice("target", "dtype", self.dtype, ["auto", *DTYPE_NAMES])
+        check_choice("target", "linear_weights", self.linear_weights, ["auto", *LINEAR_WEIGHTS])
         check_choice("target", "layer_loop", self.layer_loop, list(LAYER_LOOPS))
         check_choice("target", "row_attention", self.row_attention, list(ROW_ATTENTIONS))
         check_choice("target", "prompt_attention", self.prompt_attention, list(PROMPT_ATTENTIONS))
         check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])
+
+    def as_loaded(self) -> "TargetConfig":
+        """These settings with `auto` resolved as a plain load resolves it (training, distillation, GPU
+        decoding, exports): dtype float32, linear weights native. Decoding on a CPU resolves it with
+        target/cpu_format.py instead."""
+        return replace(
+            self,
+            dtype="float32" if self.dtype == "auto" else self.dtype,
+            linear_weights="native" if self.linear_weights == "auto" else self.linear_weights,
+        )

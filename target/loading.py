@@ -157,8 +157,12 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     """Load the frozen target (eval mode, no grad) on the configured device, dtype and thread count.
 
     with_model=False loads only the tokenizer and config, for engines that run the weights themselves.
+    `auto` dtype and linear weights load as float32 and native (decoding commands resolve them first with
+    target/cpu_format.py).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    cfg = cfg.as_loaded()
 
     threads = configure_threads(cfg.num_threads)
     device = resolve_device(cfg.device)

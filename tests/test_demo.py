@@ -10,11 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from decode_helpers import fast_format
 
 from headway.errors import HeadwayError
-from headway.runtime import amx_bf16
-from headway.target.packed_capability import kernels_missing
 
 
 def test_demo_train_runs_the_pipeline_and_decodes_exactly(tiny_dirs, tmp_path: Path):
@@ -108,77 +106,6 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     # decoded in bf16 where the CPU has oneDNN's bf16 kernels (oneDNN-packed weights on AMX, float16-packed
     # ones elsewhere), else float32 through the streaming linear
     assert (result["dtype"], result["linear_weights"]) == fast_format()
-
-
-def fast_format() -> tuple[str, str]:
-    """The demo's format on this CPU (dtype, linear_weights)."""
-    if kernels_missing("onednn") is not None:
-        return ("bfloat16" if kernels_missing("stream", torch.bfloat16) is None else "float32", "stream")
-    if amx_bf16():
-        return ("bfloat16", "onednn")
-    return ("bfloat16", "float16" if kernels_missing("stream", torch.bfloat16) else "stream")
-
-
-@pytest.mark.parametrize("amx,stream", [(True, True), (False, True), (False, False)])
-def test_demo_on_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream_elsewhere(
-    monkeypatch, amx: bool, stream: bool
-):
-    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) Headway's bf16
-    streaming linear makes the faster step and cheaper trees, or where it cannot build, fbgemm's float16
-    one-row kernel (docs/benchmarks.md)."""
-    from headway import demo
-    from headway.demo import DemoConfig, decoding_target
-    from headway.target.config import TargetConfig
-
-    def missing(fmt: str, dtype=torch.bfloat16):
-        return "not built" if (fmt, dtype) == ("stream", torch.bfloat16) and not stream else None
-
-    monkeypatch.setattr(demo, "kernels_missing", missing)
-    monkeypatch.setattr(demo, "amx_bf16", lambda: amx)
-    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
-    want = "onednn" if amx else "stream" if stream else "float16"
-    assert (t.dtype, t.linear_weights) == ("bfloat16", want)
-
-
-@pytest.mark.parametrize("stream", ["bf16", "float32", "none"])
-def test_demo_on_a_cpu_without_bf16_kernels_decodes_in_its_fastest_format(monkeypatch, stream: str):
-    """An AVX2 CPU (no oneDNN bf16 kernels): bf16 through the streaming linear's AVX2 build, or float32
-    through it where its bf16 rows cannot run, or where it cannot build at all, float32 with oneDNN-packed
-    weights (MKL-packed on one thread)."""
-    from headway import demo
-    from headway.demo import DemoConfig, decoding_target
-    from headway.target.config import TargetConfig
-
-    def missing(fmt: str, dtype=torch.bfloat16):
-        if (fmt, dtype) == ("onednn", torch.bfloat16):
-            return "not on this CPU"
-        if fmt == "stream" and (stream == "none" or (stream == "float32" and dtype == torch.bfloat16)):
-            return "not built"
-        return None
-
-    monkeypatch.setattr(demo, "kernels_missing", missing)
-    for threads, fallback in ((2, "onednn"), (1, "mkl")):
-        t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=threads)))
-        want = {
-            "bf16": ("bfloat16", "stream"),
-            "float32": ("float32", "stream"),
-            "none": ("float32", fallback),
-        }
-        assert (t.dtype, t.linear_weights) == want[stream]
-
-
-def test_demo_decodes_in_the_fast_cpu_format_only_where_it_applies():
-    from headway.demo import DemoConfig, decoding_target
-    from headway.target.config import TargetConfig
-
-    t = decoding_target(DemoConfig(target=TargetConfig(device="cpu", num_threads=2)))
-    assert (t.dtype, t.linear_weights) == fast_format()
-    for cfg in (
-        DemoConfig(target=TargetConfig(device="cpu"), fast_cpu_format=False),
-        DemoConfig(target=TargetConfig(device="cpu", dtype="float64")),
-        DemoConfig(target=TargetConfig(device="cpu", linear_weights="float16")),
-    ):
-        assert decoding_target(cfg) == cfg.target  # asked for something else: decoded as asked
 
 
 def test_demo_drafts_one_level_in_float32_and_the_recipe_tree_in_bf16():

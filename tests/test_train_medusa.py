@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import float64_run
+from decode_helpers import fast_format, float64_run
 from omegaconf import OmegaConf
 from train_helpers import losses, small_run
 
@@ -21,6 +21,7 @@ from headway.kinds.checkpoint import load_head
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
+from headway.target.packed_model import linear_weights
 from headway.train.losses import IGNORE, medusa_labels, medusa_loss, target_to_draft
 
 
@@ -127,6 +128,17 @@ def test_medusa2_decodes_the_adapted_target_exactly(tiny_dirs, tiny_data, tmp_pa
     assert not hasattr(decoder.target.model, "peft_config")  # merged: a plain model again
     result = decoder.chat("Question 2: what is 2 plus 3?")
     assert result.spec.tokens == result.plain.tokens  # exact, against the adapted target
+    # left at float32: the adapted target merged, then packed in the CPU's fast format
+    cfg = load_config(
+        RunConfig,
+        None,
+        [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu", "target.num_threads=1"]
+        + ["inference.max_new_tokens=16", "inference.tree=[[0],[1],[0,0],[0,0,0]]"],
+    )
+    decoder = SpeculativeDecoder.load(head_dir, cfg)
+    assert linear_weights(decoder.target.model) == fast_format()[1]
+    result = decoder.chat("Question 2: what is 2 plus 3?")
+    assert result.spec.tokens == result.plain.tokens
 
 
 def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_path: Path):

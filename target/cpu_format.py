@@ -1,0 +1,85 @@
+"""The fastest exact format a CPU decodes a target in: what `target.dtype=auto` (the default) means for every
+decoding command.
+
+Every CPU format Headway decodes in keeps speculative decoding equal to that format's plain decoding, so
+the choice is one of speed only (docs/bench-kernels.md has the figures behind it). A dtype set explicitly is
+decoded as set, and training, distillation and GPU decoding resolve `auto` as float32
+(TargetConfig.as_loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from headway.runtime import amx_bf16, resolve_device, resolve_threads
+from headway.target.config import TargetConfig
+from headway.target.packed_capability import kernels_missing
+
+OPT_OUT = "target.dtype=float32"
+
+
+def fastest_cpu_format(cfg: TargetConfig) -> tuple[TargetConfig, str]:
+    """The target settings to decode with, and a line saying why (empty where nothing changed).
+
+    On CPUs with oneDNN's bf16 kernels: bf16, with oneDNN-packed weights on AMX (a tree's rows beside the
+    first cost little), else through Headway's AVX512-BF16 streaming linear (the fastest step and cheapest
+    tree rows there), or where it cannot build, float16-packed weights (fbgemm's one-row kernel). On other
+    CPUs (AVX2): bf16 through the streaming linear's AVX2 build, else float32 through it, or where it cannot
+    run, float32 with oneDNN-packed weights (one-row steps that use every thread), MKL-packed on one thread.
+
+    Args:
+        cfg: the target section as the user left it.
+    Returns:
+        (cfg with dtype and linear_weights resolved, the reason to print): as a plain load resolves them
+        (cfg.as_loaded(), no reason) where dtype or linear_weights were set, the device is not a CPU, or
+        torch has no oneDNN kernels.
+    """
+    if (
+        cfg.dtype != "auto"
+        or cfg.linear_weights != "auto"
+        or resolve_device(cfg.device).type != "cpu"
+        or kernels_missing("onednn", torch.float32)
+    ):
+        return cfg.as_loaded(), ""
+    if kernels_missing("onednn", torch.bfloat16):
+        if not kernels_missing("stream", torch.bfloat16):
+            why = (
+                "no oneDNN bf16 kernels on this CPU: decoding the target in bf16 through the AVX2 build of "
+                f"Headway's streaming linear, half the float32 format's bytes ({OPT_OUT}: float32 as "
+                "loaded)"
+            )
+            return dataclasses.replace(cfg, dtype="bfloat16", linear_weights="stream"), why
+        if not kernels_missing("stream", torch.float32):
+            why = (
+                "no oneDNN bf16 kernels on this CPU: decoding the target in float32 through Headway's "
+                f"streaming linear ({OPT_OUT}: float32 as loaded)"
+            )
+            return dataclasses.replace(cfg, dtype="float32", linear_weights="stream"), why
+        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses more
+        # threads
+        packed = "mkl" if resolve_threads(cfg.num_threads) == 1 and not kernels_missing("mkl") else "onednn"
+        why = (
+            "no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked for "
+            f"{'MKL' if packed == 'mkl' else 'oneDNN'} ({OPT_OUT}: float32 as loaded)"
+        )
+        return dataclasses.replace(cfg, dtype="float32", linear_weights=packed), why
+    if not amx_bf16() and not kernels_missing("stream", torch.bfloat16):
+        why = (
+            "this CPU has bf16 instructions without AMX: decoding the target in bf16 through Headway's "
+            "AVX512-BF16 streaming linear, the fastest step and cheapest tree rows here "
+            f"({OPT_OUT}: float32 as loaded)"
+        )
+        return dataclasses.replace(cfg, dtype="bfloat16", linear_weights="stream"), why
+    if amx_bf16() or kernels_missing("float16", torch.bfloat16):
+        why = (
+            "this CPU has oneDNN bf16 kernels: decoding the target in bf16 with prepacked weights "
+            f"({OPT_OUT}: float32 as loaded)"
+        )
+        return dataclasses.replace(cfg, dtype="bfloat16", linear_weights="onednn"), why
+    why = (
+        "this CPU has bf16 instructions without AMX: decoding the target in bf16 with its weights packed as "
+        f"float16 for fbgemm, the fastest one-token step here ({OPT_OUT}: float32 as loaded)"
+    )
+    return dataclasses.replace(cfg, dtype="bfloat16", linear_weights="float16"), why
