@@ -278,6 +278,8 @@ class TuneConfig:
     # the search scores (each tree size + the root). Small counts can cost more than larger ones on a CPU
     # (matmul kernels change with the row count), so measuring each is safer than interpolating.
     verify_sizes: list[int] = field(default_factory=list)
+    # Timed runs of each verified-token count (after a warm-up); the fastest is kept, since interference only
+    # adds time.
     repeats: int = 7
     # EAGLE-2 search space (every combination is scored; total_tokens larger than the expansion are skipped).
     depths: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])

@@ -9,20 +9,16 @@ import torch
 from headway.config import load_config
 from headway.inference.tree import build_tree
 from headway.run_config import RunConfig
-from headway.runtime import amx_bf16
 from headway.target.config import TargetConfig
+from headway.target.cpu_format import fastest_cpu_format
 from headway.target.loading import load_target
-from headway.target.packed_capability import kernels_missing
 
 
 def fast_format() -> tuple[str, str]:
-    """The fastest exact CPU format on this machine, (dtype, linear_weights): what a decoding command takes
-    for a target left at float32 / native (target/cpu_format.py)."""
-    if kernels_missing("onednn") is not None:
-        return ("bfloat16" if kernels_missing("stream", torch.bfloat16) is None else "float32", "stream")
-    if amx_bf16():
-        return ("bfloat16", "onednn")
-    return ("bfloat16", "float16" if kernels_missing("stream", torch.bfloat16) else "stream")
+    """(dtype, linear_weights) a decoding command takes on this CPU for a target left at `auto`
+    (target/cpu_format.py; tests/test_cpu_format.py pins its choice for every kind of CPU)."""
+    t, _ = fastest_cpu_format(TargetConfig(device="cpu"))
+    return t.dtype, t.linear_weights
 
 
 def with_threads(n: int, fn):
