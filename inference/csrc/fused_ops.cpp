@@ -12,6 +12,8 @@
 #include "cpu_math.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <algorithm>
 #include <cmath>

@@ -2,7 +2,7 @@
 // float32 target's fused loop), with the same arithmetic less the bf16 roundings.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <tuple>

@@ -3,10 +3,21 @@
 // step of the default target makes about a thousand small calls, and the Python around each costs more than the
 // kernel on a CPU. bf16 steps can instead take `run_fused`, whose element-wise work is fused_ops.cpp's kernels
 // (`target.fused_ops`). Built on first use by `inference/layer_loop.py`.
+// Narrow headers, not <torch/extension.h>: that one alone takes about 20 s to compile on 2 cores, and this
+// extension is built on a user's first `headway demo`.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/TensorOperators.h>
 #include <ATen/core/stack.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rsqrt.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/api/object.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "fused_ops.h"
 #include "prompt_attention.h"

@@ -11,6 +11,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Causal attention of a fresh bf16 prompt on the CPU's bf16 matrix units (prompt_attention.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 // Whether this CPU runs prompt_attention (oneDNN's bf16 brgemm: AMX or AVX512-BF16); elsewhere the layer loop keeps
 // torch's scaled_dot_product_attention.

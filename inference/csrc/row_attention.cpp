@@ -25,7 +25,7 @@
 #include "cpu_math.h"
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

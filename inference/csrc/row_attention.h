@@ -1,7 +1,7 @@
 // Row-exact attention (row_attention.cpp): the static engine's bf16/fp16 decoding steps.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 // q [rows, heads, dim] (any float dtype); k_cache, v_cache [kv_heads, max_len, dim] float32, contiguous; tails
 // [m, width] int64 (row i's slots after the cache's first `start`, by depth; the first lens[i] are used), m <= rows:

@@ -8,6 +8,7 @@
 #include "cpu_math.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

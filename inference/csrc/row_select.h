@@ -1,7 +1,7 @@
 // Picks from logit rows for decoding (row_select.cpp): greedy's token and a drafter's most likely tokens.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 

@@ -9,8 +9,16 @@
 // `StreamLinear` gives them to at::linear.
 // bf16 targets have their own kernel below, over a packed copy of the weight: vdpbf16ps on CPUs with AVX512-BF16,
 // the same order in float32 fused multiply-adds on AVX2 ones.
+// Narrow headers, not <torch/extension.h>: that one alone takes about 20 s to compile on 2 cores, and this
+// extension is built on a user's first `headway demo`.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/zeros.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
