@@ -26,11 +26,12 @@ from headway.export.exporter import export_head
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.config import InferenceConfig
 from headway.inference.generate import alternate, pooled
+from headway.inference.layer_loop import build_in_background
 from headway.io import atomic_write_json
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
 from headway.target.cpu_format import fastest_cpu_format
-from headway.target.loading import load_target
+from headway.target.loading import load_target, resolve_target_dir
 from headway.train.loop import train
 
 log = logging.getLogger("headway")
@@ -134,6 +135,9 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     """Plain and speculative decoding of every prompt, `cfg.rounds` times, alternating which goes first;
     prints the first round's answers as it goes, then the median speedup over rounds with its range."""
 
+    # a first run compiles the C++ kernels while the target is fetched and dequantised (both once, cached)
+    build_in_background(cfg.target)
+    resolve_target_dir(cfg.target)
     target = decoding_target(cfg)
     run = _run_config(dataclasses.replace(cfg, target=target, inference=decoding_inference(cfg, target)))
     decoder = SpeculativeDecoder.load(head_dir, run)

@@ -18,6 +18,7 @@ from headway.inference.cost_model import verify_cost_curve, verify_costs
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
+from headway.inference.layer_loop import build_in_background
 from headway.inference.tuned import apply_tuned, tuned_entry
 from headway.kinds.checkpoint import check_head_shapes, load_head
 from headway.kinds.head_dir import read_head_config
@@ -154,6 +155,9 @@ class SpeculativeDecoder:
         if lora_dir.is_dir() and not head_kind(head_config.get("kind")).adapts_target:
             raise HeadwayError(f"{head_dir} has a LoRA adapter, which only Medusa-2 heads use")
         # a head whose config.json disagrees with its weights or its target: one line, before the target loads
+        check_head_shapes(head_dir)
+        # a first run's C++ kernels compile while the target is fetched, dequantised and loaded
+        build_in_background(cfg.target)
         check_head_shapes(head_dir, target_sizes(cfg.target))
         target_cfg, why = fastest_cpu_format(cfg.target)  # (target.dtype=auto; may build a kernel once)
         if why:

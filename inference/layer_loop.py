@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Optional
 
 import torch
@@ -20,8 +21,11 @@ from torch import nn
 from transformers import activations
 
 from headway.errors import HeadwayError
+from headway.runtime import resolve_device
+from headway.target import stream_kernel
 from headway.target.build import load_extension
-from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS
+from headway.target.config import LAYER_LOOPS, ROW_ATTENTIONS, TargetConfig
+from headway.target.cpu_format import may_stream
 from headway.target.packed_fbgemm import FBGEMM_CHUNKED_ROWS, fbgemm_rows_vary
 from headway.target.packed_float16 import Float16Linear
 from headway.target.packed_mkl import MKL_PACKED_ROWS, MKLLinear
@@ -48,18 +52,28 @@ _NATIVE, _ONEDNN, _MKL, _STREAM, _FP16 = 0, 1, 2, 3, 4
 # the activations that are F.silu (transformers 5 has its own module for it)
 _SILU = tuple(c for c in (nn.SiLU, getattr(activations, "SiLUActivation", None)) if c is not None)
 _BUILT: list[Any] = []  # [module] once built, [None] once a build failed
+_LOCK = threading.Lock()  # held while building: a caller waits for a build started in the background
 
 
 def extension() -> Optional[Any]:
     """The compiled extension module, built once per process (and cached on disk by torch); None where it
     cannot be built here, with one warning that says why."""
+    with _LOCK:
+        return _extension_locked()
+
+
+def _extension_locked() -> Optional[Any]:
     if not _BUILT:
-        log.info(
-            "building the static engine's C++ layer loop and row "
-            "attention (once; cached by torch's extension builder)"
-        )
         try:
-            _BUILT.append(load_extension("headway_layer_loop", SOURCES, CFLAGS, verbose=False))
+            built = load_extension(
+                "headway_layer_loop",
+                SOURCES,
+                CFLAGS,
+                announce="building the static engine's C++ layer loop and row attention (once; cached by "
+                "torch's extension builder)",
+                verbose=False,
+            )
+            _BUILT.append(built)
         except Exception as e:  # no compiler, no headers: decoding still works, in the Python loop
             log.warning(
                 "the C++ layer loop did not build (%s); the static engine runs its Python loop and "
@@ -69,6 +83,23 @@ def extension() -> Optional[Any]:
             )
             _BUILT.append(None)
     return _BUILT[0]
+
+
+def build_in_background(cfg: TargetConfig) -> None:
+    """Start building the C++ kernels that decoding with `cfg` will use (the layer loop, and the streaming
+    linear where the format may be it), each on its own thread, so that a first run compiles them while the
+    target is fetched, dequantised and loaded instead of after; the first use of each waits for its build.
+    Once cached, a build only loads the library. Nothing starts for a target decoded off the CPU.
+
+    Args:
+        cfg: the target section as the user left it (dtype and linear_weights may still be auto).
+    """
+    if resolve_device(cfg.device).type != "cpu":
+        return
+    if may_stream(cfg):
+        stream_kernel.build_in_background()
+    if not _BUILT and (cfg.layer_loop != "python" or cfg.row_attention != "sdpa"):
+        threading.Thread(target=extension, name="headway-build-layer-loop").start()
 
 
 def built() -> Optional[Any]:

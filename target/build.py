@@ -37,7 +37,9 @@ def build_directory(name: str) -> str:
     return cpp_extension._get_build_directory(name, False)
 
 
-def load_extension(name: str, sources: Sequence[str], extra_cflags: Sequence[str], **kwargs: Any) -> Any:
+def load_extension(
+    name: str, sources: Sequence[str], extra_cflags: Sequence[str], announce: str = "", **kwargs: Any
+) -> Any:
     """`torch.utils.cpp_extension.load(name, sources, extra_cflags=..., **kwargs)`, under Headway's
     build lock.
 
@@ -45,6 +47,7 @@ def load_extension(name: str, sources: Sequence[str], extra_cflags: Sequence[str
         name: the extension's name (its build directory's).
         sources: the C++ files.
         extra_cflags: compiler flags.
+        announce: a line to log where the library has to be compiled (not where it is only loaded).
         kwargs: passed on to torch's `load` (e.g. `is_python_module=False`).
     Returns:
         What torch's `load` returns: the module (or, for `is_python_module=False`, the library's path).
@@ -54,6 +57,8 @@ def load_extension(name: str, sources: Sequence[str], extra_cflags: Sequence[str
     with open(lock_path, "a") as lock:
         _acquire(lock, lock_path, name)
         try:
+            if announce and not _built_after(os.path.join(directory, f"{name}.so"), sources):
+                log.info(announce)
             stale = os.path.join(directory, "lock")
             if os.path.exists(stale):
                 log.warning("removing %s, left by an interrupted build of %s; building it again", stale, name)
@@ -63,6 +68,19 @@ def load_extension(name: str, sources: Sequence[str], extra_cflags: Sequence[str
             )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _built_after(library: str, sources: Sequence[str]) -> bool:
+    """Whether `library` exists and is newer than every file beside the sources (their headers included):
+    what torch's builder will only load. (It decides by the compiler's own dependency list; this only
+    chooses whether to say that a build is starting.)"""
+    if not os.path.isfile(library):
+        return False
+    folders = {os.path.dirname(os.path.abspath(source)) for source in sources}
+    newest = max(
+        os.path.getmtime(os.path.join(folder, entry)) for folder in folders for entry in os.listdir(folder)
+    )
+    return os.path.getmtime(library) >= newest
 
 
 def _acquire(lock: Any, lock_path: str, name: str) -> None:

@@ -20,6 +20,17 @@ from headway.target.packed_capability import kernels_missing
 OPT_OUT = "target.dtype=float32"
 
 
+def may_stream(cfg: TargetConfig) -> bool:
+    """Whether decoding with `cfg` may run Headway's streaming linear: set as target.linear_weights, or left
+    to `fastest_cpu_format`, which picks it on CPUs without AMX. A caller builds the kernel early on that
+    answer (it only costs compile time where the policy then picks another format)."""
+    if resolve_device(cfg.device).type != "cpu":
+        return False
+    if cfg.linear_weights == "stream":
+        return True
+    return cfg.dtype == "auto" and cfg.linear_weights == "auto" and not amx_bf16()
+
+
 def fastest_cpu_format(cfg: TargetConfig) -> tuple[TargetConfig, str]:
     """The target settings to decode with, and a line saying why (empty where nothing changed).
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,7 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "stream_linear.cpp")
 # every build alike (their optimize attribute)
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 _BUILT: list[tuple[Optional[Any], str]] = []  # [(module, "")] once built, [(None, why)] once a build failed
+_LOCK = threading.Lock()  # held while building: a caller waits for a build started in the background
 
 
 def _bf16_shape(
@@ -34,10 +36,20 @@ def _bf16_shape(
 
 
 def _build() -> tuple[Optional[Any], str]:
+    with _LOCK:
+        return _build_locked()
+
+
+def _build_locked() -> tuple[Optional[Any], str]:
     if not _BUILT:
-        log.info("building Headway's float32 streaming linear (once; cached by torch's extension builder)")
         try:
-            _BUILT.append((load_extension("headway_stream_linear", [SOURCE], CFLAGS), ""))
+            built = load_extension(
+                "headway_stream_linear",
+                [SOURCE],
+                CFLAGS,
+                announce="building Headway's streaming linear (once; cached by torch's extension builder)",
+            )
+            _BUILT.append((built, ""))
             # the bf16 op's output shape, for torch.compile (which traces the compiled engine's steps
             # through it)
             torch.library.register_fake("headway_kernels::stream_linear_bf16")(_bf16_shape)
@@ -45,6 +57,13 @@ def _build() -> tuple[Optional[Any], str]:
             lines = str(e).strip().splitlines()
             _BUILT.append((None, f"it did not build here ({lines[-1] if lines else type(e).__name__})"))
     return _BUILT[0]
+
+
+def build_in_background() -> None:
+    """Start building the extension on a thread (once cached, that only loads it), so that its compile
+    overlaps whatever the caller does next (fetching and loading the target); the first use waits for it."""
+    if not _BUILT:
+        threading.Thread(target=_build, name="headway-build-stream-linear").start()
 
 
 def stream_kernel() -> Any:

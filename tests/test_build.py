@@ -95,3 +95,30 @@ def test_two_processes_building_at_once_share_one_build(source):
     # to date
     log = (_build_dir(tmp_path) / ".ninja_log").read_text().splitlines()
     assert [line.split("\t")[3] for line in log[1:]].count("slow.o") == 1, log
+
+
+def test_a_build_is_announced_only_where_it_compiles(tmp_path: Path, monkeypatch, caplog):
+    """The "building ... (once)" line is logged where the library has to be compiled, not on every run that
+    only loads it; a source newer than the library is compiled, and said, again."""
+    import logging
+
+    from headway.target.build import load_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "quick.cpp"
+    source.write_text(SOURCE)
+    flags = [f for f in FLAGS if not f.startswith("-DSPIN")] + ["-DSPIN=10"]
+
+    def announced() -> bool:
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="headway"):
+            load_extension(
+                "headway_announce_test", [str(source)], flags, announce="compiling it", is_python_module=False
+            )
+        return "compiling it" in caplog.messages
+
+    assert announced()
+    assert not announced()
+    later = time.time() + 5
+    os.utime(source, (later, later))
+    assert announced()

@@ -66,6 +66,23 @@ def test_a_cpu_without_bf16_kernels_decodes_in_its_fastest_format(monkeypatch, s
         assert chosen(TargetConfig(device="cpu", num_threads=threads)) == want[stream]
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_the_stream_kernel_is_built_early_wherever_the_policy_may_pick_it(monkeypatch, amx: bool):
+    """may_stream (which starts the kernel's build before the target loads) answers yes wherever
+    fastest_cpu_format can end at the streaming linear, and no where it cannot."""
+    monkeypatch.setattr(cpu_format, "amx_bf16", lambda: amx)
+    monkeypatch.setattr(cpu_format, "kernels_missing", lambda fmt, dtype=torch.bfloat16: None)
+    for cfg, without_amx, with_amx in (
+        (TargetConfig(device="cpu"), True, False),
+        (TargetConfig(device="cpu", dtype="float32"), False, False),
+        (TargetConfig(device="cpu", linear_weights="stream"), True, True),
+        (TargetConfig(device="cpu", linear_weights="onednn"), False, False),
+        (TargetConfig(device="meta"), False, False),
+    ):
+        assert chosen(cfg)[1] != "stream" or cpu_format.may_stream(cfg), cfg
+        assert cpu_format.may_stream(cfg) == (with_amx if amx else without_amx), cfg
+
+
 def test_the_fast_format_applies_only_where_the_target_is_left_at_its_defaults():
     for cfg in (
         TargetConfig(device="cpu", dtype="float32"),

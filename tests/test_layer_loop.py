@@ -106,6 +106,38 @@ def test_a_format_the_loop_lacks_keeps_the_python_loop(tiny_dirs, caplog):
         StaticRunner(t.model, 32, loop="cpp")
 
 
+def test_a_build_started_in_the_background_is_the_one_the_first_use_gets(monkeypatch):
+    """build_in_background compiles on a thread (a first run's kernels build while the target loads); the
+    first use waits for that build rather than starting another, and nothing starts where the loop is not
+    used."""
+    import threading
+
+    calls = []
+    release = threading.Event()
+
+    def slow_build(name, sources, cflags, **kwargs):
+        calls.append(threading.current_thread().name)
+        release.wait(30)
+        return f"module {name}"
+
+    monkeypatch.setattr(layer_loop, "_BUILT", [])
+    monkeypatch.setattr(layer_loop, "load_extension", slow_build)
+    layer_loop.build_in_background(TargetConfig(device="cpu", layer_loop="python", row_attention="sdpa"))
+    assert calls == [] and layer_loop.built() is None
+    layer_loop.build_in_background(TargetConfig(device="cpu", linear_weights="native"))
+    builder = next(t for t in threading.enumerate() if t.name == "headway-build-layer-loop")
+    got = []
+    user = threading.Thread(target=lambda: got.append(layer_loop.extension()))
+    user.start()
+    user.join(0.5)
+    assert user.is_alive() and calls == ["headway-build-layer-loop"]  # waiting for the background build
+    release.set()
+    user.join(30)
+    builder.join(30)
+    assert got == ["module headway_layer_loop"] and calls == ["headway-build-layer-loop"]
+    assert layer_loop.built() == "module headway_layer_loop"
+
+
 @torch.inference_mode()
 def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monkeypatch, caplog):
     def no_compiler(*args, **kwargs):
