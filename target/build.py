@@ -28,7 +28,7 @@ log = logging.getLogger("headway")
 
 LOCK_NAME = "headway-build.lock"  # Headway's flock, beside torch's `lock` in the extension's build directory
 WAIT_ENV = "HEADWAY_BUILD_WAIT_S"  # how long to wait for another process's build of the same extension
-DEFAULT_WAIT_S = 900.0  # a first build of the layer loop takes about a minute on 2 cores; this leaves room
+DEFAULT_WAIT_S = 900.0  # a first build of the layer loop takes about 30 s on 2 cores; this leaves room
 
 
 def build_directory(name: str) -> str:
