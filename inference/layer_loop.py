@@ -58,6 +58,8 @@ _LOCK = threading.Lock()  # held while building: a caller waits for a build star
 def extension() -> Optional[Any]:
     """The compiled extension module, built once per process (and cached on disk by torch); None where it
     cannot be built here, with one warning that says why."""
+    if _BUILT:  # (every decoding step asks, for its row plan: no lock once built)
+        return _BUILT[0]
     with _LOCK:
         return _extension_locked()
 

@@ -36,6 +36,8 @@ def _bf16_shape(
 
 
 def _build() -> tuple[Optional[Any], str]:
+    if _BUILT:  # (no lock once built)
+        return _BUILT[0]
     with _LOCK:
         return _build_locked()
 
