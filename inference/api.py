@@ -24,8 +24,10 @@ from headway.kinds.checkpoint import check_head_shapes, load_head
 from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
-from headway.target.cpu_format import fastest_cpu_format
-from headway.target.loading import Target, load_target, target_sizes
+from headway.runtime import resolve_device
+from headway.target.cpu_format import decoding_format
+from headway.target.families import choose_engine, family_of
+from headway.target.loading import Target, load_target, target_config_json, target_sizes
 from headway.target.packed_model import linear_weights, pack_head_linear_weights, pack_linear_weights
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
 
@@ -111,6 +113,22 @@ class ChatResult:
         return self.spec.tokens_per_second / self.plain.tokens_per_second if self.plain else float("nan")
 
 
+def decoding_target_format(cfg: RunConfig) -> tuple[Any, str, str]:
+    """The target settings a decoding command loads with: the family table (target/families.py, read from the
+    target's config.json) names the engine that will run it, and target/cpu_format.py the fastest format that
+    engine decodes exactly. Refuses, before anything heavy, a family speculative decoding cannot verify and an
+    engine that cannot run the family.
+
+    Returns:
+        (target settings, why they were chosen, a warning where an explicit dtype is not exact there)."""
+    config = target_config_json(cfg.target)
+    if not config:  # (no local config.json: the engine is known once the model loads)
+        return decoding_format(cfg.target, "static")
+    on_cuda = resolve_device(cfg.target.device).type == "cuda"
+    engine = choose_engine(config, cfg.inference.engine, on_cuda)
+    return decoding_format(cfg.target, engine, f"this {family_of(config).name}")
+
+
 class SpeculativeDecoder:
     """A frozen target plus a draft head; `generate` decodes exactly as the target would (greedy, or its
     sampling distribution), only faster."""
@@ -159,9 +177,11 @@ class SpeculativeDecoder:
         # a first run's C++ kernels compile while the target is fetched, dequantised and loaded
         build_in_background(cfg.target)
         check_head_shapes(head_dir, target_sizes(cfg.target))
-        target_cfg, why = fastest_cpu_format(cfg.target)  # (target.dtype=auto; may build a kernel once)
+        target_cfg, why, warning = decoding_target_format(cfg)  # (dtype=auto; may build a kernel once)
         if why:
             log.info(why)
+        if warning:
+            log.warning(warning)
         cfg = dataclasses.replace(cfg, target=target_cfg)
         if not lora_dir.is_dir():
             target = load_target(cfg.target)

@@ -23,19 +23,20 @@ from typing import Any, Optional, Protocol
 import torch
 
 from headway.errors import HeadwayError
-from headway.heads.draft_layer import text_config
 from headway.inference.cache import (
+    attention_windows,
     cache_kwarg,
     cache_length,
+    has_recurrent_state,
     keep_tree_nodes,
     new_cache,
-    sliding_window_limit,
+    step_masks,
     truncate_cache,
 )
 from headway.inference.engine_cpu import StaticRunner, _row_exact_dtype
 from headway.inference.engine_cuda import DEFAULT_BUCKETS, CudaRunner, cuda_supported
-from headway.inference.engine_step import STATIC_FAMILIES
 from headway.inference.tree import Tree, tree_attention_bias
+from headway.target.families import engine_support, family_of
 
 
 class Runner(Protocol):
@@ -54,7 +55,13 @@ class Runner(Protocol):
 
 
 class HFRunner:
-    """The model's own forward and a transformers DynamicCache."""
+    """The model's own forward and a transformers DynamicCache.
+
+    On a model with sliding-window layers the cache keeps every key (`new_cache`) and every forward, plain or
+    tree, passes the masks itself (`step_masks`: one per layer type, the window measured from each row's
+    position), so plain and speculative decoding see the same keys at any length and a rejected branch is
+    dropped like any other. A model with a recurrent layer decodes plainly; a tree on it is refused.
+    """
 
     def __init__(self, model: Any):
         self.model = model
@@ -62,6 +69,7 @@ class HFRunner:
         self.kw = cache_kwarg(model)
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.windows = attention_windows(model)
 
     @property
     def length(self) -> int:
@@ -71,12 +79,26 @@ class HFRunner:
         self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
     ) -> tuple[torch.Tensor, Any]:
         extra: dict[str, Any] = {}
+        prefix = self.length
         if tree is not None:
-            prefix = self.length
-            extra = {
-                "position_ids": (prefix + tree.depth.to(self.device)).view(1, -1),
-                "attention_mask": tree_attention_bias(tree, prefix, self.dtype, self.device),
-            }
+            if has_recurrent_state(self.cache):
+                raise HeadwayError(
+                    f"this '{getattr(self.model.config, 'model_type', '?')}' target keeps a "
+                    "recurrent state (SSM, linear attention or convolution) that a draft tree's branches would "
+                    "share: speculative decoding cannot verify a tree on it; decode it without a draft"
+                )
+            pos = prefix + tree.depth.to(self.device)
+            extra["position_ids"] = pos.view(1, -1)
+            if self.windows:
+                extra["attention_mask"] = step_masks(self.windows, prefix, pos, tree.ancestors, self.dtype)
+            else:
+                extra["attention_mask"] = tree_attention_bias(tree, prefix, self.dtype, self.device)
+        elif self.windows:
+            n = ids.numel()
+            pos = torch.arange(prefix, prefix + n, device=self.device)
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            extra["position_ids"] = pos.view(1, -1)
+            extra["attention_mask"] = step_masks(self.windows, prefix, pos, causal, self.dtype)
         o = self.model(
             ids.view(1, -1).to(self.device),
             use_cache=True,
@@ -94,11 +116,11 @@ class HFRunner:
 
 
 def static_supported(model: Any) -> bool:
-    cfg = text_config(model.config)
+    """Whether the static engine runs this target: the family table says so (target/families.py: family,
+    attention windows, rope type), and the model has the parts the engine calls."""
     base = getattr(model, "model", None)
     return (
-        getattr(cfg, "model_type", None) in STATIC_FAMILIES
-        and sliding_window_limit(model) is None
+        not engine_support(model.config)["static"]
         and base is not None
         and hasattr(base, "layers")
         and hasattr(base, "rotary_emb")
@@ -107,18 +129,20 @@ def static_supported(model: Any) -> bool:
 
 def engine_name(model: Any, engine: str = "auto") -> str:
     """The engine `engine` means for this model: auto is the CUDA backend (cuda) for a target it runs on a
-    CUDA device, else static where supported, else hf."""
+    CUDA device, else static where supported, else hf (target/families.py says which engines run a family).
+
+    Raises:
+        HeadwayError: the engine asked for cannot run this target (one line with the table's reason)."""
+    name = family_of(model.config).name
     if engine == "cuda" and not cuda_supported(model):
-        family = getattr(text_config(model.config), "model_type", "?")
+        why = engine_support(model.config)["cuda"] or "the model lacks the modules the backend calls"
         raise HeadwayError(
-            f"inference.engine=cuda runs {', '.join(STATIC_FAMILIES)} with full attention and Gemma-3, not "
-            f"this '{family}' target: use inference.engine=auto or hf"
+            f"inference.engine=cuda cannot run this {name} target: {why}; use inference.engine=auto or hf"
         )
     if engine in ("static", "compiled") and not static_supported(model):
-        family = getattr(text_config(model.config), "model_type", "?")
+        why = engine_support(model.config)["static"] or "the model lacks the modules the engine calls"
         raise HeadwayError(
-            f"inference.engine={engine} supports {', '.join(STATIC_FAMILIES)} with full attention, not "
-            f"this '{family}' target: use inference.engine=auto or hf"
+            f"inference.engine={engine} cannot run this {name} target: {why}; use inference.engine=auto or hf"
         )
     if engine == "auto":
         if next(model.parameters()).device.type == "cuda" and cuda_supported(model):

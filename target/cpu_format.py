@@ -1,9 +1,11 @@
 """The fastest exact format a CPU decodes a target in: what `target.dtype=auto` (the default) means for every
 decoding command.
 
-Every CPU format Headway decodes in keeps speculative decoding equal to that format's plain decoding, so
-the choice is one of speed only (docs/bench-kernels.md has the figures behind it). A dtype set explicitly is
-decoded as set, and training, distillation and GPU decoding resolve `auto` as float32
+On the static engine every CPU format Headway decodes in keeps speculative decoding equal to that format's
+plain decoding, so the choice is one of speed only (docs/bench-kernels.md has the figures behind it). On the
+hf engine (families the static engine does not run: target/families.py) only float32 is exact, so `auto` is
+float32 there, with a line saying why. A dtype set explicitly is decoded as set (with a warning where the
+engine cannot decode it exactly), and training, distillation and GPU decoding resolve `auto` as float32
 (TargetConfig.as_loaded).
 """
 
@@ -15,6 +17,7 @@ import torch
 
 from headway.runtime import amx_bf16, resolve_device, resolve_threads
 from headway.target.config import TargetConfig
+from headway.target.families import exact_dtype
 from headway.target.packed_capability import kernels_missing
 
 OPT_OUT = "target.dtype=float32"
@@ -29,6 +32,36 @@ def may_stream(cfg: TargetConfig) -> bool:
     if cfg.linear_weights == "stream":
         return True
     return cfg.dtype == "auto" and cfg.linear_weights == "auto" and not amx_bf16()
+
+
+def decoding_format(cfg: TargetConfig, engine: str, family: str = "this") -> tuple[TargetConfig, str, str]:
+    """The target settings `engine` decodes exactly, a line saying why they were chosen, and a warning where
+    the user asked for a dtype that engine cannot decode exactly (decoded as asked).
+
+    Args:
+        cfg: the target section as the user left it; engine: the engine that will run it (static, compiled,
+            cuda or hf: target/families.choose_engine); family: the family's name, for the messages.
+    Returns:
+        (resolved settings, why, warning); why and warning are "" where there is nothing to say.
+    """
+    if engine != "hf":
+        resolved, why = fastest_cpu_format(cfg)
+        return resolved, why, ""
+    if cfg.dtype == "auto":
+        why = (
+            f"the hf engine runs {family} target (the static engine does not run its family): decoding it in "
+            "float32, the format exact there (in bf16 a tree's rows and a single row round differently)"
+        )
+        return cfg.as_loaded(), why, ""
+    resolved = cfg.as_loaded()
+    if exact_dtype(engine, resolved.dtype):
+        return resolved, "", ""
+    warning = (
+        f"target.dtype={resolved.dtype} on the hf engine is not exact: a tree's rows and a single row round "
+        "differently, so speculative output can part from plain greedy decoding at near-ties; decoding as "
+        "asked (target.dtype=auto decodes exactly)"
+    )
+    return resolved, "", warning
 
 
 def fastest_cpu_format(cfg: TargetConfig) -> tuple[TargetConfig, str]:

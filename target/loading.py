@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -22,6 +22,7 @@ from headway.errors import HeadwayError
 from headway.runtime import configure_threads, parse_dtype, resolve_device
 from headway.target import sources
 from headway.target.config import TargetConfig
+from headway.target.families import attention_for, config_dict, family_of
 from headway.target.packed_model import linear_weights, pack_linear_weights
 
 log = logging.getLogger("headway")
@@ -115,13 +116,17 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
     return sources.cached_hub_dir(name)
 
 
+def target_config_json(cfg: TargetConfig) -> dict:
+    """The target's config.json as a dict, read without loading the model (the family table and the size
+    checks read it before anything heavy); {} where there is no local config.json (a hub id)."""
+    path = Path(resolve_target_dir(cfg)) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def target_sizes(cfg: TargetConfig) -> dict:
     """The target's hidden_size and vocab_size from its config.json (its text model's, for a multimodal one),
     read without loading it; {} where there is no local config.json (a hub id)."""
-    path = Path(resolve_target_dir(cfg)) / "config.json"
-    if not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
+    config = target_config_json(cfg)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return {k: text[k] for k in ("hidden_size", "vocab_size") if isinstance(text.get(k), int)}
 
@@ -142,6 +147,58 @@ def _from_pretrained(cls: Any, path: Path | str, trust_remote_code: bool) -> Any
         if "trust_remote_code" in str(e):
             raise _remote_code_refused(path, e) from None
         raise
+
+
+def _model_class(config: Any) -> Any:
+    """The class AutoModelForCausalLM builds for this config (None: one it cannot name, e.g. remote code)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
+def attention_implementation(requested: str, config: Any) -> Optional[str]:
+    """The attn_implementation a target loads with: `requested`, or for auto the family table's choice
+    (target/families.py), else sdpa where the model class has it, else eager (None: a class Headway cannot
+    name, which transformers then picks for).
+
+    Raises:
+        HeadwayError: sdpa or flex_attention asked of a family that cannot run it (before any weight loads).
+    """
+    cls = _model_class(config)
+    known = attention_for(config)
+    has_sdpa = cls is None or bool(getattr(cls, "_supports_sdpa", False))
+    if requested == "auto":
+        if known is not None and (known != "sdpa" or has_sdpa):
+            return known
+        if cls is None:
+            return None
+        return "sdpa" if has_sdpa else "eager"
+    family = family_of(config)
+    model_type = config_dict(config).get("model_type")
+    if requested == "sdpa" and (not has_sdpa or known == "eager"):
+        why = "; ".join(family.notes) or f"{cls.__name__} has no SDPA attention"
+        raise HeadwayError(
+            f"target.attn_implementation=sdpa cannot run this {family.name} target ({model_type}): {why}; use "
+            "target.attn_implementation=auto or eager"
+        )
+    if requested == "flex_attention" and cls is not None and not getattr(cls, "_supports_flex_attn", False):
+        raise HeadwayError(
+            f"target.attn_implementation=flex_attention: transformers' {cls.__name__} ({family.name}) has no flex "
+            "attention; use target.attn_implementation=auto"
+        )
+    return requested
+
+
+def _experts_implementation(config: Any, dtype: str) -> dict:
+    """{"experts_implementation": "eager"} for a mixture-of-experts target in float64, which transformers'
+    default grouped matmul cannot take (float32, bf16 and fp16 only), else {}."""
+    cls = _model_class(config)
+    if dtype == "float64" and cls is not None and cls._can_set_experts_implementation():
+        return {"experts_implementation": "eager"}
+    return {}
 
 
 def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
@@ -176,12 +233,14 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         gen_config = GenerationConfig.from_model_config(config)
     model = None
     if with_model:
+        attn = attention_implementation(cfg.attn_implementation, config)
         log.info(
-            "loading target %s from %s (%s, %s, %d threads)",
+            "loading target %s from %s (%s, %s, %s attention, %d threads)",
             cfg.name_or_path,
             path,
             cfg.dtype,
             device,
+            attn or "default",
             threads,
         )
         try:
@@ -189,9 +248,10 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
                 path,
                 dtype=parse_dtype(cfg.dtype),
                 local_files_only=True,
-                attn_implementation=cfg.attn_implementation,
+                attn_implementation=attn,
                 trust_remote_code=trust,
                 use_safetensors=True,
+                **_experts_implementation(config, cfg.dtype),
             )
         except (OSError, ValueError) as e:
             if "trust_remote_code" in str(e):
