@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
 from headway.export.layouts import Converter
+from headway.export.layouts.common import restore_rope
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
 from headway.io import atomic_dir, file_checksums, safetensors_of, verify_checksums
@@ -230,6 +231,8 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     conv = converter(fmt, kind)
     state = conv.from_engine(config, tensors)
     head_cfg = {**meta["head"], **conv.head_settings(config)}
+    if isinstance(meta.get("draft_layer"), dict):  # the RoPE the engine reads is the one it serves
+        meta = {**meta, "draft_layer": restore_rope(meta["draft_layer"], config, fmt)}
     return rebuild_head(meta, head_cfg, state, f"{d} does not rebuild its head").eval()
 
 

@@ -5,11 +5,15 @@ mismatched checkpoints are refused with the problem named."""
 from __future__ import annotations
 
 import json
+import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
 
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
@@ -740,3 +744,252 @@ def test_a_head_saved_before_eagle31_keeps_its_meaning(llama, tmp_path: Path):
     again = load_head(out, llama.fingerprint)
     assert (again.cfg.input_norm, again.cfg.norm_output) == ("none", False)
     assert trace(llama, again) == trace(llama, heads)
+
+
+# ---------------------------------------------------------------- the target's RoPE, as each engine reads it
+
+ENGINE_FORMATS = ("vllm", "sglang", "trtllm", "speculators")
+# The scalings every engine's Llama draft layer computes as transformers does: the tiny llama3 target as
+# built (tests/tiny_models.py), and linear, yarn and default variants of it (its config.json edited).
+ROPES = {
+    "llama3": None,
+    "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
+    "yarn": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "rope_theta": 500000.0,
+    },
+    "default": {"rope_type": "default", "rope_theta": 500000.0},
+}
+POSITIONS = torch.tensor([0, 1, 7, 17, 63, 64, 130, 257, 511])
+
+
+@pytest.fixture(scope="module")
+def llama3_dir(tmp_path_factory) -> Path:
+    return make_tiny_model("llama3", tmp_path_factory.mktemp("llama3") / "t")
+
+
+def rope_target(llama3_dir: Path, tmp_path: Path, rope: dict | None):
+    """The tiny llama3 target, its rope_parameters replaced by `rope` (None: as built)."""
+    if rope is None:
+        return load_target(TargetConfig(name_or_path=str(llama3_dir), device="cpu", num_threads=1))
+    d = tmp_path / "target"
+    shutil.copytree(llama3_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    config["rope_parameters"] = rope
+    (d / "config.json").write_text(json.dumps(config))
+    return load_target(TargetConfig(name_or_path=str(d), device="cpu", num_threads=1))
+
+
+def native_cos_sin(heads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables the head's trained draft layer applies at POSITIONS ([P, head_dim / 2])."""
+    cos, sin = heads.decoder.rotary_emb(torch.zeros(1), POSITIONS[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half], sin[0, :, :half]
+
+
+def hf_cos_sin(layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables a transformers LlamaConfig built from an exported layer config gives."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig.from_dict({k: v for k, v in layer.items() if k != "headway"})
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), POSITIONS[None])
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half], sin[0, :, :half]
+
+
+def vllm_rope(config: dict) -> tuple[dict, dict]:
+    """What vLLM's get_rope receives for the draft layer (speculators: transformer_layer_config goes into
+    the draft's config as it is): with transformers 4, patch_rope_parameters makes `rope_scaling` the
+    rope_parameters and puts the top-level rope_theta in; with transformers 5, the rope_parameters."""
+    layer = config.get("transformer_layer_config", config)
+    v4 = {**(layer.get("rope_scaling") or {"rope_type": "default"}), "rope_theta": layer["rope_theta"]}
+    return v4, layer["rope_parameters"]
+
+
+def sglang_rope(config: dict) -> tuple[float, dict | None]:
+    """SGLang's LlamaDecoderLayer: (config.rope_theta, config.rope_scaling) with transformers 4; its
+    get_rope reads rope_type (or type), factor, low/high_freq_factor, original_max_position_embeddings,
+    beta_fast, beta_slow, extrapolation_factor, attn_factor and truncate from the dict."""
+    return config["rope_theta"], config.get("rope_scaling")
+
+
+def trtllm_rope(config: dict) -> dict:
+    """TensorRT-LLM's RopeParams.from_config: the type from rope_scaling's `type` or `rope_type`, its
+    factor, low/high_freq_factor, original_max_position_embeddings (a top-level one first), beta_fast,
+    beta_slow, mscale (1.0) and mscale_all_dim (0.0); theta from rope_theta."""
+    s = config.get("rope_scaling")
+    if s is None:
+        return {"type": "none", "theta": config["rope_theta"]}
+    return {
+        "type": s.get("type") or s.get("rope_type"),
+        "theta": config["rope_theta"],
+        "scale": s.get("factor", 1.0),
+        "low_freq_factor": s.get("low_freq_factor", 1.0),
+        "high_freq_factor": s.get("high_freq_factor", 4.0),
+        "original_max_positions": config.get("original_max_position_embeddings")
+        or s.get("original_max_position_embeddings")
+        or 1024,
+        "beta_fast": s.get("beta_fast", 32),
+        "beta_slow": s.get("beta_slow", 1),
+        "yarn_mscale_ratio": (0.1 * s.get("mscale", 1.0) * math.log(s.get("factor", 1.0)) + 1.0)
+        / (0.1 * s.get("mscale_all_dim", 0.0) * math.log(s.get("factor", 1.0)) + 1.0),
+    }
+
+
+def engine_cos_sin(rope: dict, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables vLLM builds from what its get_rope received (RotaryEmbedding,
+    LinearScalingRotaryEmbedding, Llama3RotaryEmbedding, YaRNScalingRotaryEmbedding: their formulas,
+    which SGLang's and TensorRT-LLM's follow), at POSITIONS."""
+    base, kind = float(rope["rope_theta"]), rope.get("rope_type", "default")
+    inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    pos, mscale = POSITIONS.float(), 1.0
+    if kind == "linear":
+        pos = pos / rope["factor"]
+    elif kind == "llama3":
+        f, lo, hi = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old = rope["original_max_position_embeddings"]
+        wave = 2 * math.pi / inv
+        smooth = (old / wave - lo) / (hi - lo)
+        inv = torch.where(
+            wave < old / hi, inv, torch.where(wave > old / lo, inv / f, (1 - smooth) * inv / f + smooth * inv)
+        )
+    elif kind == "yarn":
+        f, old = rope["factor"], rope["original_max_position_embeddings"]
+
+        def dim(rotations: float) -> float:
+            return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(dim(rope.get("beta_fast", 32))), 0)
+        high = min(math.ceil(dim(rope.get("beta_slow", 1))), head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)).clamp(0, 1)
+        inv = inv / f * ramp + inv * (1 - ramp)
+        mscale = 0.1 * math.log(f) + 1.0
+    else:
+        assert kind == "default", kind
+    freqs = pos[:, None] * inv[None]
+    return freqs.cos() * mscale, freqs.sin() * mscale
+
+
+@pytest.mark.parametrize("rope_type", list(ROPES))
+def test_the_targets_rope_scaling_reaches_every_engine_as_trained(llama3_dir, tmp_path: Path, rope_type: str):
+    """A head trained on a llama3 (linear, yarn) RoPE target computes that RoPE's tables; every engine export
+    carries it in the keys each engine reads, the engines' tables from them equal the trained layer's,
+    and a re-imported export restores it."""
+    speculators = pytest.importorskip("speculators")
+    from speculators import SpeculatorModelConfig
+
+    t = rope_target(llama3_dir, tmp_path, ROPES[rope_type])
+    heads = random_head(t, "eagle3", draft_layer="llama")
+    trained = dict(heads.decoder.config.rope_parameters)
+    assert trained["rope_type"] == rope_type == heads.decoder.rotary_emb.rope_type
+    assert trained == dict(t.model.config.rope_parameters)  # the target's own RoPE
+    cos, sin = native_cos_sin(heads)
+    hd = heads.decoder.config.head_dim
+    plain = engine_cos_sin({"rope_type": "default", "rope_theta": trained["rope_theta"]}, hd)
+    assert (rope_type == "default") == torch.allclose(cos, plain[0], atol=1e-4)  # the scaling changes it
+    scaling = {k: v for k, v in trained.items() if k != "rope_theta"}
+    head = save_head(heads, tmp_path / "h", t.fingerprint)
+    for fmt in ENGINE_FORMATS:
+        out = export_head(head, fmt, tmp_path / fmt, "float32", verifier="/models/target")
+        config = json.loads((out / "config.json").read_text())
+        layer = config.get("transformer_layer_config", config)
+        assert layer["rope_theta"] == trained["rope_theta"] and layer["rope_parameters"] == trained, fmt
+        assert layer.get("rope_scaling") == (None if rope_type == "default" else scaling), fmt
+        assert vllm_rope(config) == (trained, trained), fmt
+        if fmt != "speculators":
+            assert sglang_rope(config) == (trained["rope_theta"], layer.get("rope_scaling")), fmt
+            trt = trtllm_rope(config)
+            assert trt["type"] == ("none" if rope_type == "default" else rope_type), fmt
+            if rope_type == "llama3":
+                assert (trt["scale"], trt["low_freq_factor"], trt["high_freq_factor"]) == (8.0, 1.0, 4.0)
+                assert trt["original_max_positions"] == 64
+            if rope_type == "yarn":
+                assert (trt["scale"], trt["original_max_positions"], trt["beta_fast"], trt["beta_slow"]) == (
+                    4.0,
+                    128,
+                    32.0,
+                    1.0,
+                )
+                assert trt["yarn_mscale_ratio"] == pytest.approx(0.1 * math.log(4.0) + 1.0)
+        else:
+            parsed = SpeculatorModelConfig.from_dict({k: v for k, v in config.items() if k != "headway"})
+            assert dict(parsed.transformer_layer_config.rope_parameters) == trained and speculators
+        # the tables: what the engine computes from the keys it read, and transformers from config.json
+        engine = engine_cos_sin(vllm_rope(config)[0], hd)
+        assert torch.allclose(engine[0], cos, atol=1e-4) and torch.allclose(engine[1], sin, atol=1e-4), fmt
+        hf = hf_cos_sin(layer)
+        assert torch.equal(hf[0], cos) and torch.equal(hf[1], sin), fmt
+        again = load_export(out, t.fingerprint)
+        assert dict(again.decoder.config.rope_parameters) == trained, fmt
+        assert all(torch.equal(a, b) for a, b in zip(native_cos_sin(again), (cos, sin))), fmt
+    if rope_type == "linear":  # an edited config.json: the re-imported head takes the RoPE vLLM serves
+        config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+        config["rope_scaling"]["factor"] = 2.0
+        (tmp_path / "vllm" / "config.json").write_text(json.dumps(config))
+        assert load_export(tmp_path / "vllm").decoder.config.rope_parameters["factor"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "rope,fmts,message",
+    [
+        (
+            {"rope_type": "dynamic", "factor": 2.0},
+            ENGINE_FORMATS,
+            "rope_type=dynamic, which the {fmt} export cannot give {engine} exactly: the engines scale "
+            "dynamic NTK's base once",
+        ),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            },
+            ENGINE_FORMATS,
+            "rope_type=longrope, which the {fmt} export cannot give {engine} exactly: the engines choose "
+            "LongRoPE's",
+        ),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "attention_factor": 1.0,
+            },
+            ENGINE_FORMATS,
+            r"rope_type=yarn, which the {fmt} export cannot give {engine} exactly: attention_factor=1.0 is "
+            r"not read \(the engines scale cos/sin by 0.1 ln\(factor\) \+ 1 = 1.13863\)",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "truncate": False},
+            ("trtllm",),
+            "rope_type=yarn, which the {fmt} export cannot give {engine} exactly: truncate=false is not read",
+        ),
+    ],
+)
+def test_rope_an_engine_computes_otherwise_is_refused_naming_type_and_engine(
+    llama3_dir, tmp_path: Path, rope: dict, fmts: tuple, message: str
+):
+    t = rope_target(llama3_dir, tmp_path, None)
+    head = save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint)
+    native = json.loads((head / "config.json").read_text())
+    native["draft_layer"]["rope_parameters"] = {**rope, "rope_theta": 500000.0}
+    (head / "config.json").write_text(json.dumps(native))
+    engines = {
+        "vllm": "vLLM",
+        "sglang": "SGLang",
+        "trtllm": "TensorRT-LLM",
+        "speculators": "vLLM (speculators format)",
+    }
+    for fmt in fmts:
+        want = message.format(fmt=fmt, engine=re.escape(engines[fmt]))
+        with pytest.raises(HeadwayError, match=want) as e:
+            export_head(head, fmt, tmp_path / fmt, verifier="/models/target")
+        assert "\n" not in str(e.value) and "--format native" in str(e.value)
+        assert not (tmp_path / fmt).exists()
+    export_head(head, "native", tmp_path / "native")  # native holds every RoPE

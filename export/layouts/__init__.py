@@ -14,7 +14,7 @@ the formats refused with why); this package only collects those tables for kinds
 - `medusa.py`: Medusa for vLLM (<= 0.32, with the installed-vLLM probe) and TensorRT-LLM
 - `dflash.py`: DFlash for vLLM and SGLang
 - `common.py`: what several kinds share (`Converter`, the refused target families, the Llama draft layer's
-  config and tensors, the renaming rules, the d2t check, the vLLM and SGLang serve hints, the
+  config, RoPE keys and tensors, the renaming rules, the d2t check, the vLLM and SGLang serve hints, the
   engine descriptions)
 
 A new kind adds one file (`mykind.py`, importing `common.py` and no other kind) and one import line here (its

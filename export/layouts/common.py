@@ -9,6 +9,7 @@ holds only its own kind's mappings, and so that a new kind reuses these pieces w
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -75,9 +76,127 @@ def layer_specs(config: dict, prefix: str, qkv_in: int, input_norm: bool) -> dic
     return specs
 
 
+# The engine each format's loader belongs to, as refusals name it.
+ENGINE_OF = {
+    "vllm": "vLLM",
+    "sglang": "SGLang",
+    "trtllm": "TensorRT-LLM",
+    "speculators": "vLLM (speculators format)",
+}
+# RoPE scalings every engine's Llama draft layer computes as transformers (which trained the head) does, and
+# the keys beside rope_type and rope_theta each is written with: vLLM's get_rope, SGLang's get_rope and
+# TensorRT-LLM's RopeParams.from_config read these names (docs/export.md, "RoPE scaling").
+ROPE_KEYS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "attention_factor",
+        "truncate",
+    ),
+}
+# Keys of a rope dict written otherwise (rope_type, its legacy alias `type`, rope_theta); a partial rotary
+# fraction is accepted at its default, 1.0, only.
+ROPE_IGNORED = {"rope_type", "type", "rope_theta"}
+# RoPE types an engine serves, but not as transformers trained the head, and why.
+ROPE_INEXACT = {
+    "dynamic": "the engines scale dynamic NTK's base once for the maximum length, while transformers "
+    "re-scales it for each sequence length, as the head was trained",
+    "longrope": "the engines choose LongRoPE's short or long factors by their own rule, not by the sequence "
+    "length as transformers (which trained the head) does",
+}
+
+
+def _rope_refused(rope_type: str, fmt: str, why: str) -> HeadwayError:
+    return HeadwayError(
+        f"the draft layer's RoPE is rope_type={rope_type}, which the {fmt} export cannot give "
+        f"{ENGINE_OF.get(fmt, fmt)} exactly: {why}; export with --format native (headway generate), or train "
+        "on a target with default, linear, llama3 or yarn RoPE"
+    )
+
+
+def yarn_mscale(factor: float) -> float:
+    """YaRN's default attention scaling, 0.1 ln(factor) + 1: what every engine multiplies cos/sin by."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def rope_keys(layer: dict, fmt: str) -> dict:
+    """The draft layer's RoPE in every key the engines read it from: `rope_theta`, transformers 5's
+    `rope_parameters` (with rope_theta), and the legacy `rope_scaling` (without it) that vLLM with
+    transformers 4, SGLang and TensorRT-LLM read. Default RoPE writes no rope_scaling. A scaling the engine
+    cannot compute exactly as transformers trained it is refused, naming the type and the engine."""
+    rope = dict(layer.get("rope_parameters") or {})
+    theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
+    rope_type = str(rope.get("rope_type", rope.get("type", "default")))
+    if rope_type == "default":
+        return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+    if rope_type not in ROPE_KEYS:
+        why = ROPE_INEXACT.get(rope_type, "this exporter writes default, linear, llama3 and yarn RoPE only")
+        raise _rope_refused(rope_type, fmt, why)
+    if rope_type in ("llama3", "yarn"):  # transformers fills it in so, and the engines need it written
+        rope.setdefault("original_max_position_embeddings", int(layer.get("max_position_embeddings", 4096)))
+    extra = sorted(
+        k
+        for k in rope
+        if k not in ROPE_KEYS[rope_type]
+        and k not in ROPE_IGNORED
+        and not (k == "partial_rotary_factor" and rope[k] == 1.0)
+    )
+    if extra:
+        raise _rope_refused(rope_type, fmt, f"this exporter does not write its {', '.join(extra)}")
+    if rope_type == "yarn":
+        factor = float(rope["factor"])
+        attention = rope.get("attention_factor")
+        if attention is not None and not math.isclose(float(attention), yarn_mscale(factor), rel_tol=1e-6):
+            raise _rope_refused(
+                rope_type,
+                fmt,
+                f"attention_factor={attention} is not read (the engines scale cos/sin by 0.1 ln(factor) + 1 "
+                f"= {yarn_mscale(factor):.6g})",
+            )
+        if rope.get("truncate", True) is False and fmt == "trtllm":
+            raise _rope_refused(rope_type, fmt, "truncate=false is not read (TensorRT-LLM always truncates)")
+    scaling = {"rope_type": rope_type, **{k: rope[k] for k in ROPE_KEYS[rope_type] if k in rope}}
+    return {"rope_theta": theta, "rope_parameters": {**scaling, "rope_theta": theta}, "rope_scaling": scaling}
+
+
+def rope_from_engine(config: dict) -> dict:
+    """The RoPE an engine reads from an export's config (speculators: its transformer_layer_config), as
+    transformers and vLLM resolve it: `rope_scaling` over `rope_parameters`, rope_theta from the dict or the
+    top level. Empty where the config names no RoPE."""
+    layer = config.get("transformer_layer_config", config)
+    rope = layer.get("rope_scaling") or layer.get("rope_parameters")
+    if not rope and "rope_theta" not in layer:
+        return {}
+    rope = dict(rope or {"rope_type": "default"})
+    rope["rope_type"] = rope.pop("type", None) or rope.get("rope_type", "default")
+    rope.setdefault("rope_theta", float(layer.get("rope_theta", 10000.0)))
+    return {"rope_theta": float(rope["rope_theta"]), "rope_parameters": rope}
+
+
+def restore_rope(layer: dict, config: dict, fmt: str) -> dict:
+    """The draft-layer config a re-imported export rebuilds: the carried one where the engine reads the same
+    RoPE from the export's keys, else (config.json edited) with the engine's RoPE, which is what it serves."""
+    engine = rope_from_engine(config)
+    if not engine:
+        return layer
+    try:
+        written = rope_keys(layer, fmt)
+        same = written["rope_parameters"] == engine["rope_parameters"]
+    except HeadwayError:
+        same = False
+    if same:
+        return layer
+    return {**layer, **engine}
+
+
 def llama_config(native: dict, fmt: str) -> dict:
     """The draft layer as the Llama config the engines build their draft layer from; refuses layers that
-    a Llama layer cannot represent exactly."""
+    a Llama layer cannot represent exactly (other families, biases, RoPE scalings the engine computes
+    otherwise)."""
     layer = native["draft_layer"]
     family = layer.get("model_type")
     target_family = str(native.get("target_fingerprint", {}).get("model_type", ""))
@@ -94,12 +213,6 @@ def llama_config(native: dict, fmt: str) -> dict:
             f"head.{native.get('kind', 'eagle3')}.draft_layer=llama (the default: a Llama layer sized from "
             "the target, which engines serve whatever the target's family), or use --format native"
         )
-    rope = layer.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", layer.get("rope_theta", 10000.0))
-    if rope.get("rope_type", "default") != "default":
-        raise HeadwayError(
-            f"the draft layer uses rope_type={rope['rope_type']}; the {fmt} export writes default RoPE only"
-        )
     h = int(layer["hidden_size"])
     return {
         "model_type": "llama",
@@ -112,8 +225,7 @@ def llama_config(native: dict, fmt: str) -> dict:
         "hidden_act": layer.get("hidden_act", "silu"),
         "rms_norm_eps": float(layer.get("rms_norm_eps", 1e-6)),
         "max_position_embeddings": int(layer.get("max_position_embeddings", 4096)),
-        "rope_theta": float(theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(theta)},
+        **rope_keys(layer, fmt),
         "vocab_size": int(native["vocab_size"]),
         "tie_word_embeddings": False,
         "attention_bias": False,
