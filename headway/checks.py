@@ -23,6 +23,7 @@ from headway.kinds.config import kind_names
 from headway.kinds.head_dir import read_head_config, resolve_head_dir
 from headway.run_config import RunConfig
 from headway.target.config import ALIASES, TargetConfig
+from headway.target.families import choose_engine
 
 
 def check_prompts(cfg: PromptConfig, setting: str = "prompts.path") -> int:
@@ -238,9 +239,22 @@ def before_export(args: Any) -> None:
     check_writable(out, "--out")
 
 
+def check_family(cfg: RunConfig) -> None:
+    """A target whose family speculative decoding cannot verify (a recurrent state), or an engine asked for
+    that cannot run its family: one line, from its config.json (target/families.py), before torch loads."""
+    config = Path(cfg.target.name_or_path).expanduser() / "config.json"
+    if config.is_file():
+        choose_engine(
+            _read_json(config, "target.name_or_path needs a Hugging Face model config"),
+            cfg.inference.engine,
+            False,
+        )
+
+
 def before_decoding(cfg: RunConfig, head: str) -> None:
-    """generate, bench and tune: the target and the head."""
+    """generate, bench and tune: the target, its family and the head."""
     check_target(cfg.target)
+    check_family(cfg)
     check_head(head)
 
 

@@ -10,6 +10,8 @@ Also the family table itself: what each family resolves to before the model load
 from __future__ import annotations
 
 import json
+import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +43,12 @@ TARGET = ["target.device=cpu", "target.num_threads=1"]
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
+    # the handlers a command's logging writes through (headway's, transformers') write to this test's stderr,
+    # not to an earlier test's closed capture
+    for name in ("", "transformers"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.setStream(sys.stderr)
     rc = main(argv)
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err, f"{argv[0]}: {out}{err}"

@@ -1,7 +1,8 @@
-"""What every head kind's engine layouts share: the Converter record a layout is registered as, the target
-families no engine can serve a draft for, the Llama decoder layer the engines build EAGLE-style drafts from
-(its config and tensors), the key-renaming rules between Headway's names and an engine's, the d2t check of a
-reduced draft vocabulary, the serve hints several kinds print, and the engine descriptions a layout names.
+"""What every head kind's engine layouts share: the Converter record a layout is registered as, the Llama
+decoder layer the engines build EAGLE-style drafts from (its config and tensors), the key-renaming rules
+between Headway's names and an engine's, the d2t check of a reduced draft vocabulary, the serve hints several
+kinds print, and the engine descriptions a layout names. Which targets' drafts no engine serves is the family
+table's (target/families.py).
 
 It lives apart from the per-kind modules (eagle3.py, eagle.py, medusa.py, dflash.py) so that each of those
 holds only its own kind's mappings, and so that a new kind reuses these pieces without importing another kind.
@@ -18,18 +19,10 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.export.schema import Layout, Spec
+from headway.target.families import family_of
 
 # Draft-layer families the engines' Llama draft layers can represent exactly (same modules and keys).
 LLAMA_LIKE = ("llama", "mistral")
-# Target families whose EAGLE drafts the checked engines cannot serve as Headway trains them, and why.
-UNSERVED_TARGETS = {
-    "gemma3_text": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux "
-    "hidden states to a draft), and SGLang's Gemma-3 captures a layer's branch output without its "
-    "residual, not the hidden state Headway trains on",
-    "gemma3": "vLLM 0.32's Gemma3ForCausalLM does not implement SupportsEagle3 (it hands no aux hidden "
-    "states to a draft), and SGLang's Gemma-3 captures a layer's branch output without its residual, not "
-    "the hidden state Headway trains on",
-}
 
 
 def _no_settings(config: dict) -> dict:
@@ -200,10 +193,12 @@ def llama_config(native: dict, fmt: str) -> dict:
     layer = native["draft_layer"]
     family = layer.get("model_type")
     target_family = str(native.get("target_fingerprint", {}).get("model_type", ""))
-    if target_family in UNSERVED_TARGETS:
+    # the family table (target/families.py) says which targets' drafts no engine serves, and why
+    row = family_of({"model_type": target_family})
+    if row.unserved or row.refused:
         raise HeadwayError(
             f"{fmt} cannot serve an EAGLE draft for a {target_family} target: "
-            f"{UNSERVED_TARGETS[target_family]}; decode with `headway generate` (--format native)"
+            f"{row.unserved or row.refused}; decode with `headway generate` (--format native)"
         )
     if family not in LLAMA_LIKE or layer.get("attention_bias") or layer.get("mlp_bias"):
         raise HeadwayError(
