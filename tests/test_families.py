@@ -43,12 +43,14 @@ TARGET = ["target.device=cpu", "target.num_threads=1"]
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
-    # the handlers a command's logging writes through (headway's, transformers') write to this test's stderr,
-    # not to an earlier test's closed capture
-    for name in ("", "transformers"):
-        for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler):
-                handler.setStream(sys.stderr)
+    # the handlers a command's logging writes through (headway's, transformers' and its integrations') write
+    # to this test's stderr, not to an earlier test's closed capture
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if type(handler) is logging.StreamHandler:  # (not pytest's own handlers)
+                handler.stream = sys.stderr  # (setStream would flush the closed one)
+                handler.__dict__.pop("flush", None)  # (transformers binds the first stderr's flush)
     rc = main(argv)
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err, f"{argv[0]}: {out}{err}"
