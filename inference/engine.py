@@ -4,11 +4,14 @@
 `StaticRunner` keeps the keys and values in preallocated tensors and runs its own attention around the
 model's own modules (embedding, norms, projections, MLP, rotary embedding), so it follows the model's
 family without a forked modeling file. It has no per-step reallocation, compacts an accepted tree path
-in place, and skips transformers' mask and cache machinery. Llama-style families with full attention
-(llama, qwen2, mistral without a sliding window) are supported; others use `HFRunner`. Both give the same
-logits (tests compare them in float64). The compiled engine is the static one with its decoder stack under
-torch.compile (`ModelEngine.compiled_stack`); the cuda engine (`CudaRunner`) is the static engine's CUDA
-backend: bucketed steps over persistent buffers, CUDA graphs, greedy acceptance on the device.
+in place, and skips transformers' mask and cache machinery. Llama-style families with full attention are
+supported (llama with any rope type computed by position: default, linear, llama3, yarn; qwen2; mistral
+without a sliding window; qwen3 with its per-head q/k norms; smollm3 with its NoPE layers; the MoE families
+qwen3_moe and mixtral, routed row by row; target/families.py says which engines run each family); others use
+`HFRunner`. Both give the same logits (tests compare them in float64). The compiled engine is the static one
+with its decoder stack under torch.compile (`ModelEngine.compiled_stack`; not for MoE layers); the cuda
+engine (`CudaRunner`) is the static engine's CUDA backend: bucketed steps over persistent buffers, CUDA
+graphs, greedy acceptance on the device (not for MoE layers either).
 
 The modules behind it, one job each: engine_step.py (the layer math every static backend shares),
 engine_kv.py (the KV cache), engine_plans.py (the CPU backend's attention plans), engine_cpu.py (the CPU

@@ -25,6 +25,7 @@ from headway.inference.engine_step import (
     _rms_norm_fn,
     decoder_stack,
     layer_step,
+    moe_block,
     rope_tables,
 )
 from headway.inference.tree import Tree
@@ -319,6 +320,11 @@ class StaticRunner:
         self.device, self.dtype = p.device, p.dtype
         self._lm_row = self._lm_row_fn(model)
         self.compiled = compiled
+        if compiled and any(moe_block(layer.mlp) for layer in self.layers):
+            raise HeadwayError(
+                "inference.engine=compiled does not run MoE layers (their row-by-row routing reads the host "
+                "mid-step): use inference.engine=static"
+            )
         state = ModelEngine.of(model)
         self._stack = state.compiled_stack() if compiled else decoder_stack
         # eager steps: the decoder layers in one C++ call where it builds and covers them (same bits)
@@ -428,6 +434,7 @@ class StaticRunner:
             causal=causal,
             compiled=compiled,
             attn_dtype=self.prompt_attn_dtype,
+            grouped=tree is None and n > 1,
         )
         self.length = start + n
         return self._logits(x[0], tree), tuple(states) if hidden else None
@@ -445,10 +452,11 @@ class StaticRunner:
         causal: bool = False,
         compiled: bool = False,
         attn_dtype: Optional[torch.dtype] = None,
+        grouped: bool = False,
     ) -> tuple[torch.Tensor, list]:
         """`decoder_stack` over x [1, n, hidden]: under torch.compile (`compiled`; its graphs always give the
         hidden states, and read `attend` from _ACTIVE), else in the C++ layer loop where there is one, else
-        in Python."""
+        in Python. `grouped`: a prompt's rows (see `layer_step`)."""
         args = (x, cos, sin, self.k, self.v, slots, end, mask)
         if compiled:
             _ACTIVE[0] = attend
@@ -457,7 +465,9 @@ class StaticRunner:
             finally:
                 _ACTIVE[0] = None
         if self._loop is None:
-            return decoder_stack(self.plans, self.base.norm, *args, hidden, attend, causal, attn_dtype)
+            return decoder_stack(
+                self.plans, self.base.norm, *args, hidden, attend, causal, attn_dtype, grouped
+            )
         plan = None if attend is None else layer_loop.row_plan(attend)
         kts = [] if attend is None or attend.transposed is None else attend.transposed.buffers
         x, states = self._loop.run(
