@@ -148,7 +148,10 @@ def _modules(plan: Any) -> list:
 def unsupported(plans: list, final_norm: Any) -> Optional[str]:
     """Why the C++ loop cannot run these LayerPlans (a format, a norm or an activation it lacks), or None."""
     for plan in plans:
-        if any(getattr(norm, "eps", None) is None for norm in (plan.norm1, plan.norm2)):
+        if plan.moe is not None:  # (its row-by-row routing: engine_step.MoeRows, in Python)
+            return "MoE layers"
+        norms = (plan.norm1, plan.norm2) + ((plan.q_norm, plan.k_norm) if plan.q_norm is not None else ())
+        if any(getattr(norm, "eps", None) is None for norm in norms):
             return "a norm other than the lean RMSNorm"
         if not isinstance(plan.mlp.act_fn, _SILU):
             return f"the activation {type(plan.mlp.act_fn).__name__}"
@@ -158,6 +161,16 @@ def unsupported(plans: list, final_norm: Any) -> Optional[str]:
     if getattr(final_norm, "weight", None) is None or getattr(final_norm, "variance_epsilon", None) is None:
         return "a final norm other than RMSNorm"
     return None
+
+
+def _head_spec(plan: Any) -> tuple:
+    """A layer's additions to the Llama layer as the C++ loop takes them (csrc/layer_loop.cpp `HeadSpec`): its
+    q and k norms' weights and eps (Qwen3; None elsewhere) and whether it rotates (SmolLM3's NoPE layers do
+    not)."""
+    if plan.q_norm is None:
+        return (None, None, 0.0, 0.0, plan.rope)
+    q, k = plan.q_norm, plan.k_norm
+    return (q.weight.detach(), k.weight.detach(), float(q.eps), float(k.eps), plan.rope)
 
 
 def loop_mode(model: Any) -> str:
@@ -204,6 +217,7 @@ def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any
         p.head_dim,
         p.inter,
         p.scaling,
+        [_head_spec(plan) for plan in plans],
     )
 
 

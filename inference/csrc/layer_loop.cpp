@@ -243,13 +243,25 @@ struct Layer {
   Linear down;
 };
 
+// What a layer's family adds to the Llama layer (engine_step.LayerPlan): Qwen3's RMSNorm over each query and key
+// head before the rotary (weights [head_dim] and their eps; none for other families), and whether the layer rotates
+// at all (SmolLM3's NoPE layers do not).
+struct HeadNorms {
+  std::optional<Tensor> q_norm, k_norm;
+  double q_eps = 0.0, k_eps = 0.0;
+  bool rope = true;
+};
+// (q_norm, k_norm, q_eps, k_eps, rope)
+using HeadSpec = std::tuple<std::optional<Tensor>, std::optional<Tensor>, double, double, bool>;
+
 class LayerLoop {
  public:
-  // Per layer: its two norm weights and eps, and its linears (LayerSpec, each as (kind, weight, packed, bias, rows)).
+  // Per layer: its two norm weights and eps, its linears (LayerSpec, each as (kind, weight, packed, bias, rows)), and
+  // its family's additions (HeadSpec; none: every layer a Llama layer).
   LayerLoop(std::vector<Tensor> norms1, std::vector<Tensor> norms2, std::vector<double> eps1,
             std::vector<double> eps2,
             std::vector<LayerSpec> layers, Tensor final_norm, double final_eps, int64_t heads, int64_t kv_heads, int64_t head_dim,
-            int64_t inter, double scale)
+            int64_t inter, double scale, std::vector<HeadSpec> head_specs)
       : norms1_(std::move(norms1)),
         norms2_(std::move(norms2)),
         eps1_(std::move(eps1)),
@@ -269,6 +281,15 @@ class LayerLoop {
       TORCH_CHECK((layer.qkv.size() == 1 || layer.qkv.size() == 3) && (layer.mlp.size() == 1 || layer.mlp.size() == 2),
                   "layer loop: qkv is 1 or 3 linears, the MLP 1 or 2");
       layers_.push_back(std::move(layer));
+    }
+    TORCH_CHECK(head_specs.empty() || head_specs.size() == layers_.size(), "layer loop: one HeadSpec per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      HeadNorms h;
+      if (!head_specs.empty()) {
+        std::tie(h.q_norm, h.k_norm, h.q_eps, h.k_eps, h.rope) = head_specs[i];
+        TORCH_CHECK(h.q_norm.has_value() == h.k_norm.has_value(), "layer loop: a q norm without a k norm");
+      }
+      heads_norms_.push_back(std::move(h));
     }
   }
 
@@ -339,7 +360,15 @@ class LayerLoop {
                        ? linear(l.qkv[0], h)
                        : at::cat({linear(l.qkv[0], h), linear(l.qkv[1], h), linear(l.qkv[2], h)}, -1);
       Tensor qk = qkv.slice(1, 0, qk_width).view({n, heads_ + kv_, hd_});
-      qk = qk * cos + qk.view({n, heads_ + kv_, 2, hd_ / 2}).flip(2).view({n, heads_ + kv_, hd_}) * sin;
+      const HeadNorms& hn = heads_norms_[i];
+      if (hn.q_norm.has_value()) {  // each head normed before the rotary (engine_step.layer_step)
+        qk = at::cat({rms_norm(qk.slice(1, 0, heads_), *hn.q_norm, hn.q_eps),
+                      rms_norm(qk.slice(1, heads_), *hn.k_norm, hn.k_eps)},
+                     1);
+      }
+      if (hn.rope) {
+        qk = qk * cos + qk.view({n, heads_ + kv_, 2, hd_ / 2}).flip(2).view({n, heads_ + kv_, hd_}) * sin;
+      }
       Tensor q = qk.slice(1, 0, heads_), k = qk.slice(1, heads_);
       Tensor v = qkv.slice(1, qk_width).view({n, kv_, hd_});
       const Tensor &k_cache = ks[i], &v_cache = vs[i];
@@ -399,7 +428,23 @@ class LayerLoop {
       Tensor qkv = l.qkv.size() == 1
                        ? linear(l.qkv[0], h)
                        : at::cat({linear(l.qkv[0], h), linear(l.qkv[1], h), linear(l.qkv[2], h)}, -1);
-      auto [q, k, v] = rope_split(qkv, cos, sin, heads_, kv_, hd_);  // [heads or kv, n, head_dim]
+      const HeadNorms& hn = heads_norms_[i];
+      const int64_t qw = heads_ * hd_, kw = kv_ * hd_;
+      if (hn.q_norm.has_value()) {  // each head a row of the fused norm, before the rotary
+        Tensor qn = std::get<1>(add_rms_norm(qkv.slice(1, 0, qw).reshape({n * heads_, hd_}), std::nullopt,
+                                             *hn.q_norm, hn.q_eps));
+        Tensor kn = std::get<1>(add_rms_norm(qkv.slice(1, qw, qw + kw).reshape({n * kv_, hd_}), std::nullopt,
+                                             *hn.k_norm, hn.k_eps));
+        qkv = at::cat({qn.view({n, qw}), kn.view({n, kw}), qkv.slice(1, qw + kw)}, 1);
+      }
+      Tensor q, k, v;  // [heads or kv, n, head_dim]
+      if (hn.rope) {
+        std::tie(q, k, v) = rope_split(qkv, cos, sin, heads_, kv_, hd_);
+      } else {  // a NoPE layer: the split alone
+        q = qkv.slice(1, 0, qw).view({n, heads_, hd_}).transpose(0, 1).contiguous();
+        k = qkv.slice(1, qw, qw + kw).view({n, kv_, hd_}).transpose(0, 1).contiguous();
+        v = qkv.slice(1, qw + kw).view({n, kv_, hd_}).transpose(0, 1).contiguous();
+      }
       const Tensor &k_cache = ks[i], &v_cache = vs[i];
       Tensor o;
       if (row_plan.has_value()) {
@@ -451,6 +496,7 @@ class LayerLoop {
   std::vector<Tensor> norms1_, norms2_;
   std::vector<double> eps1_, eps2_;
   std::vector<Layer> layers_;
+  std::vector<HeadNorms> heads_norms_;
   Tensor final_norm_;
   double final_eps_;
   int64_t heads_, kv_, hd_, inter_;
@@ -478,7 +524,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this CPU runs prompt_attention_f32 faster than torch's attention");
   py::class_<LayerLoop>(m, "LayerLoop")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<double>, std::vector<double>,
-                    std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double>())
+                    std::vector<LayerSpec>, Tensor, double, int64_t, int64_t, int64_t, int64_t, double,
+                    std::vector<HeadSpec>>())
       .def("run", &LayerLoop::run)
       .def("draft", &LayerLoop::draft);
 }
