@@ -37,6 +37,7 @@ from headway.inference.engine_kv import KVCache
 from headway.inference.engine_step import (
     GEMMA3_FAMILIES,
     STATIC_FAMILIES,
+    moe_block,
 )
 from headway.inference.kernel_tree_attention import BLOCK_N, tree_attention
 from headway.inference.sampling import SamplingConfig, target_distribution
@@ -63,13 +64,19 @@ def rope_by_position(model: Any) -> bool:
     return "dynamic" not in str(getattr(model.model.rotary_emb, "rope_type", "default"))
 
 
+def has_moe(model: Any) -> bool:
+    """Whether a decoder layer of the model holds a sparse MoE block (engine_step.moe_block): the CUDA backend
+    does not run those (their row-by-row routing reads the host mid-step, which a graph cannot)."""
+    return any(moe_block(getattr(layer, "mlp", None)) for layer in getattr(model.model, "layers", ()))
+
+
 def cuda_supported(model: Any) -> bool:
     """Whether the CUDA backend runs this target: a static family (engine_step.STATIC_FAMILIES, full
-    attention), or Gemma-3's text model (sliding-window and full layers, no attention soft-capping); rotary
-    tables by position alone."""
+    attention; Qwen3's q/k norms and SmolLM3's NoPE layers included, MoE blocks not), or Gemma-3's text model
+    (sliding-window and full layers, no attention soft-capping); rotary tables by position alone."""
     cfg = text_config(model.config)
     base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb") or has_moe(model):
         return False
     family = getattr(cfg, "model_type", None)
     if family in GEMMA3_FAMILIES:
@@ -111,8 +118,13 @@ class CudaRunner:
         graphs: Optional[bool] = None,
         attention: str = "tree",
     ):
+        family = getattr(text_config(model.config), "model_type", "?")
+        if getattr(model, "model", None) is not None and has_moe(model):
+            raise HeadwayError(
+                f"inference.engine=cuda does not run MoE layers (this '{family}' target's): use "
+                "inference.engine=static on a CPU, or hf"
+            )
         if not cuda_supported(model):
-            family = getattr(text_config(model.config), "model_type", "?")
             raise HeadwayError(
                 f"inference.engine=cuda runs {', '.join(STATIC_FAMILIES)} with full attention and "
                 f"Gemma-3, with rotary tables by position alone, not this '{family}' target: use "

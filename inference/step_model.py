@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.engine_step import (
     GEMMA3_FAMILIES,
@@ -26,8 +27,9 @@ class StepModel:
     """The parts of `model` a step calls.
 
     Args:
-        model: a static-family or Gemma-3 causal LM (engine_cuda.cuda_supported); positions: the rotary
-            tables cover positions [0, positions)."""
+        model: a static-family or Gemma-3 causal LM (engine_cuda.cuda_supported: Qwen3's q/k norms and
+            SmolLM3's NoPE layers included, MoE blocks not); positions: the rotary tables cover positions [0,
+            positions)."""
 
     def __init__(self, model: Any, positions: int):
         cfg = text_config(model.config)
@@ -37,6 +39,12 @@ class StepModel:
         self.layers = list(self.base.layers)
         self.gemma3 = getattr(cfg, "model_type", None) in GEMMA3_FAMILIES
         self.plans = [None if self.gemma3 else LayerPlan(layer, lean=True) for layer in self.layers]
+        if any(plan is not None and plan.moe is not None for plan in self.plans):
+            # (its row-by-row routing reads the host mid-step: no fixed-shape step, no graph)
+            raise HeadwayError(
+                f"the fixed-shape steps do not run MoE layers (this '{cfg.model_type}' target's): use the "
+                "static engine on a CPU, or hf"
+            )
         self.norm = _rms_norm_fn(self.base.norm, lean=True)
         # each layer's kind (Gemma-3: sliding_attention or full_attention), its rotary tables and mask
         self.kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
