@@ -84,7 +84,11 @@ def test_the_cuda_engine_is_chosen_and_refused_with_a_reason(tiny_dirs):
     assert isinstance(make_runner(llama.model, 32, "cuda"), CudaRunner)
     assert isinstance(make_runner(gemma.model, 32, "cuda"), CudaRunner)
     mistral.model.config.sliding_window = 16  # a Mistral with a window is neither static nor Gemma-3
-    with pytest.raises(HeadwayError, match="inference.engine=cuda runs llama, qwen2, mistral with full"):
+    with pytest.raises(
+        HeadwayError,
+        match="inference.engine=cuda cannot run this Mistral target: the CUDA backend runs sliding "
+        "windows for Gemma-3 only",
+    ):
         make_runner(mistral.model, 32, "cuda")
     with pytest.raises(HeadwayError, match="largest row bucket"):
         CudaRunner(llama.model, 32, buckets=(1, 4)).bucket(5)

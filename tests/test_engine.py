@@ -308,7 +308,7 @@ def test_static_engine_is_refused_where_it_does_not_apply(tiny_dirs):
     for engine in ("static", "compiled"):
         with pytest.raises(
             HeadwayError,
-            match=rf"inference.engine={engine} supports llama, qwen2, mistral .* not "
-            r"this 'gemma3\w*' target: use inference.engine=auto or hf",
+            match=rf"inference.engine={engine} cannot run this Gemma-3 \(text\) target: the static engine "
+            r"does not implement .*; use inference.engine=auto or hf",
         ):
             make_runner(t.model, 32, engine)
