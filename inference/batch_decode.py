@@ -35,6 +35,7 @@ from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
 from headway.inference.sampling import SamplingConfig, target_distribution
 from headway.inference.step_model import StepModel
+from headway.target.families import engine_support, family_of
 
 log = logging.getLogger("headway")
 
@@ -126,9 +127,11 @@ class BatchDecoder:
         graphs: Optional[bool] = None,
     ):
         if not cuda_supported(model):
+            why = engine_support(model.config)["cuda"] or "the model lacks the modules the backend calls"
+            name = family_of(model.config).name
             raise HeadwayError(
-                "distill.engine=static runs the CUDA backend's targets (Llama, Qwen2, Mistral, Gemma-3): "
-                "use distill.engine=hf for this one"
+                f"distill.engine=static runs the CUDA backend's targets, not this {name} target ({why}): "
+                "use distill.engine=hf for this one (docs/targets.md)"
             )
         if batch < 1 or max_len < 2:
             raise HeadwayError(f"internal: a batch decoder of {batch} slots of {max_len} positions")
