@@ -1,49 +1,151 @@
 """KV-cache bookkeeping for tree verification, on the model's own transformers cache.
 
 After a tree forward the cache holds the prefix plus every tree node; only the accepted path stays.
+
+Sliding-window layers keep every key here (transformers' own cache drops keys as the window moves, so a
+rejected branch could not be undone past it, and a tree's rows could not see the keys the window still shows
+them): the window is applied by the mask instead, one per layer type (`step_masks`), from each row's position.
+A recurrent layer (SSM, linear attention, convolution) keeps one state that a tree's branches would share; it
+cannot be rolled back, and `keep_tree_nodes` / `truncate_cache` refuse it in one line.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import cache_kwarg  # noqa: F401  (re-exported for the decoding loop)
 
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+
+def _text_config(model: Any) -> Any:
+    cfg = model.config
+    return cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+
 
 def new_cache(model: Any) -> Any:
+    """A transformers DynamicCache for `model` whose sliding-window layers keep every key (full layers), so
+    that trees can be verified and rolled back at any length; other layer kinds stay as transformers makes
+    them."""
     from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-    return DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicSlidingWindowLayer:
+            cache.layers[i] = DynamicLayer()
+    return cache
 
 
 def cache_length(cache: Any) -> int:
     return int(cache.get_seq_length())
 
 
-def sliding_window_limit(model: Any) -> int | None:
-    """Longest sequence a tree may reach on a model with sliding-window layers (None: no limit).
+def attention_windows(model: Any) -> dict[str, Optional[int]]:
+    """How far back each layer type attends, for models with sliding-window layers ({} without any: the model
+    builds its own causal mask).
 
-    Sliding layers drop old keys as they go, so a rejected branch cannot be undone past the window.
+    Returns:
+        {layer type: window or None (full attention)} where the config names layer types (the model's
+        forward then takes a dict of masks keyed by layer type), or {"": window} where every layer slides over
+        the same window (Mistral-style configs without layer types: one 4-D mask for every layer).
     """
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = _text_config(model)
     window = getattr(cfg, "sliding_window", None)
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if window and (any(t == "sliding_attention" for t in layer_types) or not layer_types):
-        return int(window) - 1
-    return None
+    types = getattr(cfg, "layer_types", None)
+    if not window:
+        return {}
+    if not types:
+        return {"": int(window)}
+    if SLIDING not in types:
+        return {}
+    return {t: (int(window) if t == SLIDING else None) for t in {*types, FULL}}
+
+
+def sliding_window_limit(model: Any) -> int | None:
+    """The most positions a sliding-window layer of this model looks back (window - 1; None: no such layer).
+
+    The hf runner keeps every key and masks the window, so this no longer limits a sequence's length there;
+    the engines that run only full attention ask it whether a model has a sliding window.
+    """
+    windows = [w for w in attention_windows(model).values() if w is not None]
+    return min(windows) - 1 if windows else None
+
+
+def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An additive 4-D mask [1, 1, n, K] from a boolean [n, K]: 0 where visible, else the dtype's minimum."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, torch.finfo(dtype).min).view(1, 1, *visible.shape)
+
+
+def step_masks(
+    windows: dict[str, Optional[int]],
+    prefix: int,
+    query_pos: torch.Tensor,
+    visible: torch.Tensor,
+    dtype: torch.dtype,
+) -> Any:
+    """The attention mask(s) of one forward over a cache of `prefix` keys plus the step's own rows.
+
+    Args:
+        windows: `attention_windows(model)`, not empty.
+        prefix: the keys already cached; query_pos [n]: each new row's position (prefix + depth in a tree).
+        visible [n, n]: which of the step's own rows each row sees (causal, or its tree ancestors).
+        dtype: the mask's dtype (the model's).
+    Returns:
+        One additive 4-D mask [1, 1, n, prefix + n] where every layer shares a window, else a dict of them
+        keyed by layer type; a sliding layer's hides every key more than window - 1 positions behind the row.
+    """
+    device = query_pos.device
+    n = query_pos.shape[0]
+    key_pos = torch.cat([torch.arange(prefix, device=device), query_pos])
+    seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), visible.to(device)], dim=1)
+    behind = query_pos[:, None] - key_pos[None, :]
+    masks = {
+        kind: _bias(seen if window is None else seen & (behind < window), dtype)
+        for kind, window in windows.items()
+    }
+    return masks[""] if "" in masks else masks
+
+
+def _refuse_recurrent(layer: Any) -> None:
+    """Refuse to edit a recurrent layer's cache: its one state cannot drop a rejected branch or go back."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    if isinstance(layer, LinearAttentionCacheLayerMixin) or not hasattr(layer, "keys"):
+        raise HeadwayError(
+            f"this target's cache has a recurrent layer ({type(layer).__name__}: SSM, linear attention or "
+            "convolution state) that a draft tree's branches would share and that cannot be rolled back: "
+            "speculative decoding cannot run on it; decode it without a draft"
+        )
+
+
+def has_recurrent_state(cache: Any) -> bool:
+    """Whether some layer of `cache` keeps a recurrent state (alone or beside its keys and values)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    return any(
+        isinstance(layer, LinearAttentionCacheLayerMixin) or not hasattr(layer, "keys")
+        for layer in cache.layers
+    )
 
 
 def keep_tree_nodes(cache: Any, tree_size: int, keep: list[int]) -> None:
     """Drop the rejected tree nodes: the last `tree_size` cache entries become those at indices `keep`."""
     for layer in cache.layers:
+        _refuse_recurrent(layer)
         k, v = layer.keys, layer.values
+        if k is None or k.numel() == 0:  # a layer that stores nothing (shared or attention-free)
+            continue
         n = k.shape[-2]
         if n < tree_size:
             raise HeadwayError(
-                "the KV cache holds fewer entries than the tree: the sequence outgrew a sliding window"
+                f"the KV cache ({type(layer).__name__}) holds fewer entries ({n}) than the tree "
+                f"({tree_size}): this layer kind drops keys as it goes; decode this target without a draft"
             )
         sel = torch.tensor(keep, device=k.device) + (n - tree_size)
         layer.keys = torch.cat([k[..., : n - tree_size, :], k.index_select(-2, sel)], dim=-2)
@@ -55,8 +157,11 @@ def keep_tree_nodes(cache: Any, tree_size: int, keep: list[int]) -> None:
 def truncate_cache(cache: Any, length: int) -> None:
     """Keep the first `length` positions of every layer (transformers' own `crop` changed meaning
     across versions)."""
+    shorter = length < cache_length(cache)
     for layer in cache.layers:
-        if layer.keys is None or layer.keys.numel() == 0:
+        if shorter:
+            _refuse_recurrent(layer)
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         removed = layer.keys.shape[-2] - length
         if removed <= 0:

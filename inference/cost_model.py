@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from headway.heads.draft_layer import text_config
 from headway.inference.config import TREE_SIZES
 from headway.inference.engine import engine_name, make_runner
 from headway.inference.engine_cuda import CudaRunner
@@ -194,5 +195,8 @@ def verify_cost_curve(
             max_tokens,
             shape,
         )
-        cache[key] = verify_cost(model, sizes, prefix_len=256, repeats=5, engine=engine, shape=shape)
+        # a prefix of 256 tokens, or what the target's context leaves beside the largest tree
+        context = int(getattr(text_config(model.config), "max_position_embeddings", None) or 4096)
+        prefix = max(1, min(256, context - max_tokens - 1))
+        cache[key] = verify_cost(model, sizes, prefix_len=prefix, repeats=5, engine=engine, shape=shape)
     return cache[key]

@@ -86,9 +86,9 @@ class HFRunner:
         if tree is not None:
             if has_recurrent_state(self.cache):
                 raise HeadwayError(
-                    f"this '{getattr(self.model.config, 'model_type', '?')}' target keeps a "
-                    "recurrent state (SSM, linear attention or convolution) that a draft tree's branches would "
-                    "share: speculative decoding cannot verify a tree on it; decode it without a draft"
+                    f"this '{getattr(self.model.config, 'model_type', '?')}' target keeps a recurrent state "
+                    "(SSM, linear attention or convolution) that a draft tree's branches would share: "
+                    "speculative decoding cannot verify a tree on it; decode it without a draft"
                 )
             pos = prefix + tree.depth.to(self.device)
             extra["position_ids"] = pos.view(1, -1)

@@ -18,7 +18,6 @@ from typing import Any, Protocol
 import torch
 
 from headway.errors import HeadwayError
-from headway.inference.cache import sliding_window_limit
 from headway.inference.engine import make_runner
 from headway.inference.engine_cuda import CudaRunner
 from headway.inference.generate_device import device_loop
@@ -92,15 +91,8 @@ def pooled(results: list[GenerationResult]) -> dict:
 
 
 def _check_length(model: Any, prompt_len: int, max_new_tokens: int, tree_size: int) -> None:
-    """Refuse requests the target cannot serve exactly: past its context, or (with a tree) its
-    sliding window."""
-    limit = sliding_window_limit(model) if tree_size > 1 else None
-    if limit is not None and prompt_len + max_new_tokens + tree_size > limit:
-        raise HeadwayError(
-            f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) + tree ({tree_size}) exceeds this "
-            f"target's sliding window ({limit + 1}): speculative decoding cannot roll back past it; shorten "
-            "the request"
-        )
+    """Refuse requests the target cannot serve: past its context. (A sliding window limits nothing: every
+    engine that runs one keeps the keys a tree may need and masks the window per row.)"""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = getattr(cfg, "max_position_embeddings", None)
     if max_pos and prompt_len + max_new_tokens + tree_size > max_pos:
