@@ -12,6 +12,8 @@ DEFAULT_TARGET = "smollm2-135m-instruct"
 LAYER_LOOPS = ("auto", "cpp", "python")
 ROW_ATTENTIONS = ("auto", "cpp", "sdpa")
 PROMPT_ATTENTIONS = ("auto", "sdpa")
+# target.attn_implementation: auto resolves per family (target/loading.py `attention_implementation`)
+ATTN_IMPLEMENTATIONS = ("auto", "sdpa", "eager", "flex_attention")
 # CPU inference formats of the linear weights (TargetConfig.linear_weights; target/packed_model.py packs a
 # target in them, each format in its own target/packed_<format>.py)
 LINEAR_WEIGHTS = ("native", "float16", "onednn", "mkl", "stream")
@@ -62,8 +64,11 @@ class TargetConfig:
     num_threads: int = 0
     # Where fetched wheels and dequantised GGUF targets are cached; null = $HEADWAY_CACHE or ~/.cache/headway.
     cache_dir: Optional[str] = None
-    # Attention kernel passed to transformers: sdpa, eager.
-    attn_implementation: str = "sdpa"
+    # Attention kernel passed to transformers: auto (the family table's choice, target/families.py, else sdpa
+    # where the model class has it, else eager; gpt-oss's sinks and Gemma-2's soft-capping need eager), sdpa,
+    # eager, or flex_attention (where the model class supports it). sdpa on a family that cannot run it is
+    # refused before the weights load.
+    attn_implementation: str = "auto"
     # Run Python code shipped inside the model directory (auto_map). Off: a model directory is data, not code.
     trust_remote_code: bool = False
     # CPU inference format of the linear weights (decoder layers, lm_head): native (as `dtype`), or float16
@@ -112,7 +117,7 @@ class TargetConfig:
         check_choice("target", "layer_loop", self.layer_loop, list(LAYER_LOOPS))
         check_choice("target", "row_attention", self.row_attention, list(ROW_ATTENTIONS))
         check_choice("target", "prompt_attention", self.prompt_attention, list(PROMPT_ATTENTIONS))
-        check_choice("target", "attn_implementation", self.attn_implementation, ["sdpa", "eager"])
+        check_choice("target", "attn_implementation", self.attn_implementation, list(ATTN_IMPLEMENTATIONS))
 
     def as_loaded(self) -> "TargetConfig":
         """These settings with `auto` resolved as a plain load resolves it (training, distillation, GPU

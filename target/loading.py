@@ -179,15 +179,15 @@ def attention_implementation(requested: str, config: Any) -> Optional[str]:
     family = family_of(config)
     model_type = config_dict(config).get("model_type")
     if requested == "sdpa" and (not has_sdpa or known == "eager"):
-        why = "; ".join(family.notes) or f"{cls.__name__} has no SDPA attention"
+        why = "; ".join(family.notes) if known == "eager" else f"{cls.__name__} has no SDPA attention"
         raise HeadwayError(
-            f"target.attn_implementation=sdpa cannot run this {family.name} target ({model_type}): {why}; use "
-            "target.attn_implementation=auto or eager"
+            f"target.attn_implementation=sdpa cannot run this {family.name} target ({model_type}): {why}; "
+            "use target.attn_implementation=auto or eager"
         )
     if requested == "flex_attention" and cls is not None and not getattr(cls, "_supports_flex_attn", False):
         raise HeadwayError(
-            f"target.attn_implementation=flex_attention: transformers' {cls.__name__} ({family.name}) has no flex "
-            "attention; use target.attn_implementation=auto"
+            f"target.attn_implementation=flex_attention: transformers' {cls.__name__} ({family.name}) has "
+            "no flex attention; use target.attn_implementation=auto"
         )
     return requested
 
@@ -234,6 +234,11 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     model = None
     if with_model:
         attn = attention_implementation(cfg.attn_implementation, config)
+        if attn == "flex_attention" and device.type != "cuda":
+            raise HeadwayError(
+                "target.attn_implementation=flex_attention runs on CUDA devices only (torch's CPU flex "
+                "attention takes no float64 and fails on a tree's mask); use target.attn_implementation=auto"
+            )
         log.info(
             "loading target %s from %s (%s, %s, %s attention, %d threads)",
             cfg.name_or_path,
