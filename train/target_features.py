@@ -6,8 +6,10 @@ it and no mask is needed. transformers would still inspect the batch on the host
 position ids for packed sequences, with one it checks whether all of it is real (each a device-to-host read
 per forward). `causal_attention` is registered as an attention implementation with no mask function, so
 transformers builds no mask and checks nothing, and it runs the same SDPA call transformers' own
-implementation makes with no mask (the same bits). A model with sliding-window layers narrower than the
-batch keeps its own implementation, which applies the window.
+implementation makes with no mask (the same bits). A model keeps its own implementation where that is not
+plain SDPA math: sliding-window layers narrower than the batch (the window applies), and families whose
+attention SDPA cannot express (gpt-oss's sinks, Gemma-2's logit soft-capping: their model classes say
+`_supports_sdpa = False`, and they load with eager attention).
 
 Only the layers the head reads are kept: forward hooks capture them and the model is asked for no
 `hidden_states` tuple, which would hold every layer's [B, T, h] until the step ends. No KV cache is built.
@@ -66,14 +68,25 @@ def _windowed(configs: list[Any], width: int) -> bool:
     return False
 
 
+def _plain_sdpa(model: torch.nn.Module, implementation: Optional[str]) -> bool:
+    """Whether attention under `implementation` is SDPA's math, which `causal_attention` repeats: sdpa itself,
+    or eager on a model class that supports SDPA (one whose attention has nothing SDPA lacks, no sinks and no
+    soft-capping)."""
+    if implementation == "sdpa":
+        return True
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return implementation == "eager" and bool(getattr(type(base), "_supports_sdpa", False))
+
+
 @contextmanager
 def unmasked_causal(model: torch.nn.Module, width: int, doc: Optional[torch.Tensor] = None) -> Iterator[None]:
-    """Run `model` under `causal_attention` inside the block (its own implementation when it is neither SDPA
-    nor eager, or when a sliding window is narrower than `width`, the batch's length: transformers then finds
-    a packed batch's sequences from its positions itself). `doc` [B, T]: a packed batch's sequence ids."""
+    """Run `model` under `causal_attention` inside the block (its own implementation where that is not SDPA's
+    math, `_plain_sdpa`, or where a sliding window is narrower than `width`, the batch's length: transformers
+    then finds a packed batch's sequences from its positions itself). `doc` [B, T]: a packed batch's sequence
+    ids."""
     configs = _configs(model)
     saved = [cfg._attn_implementation for cfg in configs]
-    if _windowed(configs, width) or any(s not in ("sdpa", "eager") for s in saved):
+    if _windowed(configs, width) or not all(_plain_sdpa(model, s) for s in saved):
         yield
         return
     for cfg in configs:
