@@ -34,7 +34,7 @@ from headway.target.loading import fingerprint_mismatch
 
 log = logging.getLogger("headway")
 
-FORMATS = ["native", "vllm", "sglang", "trtllm", "speculators"]
+FORMATS = ["native", "vllm", "sglang", "trtllm", "speculators", "gguf"]
 # Native config keys carried in an export's config.json (under "headway") so it can be re-imported.
 CARRIED = (
     "kind",
@@ -60,12 +60,13 @@ def export_head(
     verifier: str = "",
     verifier_arch: str = "LlamaForCausalLM",
     num_draft_tokens: Optional[int] = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write a head in an engine's layout, checked key by key against what that engine's loader reads.
 
     Args:
         head_dir: a head directory, or a training run's directory (its head/).
-        fmt: native, vllm, sglang, trtllm or speculators.
+        fmt: native, vllm, sglang, trtllm, speculators or gguf (llama.cpp).
         out: the directory to write (whole or not at all).
         dtype: the floating weights' dtype.
         target_fingerprint: refuse a head made for another target than this one.
@@ -73,6 +74,7 @@ def export_head(
         verifier, verifier_arch: speculators only: the target directory (or hub id) `vllm serve` runs the
             draft with, and its architecture.
         num_draft_tokens: speculators only: the draft length written for vLLM (default: sized from the head).
+        tokenizer: gguf only: the target's tokenizer, which llama.cpp loads with the draft.
     Returns:
         `out`.
     """
@@ -100,19 +102,27 @@ def export_head(
         verifier=verifier,
         verifier_arch=verifier_arch,
         draft_tokens=num_draft_tokens or draft_tokens(native),
+        tokenizer=tokenizer,
     )
     config["headway"] = {
         "format": fmt,
         **{k: native[k] for k in CARRIED if k in native},
         "head": asdict(heads.cfg),
     }
-    tensors = to_dtype(tensors, parse_dtype(dtype))
-    check(conv.layout, config, tensors, f"the {fmt} export of {head_dir}")
-    weights = conv.layout.weights_file
+    layout = conv.layout
+    if layout.write is None:  # an engine with its own file format casts as its own converter does
+        tensors = to_dtype(tensors, parse_dtype(dtype))
+    check(layout, config, tensors, f"the {fmt} export of {head_dir}")
+    weights = layout.weights_file
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
+        if layout.write is None:
+            save_file(tensors, str(tmp / weights), metadata={"format": "pt"})
+        else:
+            layout.write(tmp / weights, config, tensors, parse_dtype(dtype))
         config["headway"]["files"] = file_checksums(tmp, [weights])
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # a file holding its own keys (GGUF) leaves config.json only Headway's section
+        sidecar = config if layout.read is None else {"headway": config["headway"]}
+        (tmp / "config.json").write_text(json.dumps(sidecar, indent=2) + "\n")
         fault_point("export:written")
         for f in tmp.iterdir():
             f.chmod(0o644)  # engines often run as another user
@@ -198,12 +208,16 @@ def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
             f"{d} has no {layout.weights_file}, which {layout.name} loads: export the head again"
         )
     verify_checksums(d, meta.get("files"), "export", "the file is damaged; export the head again")
-    try:
-        tensors = load_file(str(weights))
-    except Exception as e:
-        raise HeadwayError(
-            f"cannot read {weights} ({e}): the file is truncated or damaged; export again"
-        ) from None
+    if layout.read is not None:  # the engine's own file holds its keys
+        keys, tensors = layout.read(weights)
+        config = {**keys, "headway": meta}
+    else:
+        try:
+            tensors = load_file(str(weights))
+        except Exception as e:
+            raise HeadwayError(
+                f"cannot read {weights} ({e}): the file is truncated or damaged; export again"
+            ) from None
     check(layout, config, tensors, str(d))
     return meta["format"], config, tensors
 

@@ -8,6 +8,7 @@ reads) a checkpoint the engine would reject or load wrong.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -41,6 +42,10 @@ class Layout:
     tensors: Callable[[dict], dict[str, Spec]]  # the expected tensors, from the config
     extra_check: Optional[Callable[[dict, dict], list[str]]] = None  # cross-tensor rules (d2t, token_map)
     weights_file: str = "model.safetensors"  # the file the engine's loader opens
+    # an engine whose file is not safetensors (llama.cpp's GGUF): (path, config, tensors, dtype) -> the file,
+    # its keys in it, weights cast as the engine's converter does; and path -> (keys, tensors) read back
+    write: Optional[Callable[[Path, dict, dict, torch.dtype], None]] = None
+    read: Optional[Callable[[Path], tuple[dict, dict]]] = None
 
 
 def check(layout: Layout, config: dict, tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -205,6 +205,7 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
         lm_head,
         verifier=verifier,
         num_draft_tokens=args.draft_tokens,
+        tokenizer=target.tokenizer if args.format == "gguf" else None,  # llama.cpp loads it with the draft
     )
     config = json.loads((out / "config.json").read_text())
     print(f"exported: {out}  ({args.format})")
@@ -381,11 +382,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "export",
-        help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM), checked key by key",
+        help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM, llama.cpp), checked key "
+        "by key",
     )
     p.add_argument("--head", help="a head directory, or a training run's directory (its head/ is exported)")
     p.add_argument(
-        "--format", choices=["native", "vllm", "sglang", "trtllm", "speculators"], help="the engine layout"
+        "--format",
+        choices=["native", "vllm", "sglang", "trtllm", "speculators", "gguf"],
+        help="the engine layout (gguf: llama.cpp)",
     )
     p.add_argument(
         "--verifier", help="--format speculators: the target directory or hub id vLLM serves the draft with"
