@@ -75,6 +75,7 @@ ENGINE_OF = {
     "sglang": "SGLang",
     "trtllm": "TensorRT-LLM",
     "speculators": "vLLM (speculators format)",
+    "gguf": "llama.cpp",
 }
 # RoPE scalings every engine's Llama draft layer computes as transformers (which trained the head) does, and
 # the keys beside rope_type and rope_theta each is written with: vLLM's get_rope, SGLang's get_rope and

@@ -21,6 +21,7 @@ from headway.export.layouts.common import (
     llama_config,
     serve_vllm,
 )
+from headway.export.layouts.gguf import GGUF_REFUSED
 from headway.export.schema import Layout, Spec
 from headway.heads.dflash import mask_token
 
@@ -168,6 +169,7 @@ DFLASH_EXPORTS: dict[str, Converter] = {
     ),
 }
 DFLASH_REFUSED = {
+    "gguf": GGUF_REFUSED["dflash"],
     "trtllm": "this exporter writes DFlash for vLLM and SGLang: use --format vllm or sglang",
     "speculators": "vLLM reads DFlash's own config: export with --format vllm",
 }

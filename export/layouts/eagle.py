@@ -23,6 +23,7 @@ from headway.export.layouts.common import (
     serve_sglang,
     serve_vllm,
 )
+from headway.export.layouts.gguf import GGUF_REFUSED
 from headway.export.schema import Layout, Spec
 
 E1_RULES = [(r"decoder\.layers\.0\.", "layers.0."), (r"fc\.", "fc.")]
@@ -95,6 +96,7 @@ EAGLE_EXPORTS: dict[str, Converter] = {
     ),
 }
 EAGLE_REFUSED = {
+    "gguf": GGUF_REFUSED["eagle"],
     "speculators": "this exporter writes the speculators format for EAGLE-3 heads: export EAGLE-1 with "
     "--format vllm or sglang",
     "trtllm": "this exporter writes EAGLE-1 for vLLM and SGLang only (TensorRT-LLM's EAGLE-1 path builds "

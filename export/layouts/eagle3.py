@@ -31,6 +31,7 @@ from headway.export.layouts.common import (
     serve_sglang,
     serve_vllm,
 )
+from headway.export.layouts.gguf import GGUF_EAGLE3
 from headway.export.schema import Layout, Spec
 
 # ---------------------------------------------------------------- EAGLE-3 (vLLM, SGLang, TensorRT-LLM)
@@ -371,4 +372,5 @@ EAGLE3_EXPORTS: dict[str, Converter] = {
         _serve_speculators,
         _eagle31_settings,
     ),
+    "gguf": GGUF_EAGLE3,  # llama.cpp's eagle3 architecture (gguf.py)
 }

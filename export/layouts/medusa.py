@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from headway.errors import HeadwayError
 from headway.export.layouts.common import TRTLLM_MEDUSA, VLLM_MEDUSA, Converter, rename, serve_vllm
+from headway.export.layouts.gguf import GGUF_REFUSED
 from headway.export.schema import Layout, Spec
 
 
@@ -222,6 +223,7 @@ MEDUSA_EXPORTS: dict[str, Converter] = {
 }
 
 MEDUSA_REFUSED = {
+    "gguf": GGUF_REFUSED["medusa"],
     "sglang": "SGLang serves EAGLE drafts, not Medusa heads: export Medusa with --format vllm or trtllm",
     "speculators": "this exporter writes the speculators format for EAGLE-3 heads: export Medusa with "
     "--format vllm (vLLM <= 0.32) or trtllm",
