@@ -16,12 +16,12 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from tiny_models import make_config, make_tokenizer
+from tiny_models import CORPUS, make_config, make_tokenizer
 
 from headway.cli import main
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
-from headway.export.layouts.gguf import read_gguf, write_gguf
+from headway.export.layouts.gguf import read_gguf, target_vocab, write_gguf
 from headway.heads.config import DFlashConfig, EagleConfig, MedusaConfig
 from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -426,3 +426,30 @@ def test_the_targets_rope_scaling_is_written_as_llama_cpp_reads_it(tmp_path: Pat
         assert read_export(out)[0] == "gguf"
     else:
         assert "rope_freqs.weight" not in tensors
+
+
+def test_a_sentencepiece_style_tokenizer_is_written_as_model_llama():
+    """A byte-fallback tokenizer.json (Llama-2, Mistral) goes through gguf's LlamaHfVocab as model `llama`,
+    with scores, byte tokens typed BYTE, and the target's ids padded to its vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(
+        CORPUS * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False)
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    keys = target_vocab(fast, 320)
+    tokens = keys["tokenizer.ggml.tokens"]
+    assert (
+        keys["tokenizer.ggml.model"] == "llama" and len(tokens) == len(keys["tokenizer.ggml.scores"]) == 320
+    )
+    assert tokens[: len(fast)] == fast.convert_ids_to_tokens(list(range(len(fast))))
+    assert tokens[len(fast) :] == [f"[PAD{i}]" for i in range(len(fast), 320)]
+    assert keys["tokenizer.ggml.token_type"][3] == 6  # <0x00>: BYTE
+    assert (keys["tokenizer.ggml.bos_token_id"], keys["tokenizer.ggml.eos_token_id"]) == (1, 2)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from headway.errors import HeadwayError
-from headway.export.layouts.common import D2T_MISSING, Converter, llama_config
+from headway.export.layouts.common import Converter, llama_config
 from headway.export.schema import Layout, Spec
 
 ARCH = "eagle3"
@@ -116,6 +116,11 @@ ROPE_KEYS = {
 }
 # llama.cpp's eagle3 loader reads no YaRN betas: its hparams defaults (src/llama-hparams.h) are what it runs.
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
+# Without d2t llama.cpp's eagle3 loader takes the draft vocabulary to be the target's (output.weight over it).
+D2T_GGUF_MISSING = (
+    "without it llama.cpp sizes the draft's output over the whole target vocabulary and refuses this file; "
+    "export the head directory `headway train` wrote (its model.safetensors holds d2t)"
+)
 # token types of src/llama-vocab.cpp (gguf.TokenType)
 NORMAL, USER_DEFINED, CONTROL, UNUSED = 1, 4, 3, 5
 
@@ -261,7 +266,9 @@ def target_vocab(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     ids, add_bos/add_eos, the chat template).
 
     llama.cpp loads a vocabulary with every model, the draft too: its size is the n_vocab d2t scatters the
-    draft's logits into, and llama-server checks the draft's token texts and BOS/EOS against the target's.
+    draft's logits into (llama.cpp's draft-model path also compares token texts and BOS/EOS with the
+    target's; its eagle3 path does not). A 49152-token vocabulary gets add_bos_token=false, as the
+    converter's LlamaModel.set_vocab writes it.
     tokenizer.ggml.pre is `default`: llama.cpp reads it only to split text before BPE, which a draft never
     does (it is fed the target's ids)."""
     import gguf
@@ -316,6 +323,8 @@ def target_vocab(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
             d, load_merges=keys["tokenizer.ggml.model"] == "gpt2", n_vocab=vocab_size
         ).add_to_gguf(collector, quiet=True)
         keys.update({k: v.value for k, v in collector.kv_data[0].items() if k.startswith("tokenizer.")})
+        if vocab_size == 49152:  # LlamaModel.set_vocab's rule for 49152-token vocabularies (SmolLM2's too)
+            keys["tokenizer.ggml.add_bos_token"] = False
     return keys
 
 
@@ -428,7 +437,7 @@ def _specs(config: dict) -> dict[str, Spec]:
         "fc.weight": Spec((h, fused)),
         "output_norm.weight": Spec((h,)),
         "output.weight": Spec((vocab, h)),
-        "d2t": Spec((vocab,), "int64", D2T_MISSING.replace("vLLM", "llama.cpp")),
+        "d2t": Spec((vocab,), "int64", D2T_GGUF_MISSING),
         "blk.0.attn_norm.weight": Spec((h,)),
         "blk.0.attn_norm_2.weight": Spec((h,)),
         "blk.0.attn_q.weight": Spec((heads * hd, 2 * h)),
