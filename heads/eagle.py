@@ -35,9 +35,6 @@ class EagleBase(nn.Module):
         self.decoder.norm = nn.Identity()  # the layer's raw output; EAGLE-3 keeps its own final norm
         self._embed: Optional[nn.Module] = None
         self._target_lm_head: Optional[torch.Tensor] = None
-        # the attached target's static-engine settings (target.layer_loop, target.fused_ops), which
-        # drafting follows
-        self.engine_settings: dict = {}
 
     @staticmethod
     def feature_layers(cfg: Any, num_target_layers: int) -> list[int]:
@@ -49,10 +46,6 @@ class EagleBase(nn.Module):
         """Share the target's embedding and lm_head (frozen, never saved with the head)."""
         object.__setattr__(self, "_embed", target_model.get_input_embeddings())
         self._target_lm_head = target_model.get_output_embeddings().weight.detach()
-        self.engine_settings = {
-            "loop": getattr(target_model, "headway_layer_loop", "auto"),
-            "fused": bool(getattr(target_model, "headway_fused_ops", True)),
-        }
 
     def init_from_target(self, target_model: Any) -> None:
         """EAGLE-1 reads out through the target's lm_head itself: nothing to copy."""

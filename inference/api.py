@@ -13,10 +13,11 @@ import torch
 from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.config import InferenceConfig, cuda_buckets
+from headway.inference.config import InferenceConfig
 from headway.inference.cost_model import verify_cost_curve, verify_costs
 from headway.inference.draft_hybrid import HybridDrafter
 from headway.inference.engine import depth_matters
+from headway.inference.engine_options import EngineOptions
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
 from headway.inference.layer_loop import build_in_background
 from headway.inference.tuned import apply_tuned, tuned_entry
@@ -55,21 +56,35 @@ def drafter_dtype(choice: str, kind: str, target_model: Any) -> torch.dtype:
     return own.dtype
 
 
-def make_drafter(heads: Any, inference: InferenceConfig, head_config: dict, target_config: Any) -> Any:
-    """The neural drafter of the head's kind, as the inference section sets it up."""
+def make_drafter(
+    heads: Any,
+    inference: InferenceConfig,
+    head_config: dict,
+    target_config: Any,
+    options: Optional[EngineOptions] = None,
+) -> Any:
+    """The neural drafter of the head's kind, as the inference section sets it up; one that runs a layer of
+    its own (EAGLE) follows `options`' static-engine settings (default: EngineOptions())."""
     num_layers = int(text_config(target_config).num_hidden_layers)
-    return head_kind(heads.kind).drafter(heads, inference, head_config, num_layers)
+    drafter = head_kind(heads.kind).drafter(heads, inference, head_config, num_layers)
+    if options is not None and hasattr(drafter, "options"):
+        drafter.options = options
+    return drafter
 
 
 def make_hybrid(
-    neural: Any, inference: InferenceConfig, model: Any, saved_costs: Optional[dict] = None
+    neural: Any,
+    inference: InferenceConfig,
+    model: Any,
+    saved_costs: Optional[dict] = None,
+    options: Optional[EngineOptions] = None,
 ) -> HybridDrafter:
     """inference.drafter=ngram or hybrid: n-gram branches (and the neural drafter's) in one tree sized
-    per step."""
+    per step, priced on the engine `options` runs (default: the inference section's)."""
     hc = inference.hybrid
     if hc.node_cost >= 0:
         return HybridDrafter(neural, hc, lambda n, depth: 1.0 + hc.node_cost * (n - 1), timed=False)
-    engine, most = inference.engine, hc.max_nodes + 1
+    engine, most = options or EngineOptions.of(None, inference), hc.max_nodes + 1
     flat = verify_cost_curve(model, engine, most, shape="flat") if depth_matters(model, engine) else None
     return HybridDrafter(neural, hc, verify_costs(verify_cost_curve(model, engine, most, saved_costs), flat))
 
@@ -82,6 +97,7 @@ def build_drafter(
     target: Target,
     saved_costs: Optional[dict] = None,
     cost: Optional[Callable[[int, int], float]] = None,
+    options: Optional[EngineOptions] = None,
 ) -> Any:
     """The drafter inference.drafter names: neural (the head's tree alone), ngram (prompt lookup alone) or
     hybrid (both in one tree sized per step).
@@ -92,14 +108,18 @@ def build_drafter(
         saved_costs: verify_ms of the head's tuned.json entry, for `make_hybrid`.
         cost: cost(n, depth), the verify seconds an n-gram or hybrid tree sizes itself with (a replay's); None
             = `make_hybrid`'s (inference.hybrid.node_cost, or this machine's curve).
+        options: the engine settings (default: `EngineOptions.of(target.settings, inference)`).
     Returns:
         The neural drafter of the head's kind, or a HybridDrafter (for ngram, without the neural drafter)."""
-    neural = make_drafter(heads, inference, head_config, target.config) if choice != "ngram" else None
+    options = options or EngineOptions.of(target.settings, inference)
+    neural = (
+        make_drafter(heads, inference, head_config, target.config, options) if choice != "ngram" else None
+    )
     if choice == "neural":
         return neural
     if cost is not None:
         return HybridDrafter(neural, inference.hybrid, cost)
-    return make_hybrid(neural, inference, target.model, saved_costs)
+    return make_hybrid(neural, inference, target.model, saved_costs, options)
 
 
 @dataclass
@@ -149,11 +169,16 @@ class SpeculativeDecoder:
             themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
         self.head_config, self.saved_costs = head_config or {}, saved_costs
-        # read by the CUDA backend (engine.make_runner): set before a hybrid drafter measures its costs there
-        target.model.headway_cuda_buckets = cuda_buckets(cfg.inference)
-        target.model.headway_cuda_graphs = cfg.inference.cuda_graphs
+        # the engine's settings (target.* and inference.*), passed to every runner and drafter it makes
+        self.options = EngineOptions.of(target.settings or cfg.target, cfg.inference)
         self.drafter = build_drafter(
-            cfg.inference.drafter, heads, cfg.inference, self.head_config, target, saved_costs
+            cfg.inference.drafter,
+            heads,
+            cfg.inference,
+            self.head_config,
+            target,
+            saved_costs,
+            options=self.options,
         )
         self.fmt = ChatFormat(target.tokenizer, cfg.inference.system_prompt, target.generation_config)
 
@@ -226,7 +251,7 @@ class SpeculativeDecoder:
             n,
             self.fmt.stop_ids,
             self.cfg.inference.sampling,
-            engine=self.cfg.inference.engine,
+            engine=self.options,
         )
 
     def generate_plain(self, prompt_ids: list[int], max_new_tokens: Optional[int] = None) -> GenerationResult:
@@ -238,7 +263,7 @@ class SpeculativeDecoder:
             n,
             self.fmt.stop_ids,
             self.cfg.inference.sampling,
-            self.cfg.inference.engine,
+            self.options,
         )
 
     def warm_up(self, max_new_tokens: int = 4, drafters: Optional[list[str]] = None) -> None:

@@ -14,7 +14,7 @@ import statistics
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -23,6 +23,7 @@ from headway.inference.config import TREE_SIZES
 from headway.inference.engine import engine_name, make_runner
 from headway.inference.engine_cuda import CudaRunner
 from headway.inference.engine_graphs import WARMUP
+from headway.inference.engine_options import EngineOptions, as_options
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule, greedy_token
 from headway.inference.tree import build_tree
 from headway.target.packed_model import linear_weights
@@ -69,7 +70,12 @@ def _cpu_name() -> str:
 
 @torch.inference_mode()
 def verify_cost(
-    model: Any, sizes: list[int], prefix_len: int, repeats: int, engine: str = "auto", shape: str = "chain"
+    model: Any,
+    sizes: list[int],
+    prefix_len: int,
+    repeats: int,
+    engine: Union[str, EngineOptions] = "auto",
+    shape: str = "chain",
 ) -> dict[int, float]:
     """Seconds of one verification step over n tree tokens after a cache of prefix_len tokens, for each n in
     sizes: the fastest of `repeats` (another process or a timer tick only adds time, and a tree's size is
@@ -80,7 +86,7 @@ def verify_cost(
     device = next(model.parameters()).device
     vocab = int(model.get_output_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(0)
-    runner = make_runner(model, prefix_len + max(sizes) + 1, engine)
+    runner = make_runner(model, prefix_len + max(sizes) + 1, engine, rows=max(sizes))
     runner.forward(torch.randint(vocab, (prefix_len,), generator=gen))
     if isinstance(runner, CudaRunner):
         return bucket_costs(
@@ -179,7 +185,11 @@ _measured_costs: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDiction
 
 
 def verify_cost_curve(
-    model: Any, engine: str, max_tokens: int, saved: Optional[dict] = None, shape: str = "chain"
+    model: Any,
+    engine: Union[str, EngineOptions],
+    max_tokens: int,
+    saved: Optional[dict] = None,
+    shape: str = "chain",
 ) -> dict[int, float]:
     """Seconds to verify n tokens (a chain, or a flat tree) on this machine: the chain's curve `headway tune`
     saved (verify_ms of a tuned.json entry) when it reaches max_tokens, else measured now (a few seconds, once
@@ -187,7 +197,7 @@ def verify_cost_curve(
     if shape == "chain" and saved and max(int(n) for n in saved) >= max_tokens:
         return {int(n): ms / 1e3 for n, ms in saved.items()}
     cache = _measured_costs.setdefault(model, {})
-    key = (engine_name(model, engine), torch.get_num_threads(), max_tokens, shape)
+    key = (engine_name(model, engine), as_options(engine), torch.get_num_threads(), max_tokens, shape)
     if key not in cache:
         sizes = sorted({n for n in CURVE_TOKENS if n < max_tokens} | {max_tokens})
         log.info(

@@ -22,6 +22,7 @@ from headway.heads.draft_layer import drafter_mask
 from headway.inference.cache import truncate_cache
 from headway.inference.draft_eagle_device import EagleExpansion
 from headway.inference.engine_cpu import StaticLayerCache
+from headway.inference.engine_options import EngineOptions
 from headway.inference.row_select import top_logprobs
 from headway.inference.tree import Tree, build_tree
 
@@ -44,9 +45,11 @@ class EagleDrafter:
         top_k: int,
         total_tokens: int,
         static: bool = True,
+        options: Optional[EngineOptions] = None,
     ):
         """static: keep the drafter layer's keys and values in a preallocated buffer (where its family allows)
-        rather than a transformers DynamicCache."""
+        rather than a transformers DynamicCache; options: the engine settings drafting follows
+        (target.layer_loop, target.fused_ops; EngineOptions, default: the defaults)."""
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise HeadwayError(
                 "EAGLE tree settings need depth, top_k and total_tokens "
@@ -58,6 +61,7 @@ class EagleDrafter:
             )
         self.heads = heads
         self.static = static
+        self.options = options or EngineOptions()
         self.depth, self.top_k, self.total_tokens = depth, top_k, total_tokens
         self.max_nodes = total_tokens + 1
         self.feature_layers = heads.feature_layers(heads.cfg, num_target_layers)
@@ -96,7 +100,8 @@ class EagleDrafter:
         else transformers'."""
         decoder = self.heads.decoder
         if self.static and StaticLayerCache.supported(decoder):
-            return StaticLayerCache(decoder, **self.heads.engine_settings)
+            opts = self.options
+            return StaticLayerCache(decoder, loop=opts.layer_loop, fused=opts.fused_ops)
         from transformers import DynamicCache
 
         return DynamicCache(config=decoder.config)

@@ -21,7 +21,7 @@ backend and its graphs), accept_device.py (tree bookkeeping and greedy acceptanc
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
@@ -37,7 +37,8 @@ from headway.inference.cache import (
     truncate_cache,
 )
 from headway.inference.engine_cpu import StaticRunner, _row_exact_dtype
-from headway.inference.engine_cuda import DEFAULT_BUCKETS, CudaRunner, cuda_supported
+from headway.inference.engine_cuda import CudaRunner, cuda_supported
+from headway.inference.engine_options import EngineOptions, as_options
 from headway.inference.tree import Tree, tree_attention_bias
 from headway.target.families import engine_support, family_of
 
@@ -130,12 +131,14 @@ def static_supported(model: Any) -> bool:
     )
 
 
-def engine_name(model: Any, engine: str = "auto") -> str:
-    """The engine `engine` means for this model: auto is the CUDA backend (cuda) for a target it runs on a
-    CUDA device, else static where supported, else hf (target/families.py says which engines run a family).
+def engine_name(model: Any, engine: Union[str, EngineOptions] = "auto") -> str:
+    """The engine `engine` (a name, or EngineOptions) means for this model: auto is the CUDA backend (cuda)
+    for a target it runs on a CUDA device, else static where supported, else hf (target/families.py says which
+    engines run a family).
 
     Raises:
         HeadwayError: the engine asked for cannot run this target (one line with the table's reason)."""
+    engine = as_options(engine).engine
     name = family_of(model.config).name
     if engine == "cuda" and not cuda_supported(model):
         why = engine_support(model.config)["cuda"] or "the model lacks the modules the backend calls"
@@ -154,28 +157,47 @@ def engine_name(model: Any, engine: str = "auto") -> str:
     return engine
 
 
-def depth_matters(model: Any, engine: str = "auto") -> bool:
+def depth_matters(model: Any, engine: Union[str, EngineOptions] = "auto") -> bool:
     """Whether a verification's cost depends on its tree's depth, not only its size: the row-exact engines
     (static and compiled, bf16/fp16 on CPUs) run one attention call per depth level (RowAttention)."""
     p = next(model.parameters())
     return engine_name(model, engine) in ("static", "compiled") and _row_exact_dtype(p.dtype, p.device)
 
 
-def make_runner(model: Any, max_len: int, engine: str = "auto") -> Any:
+def make_runner(model: Any, max_len: int, engine: Union[str, EngineOptions] = "auto", rows: int = 1) -> Any:
     """A fresh runner (empty cache) for sequences of up to `max_len` tokens.
 
     Args:
-        model: the target; engine: auto (see `engine_name`), static, compiled, cuda (engine_cuda.py; it runs
-            on CPU tensors too), hf.
+        model: the target; engine: a name (auto, see `engine_name`; static, compiled, cuda (engine_cuda.py;
+            it runs on CPU tensors too), hf) with the default settings, or the EngineOptions to run with (the
+            static engine's layer loop and kernels, the CUDA backend's buckets and graphs: never read from
+            the model); rows: the most rows a step will verify (a tree's nodes and the root), which the CUDA
+            backend's largest bucket must hold.
     Returns:
         A `Runner`: forward(ids [n], tree=None, hidden=False) -> (logits [n, V], hidden states), keep(),
         truncate(). Static runners of one model share its KV buffers (`ModelEngine`), and the cuda engine's
-        its runner (`CudaRunner.of`): one sequence at a time."""
-    name = engine_name(model, engine)
+        its runner (`CudaRunner.of`): one sequence at a time.
+    Raises:
+        HeadwayError: a step of `rows` rows exceeds the CUDA backend's largest bucket."""
+    opts = as_options(engine)
+    name = engine_name(model, opts)
     if name == "hf":
         return HFRunner(model)
     if name == "cuda":
-        # (the decoder sets these from inference.cuda_buckets and inference.cuda_graphs)
-        buckets = getattr(model, "headway_cuda_buckets", DEFAULT_BUCKETS)
-        return CudaRunner.of(model, max_len, buckets, getattr(model, "headway_cuda_graphs", None))
-    return StaticRunner(model, max_len, compiled=name == "compiled")
+        buckets = opts.buckets()
+        if rows > buckets[-1]:
+            raise HeadwayError(
+                f"a draft tree of {rows} rows exceeds the CUDA backend's largest row bucket ({buckets[-1]}): "
+                f"pass cuda_buckets=({-(-rows // 16) * 16},) to plain and speculative decoding alike, or "
+                "draft smaller trees"
+            )
+        return CudaRunner.of(model, max_len, buckets, opts.cuda_graphs)
+    return StaticRunner(
+        model,
+        max_len,
+        compiled=name == "compiled",
+        loop=opts.layer_loop,
+        row_attention=opts.row_attention,
+        fused_ops=opts.fused_ops,
+        prompt_attention=opts.prompt_attention,
+    )

@@ -8,6 +8,7 @@ It also runs on other devices (without the CPU-only machinery); the CUDA backend
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -215,8 +216,6 @@ class ModelEngine:
     that each new runner of the model reuses, grown when too small. The model owns it (`ModelEngine.of`), as
     gpt-fast's model owns its KV cache, so it lives and goes with the model."""
 
-    ATTRIBUTE = "_headway_engine"
-
     def __init__(self) -> None:
         self._plans: dict[bool, list[LayerPlan]] = {}
         self._compiled: Any = None
@@ -227,11 +226,11 @@ class ModelEngine:
 
     @classmethod
     def of(cls, model: Any) -> "ModelEngine":
-        """The model's engine state, made on first use (not a submodule: never in its state_dict)."""
-        engine = model.__dict__.get(cls.ATTRIBUTE)
+        """The model's engine state, made on first use, in a weak table keyed by the model (`_ENGINES`; never
+        an attribute of the model): it holds the model's layers, not the model, so it goes with the model."""
+        engine = _ENGINES.get(model)
         if engine is None:
-            engine = cls()
-            object.__setattr__(model, cls.ATTRIBUTE, engine)
+            engine = _ENGINES[model] = cls()
         return engine
 
     def layer_plans(self, model: Any, lean: bool) -> list[LayerPlan]:
@@ -294,21 +293,24 @@ class ModelEngine:
         return self._kt
 
 
+_ENGINES: "weakref.WeakKeyDictionary[Any, ModelEngine]" = weakref.WeakKeyDictionary()
+
+
 class StaticRunner:
     """A preallocated KV cache (per layer [kv_heads, max_len, head_dim]) and Headway's own attention; with
     `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`,
-    `prompt_attention`: None takes the model's target.layer_loop, target.row_attention, target.fused_ops
-    and target.prompt_attention."""
+    `prompt_attention`: the target.layer_loop, target.row_attention, target.fused_ops and
+    target.prompt_attention settings (engine_options.EngineOptions; the model holds none of them)."""
 
     def __init__(
         self,
         model: Any,
         max_len: int,
         compiled: bool = False,
-        loop: Optional[str] = None,
-        row_attention: Optional[str] = None,
-        fused_ops: Optional[bool] = None,
-        prompt_attention: Optional[str] = None,
+        loop: str = "auto",
+        row_attention: str = "auto",
+        fused_ops: bool = True,
+        prompt_attention: str = "auto",
     ):
         cfg = text_config(model.config)
         self.model, self.base = model, model.model
@@ -328,20 +330,18 @@ class StaticRunner:
         state = ModelEngine.of(model)
         self._stack = state.compiled_stack() if compiled else decoder_stack
         # eager steps: the decoder layers in one C++ call where it builds and covers them (same bits)
-        # (loop: auto, cpp or python; None = the model's target.layer_loop)
+        # (loop: auto, cpp or python: target.layer_loop)
         if compiled or self.device.type != "cpu":
             self._loop = None
         else:
-            self._loop = state.layer_loop(model, loop or layer_loop.loop_mode(model))
+            self._loop = state.layer_loop(model, layer_loop.loop_mode(loop))
         # bf16/fp16 on CPUs: decoding steps compute every row as a one-token step would (`_row_exact`);
         # compiled, a single token pads to 2 rows too, so that every step runs the one graph of dynamic
         # row count
         self.row_exact = _row_exact_dtype(self.dtype, self.device)
-        # (row_attention: auto, cpp or sdpa; None = the model's target.row_attention)
+        # (row_attention: auto, cpp or sdpa: target.row_attention)
         self.row_kernel = (
-            layer_loop.row_kernel(row_attention or layer_loop.row_attention_mode(model))
-            if self.row_exact
-            else None
+            layer_loop.row_kernel(layer_loop.row_attention_mode(row_attention)) if self.row_exact else None
         )
         self.fewest_rows = max(fewest_rows(model), 2 if compiled else 1)
         self.lm_rows_free = rows_for_one(model)
@@ -362,17 +362,14 @@ class StaticRunner:
         )
         self.k, self.v = self.cache.k, self.cache.v
         self.kt = state.transposed_keys(self.k) if self.row_kernel is not None else None
-        # bf16 and float32 steps through the C++ loop's fused element-wise kernels (fused_ops: None = the
-        # model's target.fused_ops)
-        if fused_ops is None:
-            fused_ops = bool(getattr(model, "headway_fused_ops", True))
+        # bf16 and float32 steps through the C++ loop's fused element-wise kernels (target.fused_ops)
         self.fused_ops = (
             fused_ops and self._loop is not None and self.dtype in (torch.bfloat16, torch.float32)
         )
         # a fresh prompt's attention in the C++ loop: Headway's kernel, on bf16 brgemm in the fused loop where
         # the CPU has it (AMX), else there on float32 brgemm over the bf16 values where the CPU has AVX-512
         # (AVX512-BF16), and for float32 targets on float32 brgemm where the CPU has AVX-512
-        mode = prompt_attention or getattr(model, "headway_prompt_attention", "auto")
+        mode = prompt_attention
         self.prompt_kernel = mode == "auto" and (
             (
                 self.fused_ops

@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -31,9 +32,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.accept_device import greedy_accept, sample_accept, tree_ancestors
-from headway.inference.config import CUDA_BUCKETS
 from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
+from headway.inference.engine_options import EXACT_BUCKETS
 from headway.inference.engine_step import (
     GEMMA3_FAMILIES,
     STATIC_FAMILIES,
@@ -46,8 +47,8 @@ from headway.inference.tree import Tree
 
 log = logging.getLogger("headway")
 
-# the row buckets of a runner made without inference.cuda_buckets: its default
-DEFAULT_BUCKETS = CUDA_BUCKETS
+# the row buckets of a runner made without inference.cuda_buckets: the one exact bucket (engine_options.py)
+DEFAULT_BUCKETS = EXACT_BUCKETS
 # SDPA's kernels for the backend's attention, in order of preference: never cuDNN's, whose plan is built
 # anew for each shape (and the prompt's shapes change with every request)
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -130,7 +131,6 @@ class CudaRunner:
                 f"Gemma-3, with rotary tables by position alone, not this '{family}' target: use "
                 "inference.engine=auto or hf"
             )
-        self.model = model
         # slot `max_len` is the scratch slot pad rows write; no real row reaches it
         self.capacity = max_len + 1
         self.scratch = max_len
@@ -154,17 +154,19 @@ class CudaRunner:
         self.cache = KVCache(
             len(net.layers), net.kv_heads, self.capacity, net.head_dim, self.dtype, self.device
         )
-        if self.device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
-            # process-wide, so the drafters' attention (and the hybrid's host loop) avoids it as well; the
-            # steps also run under pinned_sdpa()
-            log.info("the CUDA backend turns cuDNN's SDPA off (it builds a plan for every new shape)")
-            torch.backends.cuda.enable_cudnn_sdp(False)
+        # (cuDNN's SDPA is kept off by pinned_sdpa() around each step, the prompt and the device loop, never
+        # process-wide: the rest of the process, an HF baseline included, keeps torch's own choice)
         self.buf = StepBuffers(self.buckets[-1], self.device)
         self.graphs = StepGraphs(self._step, self.device, enabled=graphs)
         self.sampling: Optional[SamplingConfig] = None  # None: greedy acceptance in the step
         self.length = 0
 
-    ATTRIBUTE = "_headway_cuda_runner"
+    def close(self) -> None:
+        """Free the runner's graphs and KV cache now (a larger runner replaces it): they are the largest
+        things it holds, and a graph left to a later collection could be destroyed inside another capture."""
+        self.graphs.reset()
+        self.cache = None
+        self.buf = None
 
     @classmethod
     def of(
@@ -177,8 +179,9 @@ class CudaRunner:
         """The model's runner, emptied, for sequences of up to `max_len` tokens: the one it keeps (its
         buffers, cache and captured graphs reused) while it is long enough and of these buckets, else a new
         one of at least twice the length (so a few long requests do not each capture anew). One sequence at
-        a time."""
-        kept = model.__dict__.get(cls.ATTRIBUTE)
+        a time. The model is the key of a weak table (`_RUNNERS`), never given an attribute: the runner goes
+        with the model."""
+        kept = _RUNNERS.get(model)
         wanted = tuple(sorted(set(int(b) for b in buckets)))
         p = next(model.parameters())
         if (
@@ -190,9 +193,12 @@ class CudaRunner:
             or kept.graphs.requested != graphs
         ):
             size = max_len if kept is None else max(max_len, 2 * kept.max_len)
-            model.__dict__.pop(cls.ATTRIBUTE, None)  # free the old cache first
+            if kept is not None:  # free the old graphs and cache before the new cache is allocated
+                _RUNNERS.pop(model, None)
+                kept.close()
+                del kept
             kept = cls(model, size, buckets, graphs)
-            object.__setattr__(model, cls.ATTRIBUTE, kept)
+            _RUNNERS[model] = kept
         kept.length = 0
         return kept
 
@@ -350,6 +356,11 @@ class CudaRunner:
 
     def truncate(self, length: int) -> None:
         self.length = min(self.length, length)
+
+
+# each model's kept runner (CudaRunner.of); a runner holds the model's parts, not the model, so the entry goes
+# when the model does
+_RUNNERS: "weakref.WeakKeyDictionary[Any, CudaRunner]" = weakref.WeakKeyDictionary()
 
 
 class _TreeAttend:

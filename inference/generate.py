@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 import torch
 
 from headway.errors import HeadwayError
 from headway.inference.engine import make_runner
 from headway.inference.engine_cuda import CudaRunner
+from headway.inference.engine_options import EngineOptions
 from headway.inference.generate_device import device_loop
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
 from headway.inference.tree import Tree
@@ -117,7 +118,7 @@ def plain_generate(
     max_new_tokens: int,
     stop_ids: list[int],
     sampling: SamplingConfig = GREEDY,
-    engine: str = "auto",
+    engine: Union[str, EngineOptions] = "auto",
 ) -> GenerationResult:
     """Plain decoding with the same engine (one target forward per token): greedy, or sampled.
 
@@ -129,7 +130,7 @@ def plain_generate(
     _check_length(model, len(prompt), max_new_tokens, 1)
     sampler = Sampler(sampling)
     start = time.perf_counter()
-    runner = make_runner(model, len(prompt) + max_new_tokens, engine)
+    runner = make_runner(model, len(prompt) + max_new_tokens, engine, rows=1)
     logits, _ = runner.forward(torch.tensor(prompt))
     out = [sampler.next_token(logits[-1])]
     forwards = 0
@@ -142,7 +143,11 @@ def plain_generate(
 
 
 def greedy_generate(
-    model: Any, prompt: list[int], max_new_tokens: int, stop_ids: list[int], engine: str = "auto"
+    model: Any,
+    prompt: list[int],
+    max_new_tokens: int,
+    stop_ids: list[int],
+    engine: Union[str, EngineOptions] = "auto",
 ) -> GenerationResult:
     """Plain greedy decoding: the reference every speculative greedy output must equal."""
     return plain_generate(model, prompt, max_new_tokens, stop_ids, engine=engine)
@@ -157,7 +162,7 @@ def speculative_generate(
     stop_ids: list[int],
     sampling: SamplingConfig = GREEDY,
     rule: Any = None,
-    engine: str = "auto",
+    engine: Union[str, EngineOptions] = "auto",
 ) -> GenerationResult:
     """Speculative decoding over the drafter's trees: greedy gives exactly plain_generate's tokens, sampling
     exactly its distribution (with acceptance=exact).
@@ -170,7 +175,9 @@ def speculative_generate(
         max_new_tokens: the most tokens to write; stop_ids: tokens that end the answer (kept in it).
         sampling: temperature 0 (greedy) or a sampling config; the same one plain decoding uses.
         rule: overrides the acceptance rule (tests).
-        engine: the target's forward (auto, static, compiled, hf); plain decoding must use the same one.
+        engine: the target's forward (auto, static, compiled, cuda, hf) with the default settings, or the
+            EngineOptions to run it with; plain decoding must use the same one. The CUDA backend runs every
+            step in one exact row bucket unless the options name others (engine_options.EXACT_BUCKETS).
     Returns:
         GenerationResult: the new tokens, target forwards after the prefill, seconds, and the accepted drafts
         per step."""
@@ -180,7 +187,9 @@ def speculative_generate(
     sampler = Sampler(sampling)
     own_rule, rule = rule is not None, rule or acceptance_rule(sampling)
     start = time.perf_counter()
-    runner = make_runner(model, len(prompt) + max_new_tokens + drafter.max_nodes, engine)
+    runner = make_runner(
+        model, len(prompt) + max_new_tokens + drafter.max_nodes, engine, rows=drafter.max_nodes
+    )
     lossless = sampling.greedy or sampling.acceptance == "exact"
     if isinstance(runner, CudaRunner) and lossless and not own_rule and hasattr(drafter, "draft_tensors"):
         # the CUDA backend's loop: drafting, verification and acceptance on the device, one read a step

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from headway.inference.engine_cuda import CudaRunner
+from headway.inference.engine_cuda import CudaRunner, pinned_sdpa
 from headway.inference.sampling import SamplingConfig, target_distribution
 
 
@@ -41,7 +41,22 @@ def device_loop(
     """The loop (see the module docstring): `finish` cuts the new tokens at a stop token or the budget
     (generate._finish), `result` builds the GenerationResult; `sampling` at temperature > 0: tree rejection
     sampling on the device (accept_device.sample_accept), its uniforms drawn before each step from a device
-    generator seeded with sampling.seed."""
+    generator seeded with sampling.seed. The drafter's attention runs, like the steps', without cuDNN's SDPA
+    (`pinned_sdpa`, scoped to the loop: the process's own setting is left as it was)."""
+    with pinned_sdpa():
+        return _device_loop(runner, drafter, prompt, max_new_tokens, stops, finish, result, sampling)
+
+
+def _device_loop(
+    runner: CudaRunner,
+    drafter: Any,
+    prompt: list[int],
+    max_new_tokens: int,
+    stops: set[int],
+    finish: Any,
+    result: Any,
+    sampling: Optional[SamplingConfig],
+) -> Any:
     layers = drafter.feature_layers
     start = time.perf_counter()
     cfg = sampling or SamplingConfig()

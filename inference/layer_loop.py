@@ -173,9 +173,8 @@ def _head_spec(plan: Any) -> tuple:
     return (q.weight.detach(), k.weight.detach(), float(q.eps), float(k.eps), plan.rope)
 
 
-def loop_mode(model: Any) -> str:
-    """The model's `target.layer_loop` (auto for a model `load_target` did not load)."""
-    mode = getattr(model, "headway_layer_loop", "auto")
+def loop_mode(mode: str) -> str:
+    """A `target.layer_loop` setting as the engine takes it (auto where it names none of LAYER_LOOPS)."""
     return mode if mode in LAYER_LOOPS else "auto"
 
 
@@ -221,9 +220,8 @@ def build_loop(plans: list, final_norm: Any, mode: str = "auto") -> Optional[Any
     )
 
 
-def row_attention_mode(model: Any) -> str:
-    """The model's `target.row_attention` (auto for a model `load_target` did not load)."""
-    mode = getattr(model, "headway_row_attention", "auto")
+def row_attention_mode(mode: str) -> str:
+    """A `target.row_attention` setting as the engine takes it (auto unless one of ROW_ATTENTIONS)."""
     return mode if mode in ROW_ATTENTIONS else "auto"
 
 

@@ -33,7 +33,8 @@ class StepModel:
 
     def __init__(self, model: Any, positions: int):
         cfg = text_config(model.config)
-        self.model, self.base = model, model.model
+        # the parts, not the model: a runner (and its graphs) must not keep the model it was made for alive
+        self.base, self.lm_head = model.model, model.lm_head
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.layers = list(self.base.layers)
@@ -88,7 +89,7 @@ class StepModel:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The lm_head over normed rows x [n, hidden] in one matmul (then the final soft-capping, where the
         model has it): [n, vocab]."""
-        logits = self.model.lm_head(x)
+        logits = self.lm_head(x)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -105,11 +105,12 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
         max(sizes),
         prefix,
     )
-    costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine)
+    engine = decoder.options  # (the engine's settings the decoder runs with)
+    costs = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, engine)
     flat = None
-    if depth_matters(model, cfg.inference.engine):
+    if depth_matters(model, engine):
         log.info("and in a flat tree (this engine's cost depends on the tree's depth)")
-        flat = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, cfg.inference.engine, shape="flat")
+        flat = verify_cost(model, sorted({1, *sizes}), prefix, tc.repeats, engine, shape="flat")
     cost = verify_costs(costs, flat)
     candidates = search(decoder, replays, cost, tc)
     drafters = compare_drafters(decoder, replays, cost, candidates[0]["inference"], tc.drafters)

@@ -64,6 +64,7 @@ from headway.inference.draft_eagle import EagleDrafter  # noqa: E402
 from headway.inference.engine import make_runner, static_supported  # noqa: E402
 from headway.inference.engine_cuda import CudaRunner, cuda_supported  # noqa: E402
 from headway.inference.engine_graphs import WARMUP, StepGraphs  # noqa: E402
+from headway.inference.engine_options import EngineOptions  # noqa: E402
 from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
 from headway.inference.sync_guard import HostReads, Uploads  # noqa: E402
 from headway.inference.tree import build_tree  # noqa: E402
@@ -450,7 +451,7 @@ def _fake_cuda_loop(res: Results) -> None:
     t, heads = _tiny_eagle("cpu", "float32")
     drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8)
     ids = chat_ids(t, "What is two plus three?")
-    t.model.headway_cuda_graphs = False  # fake tensors have no graphs to capture
+    no_graphs = EngineOptions(engine="cuda", cuda_graphs=False)  # fake tensors have no graphs to capture
     reads, inside, turn = [], [], iter(range(10**6))
     real_read, real_step = CudaRunner.__dict__["read"], CudaRunner._step  # (read: the staticmethod itself)
 
@@ -471,7 +472,7 @@ def _fake_cuda_loop(res: Results) -> None:
     try:
         with fake_cuda():
             to_fake_cuda(t.model, heads)
-            r = speculative_generate(t.model, drafter, ids, 12, [], engine="cuda")
+            r = speculative_generate(t.model, drafter, ids, 12, [], engine=no_graphs)
     finally:
         CudaRunner.read, CudaRunner._step = real_read, real_step
     steps = max(1, r.target_forwards)
@@ -498,9 +499,7 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
         d = _decoder(device, dtype, dry, "inference.engine=cuda", "inference.drafter=neural")
         model = d.target.model
         # (a runner of its own, one bucket per row count timed; the decoder's runner keeps its one bucket)
-        runner = CudaRunner(
-            model, REPLAY_PREFIX + max(REPLAY_ROWS) + 1, REPLAY_ROWS, model.headway_cuda_graphs
-        )
+        runner = CudaRunner(model, REPLAY_PREFIX + max(REPLAY_ROWS) + 1, REPLAY_ROWS, d.options.cuda_graphs)
         runner.forward(torch.randint(100, 1000, (REPLAY_PREFIX,)))
         for rows in REPLAY_ROWS:
             ms = _step_ms(runner, rows, 1 if dry else 20)

@@ -39,6 +39,9 @@ class Target:
     config: Any
     generation_config: Any
     num_threads: int
+    # the settings it was loaded with: the engine's target.* ones (layer_loop, row_attention, fused_ops,
+    # prompt_attention) reach the runner from here (inference/engine_options.py), never through the model
+    settings: Optional[TargetConfig] = None
 
     @property
     def device(self) -> torch.device:
@@ -271,10 +274,6 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         model.to(device)
         model.eval()
         model.requires_grad_(False)
-        model.headway_layer_loop = cfg.layer_loop  # read by the static engine (inference/layer_loop.py)
-        model.headway_row_attention = cfg.row_attention
-        model.headway_fused_ops = cfg.fused_ops
-        model.headway_prompt_attention = cfg.prompt_attention
         if cfg.linear_weights != "native":
             log.info(
                 "target: %d linear layers use %s-packed weights",
@@ -290,6 +289,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
         config=config,
         generation_config=gen_config,
         num_threads=threads,
+        settings=cfg,
     )
 
 

@@ -9,6 +9,7 @@ attention run as loaded. The formats: target/packed_formats.py.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -80,10 +81,14 @@ def rows_for_one(model: Any) -> int:
     return {"float16": 3}.get(fmt, 1)
 
 
+# the format `pack_linear_weights` packed each model in, keyed weakly by the model (never an attribute of it)
+_FORMATS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
 def linear_weights(model: Any) -> str:
     """The format of the model's linear weights: native, float16, onednn or mkl (packed
     by `pack_linear_weights`)."""
-    return getattr(model, "headway_linear_weights", "native")
+    return _FORMATS.get(model, "native")
 
 
 def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
@@ -98,5 +103,5 @@ def pack_linear_weights(model: Any, fmt: str = "float16") -> int:
     if isinstance(lm_head, nn.Linear):
         model.set_output_embeddings(PACKED[fmt](lm_head, keep_weight=True))
         count += 1
-    model.headway_linear_weights = fmt
+    _FORMATS[model] = fmt
     return count

@@ -25,6 +25,7 @@ from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.engine import HFRunner, engine_name, make_runner
 from headway.inference.engine_cuda import CudaRunner, pinned_sdpa
 from headway.inference.engine_kv import KVCache
+from headway.inference.engine_options import EngineOptions
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.sampling import Sampler, SamplingConfig, accept_greedy
 from headway.inference.sync_guard import HostReads
@@ -243,11 +244,8 @@ def test_the_cuda_backend_costs_a_step_function_of_its_buckets(tiny_dirs):
     """verify_cost on the CUDA backend: one value per bucket, every node count from 1 up, so tune and the
     hybrid price a tree by its bucket."""
     t = load64(tiny_dirs["llama"])
-    t.model.headway_cuda_buckets = (1, 4, 12)
-    try:
-        costs = verify_cost(t.model, [1, 3, 9], prefix_len=16, repeats=1, engine="cuda")
-    finally:
-        del t.model.headway_cuda_buckets
+    opts = EngineOptions(engine="cuda", cuda_buckets=(1, 4, 12))
+    costs = verify_cost(t.model, [1, 3, 9], prefix_len=16, repeats=1, engine=opts)
     assert sorted(costs) == list(range(1, 10))
     assert costs[2] == costs[3] == costs[4] and len({costs[n] for n in range(5, 10)}) == 1
 
@@ -289,12 +287,13 @@ def test_one_exact_bucket_fits_every_tree_of_the_config():
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_speculative_equals_plain_in_one_bucket(tiny_dirs, arch, dtype):
-    """bf16 and float32, the CUDA algorithm on CPU tensors with one bucket for every step (plain decoding
-    included) and the row-exact tree attention: speculative tokens equal plain ones, for accepted paths of
-    every length (the oracle) and for every head kind: the EAGLE-3 and EAGLE-1 expansions, Medusa and DFlash
-    trees."""
+    """bf16 and float32, the CUDA algorithm on CPU tensors through `speculative_generate` and
+    `plain_generate` called directly, with no buckets asked for: the runner's default is the one exact bucket
+    for every step (plain decoding included) and the row-exact tree attention: speculative tokens equal
+    plain ones, for accepted paths of every length (the oracle) and for every head kind: the EAGLE-3 and
+    EAGLE-1 expansions, Medusa and DFlash trees."""
     t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype=dtype))
-    t.model.headway_cuda_buckets = (16,)
+    assert not [a for a in vars(t.model) if a.startswith(("headway", "_headway"))]  # (no buckets asked for)
     low = getattr(torch, dtype)
     tree = build_tree(WIDE_TREE)
     eagle = EagleDrafter(random_head(t, "eagle3").to(low), t.config.num_hidden_layers, 3, 3, 8)

@@ -25,6 +25,7 @@ from headway.inference import draft_eagle, draft_eagle_device
 from headway.inference.draft_eagle import EagleDrafter
 from headway.inference.draft_medusa import MedusaDrafter
 from headway.inference.engine_cuda import CudaRunner
+from headway.inference.engine_options import EngineOptions
 from headway.inference.generate import speculative_generate
 from headway.inference.sync_guard import HostReads, Uploads
 from headway.inference.tree import build_tree
@@ -60,7 +61,8 @@ def test_fake_cuda_loop_reads_the_host_once_a_step(tiny_dirs, kind, monkeypatch)
     heads = head(t, kind)
     drafter = drafter_of(t, kind, heads)
     ids = chat_ids(t, "What is two plus three?")
-    t.model.headway_cuda_graphs = False  # a CPU build has no CUDA graphs; the steps they would capture run
+    # a CPU build has no CUDA graphs; the steps they would capture run
+    no_graphs = EngineOptions(engine="cuda", cuda_graphs=False)
     reads, step_traffic = [], []
     verdicts = iter(range(1000))
 
@@ -85,7 +87,7 @@ def test_fake_cuda_loop_reads_the_host_once_a_step(tiny_dirs, kind, monkeypatch)
     monkeypatch.setattr(CudaRunner, "_step", counted_step)
     with fake_cuda():
         to_fake_cuda(t.model, heads)
-        res = speculative_generate(t.model, drafter, ids, 12, [], engine="cuda")
+        res = speculative_generate(t.model, drafter, ids, 12, [], engine=no_graphs)
     steps = res.target_forwards
     assert steps >= 4 and res.accepted[:3] == [0, 1, 2]
     assert len(reads) == steps + 1  # one per step, and the prompt's first token

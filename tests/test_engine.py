@@ -110,11 +110,10 @@ def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: st
     if attention == "cpp" and layer_loop.extension() is None:
         pytest.skip("the C++ extension does not build here")
     t = load_packed(tiny_dirs[arch], fmt, "bfloat16")
-    t.model.headway_row_attention = attention
     prompt = torch.arange(10, 50)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
     nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])
-    spec = StaticRunner(t.model, 64)
+    spec = StaticRunner(t.model, 64, row_attention=attention)
     assert (spec.row_kernel is not None) == (attention == "cpp")
     spec.forward(prompt)
     rows, _ = spec.forward(nodes, tree, hidden=True)
@@ -126,7 +125,7 @@ def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: st
         assert sorted(rows.rows) == list(range(together)) and rows_for_one(t.model) > 1
     for leaf in (4, 5, 6):
         path = [i for i in range(tree.size) if tree.ancestors[leaf, i]]
-        plain = StaticRunner(t.model, 64)
+        plain = StaticRunner(t.model, 64, row_attention=attention)
         plain.forward(prompt)
         for i in path:
             logits, _ = plain.forward(nodes[i : i + 1])

@@ -13,7 +13,9 @@ from decode_helpers import engine_steps, load_packed
 
 from headway.errors import HeadwayError
 from headway.inference import layer_loop
+from headway.inference.engine import make_runner
 from headway.inference.engine_cpu import StaticRunner
+from headway.inference.engine_options import EngineOptions
 from headway.runtime import native_bf16
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
@@ -166,38 +168,40 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
 
 
 def test_the_target_settings_reach_the_engine(tiny_dirs):
+    """target.* engine settings travel from the loaded target's settings to the runner as EngineOptions;
+    the model holds none of them."""
+
+    def runner(t):
+        assert not [a for a in vars(t.model) if a.startswith(("headway", "_headway"))]
+        return make_runner(t.model, 32, EngineOptions.of(t.settings))
+
     cfg = TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, layer_loop="python")
-    assert StaticRunner(load_target(cfg).model, 32)._loop is None
+    assert runner(load_target(cfg))._loop is None
     with pytest.raises(HeadwayError, match="target.layer_loop"):
         TargetConfig(layer_loop="c++")
     bf16 = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", row_attention="sdpa"))
-    assert StaticRunner(bf16.model, 32).row_kernel is None
+    assert runner(bf16).row_kernel is None
     if layer_loop.extension() is not None:  # bf16 and float32 steps take the fused kernels unless told not to
-        assert StaticRunner(bf16.model, 32).fused_ops
+        assert runner(bf16).fused_ops
         off = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", fused_ops=False))
-        assert not StaticRunner(off.model, 32).fused_ops
+        assert not runner(off).fused_ops
         f32 = load_target(dataclasses.replace(cfg, layer_loop="auto"))
-        assert StaticRunner(f32.model, 32).fused_ops
-        assert not StaticRunner(
-            load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="float64")).model, 32
-        ).fused_ops
+        assert runner(f32).fused_ops
+        assert not runner(load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="float64"))).fused_ops
         # float32 prompts: Headway's kernel on AVX-512 CPUs
-        assert (
-            StaticRunner(f32.model, 32).prompt_kernel
-            == layer_loop.extension().prompt_attention_f32_available()
-        )
+        assert runner(f32).prompt_kernel == layer_loop.extension().prompt_attention_f32_available()
         # a fresh bf16 prompt's attention (native bf16 CPUs): Headway's kernel on bf16 brgemm (AMX), or on
         # float32 brgemm over the bf16 values (AVX-512), unless told not to
         ext = layer_loop.extension()
         available = native_bf16(torch.device("cpu")) and (
             ext.prompt_attention_available() or ext.prompt_attention_f32_available()
         )
-        assert StaticRunner(bf16.model, 32).prompt_kernel == available
+        assert runner(bf16).prompt_kernel == available
         sdpa = load_target(
             dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", prompt_attention="sdpa")
         )
-        assert not StaticRunner(sdpa.model, 32).prompt_kernel
-        assert not StaticRunner(off.model, 32).prompt_kernel
+        assert not runner(sdpa).prompt_kernel
+        assert not runner(off).prompt_kernel
     with pytest.raises(HeadwayError, match="target.row_attention"):
         TargetConfig(row_attention="flash")
     with pytest.raises(HeadwayError, match="target.prompt_attention"):

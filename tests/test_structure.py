@@ -167,3 +167,47 @@ def test_no_inference_module_is_over_600_lines():
         p.name: n for p in (ROOT / "inference").glob("*.py") if (n := len(p.read_text().splitlines())) > 600
     }
     assert not long, long
+
+
+# where the engine lives: nothing there sets an attribute of another object behind its back
+_NO_OBJECT_SETATTR = ("headway.inference", "headway.target")
+# headway_* attributes that are no setting of a model or head
+_NOT_SETTINGS = {"_headway_real"}  # train/distributed.py: its wrappers of torch.distributed's collectives
+
+
+def _headway_attr(attr: str) -> bool:
+    return attr.lstrip("_").startswith("headway_") and attr not in _NOT_SETTINGS
+
+
+def test_engine_settings_are_passed_never_written_onto_the_model():
+    """Engine settings (engine, CUDA buckets and graphs, the static engine's layer loop and kernels) travel as
+    EngineOptions from the config to the runner: no module writes or reads a `headway_*` attribute (on the
+    HF model, the head or anything else), and the engine's modules never `object.__setattr__` another object
+    (a runner or weight format is kept in a weak table keyed by the model instead)."""
+    found = []
+    for name, tree in MODULES.items():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and _headway_attr(t.attr):
+                    found.append(f"{name}:{node.lineno} sets .{t.attr}")
+            if not isinstance(node, ast.Call):
+                continue
+            fn = node.func
+            called = fn.id if isinstance(fn, ast.Name) else ""
+            args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if called in ("getattr", "setattr", "hasattr", "delattr") and any(_headway_attr(a) for a in args):
+                found.append(f"{name}:{node.lineno} {called}(..., {args[0]!r})")
+            is_object_setattr = (
+                isinstance(fn, ast.Attribute)
+                and fn.attr == "__setattr__"
+                and isinstance(fn.value, ast.Name)
+                and fn.value.id == "object"
+            )
+            if is_object_setattr and name.startswith(_NO_OBJECT_SETATTR):
+                first = node.args[0] if node.args else None
+                if not (isinstance(first, ast.Name) and first.id == "self"):
+                    found.append(f"{name}:{node.lineno} object.__setattr__ on another object")
+    assert not found, found
