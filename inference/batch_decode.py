@@ -27,12 +27,12 @@ import logging
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from headway.errors import HeadwayError
-from headway.inference.engine_cuda import cuda_supported
+from headway.inference.engine_cuda import cuda_supported, pinned_sdpa
 from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
+from headway.inference.engine_step import gqa_sdpa
 from headway.inference.sampling import SamplingConfig, target_distribution
 from headway.inference.step_model import StepModel
 from headway.target.families import engine_support, family_of
@@ -59,7 +59,16 @@ class _SlotAttend:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         b, kv, hd = self.batch, k.shape[0], k.shape[-1]
-        cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if k.dtype in (torch.bfloat16, torch.float16):
+            # half caches: SDPA over the cache's own dtype (kernels accumulate in fp32), each slot's query
+            # group folded into the query axis (gqa_sdpa), never an fp32 copy of the span's keys and values
+            # (on a GPU that copy costs more than the step's weights at 8B, batch 32, span 2K)
+            keys = k.view(kv, b, self.seg, hd).transpose(0, 1)[:, :, : self.end]  # [b, kv, end, hd] (a view)
+            vals = v.view(kv, b, self.seg, hd).transpose(0, 1)[:, :, : self.end]
+            qg = q.view(b, -1, 1, hd).to(k.dtype)  # [b, heads, 1, hd]
+            o = gqa_sdpa(qg, keys, vals, self.mask[:, None, None, :], False, scale, fold=True)
+            return o.reshape(b, -1).to(q.dtype)
+        cd = torch.float64 if q.dtype == torch.float64 else torch.float32  # (a no-op .to: no copy)
         keys = k.view(kv, b, self.seg, hd).transpose(0, 1)[:, :, : self.end].to(cd)  # [b, kv, end, hd]
         vals = v.view(kv, b, self.seg, hd).transpose(0, 1)[:, :, : self.end].to(cd)
         qg = q.view(b, kv, -1, hd).to(cd)  # [b, kv, group, hd]: each key-value head's query heads
@@ -79,15 +88,7 @@ class _PromptAttend:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         keys = k[None, :, self.first : self.first + self.n]
         vals = v[None, :, self.first : self.first + self.n]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(keys.dtype),
-            keys,
-            vals,
-            attn_mask=self.mask,
-            is_causal=self.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        o = gqa_sdpa(q.transpose(0, 1)[None].to(keys.dtype), keys, vals, self.mask, self.mask is None, scale)
         return o[0].transpose(0, 1).reshape(self.n, -1).to(q.dtype)
 
 
@@ -209,11 +210,12 @@ class BatchDecoder:
             r = torch.arange(n, device=self.device)
             sliding = (r[:, None] >= r[None, :]) & (r[:, None] - r[None, :] < self.net.window)
         x = self.net.embed(tokens)
-        for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
-            kind = self.net.kinds[i]
-            cos, sin = self.net.rope[kind]
-            attend = _PromptAttend(slot, self.seg, n, sliding if kind == "sliding_attention" else None)
-            x = self.net.layer(i, x, cos[:n], sin[:n], k, v, slots, n, None, attend=attend)
+        with pinned_sdpa():  # (cuDNN's SDPA builds a plan for every new prompt length)
+            for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
+                kind = self.net.kinds[i]
+                cos, sin = self.net.rope[kind]
+                attend = _PromptAttend(slot, self.seg, n, sliding if kind == "sliding_attention" else None)
+                x = self.net.layer(i, x, cos[:n], sin[:n], k, v, slots, n, None, attend=attend)
         token = self._next(self.net.logits(self.net.norm(x[-1:])), self.buf.uniforms[slot : slot + 1])
         buf = self.buf
         buf.out[slot].zero_()
@@ -232,7 +234,7 @@ class BatchDecoder:
         wanted = None if cfg is None or cfg.greedy else cfg
         if wanted != self.sampling:
             self.sampling = wanted
-            self.graphs = StepGraphs(self._step, self.device, enabled=self.graphs.requested)
+            self.graphs.reset()  # (freed now, not by a collection that might run inside the next capture)
 
     def span(self, bound: int) -> int:
         """The attention span for a longest occupied slot of `bound` positions: `bound` rounded up to a

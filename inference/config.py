@@ -177,7 +177,7 @@ class InferenceConfig:
     # The CUDA backend's row buckets (inference.engine=cuda): a step of n rows pads to the smallest bucket of
     # at least n, and each bucket is one CUDA graph. [] (exact): one bucket for every step, plain decoding
     # included, that the drafters' largest tree fits (`cuda_buckets`): a row's bits then never depend on the
-    # other rows. Several (e.g. [1, 16, 48, 64]: cheaper plain steps) are exact in float32 but not in bf16.
+    # other rows. Several (e.g. [1, 16, 48, 64]: cheaper plain steps) are not exact in any dtype on CUDA.
     cuda_buckets: list[int] = field(default_factory=list)
     # Capture each bucket's step as a CUDA graph after two eager warm-up runs (false: every step eager; a
     # failed capture falls back to eager for its bucket either way).

@@ -12,6 +12,7 @@ siblings by (-score, index); the tree's node order by (depth, path) as `build_tr
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -40,14 +41,16 @@ class EagleExpansion:
             the longest sequence plus (depth - 1) * top_k expansion slots; graphs: None = on CUDA."""
 
     def __init__(self, drafter: Any, capacity: int, graphs: Optional[bool] = None):
-        self.drafter = drafter
+        # the drafter owns its expansion: held by a weak proxy (and the step by a weak method), so the two
+        # form no cycle and an expansion's graph goes with its drafter, not at a later collection
+        self.drafter = drafter if isinstance(drafter, weakref.ProxyType) else weakref.proxy(drafter)
         p = drafter.param
         self.cache = drafter.cache
         self.cache.reserve(capacity, p.new_zeros(1))
         self.root = torch.zeros(1, dtype=torch.long, device=p.device)
         self.committed = torch.zeros((), dtype=torch.long, device=p.device)
         self.last_out = p.new_zeros(drafter.last_out.shape)
-        self.graphs = StepGraphs(lambda _: self._expand(), p.device, enabled=graphs)
+        self.graphs = StepGraphs(self._expand_step, p.device, enabled=graphs)
 
     def run(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tree after `root` [1] (device): node ids and parents (see `expand`)."""
@@ -55,6 +58,9 @@ class EagleExpansion:
         self.committed.fill_(self.drafter.committed)
         self.last_out.copy_(self.drafter.last_out)
         return self.graphs.run(0)
+
+    def _expand_step(self, _: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._expand()
 
     def _expand(self) -> tuple[torch.Tensor, torch.Tensor]:
         drafter, cache = self.drafter, self.cache

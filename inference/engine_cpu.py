@@ -56,7 +56,8 @@ class StaticLayerCache:
         # (each is a function of its position alone), where the rotary does not rescale with the length
         # (dynamic types)
         self.rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.rope_by_position = "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
+        kind = str(getattr(self.rotary, "rope_type", "default"))
+        self.rope_by_position = "dynamic" not in kind and "longrope" not in kind
         self.loop, self.emb_norm = self._build_loop(layer, decoder, loop, p.device.type)
         self.fused = fused and p.dtype == torch.bfloat16
         # the device expansion's rows (draft_eagle_device.py): the slots the next `run` writes, as a device

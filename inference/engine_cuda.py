@@ -61,8 +61,10 @@ def pinned_sdpa() -> Any:
 
 def rope_by_position(model: Any) -> bool:
     """Whether the model's rotary tables are a function of the position alone (not rescaled with the
-    sequence length, as the dynamic types are), so the backend can precompute them for every slot."""
-    return "dynamic" not in str(getattr(model.model.rotary_emb, "rope_type", "default"))
+    sequence length, as the dynamic types are, and longrope, whose factors switch from short to long past
+    the original context), so the backend can precompute them for every slot."""
+    kind = str(getattr(model.model.rotary_emb, "rope_type", "default"))
+    return "dynamic" not in kind and "longrope" not in kind
 
 
 def has_moe(model: Any) -> bool:
@@ -299,7 +301,7 @@ class CudaRunner:
         wanted = None if cfg.greedy else dataclasses.replace(cfg, seed=0)  # (the seed is the loop's)
         if wanted != self.sampling:
             self.sampling = wanted
-            self.graphs = StepGraphs(self._step, self.device, enabled=self.graphs.requested)
+            self.graphs.reset()  # (freed now, not by a collection that might run inside the next capture)
 
     @staticmethod
     def read(verdict: torch.Tensor) -> list[int]:
@@ -338,15 +340,19 @@ class CudaRunner:
         sliding = None  # the sliding layers' mask, where the prompt is longer than the window
         if self.net.window is not None and n > self.net.window:
             sliding = (slots[:, None] >= slots[None, :]) & (slots[:, None] - slots[None, :] < self.net.window)
-        states = [x]
+        states = (
+            [x] if hidden else []
+        )  # (kept only when asked: [n, hidden] per layer is a long prompt's bulk)
         with pinned_sdpa():
             for i, (k, v) in enumerate(zip(self.cache.k, self.cache.v)):
                 cos, sin = self.net.rope[self.net.kinds[i]]
                 mask = sliding if self.net.kinds[i] == "sliding_attention" else None
                 x = self.net.layer(i, x, cos[:n], sin[:n], k, v, slots, n, mask, causal=mask is None)
-                states.append(x)
+                if hidden:
+                    states.append(x)
         x = self.net.norm(x)
-        states[-1] = x
+        if hidden:
+            states[-1] = x
         self.length = n
         logits = _LastRowLogits(self.net.logits(x[-1:]), n)
         return logits, tuple(h[None] for h in states) if hidden else None

@@ -185,6 +185,48 @@ class LayerPlan:
         )
 
 
+def gqa_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    causal: bool,
+    scale: float,
+    fold: Optional[bool] = None,
+) -> torch.Tensor:
+    """SDPA of q [B, heads, n, hd] over k, v [B, kv_heads, L, hd] (grouped-query: query head h reads key-value
+    head h // group) under `mask` (bool or additive, broadcastable to [B, 1, n, L]) or `causal`.
+
+    With a mask and grouped heads, SDPA's flash and memory-efficient kernels refuse the call (flash takes no
+    mask; the memory-efficient kernel's dense path no GQA) and torch falls to the math kernel, which repeats
+    K/V for every query head and materialises fp32 scores. `fold` (default: on CUDA) folds each key-value
+    head's query group into the query axis instead: q [B, kv, group * n, hd] beside K/V as they are, the mask
+    repeated per group, so the head counts match and the memory-efficient kernel takes the mask. Each query
+    row still attends to the same keys under the same mask (the same result up to the kernel's rounding).
+    On CPUs the call is left as it was (the CPU engine's bits are its own contract)."""
+    heads, kv = q.shape[1], k.shape[1]
+    fold = q.is_cuda if fold is None else fold
+    m = mask
+    if m is not None and fold and heads != kv:
+        while m.dim() < 4:
+            m = m[None]
+        if m.shape[1] == 1:
+            b, n, hd, group = q.shape[0], q.shape[2], q.shape[3], heads // kv
+            m = m.expand(m.shape[0], 1, n, m.shape[-1])
+            m = (
+                m[:, :, None]
+                .expand(m.shape[0], 1, group, n, m.shape[-1])
+                .reshape(m.shape[0], 1, group * n, -1)
+            )
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, kv, group * n, hd), k, v, attn_mask=m, scale=scale
+            )
+            return o.view(b, kv, group, n, hd).reshape(b, heads, n, hd)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv
+    )
+
+
 def layer_step(
     plan: LayerPlan,
     x: torch.Tensor,
@@ -223,14 +265,13 @@ def layer_step(
     v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
     if attend is None:
         adt = attn_dtype or k_cache.dtype
-        o = F.scaled_dot_product_attention(
+        o = gqa_sdpa(
             q.transpose(0, 1)[None].to(adt),
             k_cache[None, :, :end].to(adt),
             v_cache[None, :, :end].to(adt),
-            attn_mask=mask,
-            is_causal=causal,
-            scale=plan.scaling,
-            enable_gqa=True,
+            mask,
+            causal,
+            plan.scaling,
         )
         o = o[0].transpose(0, 1).reshape(n, -1).to(x.dtype)
     else:
@@ -321,14 +362,13 @@ def gemma3_layer_step(
     if attend is not None:
         o = attend(q, k_cache, v_cache, float(a.scaling))
     else:
-        o = F.scaled_dot_product_attention(
+        o = gqa_sdpa(
             q.transpose(0, 1)[None],
             k_cache[None, :, :end],
             v_cache[None, :, :end],
-            attn_mask=mask,
-            is_causal=causal,
-            scale=float(a.scaling),
-            enable_gqa=True,
+            mask,
+            causal,
+            float(a.scaling),
         )
         o = o[0].transpose(0, 1).reshape(n, -1)
     o = a.o_proj(o.to(x.dtype))

@@ -23,6 +23,7 @@ This module imports without triton.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional
@@ -224,6 +225,28 @@ def kernel(
     start = torch.as_tensor(start, device=q.device).view(1)
     if k_cache.stride(2) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("internal: the tree attention kernel takes contiguous, alike key and value caches")
+    # launched on the tensors' device, not the current one (Triton launches on the current device)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _launch(q, k_cache, v_cache, out, start, tails, lens, scale, window, n, kv, group, hd)
+    return out.reshape(n, heads * hd)
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    start: torch.Tensor,
+    tails: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    window: Optional[int],
+    n: int,
+    kv: int,
+    group: int,
+    hd: int,
+) -> None:
+    """The kernel's launch over the (row, key-value head) grid."""
     _kernel[(n, kv)](
         q,
         k_cache,
@@ -247,7 +270,6 @@ def kernel(
         HD_P=triton.next_power_of_2(hd),
         BLOCK=BLOCK_N,
     )
-    return out.reshape(n, heads * hd)
 
 
 @torch.library.custom_op("headway::tree_attention", mutates_args=())
