@@ -112,6 +112,12 @@ class TrainConfig:
     # and log-sum-exp kept only; CUDA), recompute (the scores recomputed in backward, in chunks of queries:
     # memory flat in the length, any device, slower), auto = flex on CUDA, structured elsewhere.
     ttt_attention: str = "auto"
+    # Lengths flex attention is compiled for (ttt_attention=flex): the head's sequence length and the count of
+    # kept positions are padded up to the smallest bucket that holds them (the padding masked out), so each
+    # (bucket, bucket) shape compiles once, all before step 1, and a new shape is an error, never a silent
+    # fallback to eager attention; multiples of 128 (flex's block), ascending; [] = auto: powers of two from
+    # 256 up to the first one holding the longest row (max_length, or pack_length when packing).
+    flex_buckets: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_choice("train", "dedup", self.dedup, ["none", "exact", "near"])
@@ -151,6 +157,13 @@ class TrainConfig:
             raise HeadwayError(f"train.peak_tflops must be 0 (auto) or positive, got {self.peak_tflops}")
         if self.shard_target and self.backend != "fsdp":
             raise HeadwayError("train.shard_target shards the target with FSDP2: set train.backend=fsdp")
+        if any(b <= 0 or b % 128 for b in self.flex_buckets) or self.flex_buckets != sorted(
+            set(self.flex_buckets)
+        ):
+            raise HeadwayError(
+                f"train.flex_buckets must be ascending multiples of 128 (flex's block), got "
+                f"{self.flex_buckets}"
+            )
         if self.length_window < 0:
             raise HeadwayError(f"train.length_window must be 0 (off) or positive, got {self.length_window}")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:

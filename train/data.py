@@ -6,10 +6,9 @@ batches the uninterrupted run would have read.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -30,12 +29,15 @@ def load_samples(
     paths: list[str], fingerprint: dict, max_length: int
 ) -> tuple[list[tuple[str, Sample]], dict]:
     """(key, sample) pairs from every dataset, and what the datasets share: `greedy`, every one distilled at
-    temperature 0 (each answer token is the target's argmax). A dataset made by another target is refused."""
+    temperature 0 (each answer token is the target's argmax); `answerless`, how many samples were dropped for
+    having no answer token left after truncation to `max_length` (a prompt at least that long): such a sample
+    teaches nothing, and a micro-batch of them has no loss row. A dataset made by another target is
+    refused."""
     if not paths:
         raise HeadwayError(
             "no training data: set train.datasets=[DIR, ...] (directories written by `headway distill`)"
         )
-    out, greedy = [], True
+    out, greedy, answerless = [], True, 0
     for path in paths:
         ds, manifest = load_distilled(path)
         greedy = greedy and (manifest.get("generation") or {}).get("temperature", 1.0) == 0
@@ -47,9 +49,12 @@ def load_samples(
                 "target"
             )
         for i, ids, mask in zip(ds["id"], ds["input_ids"], ds["loss_mask"]):
-            key = f"{path}#{i}"
-            out.append((key, Sample(list(ids[:max_length]), list(mask[:max_length]), key)))
-    return out, {"datasets": paths, "greedy": greedy}
+            key, mask = f"{path}#{i}", list(mask[:max_length])
+            if not any(mask):
+                answerless += 1
+                continue
+            out.append((key, Sample(list(ids[:max_length]), mask, key)))
+    return out, {"datasets": paths, "greedy": greedy, "answerless": answerless}
 
 
 def drop_duplicates(
@@ -73,9 +78,8 @@ def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[l
     return train, held
 
 
-@functools.lru_cache(maxsize=4)
 def sample_order(
-    n: int, seed: int, epoch: int, lengths: Optional[tuple[int, ...]] = None, window: int = 0
+    n: int, seed: int, epoch: int, lengths: Optional[Sequence[int]] = None, window: int = 0
 ) -> tuple[int, ...]:
     """Epoch `epoch`'s order of n samples: a seeded shuffle; with `window` > 1, cut into windows of that many
     samples, each sorted by `lengths` (ascending or descending, by a seeded coin per window), so that
@@ -93,15 +97,39 @@ def sample_order(
     return tuple(order)
 
 
+class Stream:
+    """The training stream over `samples` (`sample_order` per epoch): the lengths read once, each epoch's
+    order computed once when first read, so that reading a micro-batch costs O(its size), not O(dataset) (a
+    step's host plan must keep ahead of the GPUs at any corpus size)."""
+
+    def __init__(self, samples: list[Sample], seed: int, window: int = 0) -> None:
+        self.samples, self.seed, self.window = samples, seed, window
+        self.lengths = [len(s.input_ids) for s in samples] if window > 1 else None
+        self._orders: dict[int, tuple[int, ...]] = {}
+
+    def order(self, epoch: int) -> tuple[int, ...]:
+        """Epoch `epoch`'s order (the last two epochs kept: a micro-batch may straddle them)."""
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = sample_order(len(self.samples), self.seed, epoch, self.lengths, self.window)
+        return self._orders[epoch]
+
+    def at(self, k: int) -> Sample:
+        """The k-th sample of the stream."""
+        n = len(self.samples)
+        return self.samples[self.order(k // n)[k % n]]
+
+    def take(self, consumed: int, size: int) -> list[Sample]:
+        """The `size` samples after the first `consumed`."""
+        return [self.at(k) for k in range(consumed, consumed + size)]
+
+
 def batch_at(samples: list[Sample], consumed: int, size: int, seed: int, window: int = 0) -> list[Sample]:
     """The `size` samples after the first `consumed` ones of the epoch-shuffled stream (length-sorted in
-    windows of `window` samples: `sample_order`)."""
-    n = len(samples)
-    lengths = tuple(len(s.input_ids) for s in samples) if window > 1 else None
-    out = []
-    for k in range(consumed, consumed + size):
-        out.append(samples[sample_order(n, seed, k // n, lengths, window)[k % n]])
-    return out
+    windows of `window` samples: `sample_order`). A run reads through one `Stream` instead, which keeps the
+    epoch's order between calls."""
+    return Stream(samples, seed, window).take(consumed, size)
 
 
 def collate(batch: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,13 @@ class Parallel:
             dist.all_reduce(t)
             t = t / self.world_size
         return dict(zip(keys, t.unbind()))
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over ranks (one all-reduce; the same shape on every rank, as the collective needs)."""
+        if self.active:
+            t = t.clone()
+            dist.all_reduce(t)
+        return t
 
     def all_reduce_grads(self, params: list[torch.Tensor]) -> None:
         """Average gradients of parameters outside the wrapped module (Medusa-2's LoRA adapters)."""
@@ -211,22 +218,36 @@ def start(backend: str, device: torch.device) -> Parallel:
     return par
 
 
-def wrap(module: torch.nn.Module, par: Parallel, device: torch.device) -> torch.nn.Module:
-    """DDP replicates the module and averages gradients; FSDP2 shards its parameters and optimizer state."""
+def wrap(
+    module: torch.nn.Module, par: Parallel, device: torch.device, compute: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """DDP replicates the module and averages gradients; FSDP2 shards its parameters and optimizer state.
+
+    compute: the run's autocast dtype. Under FSDP2 the head's parameters are gathered in it (bfloat16: half
+    the traffic) and its gradients reduced in float32 (`MixedPrecisionPolicy`), so the head computes in one
+    dtype as under DeepSpeed's bf16; DDP keeps float32 parameters under autocast, and flex attention gets q,
+    k and v in the autocast dtype (train/ttt_flex.py)."""
     if par.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
     if par.backend == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        return fully_shard(module)
+        policy = MixedPrecisionPolicy(
+            param_dtype=None if compute == torch.float32 else compute, reduce_dtype=torch.float32
+        )
+        return fully_shard(module, mp_policy=policy)
     return module
 
 
-def shard_target(model: torch.nn.Module) -> None:
+def shard_target(model: torch.nn.Module, device: Optional[torch.device] = None) -> None:
     """FSDP2 over each decoder layer of the frozen target: every rank keeps 1/world_size of their weights and
-    gathers a layer's weights just for its forward. The embedding and lm_head stay whole on every rank."""
+    gathers a layer's weights just for its forward, freeing them after it (`reshard_after_forward=True`: a
+    layer with no FSDP parent is its own root, which by default keeps its gathered weights after a forward,
+    and the target runs without a backward that would free them). The embedding, final norm and lm_head
+    stay whole on every rank (the head reads them). `model` may be on the CPU: each layer's shard moves to
+    `device` as it is sharded, and the rest after, so the whole target never sits on one GPU."""
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -235,8 +256,15 @@ def shard_target(model: torch.nn.Module) -> None:
             f"train.shard_target: {type(model).__name__} has no model.layers to shard; "
             "set train.shard_target=false"
         )
+    mesh = None
+    if device is not None and device.type == "cuda":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    if device is not None:
+        model.to(device)
     log.info("target: %d decoder layers sharded across %d ranks", len(layers), dist.get_world_size())
 
 

@@ -246,8 +246,9 @@ class FeatureCache:
     def batch(
         self, keys: list[str], width: int, device: Any = "cpu"
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Right-padded features {layer: [B, width, h]} (float32) and the target's greedy tokens
-        [B, width]."""
+        """Right-padded features {layer: [B, width, h]} (float32 on `device`) and the target's greedy tokens
+        [B, width]. The rows stay in the cache's dtype (bfloat16: half the bytes) until they are on the
+        device, copied from pinned memory without a host wait on CUDA, and widen there."""
         out: dict[int, Optional[torch.Tensor]] = {i: None for i in self.layers}
         argmax = torch.zeros(len(keys), width, dtype=torch.long)
         for b, key in enumerate(keys):
@@ -263,10 +264,16 @@ class FeatureCache:
             for i in self.layers:
                 rows = h.get_slice(f"h{i}")[lo:hi]
                 if out[i] is None:
-                    out[i] = torch.zeros(len(keys), width, rows.shape[-1], dtype=torch.float32)
+                    out[i] = torch.zeros(len(keys), width, rows.shape[-1], dtype=rows.dtype)
                 n = min(width, hi - lo)
-                out[i][b, :n] = rows[:n].float()
-        return {i: t.to(device) for i, t in out.items()}, argmax.to(device)
+                out[i][b, :n] = rows[:n]
+        device = torch.device(device)
+        pinned = device.type == "cuda" and torch.cuda.is_available()
+
+        def up(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory().to(device, non_blocking=True) if pinned else t.to(device)
+
+        return {i: up(t).float() for i, t in out.items()}, up(argmax)
 
 
 def layers_for(features: FeaturesConfig, head: HeadConfig, num_target_layers: int) -> list[int]:

@@ -40,6 +40,7 @@ from headway.train.optim import cosine_schedule, make_optimizer
 from headway.train.resume import check_same_run, gather_state, resume_from, write_checkpoint
 from headway.train.setup_heads import add_lora, build_heads, feature_layers
 from headway.train.step import FiniteCheck, StepContext, TrainStep, evaluate
+from headway.train.ttt_flex import flex_shapes, length_buckets, limit_compiles, warm_flex
 
 log = logging.getLogger("headway")
 
@@ -109,10 +110,13 @@ def setup_target(run: Run) -> Any:
     dtype = tc.target_dtype if tc.target_dtype != "auto" else None
     if dtype is None and run.device.type == "cuda":
         dtype = "bfloat16"
-    target_cfg = replace(cfg.target, device=str(run.device), **({"dtype": dtype} if dtype else {}))
+    sharded = tc.shard_target and not tc.features_dir
+    # a sharded target loads on the CPU and reaches the GPU sharded (never whole on one GPU)
+    device = "cpu" if sharded else str(run.device)
+    target_cfg = replace(cfg.target, device=device, **({"dtype": dtype} if dtype else {}))
     target = load_target(target_cfg)
-    if tc.shard_target and not tc.features_dir:
-        shard_target(target.model)
+    if sharded:
+        shard_target(target.model, run.device)
     return target
 
 
@@ -121,6 +125,13 @@ def setup_data(run: Run, target: Any) -> Data:
     cache when training offline."""
     cfg, tc, par = run.cfg, run.tc, run.par
     samples, info = load_samples(tc.datasets, target.fingerprint, tc.max_length)
+    if info["answerless"]:
+        log.info(
+            "dropped %d sequences with no answer token within train.max_length=%d (their prompts are that "
+            "long)",
+            info["answerless"],
+            tc.max_length,
+        )
     if tc.dedup != "none":
         samples, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
         log.info(
@@ -159,13 +170,19 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
     heads = build_heads(cfg.head, tc.init_from, target, data.train_set).to(device)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     # the kind's objective reads the head's own config section (as built: the run's, resolved for this target)
+    attention = ttt_attention(tc.ttt_attention, device)
+    longest = (tc.pack_length or tc.max_length) if tc.packing else tc.max_length
+    buckets = length_buckets(tc.flex_buckets, longest) if attention == "flex" else ()
     plan = head_kind(cfg.head.kind).objective(
         heads.cfg,
         seed=tc.seed,
         loss_chunk=loss_chunk(tc.loss_chunk, device),
-        ttt_attention=ttt_attention(tc.ttt_attention, device),
+        ttt_attention=attention,
+        flex_buckets=buckets,
     )
-    objective = wrap(HeadObjective(heads, plan), par, device)
+    if buckets:
+        warm_up_flex(heads, buckets, tc, device)
+    objective = wrap(HeadObjective(heads, plan), par, device, autocast_dtype(tc.autocast_dtype, device))
     params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
     lora, lora_params = cfg.target_lora(), []
@@ -355,6 +372,26 @@ def argmax_from_data(setting: str, device: torch.device, greedy: bool) -> bool:
     if setting == "auto":
         return greedy and device.type == "cuda"
     return setting == "data"
+
+
+def warm_up_flex(heads: Any, buckets: tuple[int, ...], tc: Any, device: torch.device) -> None:
+    """Flex attention's compiles bounded (a recompile-limit hit raises) and, on a GPU, all made before step 1
+    (train/ttt_flex.py)."""
+    steps = getattr(heads.cfg, "ttt_steps", 1)
+    shapes = len(flex_shapes(buckets, steps))
+    limit_compiles(shapes)
+    if device.type == "cuda" and torch.cuda.is_available():
+        started = time.time()
+        config = heads.decoder.config
+        warm_flex(
+            config, tc.micro_batch_size, buckets, steps, autocast_dtype(tc.autocast_dtype, device), device
+        )
+        log.info(
+            "flex attention: %d shapes (buckets %s) compiled in %.0f s",
+            shapes,
+            list(buckets),
+            time.time() - started,
+        )
 
 
 def ttt_attention(setting: str, device: torch.device) -> str:

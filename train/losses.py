@@ -8,6 +8,17 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
+# A metric `name` that is a mean over rows comes with `name + COUNT`, its row count: micro-batches and ranks
+# are averaged as sums over counts (train/metrics.py), so a micro-batch with few rows weighs little and one
+# with none nothing, and every objective emits the same keys whatever its rows (the ranks' all-reduce of
+# them has one length).
+COUNT = "#n"
+
+
+def counted(metrics: dict[str, torch.Tensor], name: str, mean: torch.Tensor, mask: torch.Tensor) -> None:
+    """Set metrics[name] to `mean` (a mean over the rows where `mask` is true) and its row count."""
+    metrics[name] = mean
+    metrics[name + COUNT] = mask.sum().float()
 
 
 def target_to_draft(
@@ -84,11 +95,11 @@ def medusa_loss(
             per_row = -(wide(soft) * F.log_softmax(lg, -1)).sum(-1)
         loss = masked_mean(per_row, weight)
         total = total + (decay**i) * loss
-        metrics[f"loss/head{i}"] = loss.detach()
+        counted(metrics, f"loss/head{i}", loss.detach(), weight)
         top = lg.detach().topk(min(5, lg.shape[-1]), dim=-1).indices
         want = lab.unsqueeze(-1)
-        metrics[f"top1/head{i}"] = masked_mean((top[:, :1] == want).any(-1), weight)
-        metrics[f"top5/head{i}"] = masked_mean((top == want).any(-1), weight)
+        counted(metrics, f"top1/head{i}", masked_mean((top[:, :1] == want).any(-1), weight), weight)
+        counted(metrics, f"top5/head{i}", masked_mean((top == want).any(-1), weight), weight)
     return total, metrics
 
 
@@ -160,3 +171,8 @@ def chain_acceptance(correct: list[torch.Tensor], valid0: torch.Tensor) -> torch
         run = run * c.float()
         length = length + run
     return 1 + masked_mean(length, valid0)
+
+
+def chain_metric(metrics: dict[str, torch.Tensor], correct: list[torch.Tensor], valid0: torch.Tensor) -> None:
+    """metrics["tau/chain"] (`chain_acceptance`) and its count: the positions valid at step 0."""
+    counted(metrics, "tau/chain", chain_acceptance(correct, valid0).detach(), valid0)

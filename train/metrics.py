@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from headway.train.distributed import Parallel
+from headway.train.losses import COUNT
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by a substring of torch.cuda.get_device_name, for
 # MFU when train.peak_tflops is 0 (auto). Longest names first: "H100 PCIe" before "H100".
@@ -32,14 +33,47 @@ PEAK_TFLOPS = {
 }
 
 
+class MetricSums:
+    """Metrics summed over micro-batches as (sum, count) pairs on the device: a metric with a row count
+    (`name` and `name#n`, train/losses.py `counted`) adds mean x count and count, any other adds itself and 1
+    (the loss, a gradient norm: a mean per micro-batch)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for key, v in metrics.items():
+            if key.endswith(COUNT):
+                continue
+            v = torch.as_tensor(v).float()
+            n = metrics.get(key + COUNT)
+            n = torch.ones_like(v) if n is None else n.float().reshape(v.shape)
+            s = v * n if key + COUNT in metrics else v
+            self.sums[key] = s if key not in self.sums else self.sums[key] + s
+            self.counts[key] = n if key not in self.counts else self.counts[key] + n
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """name -> [2] (sum, count) device tensor, what `read` takes."""
+        return {k: torch.stack([self.sums[k], self.counts[k]]) for k in self.sums}
+
+
 def read(values: dict[str, torch.Tensor], par: Parallel) -> dict[str, float]:
-    """The mean over ranks of each 0-dim device tensor, read to the host at once (a collective)."""
+    """Each metric averaged over micro-batches and ranks as its sum over its count, read to the host at once
+    (one all-reduce of one stacked tensor: a collective, the same keys on every rank). values: name -> a
+    [2] (sum, count) tensor (`MetricSums`), or a 0-dim value counted once (a rank's mean)."""
     if not values:
         return {}
-    averaged = par.mean(values)
-    keys = sorted(averaged)
-    numbers = torch.stack([averaged[k] for k in keys]).tolist()
-    return dict(zip(keys, numbers))
+    keys = sorted(values)
+    pairs = []
+    for k in keys:
+        v = torch.as_tensor(values[k], device=par.device).float()
+        pairs.append(v if v.dim() else torch.stack([v, torch.ones_like(v)]))
+    total = par.sum(torch.stack(pairs))  # [keys, 2]
+    means = torch.where(
+        total[:, 1] > 0, total[:, 0] / total[:, 1].clamp(min=1e-30), torch.zeros_like(total[:, 0])
+    )
+    return dict(zip(keys, means.tolist()))
 
 
 def peak_flops(device: torch.device, peak_tflops: float) -> Optional[float]:

@@ -11,32 +11,37 @@ function of (seed, sequences consumed) and a resumed run reads the same ones; a 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from headway.errors import HeadwayError
-from headway.train.data import Sample, sample_order
+from headway.train.data import Sample, Stream
 
 
 def pack_at(
-    samples: list[Sample], consumed: int, rows: int, length: int, seed: int, window: int = 0
+    samples: list[Sample],
+    consumed: int,
+    rows: int,
+    length: int,
+    seed: int,
+    window: int = 0,
+    stream: Optional[Stream] = None,
 ) -> tuple[list[list[Sample]], int]:
     """The sequences after the first `consumed` of the stream, filled in order into `rows` rows of `length`
     tokens: one that does not fit the current row starts the next, and the first that fits no row left ends
     the batch.
 
+    Args:
+        stream: the run's `Stream` over `samples` (its epoch orders kept between calls); None: made here.
     Returns:
         (the rows' sequences, the stream position after the last one taken).
     """
-    n = len(samples)
-    lengths = tuple(len(s.input_ids) for s in samples) if window > 1 else None
+    stream = stream or Stream(samples, seed, window)
     out: list[list[Sample]] = [[] for _ in range(rows)]
     used, r, k = 0, 0, consumed
-    epoch, order = -1, ()
     while r < rows:
-        if k // n != epoch:  # the epoch's order, once (not per sequence: it hashes every length)
-            epoch = k // n
-            order = sample_order(n, seed, epoch, lengths, window)
-        s = samples[order[k % n]]
+        s = stream.at(k)
         size = len(s.input_ids)
         if size > length:
             raise HeadwayError(

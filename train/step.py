@@ -21,11 +21,11 @@ import torch
 from headway.errors import HeadwayError
 from headway.runtime import autocast_dtype
 from headway.train.checkpointing import latest_checkpoint
-from headway.train.data import Sample, batch_at, collate
+from headway.train.data import Sample, Stream, collate
 from headway.train.distributed import Parallel
 from headway.train.feature_cache import FeatureCache
 from headway.train.losses import distill_kl
-from headway.train.metrics import read
+from headway.train.metrics import MetricSums, read
 from headway.train.objectives import Features
 from headway.train.packing import collate_packed, pack_at
 from headway.train.target_features import target_features, target_logits
@@ -126,7 +126,7 @@ class StepOutcome:
 
     step: int
     loss: torch.Tensor  # 0-dim: the mean of the micro-batches' losses
-    metrics: dict[str, torch.Tensor]  # 0-dim each: means over the micro-batches
+    metrics: dict[str, torch.Tensor]  # [2] each: (sum, count) over the micro-batches (`MetricSums`)
     finite: torch.Tensor  # [grad_accum] bool: each micro-batch's loss is finite
     batches: list[str]  # each micro-batch's first sequence keys (host), for the error message
     grad_norm: Optional[torch.Tensor] = None
@@ -230,7 +230,7 @@ class TrainStep:
         run: the micro-batches' shared context.
         stepper: TorchStep or DeepSpeedStep (backward, the update, no_sync).
         train_set: the training sequences; a step reads the global micro-batches after `consumed` of them
-            (`batch_at`), each rank its share.
+            (`Stream.take`), each rank its share.
         tc: the train config (micro_batch_size, grad_accum, seed, length_window).
         par: the ranks.
         finite: the run's finite-loss check.
@@ -252,6 +252,7 @@ class TrainStep:
         self.run, self.stepper, self.train_set, self.tc, self.par = run, stepper, train_set, tc, par
         self.finite, self.count_flops, self.lora_warmup = finite, count_flops, lora_warmup
         self.micro = tc.micro_batch_size * par.world_size
+        self.stream = Stream(train_set, tc.seed, tc.length_window)  # each epoch's order computed once
         self.pad_id = run.target.tokenizer.pad_token_id or 0
 
     def __call__(self, step: int, consumed: int) -> StepOutcome:
@@ -268,9 +269,7 @@ class TrainStep:
             return self._plan_packed(step, consumed, adapt)
         micro, names, tokens, flops = [], [], 0, 0.0
         for k in range(tc.grad_accum):
-            everyone = batch_at(
-                self.train_set, consumed + k * self.micro, self.micro, tc.seed, tc.length_window
-            )
+            everyone = self.stream.take(consumed + k * self.micro, self.micro)
             tokens += sum(sum(s.loss_mask) for s in everyone)
             batch = self.par.shard(everyone)
             planned = plan_batch(batch, self.pad_id, self.run.plan)
@@ -287,7 +286,13 @@ class TrainStep:
         micro, names, tokens, flops, position = [], [], 0, 0.0, consumed
         for _ in range(tc.grad_accum):
             packed, position = pack_at(
-                self.train_set, position, rows * par.world_size, length, tc.seed, tc.length_window
+                self.train_set,
+                position,
+                rows * par.world_size,
+                length,
+                tc.seed,
+                tc.length_window,
+                self.stream,
             )
             tokens += sum(sum(s.loss_mask) for row in packed for s in row)
             mine = packed[par.rank * rows : (par.rank + 1) * rows]
@@ -302,7 +307,7 @@ class TrainStep:
         """The device's part: forward and backward of each micro-batch, then the update."""
         accum = len(plan.micro)
         self.stepper.zero_grad()
-        loss_sum, metrics_sum, finite = None, {}, []
+        loss_sum, metrics_sum, finite = None, MetricSums(), []
         for k, (planned, batch) in enumerate(plan.micro):
             with self.stepper.accumulating(self.run.objective, last=k == accum - 1):
                 loss, metrics = step_loss(self.run, planned, batch, plan.adapt)
@@ -310,13 +315,11 @@ class TrainStep:
             loss = loss.detach()
             finite.append(torch.isfinite(loss))
             loss_sum = loss / accum if loss_sum is None else loss_sum + loss / accum
-            for key, v in metrics.items():
-                share = v.float() / accum
-                metrics_sum[key] = share if key not in metrics_sum else metrics_sum[key] + share
+            metrics_sum.add(metrics)
         outcome = StepOutcome(
             plan.step,
             loss_sum,
-            metrics_sum,
+            metrics_sum.values(),
             torch.stack(finite),
             plan.names,
             tokens=plan.tokens,
@@ -333,7 +336,7 @@ def evaluate(run: StepContext, held: list, tc: Any, par: Parallel = Parallel()) 
     """Per-head top-1 / top-5 accuracy and loss on the held-out split (mean over batches and ranks; every
     rank runs the same number of batches, as FSDP's collectives need); read back once."""
     run.objective.eval()
-    sums: dict[str, torch.Tensor] = {}
+    sums = MetricSums()
     batches = 0
     samples = held[: tc.eval_max_samples]
     samples = par.shard(samples[: len(samples) // par.world_size * par.world_size])
@@ -341,9 +344,7 @@ def evaluate(run: StepContext, held: list, tc: Any, par: Parallel = Parallel()) 
     for first in range(0, len(samples), tc.micro_batch_size):
         batch = samples[first : first + tc.micro_batch_size]
         loss, metrics = step_loss(run, plan_batch(batch, pad_id, run.plan), batch)
-        metrics["loss"] = loss
-        for k, v in metrics.items():
-            sums[k] = v.float() if k not in sums else sums[k] + v.float()
+        sums.add({**metrics, "loss": loss})
         batches += 1
     run.objective.train()
-    return read({f"eval/{k}": v / batches for k, v in sums.items()}, par) if batches else {}
+    return read({f"eval/{k}": v for k, v in sums.values().items()}, par) if batches else {}

@@ -20,7 +20,7 @@ from transformers import AttentionInterface, DynamicCache
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
 from headway.train.attention_swap import UnderAttention
-from headway.train.ttt_flex import FlexAttention
+from headway.train.ttt_flex import FlexAttention, bucket, pad_to
 from headway.train.ttt_recompute import Recompute
 
 # The attention implementation steps j >= 1 run under (registered once with transformers, below).
@@ -137,6 +137,7 @@ def ttt_unroll(
     attention: str = "structured",
     positions: Optional[torch.Tensor] = None,
     doc: Optional[torch.Tensor] = None,
+    buckets: tuple[int, ...] = (),
 ) -> Unrolled:
     """The drafter unrolled `steps` times on its own outputs (see the module docstring).
 
@@ -150,10 +151,29 @@ def ttt_unroll(
             train/ttt_flex.py; its backward runs on CUDA only) or recompute (scores recomputed in backward,
             train/ttt_recompute.py).
         positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded rows).
+        buckets: with flex, the lengths T is padded up to (train.flex_buckets: one compile per bucket); the
+            padding is no real token, and step 0's output is cut back to T.
     Returns:
         an `Unrolled` with each step's layer output.
     """
     B, T = ids.shape
+    if attention == "flex" and buckets and bucket(T, buckets) != T:
+        padded = bucket(T, buckets)
+        pos = torch.arange(padded, device=ids.device).expand(B, -1) if positions is None else positions
+        unrolled = ttt_unroll(
+            heads,
+            pad_to(ids, padded),
+            pad_to(attn, padded),
+            pad_to(hidden, padded),
+            steps,
+            needed if needed is None else pad_to(needed, padded, False),
+            kept,
+            attention,
+            pad_to(pos, padded),
+            None if doc is None else pad_to(doc, padded, -1),
+        )
+        unrolled.outputs[0] = unrolled.outputs[0][:, :T]
+        return unrolled
     if kept is not None:
         index, kept_mask = kept
     elif needed is not None:

@@ -12,7 +12,13 @@ no query sees (above the causal diagonal, and the earlier steps' keys at other p
 
 These are the masks the structured path applies (tests/test_ttt.py compares both with the dense unroll).
 Torch runs flex attention's backward on CUDA only; on CPUs the structured path trains, and this one runs
-forward (the tests). On CUDA the kernel is compiled once per shape bucket (`torch.compile`).
+forward (the tests).
+
+On CUDA the kernel is compiled (`torch.compile`, static shapes) once per shape: the head's sequence length T
+and the kept positions' count N are padded up to buckets (train.flex_buckets; the padding is masked out), so
+the run compiles at most `len(flex_shapes(buckets, steps))` shapes per grad mode, all warmed before step 1
+(`warm_flex`); Dynamo's recompile limit is raised to that count and a hit raises (`limit_compiles`), since
+past it Dynamo would run flex eagerly: the unfused reference, fp32 [B, H, Q, K] scores, out of memory.
 """
 
 from __future__ import annotations
@@ -32,6 +38,102 @@ from headway.train.attention_swap import UnderAttention
 FLEX = "headway_ttt_flex"
 # Flex attention's query and key block; the block mask is built at this granularity.
 BLOCK = 128
+
+
+def length_buckets(setting: list[int], longest: int) -> tuple[int, ...]:
+    """train.flex_buckets resolved for rows of up to `longest` tokens: as given (its largest must hold them),
+    or powers of two from 256 up to the first that does."""
+    if setting:
+        if setting[-1] < longest:
+            raise HeadwayError(
+                f"train.flex_buckets' largest, {setting[-1]}, is shorter than the longest row ({longest} "
+                "tokens): add a bucket that holds it"
+            )
+        return tuple(setting)
+    out = [256]
+    while out[-1] < longest:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket that holds `n`."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise HeadwayError(f"a length of {n} is longer than train.flex_buckets' largest, {buckets[-1]}")
+
+
+def flex_shapes(buckets: tuple[int, ...], steps: int) -> list[tuple[int, int, int]]:
+    """Every compile a flex call can need under `buckets` for `steps` TTT steps, as (T, N, j): step 0's
+    (T, T, 0), queries and keys T; step j's (T, N, j) for each bucket N <= T, N queries and T + jN keys (the
+    block mask's T is part of the compiled function, so two steps with one (queries, keys) shape but
+    another T are two compiles)."""
+    shapes = [(t, t, 0) for t in buckets]
+    shapes += [(t, n, j) for t in buckets for n in buckets if n <= t for j in range(1, steps)]
+    return shapes
+
+
+def limit_compiles(shapes: int) -> None:
+    """Let Dynamo compile flex attention and its block masks at `shapes` shapes in each grad mode (training,
+    evaluation) and make a hit of that limit an error: past it Dynamo would run flex eagerly, silently."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 2 * shapes)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * shapes)
+    config.fail_on_recompile_limit_hit = True
+
+
+def pad_to(x: torch.Tensor, length: int, fill: float = 0) -> torch.Tensor:
+    """`x` [B, T, ...] padded with `fill` to `length` along dim 1."""
+    if x.shape[1] == length:
+        return x
+    pad = x.new_full((x.shape[0], length - x.shape[1], *x.shape[2:]), fill)
+    return torch.cat([x, pad], dim=1)
+
+
+def warm_flex(
+    layer_config: Any,
+    batch: int,
+    buckets: tuple[int, ...],
+    steps: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backward: bool = True,
+) -> int:
+    """Compile flex attention and its block masks at every shape `flex_shapes` admits, for micro-batches of
+    `batch` rows, with and without gradients, before step 1: every rank compiles the same shapes at the same
+    time (not one rank inside the first steps while the others wait in a collective). Returns the shapes
+    run; on anything but a real CUDA device nothing is compiled and this only checks the calls."""
+    heads = layer_config.num_attention_heads
+    kv_heads = getattr(layer_config, "num_key_value_heads", None) or heads
+    dim = getattr(layer_config, "head_dim", None) or layer_config.hidden_size // heads
+    shapes = 0
+    for T in buckets:
+        real = torch.ones(batch, T, dtype=torch.bool, device=device)
+        calls = [(T, 0), *((n, j) for n in buckets if n <= T for j in range(1, steps))]
+        for N, j in calls:
+            mask = (
+                causal_mask(real)
+                if j == 0
+                else step_mask(real, torch.zeros(batch, N, dtype=torch.long, device=device), j)
+            )
+            Q, K = (T, T) if j == 0 else (N, T + j * N)
+            for grad in (True, False) if backward else (False,):
+                q = torch.zeros(batch, heads, Q, dim, dtype=dtype, device=device, requires_grad=grad)
+                k = torch.zeros(batch, kv_heads, K, dim, dtype=dtype, device=device, requires_grad=grad)
+                v = torch.zeros(batch, kv_heads, K, dim, dtype=dtype, device=device, requires_grad=grad)
+                with torch.set_grad_enabled(grad):
+                    out, _ = flex_ttt_attention(_Module(), q, k, v, mask)
+                    if grad:
+                        out.sum().backward()
+            shapes += 1
+    return shapes
+
+
+class _Module:
+    """What `flex_ttt_attention` reads of the calling attention module: that it runs no dropout."""
+
+    training = False
 
 
 @lru_cache(maxsize=None)
@@ -66,7 +168,10 @@ def flex_ttt_attention(
     """A transformers attention function over a BlockMask.
 
     Args:
-        query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; attention_mask: the step's BlockMask (Q x K).
+        query: [B, Hq, Q, D]; key, value: [B, Hkv, K, D]; attention_mask: the step's BlockMask (Q x K). Query,
+            key and value reach the kernel in one dtype: the autocast dtype when autocast is on (the head's
+            rotary embedding, in its parameters' dtype, promotes q and k past a low-precision v under DDP's
+            float32 parameters), else the value's.
     Returns:
         ([B, Q, Hq, D], None), as transformers' own attention functions return.
     """
@@ -80,6 +185,11 @@ def flex_ttt_attention(
         def score_mod(score: torch.Tensor, b: Any, h: Any, q: Any, k: Any) -> torch.Tensor:
             return torch.tanh(score / softcap) * softcap
 
+    dtype = (
+        torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type) else None
+    )
+    dtype = dtype or query.dtype
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     out = _compiled(_compiles(query))(
         query,
         key,

@@ -85,6 +85,17 @@ def answer_ahead(batch: dict[str, torch.Tensor], k: int) -> torch.Tensor:
     return answer & (shifted(batch["doc"], k, -2) == batch["doc"])
 
 
+def at_least_one_row(*index: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The plan's index tensors of one loss, or one row (0, 0, ...) where they are empty: a micro-batch with
+    no loss row for some step still runs that step's read-out on one row weighted out on the device, so every
+    loss has a graph (a backward with no graph raises) and every trained parameter gets a gradient on every
+    rank (DDP and FSDP2 reduce the same parameters everywhere). The objective recomputes the row's validity
+    on the device (`answer_ahead` at it), false for the added row."""
+    if index[0].numel():
+        return index
+    return tuple(torch.zeros(1, dtype=i.dtype) for i in index)
+
+
 class Objective(ABC):
     """A head kind's training objective: what its head learns from the target's features on one batch.
 
@@ -100,6 +111,8 @@ class Objective(ABC):
             for the kinds that chunk it (train/chunked_loss.py).
         ttt_attention: train.ttt_attention resolved (structured, flex or recompute), for the kinds with a
             draft attention layer (EAGLE-1, EAGLE-3).
+        flex_buckets: train.flex_buckets resolved (train/ttt_flex.py `length_buckets`): with flex, the
+            lengths its attention is padded up to (empty: no padding).
     """
 
     # The batch keys `plan` adds (empty: the kind plans nothing).
@@ -109,12 +122,19 @@ class Objective(ABC):
     needs_logits: bool = True
 
     def __init__(
-        self, cfg: Any, *, seed: int = 0, loss_chunk: int = 0, ttt_attention: str = "structured"
+        self,
+        cfg: Any,
+        *,
+        seed: int = 0,
+        loss_chunk: int = 0,
+        ttt_attention: str = "structured",
+        flex_buckets: tuple[int, ...] = (),
     ) -> None:
         self.cfg = cfg
         self.seed = seed
         self.loss_chunk = loss_chunk
         self.ttt_attention = ttt_attention
+        self.flex_buckets = tuple(flex_buckets) if ttt_attention == "flex" else ()
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Host-side planning of a micro-batch, on its CPU tensors before they go to the device: the index

@@ -10,7 +10,7 @@ import torch
 
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import chain_acceptance, draft_loss, masked_mean, wide
+from headway.train.losses import chain_metric, counted, draft_loss, masked_mean, wide
 from headway.train.objectives.common import Features, Objective, answer_ahead
 
 
@@ -139,8 +139,8 @@ class DFlashObjective(Objective):
                 best, want = slot_logits.detach().argmax(-1), p.argmax(-1)
             total = total + math.exp(-(j - 1) / dc.loss_gamma) * loss_j
             right = (best == want) & weight
-            metrics[f"loss/slot{j}"] = loss_j.detach()
-            metrics[f"top1/slot{j}"] = masked_mean(right, weight)
+            counted(metrics, f"loss/slot{j}", loss_j.detach(), weight)
+            counted(metrics, f"top1/slot{j}", masked_mean(right, weight), weight)
             correct.append(right.view(B, -1))
-        metrics["tau/chain"] = chain_acceptance(correct, valid0).detach()
+        chain_metric(metrics, correct, valid0)
         return total, metrics

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from headway.heads.draft_layer import drafter_mask
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import masked_mean, wide
+from headway.train.losses import counted, masked_mean, wide
 from headway.train.objectives.common import Features, Objective, answer_ahead
 from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
@@ -53,7 +53,15 @@ class EagleObjective(Objective):
             out = heads(shifted(ids, 1), f_in, pos, drafter_mask(allowed, heads.fc.weight.dtype))
         else:  # flex or recompute: no [T, T] mask, no scores kept (train/ttt.py; one step)
             out = ttt_unroll(
-                heads, ids, attn, f_in, 1, attention=self.ttt_attention, positions=positions, doc=doc
+                heads,
+                ids,
+                attn,
+                f_in,
+                1,
+                attention=self.ttt_attention,
+                positions=positions,
+                doc=doc,
+                buckets=self.flex_buckets,
             ).outputs[0]
         valid = answer_ahead(batch, 2)
         vloss = masked_mean(F.smooth_l1_loss(wide(out), shifted(f, 1), reduction="none").mean(-1), valid)
@@ -72,4 +80,9 @@ class EagleObjective(Objective):
             best = pred.detach().argmax(-1)
         top1 = (best == teacher.argmax(-1)).float().mean() if n else ploss.detach() * 0
         loss = ec.feature_weight * vloss + ec.token_weight * ploss
-        return loss, {"loss/feature": vloss.detach(), "loss/token": ploss.detach(), "top1/step0": top1}
+        metrics: dict[str, torch.Tensor] = {}
+        counted(metrics, "loss/feature", vloss.detach(), valid)
+        every = torch.ones(n, dtype=torch.bool, device=ids.device)
+        counted(metrics, "loss/token", ploss.detach(), every)
+        counted(metrics, "top1/step0", top1, every)
+        return loss, metrics

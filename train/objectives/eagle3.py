@@ -9,9 +9,10 @@ import torch
 
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, attention, layer_linears, linear
-from headway.train.losses import chain_acceptance, draft_loss, masked_mean, wide
-from headway.train.objectives.common import Features, Objective, answer_ahead
+from headway.train.losses import chain_metric, counted, draft_loss, masked_mean, wide
+from headway.train.objectives.common import Features, Objective, answer_ahead, at_least_one_row
 from headway.train.ttt import kept_positions, shifted, ttt_unroll
+from headway.train.ttt_flex import bucket, pad_to
 
 
 class Eagle3Objective(Objective):
@@ -36,6 +37,9 @@ class Eagle3Objective(Objective):
             index, kept = kept_positions(torch.stack(answer[1:]).any(0))
         else:
             index, kept = torch.zeros(answer[0].shape[0], 1, dtype=torch.long), answer[0][:, :1] & False
+        if self.flex_buckets:  # flex compiles once per bucket: N padded up to one (its rows not kept)
+            N = bucket(index.shape[1], self.flex_buckets)
+            index, kept = pad_to(index, N), pad_to(kept, N, False)
         out = {"ttt_index": index, "ttt_kept": kept}
         for j in range(steps):
             if j == 0:
@@ -45,7 +49,7 @@ class Eagle3Objective(Objective):
                 where = answer[j].gather(1, index) & kept
                 rows, cols = where.nonzero(as_tuple=True)
                 at = index[rows, cols]
-            out[f"r{j}"], out[f"c{j}"], out[f"a{j}"] = rows, cols, at
+            out[f"r{j}"], out[f"c{j}"], out[f"a{j}"] = at_least_one_row(rows, cols, at)
         return out
 
     def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
@@ -81,33 +85,35 @@ class Eagle3Objective(Objective):
             attention=self.ttt_attention,
             positions=batch.get("positions"),
             doc=batch.get("doc"),
+            buckets=self.flex_buckets,
         )
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, torch.Tensor] = {}
         correct = []
+        T = ids.shape[1]
         for j, out in enumerate(unrolled.outputs):
+            # every step has at least one planned row (a host-known shape); a row added to an empty plan is
+            # weighted out here, so every step's loss and metrics exist whatever the micro-batch holds
             rows, cols, at = batch[f"r{j}"], batch[f"c{j}"], batch[f"a{j}"]
-            hit = torch.zeros_like(ids, dtype=torch.bool)
-            if rows.shape[0]:  # a host-known shape
-                # step j at t learns the target's distribution at t+1+j, and the draft lm_head runs only
-                # where a loss may be taken: most of a step's cost
-                teacher = target_logits_d[rows, at + 1 + j]
-                weight = in_draft[rows, at + 1 + j]
-                if self.loss_chunk:
-                    x = heads.norm(out[rows, cols])
-                    loss_j, best = chunked_draft_loss(
-                        ec.loss, x, heads.lm_head.weight, teacher, weight, self.loss_chunk
-                    )
-                else:
-                    logits = wide(heads.logits(out[rows, cols]))
-                    loss_j = draft_loss(ec.loss, logits, torch.softmax(wide(teacher), -1), weight)
-                    best = logits.detach().argmax(-1)
-                total = total + (ec.ttt_decay**j) * loss_j
-                right = (best == teacher.argmax(-1)) & weight
-                metrics[f"loss/step{j}"] = loss_j.detach()
-                metrics[f"top1/step{j}"] = masked_mean(right, weight)
-                hit = hit.index_put((rows, at), right)
-            correct.append(hit)
+            ahead = (at + 1 + j).clamp(max=T - 1)
+            # step j at t learns the target's distribution at t+1+j, and the draft lm_head runs only where a
+            # loss may be taken: most of a step's cost
+            teacher = target_logits_d[rows, ahead]
+            weight = in_draft[rows, ahead] & answer_ahead(batch, 2 + j)[rows, at]
+            if self.loss_chunk:
+                x = heads.norm(out[rows, cols])
+                loss_j, best = chunked_draft_loss(
+                    ec.loss, x, heads.lm_head.weight, teacher, weight, self.loss_chunk
+                )
+            else:
+                logits = wide(heads.logits(out[rows, cols]))
+                loss_j = draft_loss(ec.loss, logits, torch.softmax(wide(teacher), -1), weight)
+                best = logits.detach().argmax(-1)
+            total = total + (ec.ttt_decay**j) * loss_j
+            right = (best == teacher.argmax(-1)) & weight
+            counted(metrics, f"loss/step{j}", loss_j.detach(), weight)
+            counted(metrics, f"top1/step{j}", masked_mean(right, weight), weight)
+            correct.append(torch.zeros_like(ids, dtype=torch.bool).index_put((rows, at), right))
         valid0 = answer_ahead(batch, 2) & shifted(in_draft, 1, False)
-        metrics["tau/chain"] = chain_acceptance(correct, valid0).detach()
+        chain_metric(metrics, correct, valid0)
         return total, metrics

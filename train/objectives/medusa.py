@@ -12,8 +12,8 @@ import torch
 
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, linear
-from headway.train.losses import IGNORE, masked_mean, medusa_labels, medusa_loss, wide
-from headway.train.objectives.common import Features, Objective, answer_ahead
+from headway.train.losses import IGNORE, counted, masked_mean, medusa_labels, medusa_loss, wide
+from headway.train.objectives.common import Features, Objective, answer_ahead, at_least_one_row
 
 
 class MedusaObjective(Objective):
@@ -29,7 +29,7 @@ class MedusaObjective(Objective):
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for i in range(self.cfg.num_heads):
-            out[f"r{i}"], out[f"c{i}"] = answer_ahead(batch, 2 + i).nonzero(as_tuple=True)
+            out[f"r{i}"], out[f"c{i}"] = at_least_one_row(*answer_ahead(batch, 2 + i).nonzero(as_tuple=True))
         return out
 
     def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
@@ -60,7 +60,7 @@ class MedusaObjective(Objective):
             d2t = None if heads.d2t is None else heads.d2t.to(target.device)
             soft = []
             for i, (r, c) in enumerate(rows):
-                at = target[r, c + 1 + i]
+                at = target[r, (c + 1 + i).clamp(max=target.shape[1] - 1)]  # (an added row: weighted out)
                 soft.append(torch.softmax(wide(at if d2t is None else at[..., d2t]), -1))
         return medusa_loss(logits, labels, self.cfg.decay, soft, rows)
 
@@ -74,21 +74,19 @@ class MedusaObjective(Objective):
         target = feats.logits.detach() if self.cfg.loss == "kl" else None
         d2t = None if heads.d2t is None or target is None else heads.d2t.to(target.device)
         for i, (state, (r, c)) in enumerate(zip(heads.states(hidden), rows)):
-            if r.shape[0] == 0:  # a host-known shape: no row of this head can take a loss
-                continue
             lab = labels[i][r, c]
             weight = lab != IGNORE
             if target is None:
                 kind, teacher = "ce", lab.clamp(min=0)
             else:  # head i at t: the target's distribution at t+1+i
-                at = target[r, c + 1 + i]
+                at = target[r, (c + 1 + i).clamp(max=target.shape[1] - 1)]
                 kind, teacher = "soft_ce", at if d2t is None else at[..., d2t]
             loss, top = chunked_draft_loss(
                 kind, state[r, c], heads.readout(i), teacher, weight, self.loss_chunk, top=5
             )
             total = total + (self.cfg.decay**i) * loss
             want = lab.unsqueeze(-1)
-            metrics[f"loss/head{i}"] = loss.detach()
-            metrics[f"top1/head{i}"] = masked_mean((top[:, :1] == want).any(-1), weight)
-            metrics[f"top5/head{i}"] = masked_mean((top == want).any(-1), weight)
+            counted(metrics, f"loss/head{i}", loss.detach(), weight)
+            counted(metrics, f"top1/head{i}", masked_mean((top[:, :1] == want).any(-1), weight), weight)
+            counted(metrics, f"top5/head{i}", masked_mean((top == want).any(-1), weight), weight)
         return total, metrics
