@@ -138,6 +138,17 @@ def test_a_sharded_target_gives_the_replicated_curve(tiny_dirs, tiny_data, tmp_p
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "decoder layers sharded across 2 ranks" in res.stderr
+    # each rank holds half the decoder layers after a forward (they are freed, not kept gathered) plus the
+    # embedding, norm and lm_head: at most half the target plus one layer
+    held = re.findall(r"target: rank (\d) holds (\d+) of its (\d+) parameter bytes", res.stderr)
+    assert held, res.stderr[-3000:]  # (rank 0 logs; the ranks hold equal shards)
+    from headway.target.loading import load_target
+
+    whole = load_target(small_run(model, tiny_data, tmp_path / "x").target).model
+    layer = sum(p.numel() * p.element_size() for p in whole.model.layers[0].parameters())
+    unsharded = sum(p.numel() * p.element_size() for n, p in whole.named_parameters() if ".layers." not in n)
+    for _, mine, total in held:
+        assert int(mine) <= (int(total) - unsharded) / 2 + unsharded + layer
     assert [v for _, v in losses(tmp_path / "two")] == pytest.approx(
         [v for _, v in losses(tmp_path / "one")], rel=1e-4
     )

@@ -268,6 +268,19 @@ def shard_target(model: torch.nn.Module, device: Optional[torch.device] = None) 
     log.info("target: %d decoder layers sharded across %d ranks", len(layers), dist.get_world_size())
 
 
+def held_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of `model`'s parameters this rank holds now, bytes of the whole model): a sharded layer counts
+    its local shard while resharded, its whole weights while gathered."""
+    from torch.distributed.tensor import DTensor
+
+    held = whole = 0
+    for p in model.parameters():
+        size = p.element_size()
+        whole += p.numel() * size
+        held += (p.to_local() if isinstance(p, DTensor) else p).numel() * size
+    return held, whole
+
+
 def full_state(module: torch.nn.Module, optimizer: Any, par: Parallel) -> tuple[dict, dict]:
     """The whole model and optimizer state, gathered to rank 0 on CPU (every rank must call this)."""
     from torch.distributed.checkpoint.state_dict import (

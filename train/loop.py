@@ -31,7 +31,15 @@ from headway.target.loading import load_target
 from headway.train import deepspeed_engine, flops
 from headway.train.checkpointing import latest_checkpoint
 from headway.train.data import Sample, drop_duplicates, load_samples, split_heldout
-from headway.train.distributed import HeadObjective, Parallel, TorchStep, shard_target, start, wrap
+from headway.train.distributed import (
+    HeadObjective,
+    Parallel,
+    TorchStep,
+    held_bytes,
+    shard_target,
+    start,
+    wrap,
+)
 from headway.train.feature_cache import FeatureCache
 from headway.train.logging import RunLogger
 from headway.train.losses import target_to_draft
@@ -308,6 +316,11 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
     while step < tc.max_steps:
         outcome = train_step(step + 1, consumed)
         step, consumed = step + 1, outcome.end
+        if step == 1 and tc.shard_target and not tc.features_dir:
+            held, whole = held_bytes(target.model)
+            log.info(
+                "target: rank %d holds %d of its %d parameter bytes after a forward", par.rank, held, whole
+            )
         seen += outcome.tokens
         throughput.add(outcome.tokens, outcome.flops)
         bar.update(1)
