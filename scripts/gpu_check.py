@@ -98,6 +98,9 @@ PAIRS = {
 # the CUDA backend's row counts timed per step (replay ms), and the cache length before them
 REPLAY_ROWS = (1, 16, 48, 64)
 REPLAY_PREFIX = 256
+# the cache lengths replays are timed after on a GPU (tree attention's cost grows with the context: the GPU
+# review's finding 4); a dry run times REPLAY_PREFIX alone
+REPLAY_PREFIXES = (2048, 8192, 32768)
 BUDGET = {
     "gpu": {"prompts": 14, "tokens": 128, "tiny_tokens": 48},
     "dry": {"prompts": 2, "tokens": 8, "tiny_tokens": 8},
@@ -377,9 +380,9 @@ def step_cudnn(res: Results, dry: bool, prompts: str | None) -> None:
     )
 
 
-def _step_ms(runner: CudaRunner, rows: int, repeats: int) -> float:
-    """Median ms of the CUDA backend's step at `rows` rows as the device loop runs it (step, verdict read,
-    root kept), after the warm-up that captures its graph."""
+def _step_ms(runner: CudaRunner, rows: int, repeats: int, prefix: int = REPLAY_PREFIX) -> float:
+    """Median ms of the CUDA backend's step at `rows` rows after a cache of `prefix` tokens as the device loop
+    runs it (step, verdict read, root kept), after the warm-up that captures its graph."""
     ids, parent = torch.randint(100, 1000, (rows,)), torch.arange(-1, rows - 1)
     times = []
     for _ in range(WARMUP + 1 + repeats):
@@ -390,7 +393,7 @@ def _step_ms(runner: CudaRunner, rows: int, repeats: int) -> float:
         runner.keep_path(rows, verdict[2:3])
         _sync(str(runner.device))
         times.append(time.perf_counter() - t0)
-        runner.truncate(REPLAY_PREFIX)
+        runner.truncate(prefix)
     return 1e3 * statistics.median(times[WARMUP + 1 :])
 
 
@@ -406,9 +409,15 @@ class _NoSyncInSteps:
         outer = self
 
         def run(graphs: StepGraphs, m: int) -> Any:
-            # (not while a bucket warms up or is captured: those synchronise on purpose)
-            settled = m in graphs.graphs or m in graphs.failed or not graphs.enabled
-            cuda = settled and torch.cuda.is_available()
+            # every eager step and replay (not the call that captures: it synchronises on purpose), so a
+            # step that syncs raises here: warm-ups, eager fallbacks and graphs-off runs are eager steps
+            capturing = (
+                graphs.enabled
+                and m not in graphs.graphs
+                and m not in graphs.failed
+                and graphs.calls.get(m, 0) >= WARMUP
+            )
+            cuda = not capturing and torch.cuda.is_available()
             if cuda:
                 torch.cuda.set_sync_debug_mode("error")
             try:
@@ -499,22 +508,32 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
         d = _decoder(device, dtype, dry, "inference.engine=cuda", "inference.drafter=neural")
         model = d.target.model
         # (a runner of its own, one bucket per row count timed; the decoder's runner keeps its one bucket)
-        runner = CudaRunner(model, REPLAY_PREFIX + max(REPLAY_ROWS) + 1, REPLAY_ROWS, d.options.cuda_graphs)
-        runner.forward(torch.randint(100, 1000, (REPLAY_PREFIX,)))
-        for rows in REPLAY_ROWS:
-            ms = _step_ms(runner, rows, 1 if dry else 20)
-            stats = runner.graphs.stats.get(runner.bucket(rows), {})
-            res.write(
-                kind="replay",
-                device=device,
-                dtype=dtype,
-                rows=rows,
-                bucket=runner.bucket(rows),
-                ms_per_step=round(ms, 3),
-                graph=runner.bucket(rows) in runner.graphs.graphs,
-                capture_s=round(stats.get("capture_s", 0.0), 3),
-                pool_mib=round(stats.get("pool_bytes", 0) / 2**20, 1),
-            )
+        context = int(getattr(d.target.config, "max_position_embeddings", 0) or 2**31)
+        prefixes = (REPLAY_PREFIX,) if dry else tuple(p for p in REPLAY_PREFIXES if p + 128 <= context)
+        runner = CudaRunner(model, max(prefixes) + max(REPLAY_ROWS) + 1, REPLAY_ROWS, d.options.cuda_graphs)
+        for prefix in prefixes:  # (one runner: its graphs read the cache length from memory)
+            runner.truncate(0)
+            runner.forward(torch.randint(100, 1000, (prefix,)))
+            for rows in REPLAY_ROWS:
+                with _NoSyncInSteps() as guard:
+                    ms = _step_ms(runner, rows, 1 if dry else 20, prefix)
+                stats = runner.graphs.stats.get(runner.bucket(rows), {})
+                res.write(
+                    kind="replay",
+                    device=device,
+                    dtype=dtype,
+                    prefix=prefix,
+                    rows=rows,
+                    bucket=runner.bucket(rows),
+                    ms_per_step=round(ms, 3),
+                    graph=runner.bucket(rows) in runner.graphs.graphs,
+                    capture_s=round(stats.get("capture_s", 0.0), 3),
+                    pool_mib=round(stats.get("pool_bytes", 0) / 2**20, 1),
+                    failed_captures=runner.graphs.failures,
+                    reads_inside_steps=guard.reads,
+                )
+                if guard.reads:  # the sync check fails the step: a step that reads the host cannot be a graph
+                    raise RuntimeError(f"the {rows}-row step read the host {guard.reads} times inside a step")
         texts = _prompt_texts(prompts, 1 if dry else 4)
         d.warm_up(4)
         for text in texts:
@@ -539,6 +558,8 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
                 plain_tok_s=round(plain.tokens_per_second, 2),
                 equal_to_plain=spec.tokens == plain.tokens,
             )
+            if guard.reads:
+                raise RuntimeError(f"the device loop read the host {guard.reads} times inside its steps")
 
 
 # distill: (dtype, cache, batch size), most telling first (a run cut at its limit keeps those)
