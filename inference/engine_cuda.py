@@ -250,7 +250,7 @@ class CudaRunner:
                 trim = (-(-self._reach[0] // BLOCK_N), self._reach[1])
             for kind in masks:
                 window = self.net.window if kind == "sliding_attention" else None
-                attends[kind] = _TreeAttend(start, tails, depth + 1, window, trim)
+                attends[kind] = _TreeAttend(start, tails, depth + 1, window, trim, n)
         rope = {
             kind: (cos.index_select(0, positions), sin.index_select(0, positions))
             for kind, (cos, sin) in self.net.rope.items()
@@ -372,7 +372,8 @@ _RUNNERS: "weakref.WeakKeyDictionary[Any, CudaRunner]" = weakref.WeakKeyDictiona
 class _TreeAttend:
     """A step's row-exact attention (kernel_tree_attention) as `layer_step` calls it: q [n, heads, head_dim]
     over the layer's cache, each row along its own virtual sequence. `trim` (blocks, real rows): the CPU
-    emulation's host bounds (CudaRunner.trim_blocks)."""
+    emulation's host bounds (CudaRunner.trim_blocks); `rows`: the step's real row count (a device tensor),
+    past which the kernel's rows read nothing."""
 
     def __init__(
         self,
@@ -381,12 +382,16 @@ class _TreeAttend:
         lens: torch.Tensor,
         window: Optional[int],
         trim: Optional[tuple[int, int]] = None,
+        rows: Optional[torch.Tensor] = None,
     ):
         self.start, self.tails, self.lens, self.window, self.trim = start, tails, lens, window, trim
+        self.rows = rows
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if self.trim is None:
-            return tree_attention(q, k, v, self.start, self.tails, self.lens, scale, self.window)
+            return tree_attention(
+                q, k, v, self.start, self.tails, self.lens, scale, self.window, rows=self.rows
+            )
         # the CPU emulation (CudaRunner.trim_blocks): the real rows over the blocks they reach; pads get zeros
         blocks, n = self.trim
         real = tree_attention(

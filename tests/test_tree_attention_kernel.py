@@ -179,3 +179,122 @@ def test_the_module_imports_without_triton():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+# -- the kernel's work follows the real rows (issue 75, review finding 4) -----------------------------------
+# small shapes for the interpreter: blocks of 4 keys, splits of 2 blocks, tiles of 4 rows
+
+
+def small_dense(q, k, v, slots_of_row, scale, window=None):
+    """float64 attention of one query row [heads, hd] over the given cache slots (grouped heads)."""
+    slots = slots_of_row[-window:] if window else slots_of_row
+    group = q.shape[0] // k.shape[0]
+    kk = k[:, slots].double().repeat_interleave(group, 0)
+    vv = v[:, slots].double().repeat_interleave(group, 0)
+    w = torch.softmax((q.double()[:, None, :] * kk).sum(-1) * scale, -1)
+    return (w[..., None] * vv).sum(1).reshape(-1)
+
+
+needs_triton = pytest.mark.skipif(kta.triton is None, reason="triton is not installed")
+SMALL = dict(block_n=4, split_n=8, tile_rows=4)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "dtype, window", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, 7)], ids=str
+)
+def test_a_tree_row_equals_its_one_row_plain_step_at_every_length(dtype, window):
+    """A 5-row tree in an 8-row bucket (3 pad rows, two tiles), at contexts of 0, 9 and 40 keys (1 to 6
+    splits of 8 keys): rows 0, 2 and 4 give, bit for bit, what the kernel gives each as the one real row of a
+    plain step (its ancestors compacted after the prefix, 7 pad rows of other data beside it); pad rows give
+    zeros; every real row is attention within its storage's rounding."""
+    import numpy as np
+
+    kv, group, hd, depth, bucket, real = 2, 2, 8, 4, 8, 5
+    scale = hd**-0.5
+    run = on_device(kta.kernel)
+    for start in (0, 9, 40):
+        cap = start + 2 * depth + 1
+        rng = np.random.default_rng(start)
+        g = torch.Generator().manual_seed(start)
+        k = torch.randn(kv, cap, hd, generator=g).to(dtype)
+        v = torch.randn(kv, cap, hd, generator=g).to(dtype)
+        q = torch.randn(bucket, kv * group, hd, generator=g).to(dtype)
+        tails = torch.full((bucket, depth), cap - 1, dtype=torch.long)
+        lens = torch.ones(bucket, dtype=torch.long)
+        for i in range(real):
+            d = int(rng.integers(1, depth + 1))
+            tails[i, :d] = torch.tensor(sorted(rng.choice(range(start, cap - 1), size=d, replace=False)))
+            lens[i] = d
+        rows = torch.tensor(real)
+        tree = run(q, k, v, torch.tensor(start), tails, lens, scale, window, rows, **SMALL)
+        assert torch.equal(tree[real:], torch.zeros_like(tree[real:]))
+        for i in range(real):
+            d = int(lens[i])
+            want = small_dense(q[i], k, v, list(range(start)) + tails[i, :d].tolist(), scale, window)
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            assert torch.allclose(tree[i].double(), want, atol=tol, rtol=tol), (start, i)
+            if i % 2:
+                continue
+            kc, vc = k.clone(), v.clone()
+            kc[:, start : start + d], vc[:, start : start + d] = k[:, tails[i, :d]], v[:, tails[i, :d]]
+            me = start + d - 1
+            pq = torch.randn(bucket, kv * group, hd, generator=g).to(dtype)
+            pq[0] = q[i]
+            ptails = torch.randint(0, cap, (bucket, depth), generator=g)
+            ptails[0, 0] = me
+            plens = torch.ones(bucket, dtype=torch.long)
+            one = run(pq, kc, vc, torch.tensor(me), ptails, plens, scale, window, torch.tensor(1), **SMALL)
+            assert torch.equal(tree[i], one[0]), (start, i)
+
+
+def blocks_read(n_real, bucket, start, window=None, kv=2, group=2, hd=8, depth=6, **shape):
+    """The key blocks the kernel reads (its counter) for `n_real` rows of a `bucket`-row step at `start`
+    keys of context (row i at depth i % depth + 1), and the output."""
+    g = torch.Generator().manual_seed(start)
+    cap = start + depth + 1
+    k, v = torch.randn(kv, cap, hd, generator=g), torch.randn(kv, cap, hd, generator=g)
+    q = torch.randn(bucket, kv * group, hd, generator=g)
+    lens = torch.tensor([i % depth + 1 for i in range(bucket)])
+    tails = start + torch.arange(depth).expand(bucket, depth).contiguous()
+    counter = torch.zeros(1, dtype=torch.long)
+    out = on_device(kta.kernel)(
+        q, k, v, torch.tensor(start), tails, lens, 0.3, window, torch.tensor(n_real), counter=counter, **shape
+    )
+    return int(counter.cpu()), out
+
+
+@needs_triton
+def test_a_plain_step_in_the_64_row_bucket_reads_its_one_row_s_blocks():
+    """The measure: a plain step (1 real row) at 1,000 keys of context in the 64-row bucket read
+    64 rows x 63 blocks per key-value head before (every pad row scanned the prefix); now 63, its row's own,
+    the 63 pad rows read nothing and give zeros. Split every 256 keys, it reads the same 63 blocks."""
+    kv, per_row = 2, -(-1001 // kta.BLOCK_N)
+    assert per_row == 63
+    read, out = blocks_read(1, 64, 1000, kv=kv)
+    assert read == kv * per_row  # (before: kv * 64 * 63)
+    assert torch.equal(out[1:], torch.zeros_like(out[1:]))
+    split_read, split_out = blocks_read(1, 64, 1000, kv=kv, split_n=256)
+    assert split_read == kv * per_row
+    assert torch.allclose(split_out, out, atol=1e-6, rtol=1e-6) and not torch.equal(split_out, out)
+
+
+@needs_triton
+def test_the_rows_of_a_tile_share_each_block_and_a_window_starts_at_its_block():
+    """16 tree rows (depths 1 to 6) in one 16-row tile read each block once for all of them: 63 blocks per
+    key-value head, not 16 x 63. A sliding-window row (window 100) reads only the blocks its window
+    touches: from block (1001 - 100) // 16 = 56 to 62."""
+    kv = 2
+    read, _ = blocks_read(16, 64, 1000, kv=kv, tile_rows=16)
+    assert read == kv * 63
+    read, _ = blocks_read(1, 64, 1000, window=100, kv=kv)
+    assert read == kv * (63 - (1001 - 100) // kta.BLOCK_N) == kv * 7
+
+
+def test_the_reference_gives_pad_rows_zeros():
+    k, v = caches()
+    q = queries(4)
+    tails, lens = random_rows(4, 20, __import__("numpy").random.default_rng(1))
+    full = kta.reference(q, k, v, torch.tensor(20), tails, lens, 0.2)
+    some = kta.reference(q, k, v, torch.tensor(20), tails, lens, 0.2, rows=torch.tensor(2))
+    assert torch.equal(some[:2], full[:2]) and torch.equal(some[2:], torch.zeros_like(some[2:]))
