@@ -287,3 +287,202 @@ def test_flex_attention_gets_one_dtype_on_every_backend(tiny_dirs, backend: str,
         planned = {**batch, **objective.plan(batch)}
         objective(heads, planned, Features(hidden, model=t.model, argmax=batch["input_ids"]), t2d)
     assert len(seen) == heads.cfg.ttt_steps and set(seen) == {(torch.bfloat16,) * 3}
+
+
+def _recompute_inputs(seed: int = 0):
+    """A recompute attention call's inputs: 2 query groups, 6 queries at kept positions, 8 real keys, one
+    earlier step; float32, requiring gradients."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, G, N, T, D = 1, 2, 2, 6, 8, 16
+    q = torch.randn(B, Hkv, G, N, D, generator=g)
+    k0, v0 = torch.randn(B, Hkv, T, D, generator=g) * 2, torch.randn(B, Hkv, T, D, generator=g)
+    kd, vd = torch.randn(B, Hkv, 1, N, D, generator=g) * 2, torch.randn(B, Hkv, 1, N, D, generator=g)
+    index = torch.tensor([[1, 2, 3, 4, 6, 7]])
+    real = torch.ones(B, T, dtype=torch.bool)
+    tensors = [x.requires_grad_() for x in (q, k0, v0, kd, vd)]
+    return tensors, index, real, torch.zeros((0,), dtype=torch.long)
+
+
+def test_recomputed_attention_runs_its_backward_in_the_forward_autocast_dtype():
+    """Finding 6: train.ttt_attention=recompute's backward (called outside the objective's autocast)
+    recomputed the scores in float32 against a log-sum-exp of the forward's bf16 scores. Every matmul of its
+    backward now runs in the forward's autocast dtype (torch.amp.custom_bwd's rule), as the forward's did."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from headway.train.ttt_recompute import _Attention
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                self.dtypes.add(out.dtype)
+            return out
+
+    (q, k0, v0, kd, vd), index, real, doc = _recompute_inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _Attention.apply(q, k0, v0, kd, vd, index, real, doc, 0.25, 4)
+    seen = Matmuls()
+    with seen:
+        out.float().square().sum().backward()
+    assert seen.dtypes == {torch.bfloat16}
+    assert all(x.grad is not None and x.grad.isfinite().all() for x in (q, k0, v0, kd, vd))
+
+
+def test_cache_features_loads_the_target_in_the_dtype_training_does(monkeypatch, tiny_dirs, tmp_path):
+    """Finding 7: `cache-features` loaded the target in target.dtype (float32 by auto) where online
+    training on CUDA runs it in bfloat16, so a GPU's cache held other features than its online run. Both
+    resolve train.target_dtype with one rule now; cache-features' load is checked with the device faked."""
+    from headway.config import load_config
+    from headway.run_config import RunConfig
+    from headway.train import feature_cache
+    from headway.train.feature_cache import run_cache_features, training_target_dtype
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert training_target_dtype("auto", "auto", cuda) == "bfloat16"
+    assert training_target_dtype("auto", "float64", cpu) == "float64"
+    assert training_target_dtype("float32", "auto", cuda) == "float32"
+
+    class Loaded(Exception):
+        pass
+
+    def load(target_cfg):
+        raise Loaded(target_cfg.dtype)
+
+    monkeypatch.setattr(feature_cache, "resolve_device", lambda name: cuda)
+    monkeypatch.setattr(feature_cache, "load_target", load)
+    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "head.kind=eagle3"])
+    with pytest.raises(Loaded, match="bfloat16"):
+        run_cache_features(cfg.target, cfg.head, cfg.features, ["unused"], 64)
+
+
+def test_the_final_head_reuses_the_trained_vocabulary_map(tiny_dirs, monkeypatch):
+    """Finding 9: under FSDP and DeepSpeed, rank 0 rebuilt the final head from scratch, counting every
+    training sample's tokens (`token_frequencies`) while the other ranks waited in a barrier, only for the
+    trained state to overwrite d2t. It takes the trained d2t now: no count after setup."""
+    from types import SimpleNamespace
+
+    from headway.config import load_config
+    from headway.run_config import RunConfig
+    from headway.train import loop, setup_heads
+
+    t = load64(tiny_dirs["llama"])
+    heads = random_head(t, "eagle3")
+    state = {k: v.clone() for k, v in heads.state_dict().items()}
+    state["d2t"] = torch.sort(torch.randperm(t.config.vocab_size)[:96]).values
+    counted = []
+    monkeypatch.setattr(setup_heads, "token_frequencies", lambda *a: counted.append(1) or torch.ones(999))
+    monkeypatch.setattr(loop, "gather_state", lambda *a: (state, None, None))
+    cfg = load_config(
+        RunConfig, None, ["head.kind=eagle3", "head.eagle3.draft_vocab_size=96", "head.eagle3.ttt_steps=3"]
+    )
+    par = SimpleNamespace(backend="fsdp", is_main=True)
+    final = loop._final_heads(cfg, t, [], None, heads, None, par)
+    assert counted == []
+    assert torch.equal(final.d2t, state["d2t"])
+
+
+def test_the_chunked_loss_casts_the_weight_once_and_computes_no_gradient_in_evaluation():
+    """Finding 10: the chunked vocabulary loss cast the lm_head weight in each chunk (autocast's casts in
+    both of a chunk's matmuls: 2 per chunk), and under no_grad (evaluation) still formed grad_h and grad_w.
+    Now: one cast per call, and only the forward's matmul per chunk under no_grad."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from headway.train.chunked_loss import chunked_draft_loss
+
+    class Ops(TorchDispatchMode):
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.casts, self.matmuls = shape, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == self.shape:
+                self.casts += 1
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.matmuls += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    n, d, V, chunk = 16, 8, 40, 4
+    weight = torch.randn(V, d, requires_grad=True)
+    hidden = torch.randn(n, d, requires_grad=True)
+    teacher, rows = torch.randn(n, V), torch.ones(n, dtype=torch.bool)
+    ops = Ops((V, d))
+    with ops, torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_draft_loss("soft_ce", hidden, weight, teacher, rows, chunk)
+    assert ops.casts == 1
+    ops = Ops((V, d))
+    with ops, torch.no_grad():
+        loss, _ = chunked_draft_loss("soft_ce", hidden, weight, teacher, rows, chunk)
+    assert ops.matmuls == n // chunk
+    with torch.no_grad():
+        full, _ = chunked_draft_loss("soft_ce", hidden, weight, teacher, rows, n)
+    assert torch.allclose(loss, full)
+
+
+def test_an_explicit_gpu_index_under_torchrun_is_refused(monkeypatch):
+    """Finding 15: target.device=cuda:0 under torchrun put every rank on GPU 0 (NCCL's duplicate GPU, or
+    OOM). A rank whose index is not its local rank's is refused; auto (cuda:LOCAL_RANK) passes."""
+    from headway.errors import HeadwayError
+    from headway.train.distributed import rank_device
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(HeadwayError, match="names one GPU for 8 processes"):
+        rank_device(torch.device("cuda", 0))
+
+
+def test_the_process_group_waits_train_dist_timeout_min(monkeypatch):
+    """Finding 9: the process group had torch's 10-minute timeout, with no setting, while rank 0 alone
+    exports and checkpoints; it is train.dist_timeout_min now."""
+    import datetime
+
+    from headway.train import distributed
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def init(backend, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", init)
+    with pytest.raises(Stop):
+        distributed.start("ddp", torch.device("cpu"), 45)
+    assert seen["timeout"] == datetime.timedelta(minutes=45)
+
+
+def test_start_up_passes_over_the_data_run_on_rank_0_only(tiny_dirs, monkeypatch):
+    """Finding 16: train.dedup's MinHash pass (pure Python over every answer; set by the shipped recipe) and
+    the draft vocabulary's token count ran on every rank. Rank 0 makes them and broadcasts the result: a
+    rank 1 keeps the broadcast samples and builds its head with the broadcast d2t, counting nothing."""
+    from types import SimpleNamespace
+
+    from headway.config import load_config
+    from headway.run_config import RunConfig
+    from headway.train import loop, setup_heads
+    from headway.train.data import Sample
+
+    t = load64(tiny_dirs["llama"])
+    cfg = load_config(
+        RunConfig, None, ["head.kind=eagle3", "head.eagle3.draft_vocab_size=96", "train.dedup=near"]
+    )
+    ran = []
+    monkeypatch.setattr(loop, "drop_duplicates", lambda *a: ran.append("dedup"))
+    monkeypatch.setattr(setup_heads, "token_frequencies", lambda *a: ran.append("count"))
+    samples = [(f"k{i}", Sample([1, 2, 3 + i], [0, 1, 1])) for i in range(5)]
+    d2t = torch.sort(torch.randperm(t.config.vocab_size)[:96]).values
+    sent = iter([[0, 2, 4], d2t])
+    rank1 = SimpleNamespace(active=True, is_main=False, broadcast_object=lambda obj: next(sent))
+    kept, dropped = loop.deduplicate(samples, cfg.train, rank1)
+    assert [k for k, _ in kept] == ["k0", "k2", "k4"] and dropped == 2
+    heads = loop.first_heads(cfg, t, [s for _, s in kept], rank1)
+    assert torch.equal(heads.d2t, d2t) and ran == []

@@ -53,13 +53,20 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         kind: str,
         chunk: int,
         top: int,
+        grads: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 when given
-        w = weight.to(hidden.dtype)
+        # the weight cast once, to the dtype its matmuls run in (autocast's, else the hidden states'), and
+        # shared by every chunk: autocast would otherwise cast it again in each chunk's two matmuls
+        device = hidden.device.type
+        autocast = torch.is_autocast_enabled(device)
+        w = weight.to(torch.get_autocast_dtype(device) if autocast else hidden.dtype)
+        w_grad = w if autocast or w.dtype == acc else weight.to(acc)  # grad_h's matmul: dz is in acc
         scale = rows.to(acc) / rows.sum().clamp(min=1).to(acc)  # each kept row's share of the mean
-        grad_h = torch.empty(hidden.shape, dtype=acc, device=hidden.device)
-        want_w = ctx.needs_input_grad[1]  # a frozen lm_head (EAGLE-1's, the target's) needs none
+        # no gradients under no_grad (evaluation); a frozen lm_head (EAGLE-1's, the target's) needs none
+        want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
+        grad_h = torch.empty(hidden.shape if want_h else (0,), dtype=acc, device=hidden.device)
         grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=acc, device=weight.device)
         best = torch.empty((n, top) if top > 1 else n, dtype=torch.long, device=hidden.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
@@ -73,12 +80,14 @@ class _ChunkedDraftLoss(torch.autograd.Function):
             s = scale[start:end]
             total = total + (per_row * s).sum()
             dz = dz * s.unsqueeze(-1)
-            grad_h[start:end] = dz @ weight.to(acc)
+            if want_h:
+                grad_h[start:end] = dz @ w_grad
             if want_w:
                 grad_w += dz.T @ h.to(acc)
             best[start:end] = z.argmax(-1) if top == 1 else z.topk(top, dim=-1).indices
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.wanted = (want_h, want_w)
         ctx.mark_non_differentiable(best)
         return total, best
 
@@ -86,9 +95,11 @@ class _ChunkedDraftLoss(torch.autograd.Function):
     def backward(ctx: Any, g_total: torch.Tensor, g_best: Any) -> tuple:
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
+        want_h, want_w = ctx.wanted
         g = g_total.to(grad_h.dtype)
-        gw = (grad_w * g).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return (grad_h * g).to(h_dtype), gw, None, None, None, None, None
+        gh = (grad_h * g).to(h_dtype) if want_h and ctx.needs_input_grad[0] else None
+        gw = (grad_w * g).to(w_dtype) if want_w and ctx.needs_input_grad[1] else None
+        return gh, gw, None, None, None, None, None, None
 
 
 def chunked_draft_loss(
@@ -118,4 +129,5 @@ def chunked_draft_loss(
     if kind not in KINDS:
         raise ValueError(f"unknown draft loss {kind!r}")
     top = min(top, weight.shape[0])
-    return _ChunkedDraftLoss.apply(hidden, weight, target_logits.detach(), rows, kind, chunk, top)
+    grads = torch.is_grad_enabled()  # forward runs with grad mode off: read it here
+    return _ChunkedDraftLoss.apply(hidden, weight, target_logits.detach(), rows, kind, chunk, top, grads)

@@ -85,6 +85,9 @@ class TrainConfig:
     # train.backend=deepspeed: zero1, zero2 or zero3 (the configs in configs/deepspeed/), or the path of a
     # DeepSpeed JSON config; its "auto" fields (batch, accumulation, clipping, bf16) come from train.*.
     deepspeed_config: str = "zero2"
+    # Minutes a collective waits for the other ranks before the run fails (torch's default is 10): rank 0
+    # alone writes checkpoints and exports the head while the others wait in a barrier.
+    dist_timeout_min: float = 30
     # train.backend=fsdp: shard the frozen target's decoder layers across ranks (FSDP2) instead of keeping
     # a whole copy on every rank; its embedding and lm_head stay whole (the heads share them).
     shard_target: bool = False
@@ -166,6 +169,8 @@ class TrainConfig:
             )
         if self.length_window < 0:
             raise HeadwayError(f"train.length_window must be 0 (off) or positive, got {self.length_window}")
+        if self.dist_timeout_min <= 0:
+            raise HeadwayError(f"train.dist_timeout_min must be positive, got {self.dist_timeout_min}")
         if self.micro_batch_size < 1 or self.grad_accum < 1 or self.max_steps < 1:
             raise HeadwayError("train.micro_batch_size, train.grad_accum and train.max_steps must be >= 1")
         if not 0 <= self.eval_fraction < 1:

@@ -10,6 +10,7 @@ metrics are averaged across ranks; rank 0 writes logs and exports; checkpoints g
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 from dataclasses import dataclass
@@ -131,6 +132,12 @@ def rank_device(device: torch.device) -> torch.device:
     "cuda" and every later allocation land there rather than on cuda:0), else `device`."""
     if device.type != "cuda":
         return device
+    info = dist_info()
+    if device.index is not None and info.world_size > 1 and device.index != info.local_rank:
+        raise HeadwayError(
+            f"target.device={device} names one GPU for {info.world_size} processes, and rank "
+            f"{info.rank} (local rank {info.local_rank}) would share it: set target.device=cuda or auto"
+        )
     if device.index is None:
         device = torch.device("cuda", dist_info().local_rank)
     torch.cuda.set_device(device)
@@ -187,13 +194,14 @@ def check_collectives(device: torch.device) -> None:
         setattr(dist, name, checked)
 
 
-def start(backend: str, device: torch.device) -> Parallel:
+def start(backend: str, device: torch.device, timeout_min: float = 30) -> Parallel:
     """Join the launcher's process group (gloo on CPU; nccl bound to this rank's GPU on CUDA) for a
     distributed backend.
 
     Args:
         backend: train.backend (none, ddp, fsdp, deepspeed).
         device: the configured training device; on CUDA this rank's GPU is taken (`rank_device`).
+        timeout_min: how long a collective waits for the other ranks (train.dist_timeout_min).
     Returns:
         The run's `Parallel`: rank, world size and the device collectives run on.
     """
@@ -207,10 +215,11 @@ def start(backend: str, device: torch.device) -> Parallel:
             )
         return Parallel(device=device)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_min)
         if device.type == "cuda":  # device_id binds NCCL (and the object collectives) to this rank's GPU
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
     par = Parallel(backend, dist.get_rank(), dist.get_world_size(), device)
     if os.environ.get(CHECK_COLLECTIVES) == "1":
         check_collectives(device)

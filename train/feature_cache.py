@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -29,7 +30,7 @@ from headway.heads.draft_layer import text_config
 from headway.io import atomic_file, atomic_write_json, sha256_file
 from headway.kinds.registry import head_kind
 from headway.ranks import dist_info
-from headway.runtime import barrier, parse_dtype
+from headway.runtime import barrier, parse_dtype, resolve_device
 from headway.target.loading import fingerprint_mismatch, load_target
 from headway.train.config import FeaturesConfig
 from headway.train.data import collate, load_samples
@@ -287,8 +288,22 @@ def layers_for(features: FeaturesConfig, head: HeadConfig, num_target_layers: in
     return sorted(set(layers) | {num_target_layers})
 
 
+def training_target_dtype(setting: str, target_dtype: str, device: torch.device) -> str:
+    """The target's weights dtype in training and in `cache-features` alike (train.target_dtype): auto is
+    bfloat16 on CUDA (the features engines serve) and target.dtype elsewhere, so a cache holds the features
+    online training would compute on the same device."""
+    if setting != "auto":
+        return setting
+    return "bfloat16" if device.type == "cuda" else target_dtype
+
+
 def run_cache_features(
-    target_cfg: TargetConfig, head: HeadConfig, features: FeaturesConfig, datasets: list[str], max_length: int
+    target_cfg: TargetConfig,
+    head: HeadConfig,
+    features: FeaturesConfig,
+    datasets: list[str],
+    max_length: int,
+    target_dtype: str = "auto",
 ) -> Path:
     """`headway cache-features`: the features of every sample of the datasets (held-out ones too).
 
@@ -297,6 +312,7 @@ def run_cache_features(
         head: the head section; its kind names the layers to cache when `features.layers` is empty.
         features: where and how to write the cache (the `features` section).
         datasets, max_length: `train.datasets` and `train.max_length`, which the training run must match.
+        target_dtype: `train.target_dtype`, resolved as training resolves it (`training_target_dtype`).
 
     Returns:
         `features.output_dir`, holding a finished cache (manifest written last).
@@ -306,7 +322,8 @@ def run_cache_features(
         import datetime
 
         torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=48))  # barriers only
-    target = load_target(target_cfg)
+    dtype = training_target_dtype(target_dtype, target_cfg.dtype, resolve_device(target_cfg.device))
+    target = load_target(replace(target_cfg, dtype=dtype))
     pairs, _ = load_samples(datasets, target.fingerprint, max_length)
     layers = layers_for(features, head, int(text_config(target.config).num_hidden_layers))
     identity = {"datasets": list(datasets), "max_length": max_length}

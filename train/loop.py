@@ -40,7 +40,7 @@ from headway.train.distributed import (
     start,
     wrap,
 )
-from headway.train.feature_cache import FeatureCache
+from headway.train.feature_cache import FeatureCache, training_target_dtype
 from headway.train.logging import RunLogger
 from headway.train.losses import target_to_draft
 from headway.train.metrics import Throughput, peak_flops, read
@@ -104,7 +104,7 @@ def setup_run(cfg: RunConfig) -> Run:
     torch.manual_seed(tc.seed)  # the same initial head on every rank
     device = resolve_device(cfg.target.device)
     ttt_attention(tc.ttt_attention, device)  # a setting this device cannot train with fails here
-    par = start(tc.backend, device)
+    par = start(tc.backend, device, tc.dist_timeout_min)
     out = Path(tc.output_dir).expanduser()
     if par.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -115,17 +115,39 @@ def setup_target(run: Run) -> Any:
     """The frozen target on this rank's device, in train.target_dtype (bfloat16 on CUDA by default); its
     decoder layers sharded across ranks with train.shard_target."""
     cfg, tc = run.cfg, run.tc
-    dtype = tc.target_dtype if tc.target_dtype != "auto" else None
-    if dtype is None and run.device.type == "cuda":
-        dtype = "bfloat16"
+    dtype = training_target_dtype(tc.target_dtype, cfg.target.dtype, run.device)
     sharded = tc.shard_target and not tc.features_dir
     # a sharded target loads on the CPU and reaches the GPU sharded (never whole on one GPU)
     device = "cpu" if sharded else str(run.device)
-    target_cfg = replace(cfg.target, device=device, **({"dtype": dtype} if dtype else {}))
+    target_cfg = replace(cfg.target, device=device, dtype=dtype)
     target = load_target(target_cfg)
     if sharded:
         shard_target(target.model, run.device)
     return target
+
+
+def deduplicate(samples: list, tc: Any, par: Parallel) -> tuple[list, int]:
+    """train.dedup's pass made once, on rank 0 (pure Python over every answer), and the kept positions
+    broadcast: every rank keeps the same samples. Returns (kept pairs, how many were dropped)."""
+    if not par.active or par.is_main:
+        kept, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
+        ids = {id(s) for _, s in kept}
+        index = par.broadcast_object([i for i, (_, s) in enumerate(samples) if id(s) in ids])
+        return kept, dropped
+    index = par.broadcast_object(None)
+    return [samples[i] for i in index], len(samples) - len(index)
+
+
+def first_heads(cfg: RunConfig, target: Any, train_set: list, par: Parallel) -> Any:
+    """The run's fresh head; its draft vocabulary counted over the training set on rank 0 only and
+    broadcast (the other ranks build theirs with it)."""
+    tc = cfg.train
+    if not par.active or par.is_main:
+        heads = build_heads(cfg.head, tc.init_from, target, train_set)
+        d2t = getattr(heads, "d2t", None)
+        par.broadcast_object(None if d2t is None else d2t.cpu())
+        return heads
+    return build_heads(cfg.head, tc.init_from, target, train_set, par.broadcast_object(None))
 
 
 def setup_data(run: Run, target: Any) -> Data:
@@ -141,7 +163,7 @@ def setup_data(run: Run, target: Any) -> Data:
             tc.max_length,
         )
     if tc.dedup != "none":
-        samples, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
+        samples, dropped = deduplicate(samples, tc, par)
         log.info(
             "train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples)
         )
@@ -175,7 +197,7 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
     """The head (fresh or from train.init_from), its kind's objective wrapped for the backend, Medusa-2's
     LoRA adapters, the optimizer (fused AdamW on CUDA), the schedule and the stepper."""
     cfg, tc, par, device = run.cfg, run.tc, run.par, run.device
-    heads = build_heads(cfg.head, tc.init_from, target, data.train_set).to(device)
+    heads = first_heads(cfg, target, data.train_set, par).to(device)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
     # the kind's objective reads the head's own config section (as built: the run's, resolved for this target)
     attention = ttt_attention(tc.ttt_attention, device)
@@ -480,7 +502,9 @@ def _final_heads(
     if not par.is_main:
         return None
     torch.manual_seed(cfg.train.seed)
-    final = build_heads(cfg.head, cfg.train.init_from, target, train_set).to(target.device)
+    # the trained vocabulary map, not a new count over the training set: the other ranks wait in a barrier
+    d2t = model_state.get("d2t")
+    final = build_heads(cfg.head, cfg.train.init_from, target, train_set, d2t).to(target.device)
     final.load_state_dict(model_state)
     return final
 

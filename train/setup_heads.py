@@ -118,17 +118,27 @@ def with_added_parts(heads: Any, cfg: Any) -> Any:
     return grown
 
 
-def build_heads(head: HeadConfig, init_from: Optional[str], target: Any, train_samples: list) -> Any:
-    """A fresh head of the `head` section for the target (or train.init_from's); a reduced vocabulary is the
-    most frequent tokens the target wrote (in `train_samples`)."""
+def build_heads(
+    head: HeadConfig,
+    init_from: Optional[str],
+    target: Any,
+    train_samples: list,
+    d2t: Optional[torch.Tensor] = None,
+) -> Any:
+    """A fresh head of the `head` section for the target (or train.init_from's); a reduced vocabulary is
+    `d2t` when given (a trained head's, rebuilt: no pass over the samples) or else the most frequent tokens
+    the target wrote (in `train_samples`)."""
     if init_from:
         return heads_from(head, init_from, target)
     kind, spec = head.kind, head_kind(head.kind)
     text = text_config(target.config)
     hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
     kind_cfg = kind_config(head, num_layers)
-    d2t = None
-    if spec.reduced_vocab(kind_cfg):
+    if not spec.reduced_vocab(kind_cfg):
+        d2t = None
+    elif d2t is not None:
+        d2t = d2t.detach().cpu()
+    else:
         size = kind_cfg.draft_vocab_size
         if size > vocab:
             if (

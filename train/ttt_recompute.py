@@ -60,10 +60,21 @@ class _Attention(torch.autograd.Function):
             )
         ctx.save_for_backward(q, k0, v0, kd, vd, index, real, doc, out, lse)
         ctx.scale, ctx.chunk = scale, chunk
+        # backward recomputes the scores under the forward's autocast (as torch.amp.custom_bwd does):
+        # `backward()` runs outside the objective's autocast, and scores recomputed in float32 against a
+        # log-sum-exp of bf16 scores would give rows that do not sum to one
+        kind = q.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor):
+        kind, enabled, dtype = ctx.autocast
+        with torch.autocast(kind, dtype=dtype, enabled=enabled):
+            return _Attention._backward(ctx, d_out)
+
+    @staticmethod
+    def _backward(ctx: Any, d_out: torch.Tensor):
         q, k0, v0, kd, vd, index, real, doc, out, lse = ctx.saved_tensors
         scale, chunk, N = ctx.scale, ctx.chunk, q.shape[3]
         dq, dkd, dvd = torch.empty_like(q), torch.empty_like(kd), torch.empty_like(vd)
