@@ -571,7 +571,7 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 def _serve(out: Any, config: dict, k: int) -> str:
     return (
         f"llama-server -m TARGET.gguf -md {Path(out) / WEIGHTS_FILE} --spec-type draft-eagle3 "
-        f"--draft-max {k}   "
+        f"--spec-draft-n-max {k}   "
         "(TARGET.gguf: convert_hf_to_gguf.py on the directory `headway target export --out DIR` writes)"
     )
 
