@@ -43,7 +43,7 @@ def record(args: argparse.Namespace) -> None:
         tokens = sum(len(r.tokens) - 1 for r in runs)
         print(
             f"{kind}: tau {tokens / max(1, sum(r.target_forwards for r in runs)):.3f}, "
-            f"{sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs):.1f} tok/s, "
+            f"{sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9):.1f} tok/s, "
             f"equal to plain: {all(r.tokens == p for r, p in zip(runs, out['plain']))}"
         )
     atomic_write_json(Path(args.out), out)
