@@ -47,7 +47,8 @@ python3 scripts/llamacpp_spec_run.py --server "$SERVER" --target "$OUT/target.gg
   --threads "$THREADS" --out "$OUT/llamacpp.json"
 
 echo "== headway bench: the same prompts and the same chain"
-headway bench --head "$HEAD" --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --out "$OUT/headway.json" \
+headway bench --head "$HEAD" --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --turns 1 \
+  --out "$OUT/headway.json" \
   target.dtype=float32 target.num_threads="$THREADS" inference.max_new_tokens="$MAX_TOKENS" "bench.baselines=[]" \
   inference.drafter=neural inference.depth="$K" inference.top_k=1 inference.total_tokens="$K" "$@"
 

@@ -48,7 +48,7 @@ if [ "$KIND" = medusa ]; then
 else
   CHAIN="inference.drafter=neural inference.depth=$K inference.top_k=1 inference.total_tokens=$K"
 fi
-headway bench --head "$HEAD" --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --out "$OUT/headway.json" \
+headway bench --head "$HEAD" --prompts "$PROMPTS" --per-category "$PER_CATEGORY" --turns 1 --out "$OUT/headway.json" \
   target.dtype=float32 target.num_threads="$THREADS" inference.max_new_tokens="$MAX_TOKENS" "bench.baselines=[]" $CHAIN "$@"
 
 python3 - "$OUT" <<'PY'
