@@ -108,11 +108,26 @@ BUDGET = {
 
 
 class Results:
-    """Appends one JSON object per line, flushed at once (a killed run keeps every line written)."""
+    """Appends one JSON object per line, flushed at once (a killed run keeps every line written), and keeps
+    the step's deadline: a step asks `out_of_time` before each unit of work (a model, a prompt set) and stops
+    there, with a row saying how far it got, rather than being killed mid-unit by its shell limit.
 
-    def __init__(self, path: Path, step: str):
+    Args:
+        path: the JSON-lines file; step: the step's name; deadline: seconds this step may run (0: no
+            limit)."""
+
+    def __init__(self, path: Path, step: str, deadline: float = 0.0):
         self.path, self.step = path, step
+        self.start, self.deadline = time.time(), deadline
         path.parent.mkdir(parents=True, exist_ok=True)
+
+    def out_of_time(self, done: int, planned: int) -> bool:
+        """Whether the step's deadline has passed; if so, writes how many of its `planned` units were
+        `done`."""
+        if not self.deadline or time.time() - self.start < self.deadline:
+            return False
+        self.write(stopped_at_deadline=True, deadline_s=self.deadline, units_done=done, units_planned=planned)
+        return True
 
     def write(self, **record: Any) -> None:
         line = json.dumps({"step": self.step, "time": round(time.time(), 1), **record})
@@ -187,18 +202,21 @@ def _exactness(
 def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
     texts = ["What is two plus three?", "Write a short poem about the sea.", "def add(a, b):"]
-    for arch in ARCHS:
-        for dtype in ("float32", "bfloat16"):
-            t, heads = _tiny_eagle(device, dtype, arch)
-            drafter = EagleDrafter(heads, t.config.num_hidden_layers, 4, 3, 10)
-            ids = [chat_ids(t, text) for text in texts]
-            engines = ["hf"] + (["static"] if static_supported(t.model) else [])
-            for engine in engines + (["cuda"] if cuda_supported(t.model) else []):
-                got = _exactness(
-                    t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine
-                )
-                res.write(model=f"tiny-{arch}", dtype=dtype, engine=engine, device=device, **got)
-    for dtype in ("float32", "bfloat16"):
+    planned = len(ARCHS) * 2 + 2
+    for i, (arch, dtype) in enumerate((a, d) for a in ARCHS for d in ("float32", "bfloat16")):
+        if res.out_of_time(i, planned):
+            return
+        # (one tiny model in one dtype: a unit of the deadline)
+        t, heads = _tiny_eagle(device, dtype, arch)
+        drafter = EagleDrafter(heads, t.config.num_hidden_layers, 4, 3, 10)
+        ids = [chat_ids(t, text) for text in texts]
+        engines = ["hf"] + (["static"] if static_supported(t.model) else [])
+        for engine in engines + (["cuda"] if cuda_supported(t.model) else []):
+            got = _exactness(t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine)
+            res.write(model=f"tiny-{arch}", dtype=dtype, engine=engine, device=device, **got)
+    for j, dtype in enumerate(("float32", "bfloat16")):
+        if res.out_of_time(len(ARCHS) * 2 + j, planned):
+            return
         d = _decoder(device, dtype, dry)
         ids = [d.fmt.first_turn(text) for text in _prompt_texts(prompts, budget["prompts"])]
         for engine in ("hf", "static", "cuda"):
@@ -249,10 +267,15 @@ def _decoders(device: str, dry: bool) -> Any:
 def step_decode(res: Results, dry: bool, prompts: str | None) -> None:
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
     texts, n = _prompt_texts(prompts, budget["prompts"]), budget["tokens"]
-    for dtype, engine, decoder in _decoders(device, dry):
+    planned = len(PAIRS["dry" if dry else "gpu"]) * len(texts)
+    for p_i, (dtype, engine, decoder) in enumerate(_decoders(device, dry)):  # (loads a target per dtype)
+        if res.out_of_time(p_i * len(texts), planned):
+            return
         start = time.time()
         model, stops = decoder.target.model, decoder.fmt.stop_ids
-        decoder.warm_up(4, ["hybrid", "neural", "ngram"])
+        decoder.warm_up(
+            4
+        )  # (the target's kernels, caches and cost curves; the timed drafters below warm too)
         runners: dict[str, Callable[[list[int]], Any]] = {
             "plain": lambda ids: decoder.generate_plain(ids, n),
             "hf_generate": lambda ids: hf_generate(model, ids, n, stops, decoder.cfg.inference.sampling),
@@ -262,9 +285,14 @@ def step_decode(res: Results, dry: bool, prompts: str | None) -> None:
         }
         for kind in ("hybrid", "neural", "ngram"):
             d = decoder.with_drafter(kind)
+            # the drafter timed is the one warmed: its expansion's capture and JIT are paid here, not by the
+            # first timed prompt (a greeting's 4 tokens barely move the hybrid's acceptance estimates)
+            d.generate(decoder.fmt.first_turn("Hello"), 4)
             runners[kind] = lambda ids, d=d: d.generate(ids, n)
         results: dict[str, list] = {k: [] for k in runners}
         for i, text in enumerate(texts):
+            if i and res.out_of_time(p_i * len(texts) + i, planned):
+                break
             out = alternate(runners, decoder.fmt.first_turn(text), i)
             for k, r in out.items():
                 results[k].append(r)
@@ -616,8 +644,14 @@ def main() -> int:
     ap.add_argument(
         "--prompts", default=None, help="prompt file (MT-bench questions); default: built-in prompts"
     )
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        default=0.0,
+        help="seconds the step may run: it stops between units of work, writing how far it got (0: none)",
+    )
     args = ap.parse_args()
-    res = Results(Path(args.results), args.step)
+    res = Results(Path(args.results), args.step, args.deadline)
     if args.step == "env":
         step_env(res, args.dry_run)
     else:

@@ -75,3 +75,32 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     assert {(r["dtype"], r["cache"]) for r in distill} == {("bfloat16", "static"), ("float32", "dynamic")}
     assert all(r["generated_tokens"] > 0 and r["tok_s"] > 0 for r in distill)
     assert json.loads((tmp_path / "bench.json").read_text())
+
+
+def test_a_step_past_its_deadline_stops_between_units_and_says_how_far_it_got(tmp_path):
+    """A GPU step whose limit is too small for the machine's speed ends itself at a unit boundary, with a row
+    saying how many of its planned units it did, instead of being killed mid-unit by its shell limit (a unit
+    started before the deadline runs whole)."""
+    results = tmp_path / "r.jsonl"
+    done = subprocess.run(
+        [
+            "python",
+            "scripts/gpu_check.py",
+            "exact",
+            "--dry-run",
+            "--deadline",
+            "0.001",
+            "--results",
+            str(results),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    # the first unit (the tiny Llama in float32, on each engine) runs whole; the step stops before the second
+    *first, stop = rows
+    assert first and all((r["model"], r["dtype"]) == ("tiny-llama", "float32") for r in first), rows
+    assert stop == {**stop, "stopped_at_deadline": True, "units_done": 1, "units_planned": 10}
