@@ -60,7 +60,7 @@ class _ChunkedDraftLoss(torch.autograd.Function):
         # the weight cast once, to the dtype its matmuls run in (autocast's, else the hidden states'), and
         # shared by every chunk: autocast would otherwise cast it again in each chunk's two matmuls
         device = hidden.device.type
-        autocast = torch.is_autocast_enabled(device)
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         w = weight.to(torch.get_autocast_dtype(device) if autocast else hidden.dtype)
         w_grad = w if autocast or w.dtype == acc else weight.to(acc)  # grad_h's matmul: dz is in acc
         scale = rows.to(acc) / rows.sum().clamp(min=1).to(acc)  # each kept row's share of the mean

@@ -64,11 +64,15 @@ class _Attention(torch.autograd.Function):
         # `backward()` runs outside the objective's autocast, and scores recomputed in float32 against a
         # log-sum-exp of bf16 scores would give rows that do not sum to one
         kind = q.device.type
-        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.autocast = None  # (a device with no autocast, e.g. meta in the memory tests: nothing to restore)
+        if torch.amp.is_autocast_available(kind):
+            ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         return out
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor):
+        if ctx.autocast is None:
+            return _Attention._backward(ctx, d_out)
         kind, enabled, dtype = ctx.autocast
         with torch.autocast(kind, dtype=dtype, enabled=enabled):
             return _Attention._backward(ctx, d_out)
