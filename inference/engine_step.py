@@ -222,8 +222,10 @@ def gqa_sdpa(
                 q.reshape(b, kv, group * n, hd), k, v, attn_mask=m, scale=scale
             )
             return o.view(b, kv, group, n, hd).reshape(b, heads, n, hd)
+    # (enable_gqa=True also serves equal head counts; `heads != kv` is a SymBool under dynamic shapes, which
+    # SDPA refuses, breaking the compiled engine's graph)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=heads != kv
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
     )
 
 
