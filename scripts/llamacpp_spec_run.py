@@ -19,28 +19,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from vllm_spec_run import prompt_ids  # (scripts/: the same prompts, formatted the same, as the vLLM check)
+
 from headway.io import atomic_write_json
-
-
-def prompt_ids(tokenizer_dir: str, prompts: str, per_category: int) -> tuple[list[list[int]], list[int]]:
-    """The prompts' first turns as token ids through the target's chat template, and its stop ids."""
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from headway.data_scripts.chat import ChatFormat
-    from headway.data_scripts.config import PromptConfig
-    from headway.data_scripts.prompts import load_conversations
-    from headway.inference.bench import per_category as balanced
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    try:
-        gen = GenerationConfig.from_pretrained(tokenizer_dir)
-    except OSError:
-        gen = None
-    fmt = ChatFormat(tok, None, gen)
-    convs = load_conversations(PromptConfig(path=prompts))
-    if per_category:
-        convs = balanced(convs, per_category)
-    return [fmt.first_turn(c.turns[0], c.system) for c in convs], fmt.stop_ids
 
 
 def _free_port() -> int:
@@ -147,7 +128,7 @@ def main() -> None:
     ap.add_argument("--modes", default="plain,ngram,head")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    ids, stops = prompt_ids(args.tokenizer, args.prompts, args.per_category)
+    ids, stops = prompt_ids(args.tokenizer, args.prompts, 0, args.per_category)
     modes = [m for m in args.modes.split(",") if m != "head" or args.draft]
     results = [run(m, args, ids, stops) for m in modes]
     plain = next((r["outputs"] for r in results if r["mode"] == "plain"), None)
