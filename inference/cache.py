@@ -66,16 +66,6 @@ def attention_windows(model: Any) -> dict[str, Optional[int]]:
     return {t: (int(window) if t == SLIDING else None) for t in {*types, FULL}}
 
 
-def sliding_window_limit(model: Any) -> int | None:
-    """The most positions a sliding-window layer of this model looks back (window - 1; None: no such layer).
-
-    The hf runner keeps every key and masks the window, so this no longer limits a sequence's length there;
-    the engines that run only full attention ask it whether a model has a sliding window.
-    """
-    windows = [w for w in attention_windows(model).values() if w is not None]
-    return min(windows) - 1 if windows else None
-
-
 def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An additive 4-D mask [1, 1, n, K] from a boolean [n, K]: 0 where visible, else the dtype's minimum."""
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)

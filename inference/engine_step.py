@@ -24,9 +24,6 @@ from headway.target.packed_fusion import fused_projections
 # the families whose layers `layer_step` runs (llama-style, full attention; q/k norms, NoPE layers and MoE
 # blocks where the family has them)
 STATIC_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "qwen3_moe", "mixtral")
-# those whose decoder layers may hold a sparse MoE block (`MoeRows`): the CPU backend runs them, the CUDA
-# backend refuses them
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
