@@ -36,14 +36,13 @@ from headway.inference.engine_graphs import StepGraphs
 from headway.inference.engine_kv import KVCache
 from headway.inference.engine_options import EXACT_BUCKETS
 from headway.inference.engine_step import (
-    GEMMA3_FAMILIES,
-    STATIC_FAMILIES,
     moe_block,
 )
 from headway.inference.kernel_tree_attention import BLOCK_N, tree_attention
 from headway.inference.sampling import SamplingConfig, target_distribution
 from headway.inference.step_model import StepModel
 from headway.inference.tree import Tree
+from headway.target.families import engine_support
 
 log = logging.getLogger("headway")
 
@@ -74,18 +73,13 @@ def has_moe(model: Any) -> bool:
 
 
 def cuda_supported(model: Any) -> bool:
-    """Whether the CUDA backend runs this target: a static family (engine_step.STATIC_FAMILIES, full
-    attention; Qwen3's q/k norms and SmolLM3's NoPE layers included, MoE blocks not), or Gemma-3's text model
-    (sliding-window and full layers, no attention soft-capping); rotary tables by position alone."""
-    cfg = text_config(model.config)
+    """Whether the CUDA backend runs this target: the family table says so (target/families.py: family,
+    windows, rope type, soft-capping), its layers hold no MoE block, and the model has the parts the backend
+    calls."""
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb") or has_moe(model):
         return False
-    family = getattr(cfg, "model_type", None)
-    if family in GEMMA3_FAMILIES:
-        return getattr(cfg, "attn_logit_softcapping", None) is None and rope_by_position(model)
-    full = getattr(cfg, "sliding_window", None) is None
-    return family in STATIC_FAMILIES and full and rope_by_position(model)
+    return not engine_support(model.config)["cuda"] and rope_by_position(model)
 
 
 class StepBuffers:
@@ -108,7 +102,7 @@ class CudaRunner:
     (generate_device.py).
 
     Args:
-        model: a static-family target (engine_step.STATIC_FAMILIES) whose rotary tables depend on the position
+        model: a target the backend runs (`cuda_supported`: the family table's), rotary tables by position
             alone; max_len: the most tokens a sequence holds; buckets: row counts a step pads to (a tree of n
             nodes runs in the smallest bucket >= n); graphs: capture each bucket's step as a CUDA graph (CUDA
             only; None: on CUDA)."""
@@ -128,10 +122,10 @@ class CudaRunner:
                 "inference.engine=static on a CPU, or hf"
             )
         if not cuda_supported(model):
+            why = engine_support(model.config)["cuda"] or "its rotary tables rescale with the length"
             raise HeadwayError(
-                f"inference.engine=cuda runs {', '.join(STATIC_FAMILIES)} with full attention and "
-                f"Gemma-3, with rotary tables by position alone, not this '{family}' target: use "
-                "inference.engine=auto or hf"
+                f"inference.engine=cuda cannot run this '{family}' target ({why}): use inference.engine=auto "
+                "or hf"
             )
         # slot `max_len` is the scratch slot pad rows write; no real row reaches it
         self.capacity = max_len + 1

@@ -198,6 +198,8 @@ def engine_support(config: Any) -> dict[str, str]:
             out[engine] = "the static engine runs full attention only, and this target has a sliding window"
         elif engine == "cuda" and has_sliding_window(config) and fam.model_types[0] != "gemma3_text":
             out[engine] = "the CUDA backend runs sliding windows for Gemma-3 only"
+        elif engine == "cuda" and config_dict(config).get("attn_logit_softcapping") is not None:
+            out[engine] = "the CUDA backend's attention has no logit soft-capping"
         else:
             out[engine] = ""
     return out
