@@ -27,26 +27,41 @@ DRAFTERS = ("neural", "hybrid", "ngram")
 
 
 def record(args: argparse.Namespace) -> None:
+    """Decode each prompt plainly and with each drafter, saving the record after every prompt.
+
+    A run that stops resumes from the record at `--out` when it holds the same prompts and drafters.
+    """
     cfg = load_config(RunConfig, args.config, args.overrides)
     convs = per_category(load_conversations(PromptConfig(path=args.prompts)), args.per_category)[: args.limit]
     decoder = SpeculativeDecoder.load(args.head, cfg)
     prompts = [decoder.fmt.first_turn(c.turns[0], c.system) for c in convs]
-    out: dict = {"prompts": [c.id for c in convs], "plain": []}
-    for ids in prompts:
-        out["plain"].append(decoder.generate_plain(ids, args.max_new_tokens).tokens)
-    for kind in args.drafters:
-        d = decoder.with_drafter(kind)
-        runs = [d.generate(ids, args.max_new_tokens) for ids in prompts]
-        out[kind] = [
-            {"tokens": r.tokens, "forwards": r.target_forwards, "tok_s": r.tokens_per_second} for r in runs
-        ]
-        tokens = sum(len(r.tokens) - 1 for r in runs)
+    out: dict = {"prompts": [c.id for c in convs], "plain": [], **{k: [] for k in args.drafters}}
+    path = Path(args.out)
+    if path.exists():
+        done = json.loads(path.read_text())
+        if done.get("prompts") == out["prompts"] and all(k in done for k in out):
+            out = {k: done[k] for k in out}
+    drafters = {kind: decoder.with_drafter(kind) for kind in args.drafters}
+    for i, ids in enumerate(prompts):
+        if i < len(out["plain"]) and all(i < len(out[k]) for k in drafters):
+            continue
+        out["plain"] = out["plain"][:i] + [decoder.generate_plain(ids, args.max_new_tokens).tokens]
+        for kind, d in drafters.items():
+            r = d.generate(ids, args.max_new_tokens)
+            row = {"tokens": r.tokens, "forwards": r.target_forwards, "tok_s": r.tokens_per_second}
+            out[kind] = out[kind][:i] + [{**row, "seconds": r.seconds}]
+        atomic_write_json(path, out)
+        equal = " ".join(f"{k}={out[k][i]['tokens'] == out['plain'][i]}" for k in drafters)
+        print(f"prompt {i + 1}/{len(prompts)} {out['prompts'][i]}: equal to plain: {equal}", flush=True)
+    for kind in drafters:
+        runs = out[kind]
+        tokens = sum(len(r["tokens"]) - 1 for r in runs)
+        seconds = sum(r.get("seconds", 0.0) for r in runs)
         print(
-            f"{kind}: tau {tokens / max(1, sum(r.target_forwards for r in runs)):.3f}, "
-            f"{sum(len(r.tokens) for r in runs) / max(sum(r.seconds for r in runs), 1e-9):.1f} tok/s, "
-            f"equal to plain: {all(r.tokens == p for r, p in zip(runs, out['plain']))}"
+            f"{kind}: tau {tokens / max(1, sum(r['forwards'] for r in runs)):.3f}, "
+            f"{sum(len(r['tokens']) for r in runs) / max(seconds, 1e-9):.1f} tok/s, "
+            f"equal to plain on {sum(r['tokens'] == p for r, p in zip(runs, out['plain']))}/{len(runs)}"
         )
-    atomic_write_json(Path(args.out), out)
 
 
 def compare(before: Path, after: Path) -> None:
