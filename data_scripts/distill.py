@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 import headway
 from headway.config import save_config
-from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.config import MANIFEST, RUN_STATE, DistillConfig, require_finished
 from headway.data_scripts.engines import (
     Engine,
@@ -32,13 +31,14 @@ from headway.data_scripts.engines import (
     vllm_available,
 )
 from headway.data_scripts.magpie import write_prompts
-from headway.data_scripts.prompts import Conversation, load_conversations, source_hash
 from headway.errors import HeadwayError
 from headway.faults import fault_point
-from headway.inference.engine_cuda import cuda_supported
+from headway.inference.engines.cuda.runner import cuda_supported
 from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
+from headway.prompts import Conversation, load_conversations, source_hash
 from headway.ranks import DistInfo, dist_info
 from headway.runtime import barrier
+from headway.target.chat import ChatFormat
 from headway.target.loading import Target, load_target
 
 if TYPE_CHECKING:

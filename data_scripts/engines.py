@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from headway.errors import HeadwayError
-from headway.inference.batch_decode import BatchDecoder
 from headway.inference.config import SamplingConfig
+from headway.inference.engines.batch import BatchDecoder
 from headway.runtime import native_bf16
 
 log = logging.getLogger("headway")
@@ -137,7 +137,7 @@ class HFEngine:
 
 
 class StaticEngine:
-    """Headway's batched decoder (inference/batch_decode.py): `batch_size` slots on one static KV cache, each
+    """Headway's batched decoder (inference/engines/batch.py): `batch_size` slots on one static KV cache, each
     refilled with the next prompt as its answer ends; the decode step is a CUDA graph on GPUs, greedy (or
     sampling) runs on the device, and the host checks for finished answers every `check_every` steps."""
 

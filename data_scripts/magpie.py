@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.config import MagpieConfig
 from headway.data_scripts.engines import Engine, ProgressFn, SamplingSettings
+from headway.target.chat import ChatFormat
 
 
 def write_prompts(

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headway.errors import HeadwayError
-from headway.export.layouts import Converter
+from headway.export.layouts import LAYOUTS, REFUSED, Converter
 from headway.export.layouts.common import restore_rope
 from headway.export.schema import check, to_dtype
 from headway.faults import fault_point
@@ -134,14 +134,14 @@ def export_head(
 def converter(fmt: str, kind: str) -> Converter:
     """The kind's converter for an engine format; a format the kind cannot be served in is refused
     with why."""
-    spec = head_kind(kind)
-    if fmt in spec.refused_exports:
-        raise HeadwayError(spec.refused_exports[fmt])
-    if fmt not in spec.exports:
+    head_kind(kind)  # an unknown kind is refused with the known ones
+    if fmt in REFUSED[kind]:
+        raise HeadwayError(REFUSED[kind][fmt])
+    if fmt not in LAYOUTS[kind]:
         raise HeadwayError(
-            f"no {fmt} layout for a '{kind}' head (its formats: native, {', '.join(spec.exports)})"
+            f"no {fmt} layout for a '{kind}' head (its formats: native, {', '.join(LAYOUTS[kind])})"
         )
-    return spec.exports[fmt]
+    return LAYOUTS[kind][fmt]
 
 
 def draft_tokens(native: dict) -> int:

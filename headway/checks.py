@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from headway.data_scripts.config import MANIFEST, PromptConfig, require_finished
-from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.io import read_json
 from headway.kinds.config import kind_names
 from headway.kinds.head_dir import read_head_config, resolve_head_dir
+from headway.prompts import load_conversations
 from headway.run_config import RunConfig
 from headway.target.config import ALIASES, TargetConfig
 from headway.target.families import choose_engine

@@ -241,7 +241,7 @@ def cmd_generate(cfg: RunConfig, args: argparse.Namespace) -> int:
 def cmd_bench(cfg: RunConfig, args: argparse.Namespace) -> int:
     prompts = checks.before_bench(cfg, args)
     from headway.inference.api import SpeculativeDecoder
-    from headway.inference.bench import markdown_table, run_bench, write_results
+    from headway.inference.bench.run import markdown_table, run_bench, write_results
 
     cfg.inference.compare_plain = False
     if args.per_category is not None:
@@ -270,7 +270,7 @@ def cmd_tune(cfg: RunConfig, args: argparse.Namespace) -> int:
     if args.prompts:
         cfg.tune.prompts = args.prompts
     checks.before_tune(cfg, args.head)
-    from headway.inference.tune import tune
+    from headway.inference.tune.run import tune
 
     entry = tune(args.head, cfg)
     chosen = entry["chosen"]

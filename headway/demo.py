@@ -25,8 +25,8 @@ from headway.errors import HeadwayError
 from headway.export.exporter import export_head
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.config import InferenceConfig
+from headway.inference.engines.static.layer_loop import build_in_background
 from headway.inference.generate import alternate, pooled
-from headway.inference.layer_loop import build_in_background
 from headway.io import atomic_write_json
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig

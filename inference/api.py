@@ -10,22 +10,23 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from headway.data_scripts.chat import ChatFormat
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.config import InferenceConfig
 from headway.inference.cost_model import verify_cost_curve, verify_costs
-from headway.inference.draft_hybrid import HybridDrafter
-from headway.inference.engine import depth_matters
-from headway.inference.engine_options import EngineOptions
+from headway.inference.drafters.hybrid import HybridDrafter
+from headway.inference.drafters.neural import neural_drafter
+from headway.inference.engines.options import EngineOptions
+from headway.inference.engines.runner import depth_matters
+from headway.inference.engines.static.layer_loop import build_in_background
 from headway.inference.generate import GenerationResult, plain_generate, speculative_generate
-from headway.inference.layer_loop import build_in_background
 from headway.inference.tuned import apply_tuned, tuned_entry
 from headway.kinds.checkpoint import check_head_shapes, load_head
 from headway.kinds.head_dir import read_head_config
 from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.runtime import resolve_device
+from headway.target.chat import ChatFormat
 from headway.target.cpu_format import decoding_format
 from headway.target.families import choose_engine, family_of
 from headway.target.loading import Target, load_target, target_config_json, target_sizes
@@ -66,10 +67,7 @@ def make_drafter(
     """The neural drafter of the head's kind, as the inference section sets it up; one that runs a layer of
     its own (EAGLE) follows `options`' static-engine settings (default: EngineOptions())."""
     num_layers = int(text_config(target_config).num_hidden_layers)
-    drafter = head_kind(heads.kind).drafter(heads, inference, head_config, num_layers)
-    if options is not None and hasattr(drafter, "options"):
-        drafter.options = options
-    return drafter
+    return neural_drafter(heads, inference, head_config, num_layers, options=options)
 
 
 def make_hybrid(

@@ -20,12 +20,12 @@ import torch
 
 from headway.heads.draft_layer import text_config
 from headway.inference.config import TREE_SIZES
-from headway.inference.engine import engine_name, make_runner
-from headway.inference.engine_cuda import CudaRunner
-from headway.inference.engine_graphs import WARMUP
-from headway.inference.engine_options import EngineOptions, as_options
+from headway.inference.engines.cuda.graphs import WARMUP
+from headway.inference.engines.cuda.runner import CudaRunner
+from headway.inference.engines.options import EngineOptions, as_options
+from headway.inference.engines.runner import engine_name, make_runner
+from headway.inference.engines.tree import build_tree
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule, greedy_token
-from headway.inference.tree import build_tree
 from headway.target.packed_model import linear_weights
 
 log = logging.getLogger("headway")
@@ -88,7 +88,7 @@ def verify_cost(
     gen = torch.Generator().manual_seed(0)
     runner = make_runner(model, prefix_len + max(sizes) + 1, engine, rows=max(sizes))
     runner.forward(torch.randint(vocab, (prefix_len,), generator=gen))
-    if isinstance(runner, CudaRunner):
+    if runner.accepts_on_device:
         return bucket_costs(
             runner, sizes, prefix_len, repeats, torch.randint(vocab, (max(sizes),), generator=gen)
         )

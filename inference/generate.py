@@ -1,7 +1,7 @@
 """The decoding loops: plain decoding (the reference), and speculative decoding over a tree.
 
 Speculative step: the drafter builds a tree rooted at the token the target just produced (a static
-Medusa tree or an EAGLE-2 dynamic one); one target forward on the engine's runner (engine.py) verifies
+Medusa tree or an EAGLE-2 dynamic one); one target forward on the engine's runner (engines/runner.py) verifies
 every node (tree mask, explicit positions, its KV cache); an acceptance rule walks the tree from the root
 (greedy: the longest path of the target's own argmax choices; sampling: tree rejection sampling, see
 sampling.py) and gives the target's next token after the accepted path (the bonus); the cache keeps
@@ -13,25 +13,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 
 from headway.errors import HeadwayError
-from headway.inference.engine import make_runner
-from headway.inference.engine_cuda import CudaRunner
-from headway.inference.engine_options import EngineOptions
-from headway.inference.generate_device import device_loop
+from headway.inference.engines.cuda.loop import device_loop
+from headway.inference.engines.options import EngineOptions
+from headway.inference.engines.runner import make_runner
+from headway.inference.engines.tree import Tree
 from headway.inference.sampling import Sampler, SamplingConfig, acceptance_rule
-from headway.inference.tree import Tree
 
 GREEDY = SamplingConfig()
 
 
 class Drafter(Protocol):
+    """What the decoding loops need of a drafter (drafters/): the loops never ask which drafter it is."""
+
     feature_layers: list[int]  # the target hidden states (HF output_hidden_states indices) it reads
     max_nodes: int  # the most nodes (root included) a tree of its can have
     max_depth: int  # the deepest a tree of its can go
+    # it also drafts on the device (engines/cuda/loop.py `DeviceDrafter`: draft_tensors, reserve), so the
+    # CUDA backend's loop can run it with one host read a step
+    drafts_on_device: bool
+    # per node of its last tree, the kind of branch that proposed it (the hybrid's: neural, ngram), or None
+    node_sources: Optional[list[str]]
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         """A new sequence: the prompt, the target's first token, and the features [len(prompt), F] of
@@ -191,7 +197,7 @@ def speculative_generate(
         model, len(prompt) + max_new_tokens + drafter.max_nodes, engine, rows=drafter.max_nodes
     )
     lossless = sampling.greedy or sampling.acceptance == "exact"
-    if isinstance(runner, CudaRunner) and lossless and not own_rule and hasattr(drafter, "draft_tensors"):
+    if runner.accepts_on_device and lossless and not own_rule and drafter.drafts_on_device:
         # the CUDA backend's loop: drafting, verification and acceptance on the device, one read a step
         return device_loop(
             runner, drafter, prompt, max_new_tokens, stops, _finish, GenerationResult, sampling
@@ -213,7 +219,7 @@ def speculative_generate(
         path, bonus = rule(tree, node_ids, logits, sampler)
         runner.keep(tree.size, path)
         new = [node_ids[i] for i in path[1:]] + [bonus]
-        kinds = getattr(drafter, "node_sources", None)  # hybrid drafters: the branch kind of each node
+        kinds = drafter.node_sources
         for i in path[1:] if kinds else ():
             sources[kinds[i]] = sources.get(kinds[i], 0) + 1
         accepted_counts.append(len(path) - 1)

@@ -15,24 +15,9 @@ from __future__ import annotations
 import torch
 
 from headway.inference.config import SamplingConfig
-from headway.inference.row_select import first_max
-from headway.inference.tree import Tree
-
-
-def target_distribution(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Probabilities (float64, last dim) after temperature, then top-k, then top-p, as Hugging Face's
-    sampling applies them. Plain and speculative decoding both sample from exactly this."""
-    scores = logits.double() / cfg.temperature
-    if cfg.top_k and cfg.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if cfg.top_p < 1.0:
-        ordered, order = torch.sort(scores, dim=-1, descending=False)
-        cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative <= 1 - cfg.top_p
-        drop[..., -1] = False  # the most likely token always stays
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return scores.softmax(-1)
+from headway.inference.engines.distribution import target_distribution
+from headway.inference.engines.static.row_select import first_max
+from headway.inference.engines.tree import Tree
 
 
 class Sampler:

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headway.export.layouts import DFLASH_EXPORTS, DFLASH_REFUSED
 from headway.heads.dflash import DFlashConfig, DFlashHead
 from headway.heads.eagle3 import check_servable_layers
-from headway.inference.draft_dflash import DFlashDrafter
-from headway.inference.tree_search import StaticTrees
 from headway.kinds.spec import HeadKind
-from headway.train.objectives.dflash import DFlashObjective
 
 
 def _for_target(cfg: DFlashConfig, num_target_layers: int) -> DFlashConfig:
@@ -27,11 +23,6 @@ DFLASH = HeadKind(
     config=DFlashConfig,
     module=DFlashHead,
     layered=True,
-    objective=DFlashObjective,
-    drafter=DFlashDrafter.from_config,
-    tree_space=StaticTrees(),
-    exports=DFLASH_EXPORTS,
-    refused_exports=DFLASH_REFUSED,
     draft_tokens=lambda head: int(head.get("block_size", 8)) - 1,  # the block's mask slots
     for_target=_for_target,
     reduced_vocab=lambda cfg: cfg.lm_head == "own",

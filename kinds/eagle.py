@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from headway.export.layouts import EAGLE_EXPORTS, EAGLE_REFUSED
 from headway.heads.eagle import EagleConfig, EagleHead
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.tree_search import EagleTrees
 from headway.kinds.spec import HeadKind
-from headway.train.objectives.eagle import EagleObjective
 
 
 def _upgrade(head: dict, state: dict) -> dict:
@@ -21,11 +17,6 @@ EAGLE = HeadKind(
     config=EagleConfig,
     module=EagleHead,
     layered=True,
-    objective=EagleObjective,
-    drafter=EagleDrafter.from_config,
-    tree_space=EagleTrees(),
-    exports=EAGLE_EXPORTS,
-    refused_exports=EAGLE_REFUSED,
     draft_tokens=lambda head: 3,  # EAGLE-1's usual chain in vLLM and SGLang
     upgrade=_upgrade,
 )

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from headway.export.layouts import EAGLE3_EXPORTS
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.tree_search import EagleTrees
 from headway.kinds.spec import HeadKind
-from headway.train.objectives.eagle3 import Eagle3Objective
 
 
 def _for_target(cfg: Eagle3Config, num_target_layers: int) -> Eagle3Config:
@@ -26,10 +22,6 @@ EAGLE3 = HeadKind(
     config=Eagle3Config,
     module=Eagle3Head,
     layered=True,
-    objective=Eagle3Objective,
-    drafter=EagleDrafter.from_config,
-    tree_space=EagleTrees(),
-    exports=EAGLE3_EXPORTS,
     draft_tokens=lambda head: int(head.get("ttt_steps", 3)),  # the unroll it was trained for
     for_target=_for_target,
     reduced_vocab=lambda cfg: True,

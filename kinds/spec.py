@@ -1,27 +1,16 @@
-"""What a head kind is to Headway: the one record every stage looks up by the kind's name."""
+"""What a head kind is to Headway: the one record of it, looked up by the kind's name.
+
+Each stage keeps its part of a kind beside its own code, by the same name: train/objectives (`OBJECTIVES`),
+inference/drafters/neural.py (`NEURAL`), inference/tune/spaces.py (`TREE_SPACES`) and export/layouts
+(`LAYOUTS`, `REFUSED`); tests/test_structure.py checks every registered kind has each.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
-
-
-class TreeSpace(Protocol):
-    """The trees `headway tune` searches for a kind (inference/tree_search.py)."""
-
-    def verify_sizes(self, tc: Any) -> list[int]: ...
-
-    def candidates(
-        self,
-        heads: Any,
-        drafter: Any,
-        replays: list,
-        cost: Callable[[int, int], float],
-        tc: Any,
-        num_layers: int,
-    ) -> list[dict]: ...
 
 
 def _unchanged(cfg: Any, num_target_layers: int) -> Any:
@@ -38,13 +27,10 @@ def _as_saved(head: dict, state: dict) -> dict:
 
 @dataclass(frozen=True)
 class HeadKind:
-    """A head kind: its `head.<name>` config section and module, how it trains, drafts, is tuned and exported.
+    """A head kind: its `head.<name>` config section and module, and what every stage needs to know of its
+    heads (each stage's own part of the kind is in that stage's table, by the kind's name).
 
     Callables, with the arguments each stage passes:
-        objective(kind config, seed=, loss_chunk=, ttt_attention=: train settings resolved) -> the kind's
-            Objective (train/objectives/), called (heads, batch, Features, t2d) -> (loss, metrics) on each
-            batch.
-        drafter(heads, InferenceConfig, head config.json, num target layers) -> the neural drafter.
         draft_tokens(saved head section) -> the draft length a serving engine runs the head with.
         for_target(kind config, num target layers) -> the config with its target-dependent defaults resolved
             and checked (saved with the head).
@@ -53,8 +39,6 @@ class HeadKind:
         reads_target_lm_head(saved head section) -> whether an engine export carries the target's lm_head.
         upgrade(saved head section, state) -> the section with the values heads saved before a setting
             existed.
-        calibrate(target, heads, held-out samples, batch size, t2d) -> what the end of training measures on
-            the held-out split and saves with the head (config.json `rank_accuracy`), or None.
     """
 
     name: str
@@ -62,17 +46,11 @@ class HeadKind:
     config: type  # the dataclass of the head.<name> section
     module: type  # the torch module: (cfg, hidden, vocab[, layer_config], d2t=) -> head
     layered: bool  # carries one decoder layer built from the target's config (head.<name>.draft_layer)
-    objective: type  # a train.objectives.Objective subclass: (kind config, seed=) -> objective
-    drafter: Callable[[Any, Any, dict, int], Any]
-    tree_space: TreeSpace
-    exports: dict[str, Any]  # export format -> export.layouts.Converter
     draft_tokens: Callable[[dict], int]
-    refused_exports: dict[str, str] = field(default_factory=dict)  # format -> why not, and what to use
     for_target: Callable[[Any, int], Any] = _unchanged
     reduced_vocab: Callable[[Any], bool] = lambda cfg: False
     reads_target_lm_head: Callable[[dict], bool] = _no_lm_head
     upgrade: Callable[[dict, dict], dict] = _as_saved
-    calibrate: Optional[Callable[..., Any]] = None
     adapts_target: bool = False  # may train LoRA adapters of the target with it (Medusa-2)
     # may draft in bf16 beside a float32 target (inference.drafter_dtype=auto): every weight its drafting
     # reads is its own (EAGLE-3's read-out is its own lm_head; EAGLE-1's is the target's, which a bf16 draft

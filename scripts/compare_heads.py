@@ -25,10 +25,10 @@ from collections import defaultdict
 
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.inference.api import SpeculativeDecoder
-from headway.inference.bench import per_category
+from headway.inference.bench.run import per_category
+from headway.prompts import load_conversations
 from headway.run_config import RunConfig
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations
 from headway.inference.api import SpeculativeDecoder
-from headway.inference.bench import per_category
+from headway.inference.bench.run import per_category
 from headway.io import atomic_write_json
+from headway.prompts import load_conversations
 from headway.run_config import RunConfig
 
 DRAFTERS = ("neural", "hybrid", "ngram")

@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.config import PromptConfig
 from headway.data_scripts.engines import HFEngine, SamplingSettings, StaticEngine
-from headway.data_scripts.prompts import load_conversations
+from headway.prompts import load_conversations
+from headway.target.chat import ChatFormat
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 

@@ -18,10 +18,13 @@ from collections import Counter, defaultdict
 
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations
-from headway.inference import draft_eagle, draft_hybrid, engine, sampling
+from headway.inference import sampling
 from headway.inference.api import SpeculativeDecoder
-from headway.inference.bench import per_category
+from headway.inference.bench.run import per_category
+from headway.inference.drafters import eagle as draft_eagle
+from headway.inference.drafters import hybrid as draft_hybrid
+from headway.inference.engines import runner as engine
+from headway.prompts import load_conversations
 from headway.run_config import RunConfig
 
 SECONDS: dict[str, float] = defaultdict(float)

@@ -23,11 +23,11 @@ import torch
 
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations
 from headway.demo import reference_head
 from headway.inference.api import SpeculativeDecoder
-from headway.inference.engine import engine_name
+from headway.inference.engines.runner import engine_name
 from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate
+from headway.prompts import load_conversations
 from headway.run_config import RunConfig
 
 PROMPTS = [

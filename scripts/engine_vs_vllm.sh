@@ -4,8 +4,8 @@
 # Headway's packed float16-weight formats beside those pairs); and the prefill of a 1,000-token prompt in each.
 #
 #   scripts/engine_vs_vllm.sh MT_BENCH.jsonl [HEAD_DIR] [extra headway overrides]
-# Prompts: MT-bench first turns (PER_CATEGORY per category), inference/bench_prompts_copy.jsonl and
-# inference/bench_prompts_long.jsonl (summaries and passages of 530-740 tokens). Run it on a quiet machine.
+# Prompts: MT-bench first turns (PER_CATEGORY per category), inference/bench/prompts/copy.jsonl and
+# inference/bench/prompts/long.jsonl (summaries and passages of 530-740 tokens). Run it on a quiet machine.
 # Env: VLLM_VENV (default .venv-vllm; made by scripts/check_vllm.sh), THREADS_LIST ("1 2"), DTYPES
 #      ("float32 bfloat16"), MODES (vLLM's runs: "plain,ngram,head"), PER_CATEGORY (1), MAX_TOKENS (128),
 #      PREFILL (1000), COMPILE (1: vLLM compiled), OUT (outputs/engine-vs-vllm), F32_FORMATS ("native onednn mkl
@@ -26,7 +26,7 @@ echo "== one prompt file: MT-bench first turns, the copy prompts, the long promp
 python3 - "$MT" "$OUT/prompts.jsonl" <<'PY'
 import json, sys
 rows = []
-for path in (sys.argv[1], "inference/bench_prompts_copy.jsonl", "inference/bench_prompts_long.jsonl"):
+for path in (sys.argv[1], "inference/bench/prompts/copy.jsonl", "inference/bench/prompts/long.jsonl"):
     for line in open(path):
         r = json.loads(line)
         turns = r.get("turns") or [r["prompt"]]

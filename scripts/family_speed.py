@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from headway.inference.engine import engine_name
+from headway.inference.engines.runner import engine_name
 from headway.inference.generate import plain_generate
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target

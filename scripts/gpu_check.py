@@ -50,26 +50,26 @@ from fake_cuda import fake_cuda, to_fake_cuda  # noqa: E402
 from tiny_models import ARCHS, make_tiny_model  # noqa: E402
 
 from headway.config import load_config  # noqa: E402
-from headway.data_scripts.chat import ChatFormat  # noqa: E402
 from headway.data_scripts.config import PromptConfig  # noqa: E402
 from headway.data_scripts.engines import HFEngine, SamplingSettings  # noqa: E402
-from headway.data_scripts.prompts import load_conversations  # noqa: E402
 from headway.demo_config import reference_head  # noqa: E402
 from headway.heads.config import Eagle3Config  # noqa: E402
 from headway.heads.draft_layer import draft_layer_config  # noqa: E402
 from headway.heads.eagle3 import Eagle3Head  # noqa: E402
 from headway.inference.api import SpeculativeDecoder  # noqa: E402
-from headway.inference.baselines import hf_generate  # noqa: E402
-from headway.inference.draft_eagle import EagleDrafter  # noqa: E402
-from headway.inference.engine import make_runner, static_supported  # noqa: E402
-from headway.inference.engine_cuda import CudaRunner, cuda_supported  # noqa: E402
-from headway.inference.engine_graphs import WARMUP, StepGraphs  # noqa: E402
-from headway.inference.engine_options import EngineOptions  # noqa: E402
+from headway.inference.bench.baselines import hf_generate  # noqa: E402
+from headway.inference.drafters.eagle import EagleDrafter  # noqa: E402
+from headway.inference.engines.cuda.graphs import WARMUP, StepGraphs  # noqa: E402
+from headway.inference.engines.cuda.runner import CudaRunner, cuda_supported  # noqa: E402
+from headway.inference.engines.cuda.sync_guard import HostReads, Uploads  # noqa: E402
+from headway.inference.engines.options import EngineOptions  # noqa: E402
+from headway.inference.engines.runner import make_runner, static_supported  # noqa: E402
+from headway.inference.engines.tree import build_tree  # noqa: E402
 from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
-from headway.inference.sync_guard import HostReads, Uploads  # noqa: E402
-from headway.inference.tree import build_tree  # noqa: E402
 from headway.kinds.registry import build_head  # noqa: E402
+from headway.prompts import load_conversations  # noqa: E402
 from headway.run_config import RunConfig  # noqa: E402
+from headway.target.chat import ChatFormat  # noqa: E402
 from headway.target.config import TargetConfig  # noqa: E402
 from headway.target.loading import load_target  # noqa: E402
 
@@ -177,7 +177,7 @@ def _prompt_texts(path: str | None, n: int) -> list[str]:
     if path:
         for c in load_conversations(PromptConfig(path=path)):
             first.setdefault(str(c.meta.get("category", c.id)), c.turns[0])
-    copy = load_conversations(PromptConfig(path=str(ROOT / "inference" / "bench_prompts_copy.jsonl")))
+    copy = load_conversations(PromptConfig(path=str(ROOT / "inference" / "bench" / "prompts" / "copy.jsonl")))
     texts = list(first.values()) or BUILT_IN
     return (texts[: max(1, n - len(copy))] + [c.turns[0] for c in copy])[:n]
 

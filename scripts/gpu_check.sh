@@ -71,10 +71,10 @@ fi
 run_step distill "${LIMITS[9]}" $PY scripts/gpu_check.py distill --results "$RESULTS" $DRY "${P[@]}"
 if [ -n "$DRY" ]; then
     # (a fixed cost per node sizes the trees: the dry run checks the step runs, not its speed)
-    BENCH=(--prompts inference/bench_prompts_copy.jsonl --limit 2 target.device=cpu target.num_threads=1
+    BENCH=(--prompts inference/bench/prompts/copy.jsonl --limit 2 target.device=cpu target.num_threads=1
         inference.max_new_tokens=8 inference.hybrid.node_cost=0.1)
 else
-    BENCH=(--prompts "${PROMPTS:-inference/bench_prompts_copy.jsonl}" --per-category 2 --turns 1
+    BENCH=(--prompts "${PROMPTS:-inference/bench/prompts/copy.jsonl}" --per-category 2 --turns 1
         target.device=cuda inference.max_new_tokens=128)
 fi
 run_step bench "${LIMITS[10]}" $PY -m headway bench --head heads/reference/smollm2-135m-instruct-eagle3 \

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_check import BUILT_IN, Results, _device, _sync  # noqa: E402
 
-from headway.data_scripts.chat import ChatFormat  # noqa: E402
 from headway.data_scripts.config import PromptConfig  # noqa: E402
 from headway.data_scripts.engines import HFEngine, SamplingSettings, StaticEngine  # noqa: E402
-from headway.data_scripts.prompts import load_conversations  # noqa: E402
+from headway.prompts import load_conversations  # noqa: E402
+from headway.target.chat import ChatFormat  # noqa: E402
 from headway.target.config import TargetConfig  # noqa: E402
 from headway.target.loading import load_target  # noqa: E402
 

@@ -45,9 +45,9 @@ if [ -n "$DRY" ]; then
     TRAIN_PROMPTS=${TRAIN_PROMPTS:-$WORK/dry_prompts}
     HELD_OUT=${HELD_OUT:-$WORK/dry_prompts/held_out.jsonl}
     mkdir -p "$TRAIN_PROMPTS"
-    head -6 inference/bench_prompts_copy.jsonl > "$TRAIN_PROMPTS/dev.jsonl"
-    sed -n 7,8p inference/bench_prompts_copy.jsonl > "$HELD_OUT"
-    head -1 inference/bench_prompts_copy.jsonl >> "$HELD_OUT"  # (a held-out prompt also in dev: dropped)
+    head -6 inference/bench/prompts/copy.jsonl > "$TRAIN_PROMPTS/dev.jsonl"
+    sed -n 7,8p inference/bench/prompts/copy.jsonl > "$HELD_OUT"
+    head -1 inference/bench/prompts/copy.jsonl >> "$HELD_OUT"  # (a held-out prompt also in dev: dropped)
     TRAIN=(train.micro_batch_size=2 train.max_length=256 train.eval_every=2 train.save_every=2 train.log_every=1
         train.warmup_steps=1 train.eval_max_samples=2)
 else

@@ -1,4 +1,4 @@
-"""Build long-prompt sets: the evaluation set (inference/bench_prompts_long_eval.jsonl) or a training
+"""Build long-prompt sets: the evaluation set (inference/bench/prompts/long_eval.jsonl) or a training
 prompt file.
 
 Long prompts are where drafts drift. The set has three kinds, each prompt 1,000-3,000 tokens of the default
@@ -11,7 +11,7 @@ Training prompts (`--source stdlib`) are built the same way from another corpus,
 standard library as pydoc renders it on this machine, so they share no text with the evaluation set; the
 target answers them in `headway distill` (docs/training.md, "Long prompts").
 
-    python scripts/make_long_prompts.py [--out inference/bench_prompts_long_eval.jsonl] [--seed 0]
+    python scripts/make_long_prompts.py [--out inference/bench/prompts/long_eval.jsonl] [--seed 0]
     python scripts/make_long_prompts.py --source stdlib --out long_train.jsonl --per-kind 48,48,32 --seed 1
 """
 
@@ -145,7 +145,7 @@ def build(seed: int, source: str = "docs", candidates: tuple[int, int, int] = (3
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "inference" / "bench_prompts_long_eval.jsonl"))
+    ap.add_argument("--out", default=str(ROOT / "inference" / "bench" / "prompts" / "long_eval.jsonl"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--source", choices=("docs", "stdlib"), default="docs", help="docs: evaluation; stdlib: training"

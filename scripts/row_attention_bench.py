@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from headway.inference.engine_plans import RowAttention, TransposedKeys
-from headway.inference.layer_loop import extension, row_kernel
+from headway.inference.engines.static.layer_loop import extension, row_kernel
+from headway.inference.engines.static.plans import RowAttention, TransposedKeys
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 

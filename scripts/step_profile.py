@@ -19,7 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from headway.config import load_config
-from headway.inference.engine import make_runner
+from headway.inference.engines.runner import make_runner
 from headway.run_config import RunConfig
 from headway.target.loading import load_target
 from headway.target.packed_fusion import FusedPart

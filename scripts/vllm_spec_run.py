@@ -20,10 +20,10 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "all")
 def prompt_ids(target: str, prompts: str, limit: int, per_category: int) -> list[list[int]]:
     from transformers import AutoTokenizer, GenerationConfig
 
-    from headway.data_scripts.chat import ChatFormat
     from headway.data_scripts.config import PromptConfig
-    from headway.data_scripts.prompts import load_conversations
-    from headway.inference.bench import per_category as balanced
+    from headway.inference.bench.run import per_category as balanced
+    from headway.prompts import load_conversations
+    from headway.target.chat import ChatFormat
 
     tok = AutoTokenizer.from_pretrained(target)
     try:

@@ -88,19 +88,19 @@ class TargetConfig:
     # How the static engine runs the decoder layers of a CPU decoding step: cpp (one C++ call per step, built
     # with this machine's compiler on first use and cached; the same kernels in the same order as python, so
     # the same output bits, without the interpreter between them), python, or auto (cpp where it builds and
-    # covers the target's layers and weight format, else python). See inference/layer_loop.py.
+    # covers the target's layers and weight format, else python). See inference/engines/static/layer_loop.py.
     layer_loop: str = "auto"
     # The attention of the static engine's row-exact steps (bf16/fp16 targets on CPUs, where every tree row
     # must give what a one-token step gives): cpp (Headway's kernel, built with the layer loop; a tree of n
     # rows costs about n queries over the cache, not n passes), sdpa (torch's attention, one call per row
     # shape), or auto (cpp where it builds). Each gives plain and speculative decoding the same tokens; the
-    # two may differ from each other at near-ties. See inference/csrc/row_attention.cpp.
+    # two may differ from each other at near-ties. See inference/engines/static/csrc/row_attention.cpp.
     row_attention: str = "auto"
     # bf16 CPU steps in the C++ layer loop (prompts and decoding): norms, rotary and SiLU as Headway's fused
     # kernels (one pass over the rows each, arithmetic fixed per row, so a tree's rows stay one-token steps
     # and no thread count changes a bit) instead of ATen's ~15 element-wise passes and calls per layer. false:
     # ATen's, as the Python loop runs them. Each gives plain and speculative decoding the same tokens; the two
-    # can differ from each other at near-ties. See inference/csrc/fused_ops.cpp.
+    # can differ from each other at near-ties. See inference/engines/static/csrc/fused_ops.cpp.
     fused_ops: bool = True
     # The causal attention of a fresh prompt in the C++ loop: auto (Headway's kernel, which scores each block
     # of rows only against the keys it sees: bf16 prompts in the fused loop on oneDNN's bf16 brgemm where the
@@ -108,7 +108,7 @@ class TargetConfig:
     # the bf16 values where the CPU has AVX-512 (AVX512-BF16 without AMX: ~1.7x faster than torch's bf16
     # attention); float32 prompts on float32 brgemm where the CPU has AVX-512), or sdpa (torch's). Plain and
     # speculative decoding share the prompt, so either gives them the same tokens.
-    # See inference/csrc/prompt_attention.cpp.
+    # See inference/engines/static/csrc/prompt_attention.cpp.
     prompt_attention: str = "auto"
 
     def __post_init__(self) -> None:

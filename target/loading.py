@@ -40,7 +40,7 @@ class Target:
     generation_config: Any
     num_threads: int
     # the settings it was loaded with: the engine's target.* ones (layer_loop, row_attention, fused_ops,
-    # prompt_attention) reach the runner from here (inference/engine_options.py), never through the model
+    # prompt_attention) reach the runner from here (inference/engines/options.py), never through the model
     settings: Optional[TargetConfig] = None
 
     @property

@@ -127,7 +127,7 @@ def _float32_prompt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     float32), rounded once to bf16. torch's bf16 linear emulates bf16 on such CPUs, ~4x slower than its
     float32 one (MKL's sgemm); the copy costs a small part of that. The C++ layer loop computes the
     same (`stream`
-    in inference/csrc/layer_loop.cpp)."""
+    in inference/engines/static/csrc/layer_loop.cpp)."""
     return torch.nn.functional.linear(
         x.float(), weight.float(), None if bias is None else bias.float()
     ).bfloat16()

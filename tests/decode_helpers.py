@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from headway.config import load_config
-from headway.inference.tree import build_tree
+from headway.inference.engines.tree import build_tree
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
 from headway.target.cpu_format import fastest_cpu_format

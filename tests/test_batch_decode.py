@@ -1,4 +1,4 @@
-"""The static engine (distill.engine=static, inference/batch_decode.py): batched slots on one static KV cache,
+"""The static engine (distill.engine=static, inference/engines/batch.py): batched slots on one static KV cache,
 refilled as answers end. Its greedy answers equal Hugging Face `generate`'s at batch 1 for every prompt, in
 float64 on the four tiny architectures, whatever the batch size and refill order; its sampling draws the
 target's distribution; on fake CUDA its decode step reads nothing from the host and mixes no device."""
@@ -15,12 +15,12 @@ from decode_helpers import load64
 from fake_cuda import fake_cuda, to_fake_cuda
 from test_distill import run, run_cfg, write_prompts_file
 
-from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.distill import engine_name, load_distilled
 from headway.data_scripts.engines import HFEngine, SamplingSettings, StaticEngine
 from headway.errors import HeadwayError
-from headway.inference.batch_decode import BatchDecoder, sample_rows
-from headway.inference.sync_guard import HostReads, Uploads
+from headway.inference.engines.batch import BatchDecoder, sample_rows
+from headway.inference.engines.cuda.sync_guard import HostReads, Uploads
+from headway.target.chat import ChatFormat
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 

@@ -7,6 +7,7 @@ import torch
 
 from headway.train.chunked_loss import KINDS, chunked_draft_loss
 from headway.train.losses import draft_loss, masked_mean
+from headway.train.objectives import OBJECTIVES
 
 
 def inputs(n: int = 37, d: int = 16, vocab: int = 53, seed: int = 0):
@@ -90,7 +91,6 @@ def test_a_head_trains_the_same_with_the_memory_settings(
 
     from train_helpers import assert_same_training, loss_and_grads, recipe_parts, small_run
 
-    from headway.kinds.registry import head_kind
     from headway.train.step import plan_batch, step_loss
 
     cfg = small_run(
@@ -107,7 +107,7 @@ def test_a_head_trains_the_same_with_the_memory_settings(
     batch = data.train_set[:4]
     results = []
     for chunk, how in ((0, "structured"), (5, attention)):
-        objective = head_kind(kind).objective(model.heads.cfg, seed=0, loss_chunk=chunk, ttt_attention=how)
+        objective = OBJECTIVES[kind](model.heads.cfg, seed=0, loss_chunk=chunk, ttt_attention=how)
         from headway.train.distributed import HeadObjective
 
         context = replace(model.context, objective=HeadObjective(model.heads, objective), plan=objective)

@@ -22,8 +22,8 @@ JOBS = (
     "headway.train.loop",
     "headway.train.feature_cache",
     "headway.inference.api",
-    "headway.inference.bench",
-    "headway.inference.tune",
+    "headway.inference.bench.run",
+    "headway.inference.tune.run",
     "headway.demo",
     "headway.export.exporter",
     "headway.target.loading",
@@ -42,7 +42,7 @@ def no_model(monkeypatch):
         if name.startswith("headway.") and hasattr(module, "load_target"):
             monkeypatch.setattr(module, "load_target", _reached)
     monkeypatch.setattr(sys.modules["headway.inference.api"].SpeculativeDecoder, "load", _reached)
-    monkeypatch.setattr(sys.modules["headway.inference.layer_loop"], "extension", _reached)
+    monkeypatch.setattr(sys.modules["headway.inference.engines.static.layer_loop"], "extension", _reached)
 
 
 def _dataset(path: Path, fingerprint: dict = FINGERPRINT, finished: bool = True) -> str:

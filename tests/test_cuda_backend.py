@@ -16,20 +16,20 @@ from test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.inference.accept_device import greedy_accept, tree_ancestors
 from headway.inference.config import cuda_buckets
 from headway.inference.cost_model import verify_cost
-from headway.inference.draft_dflash import DFlashDrafter
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_medusa import MedusaDrafter
-from headway.inference.engine import HFRunner, engine_name, make_runner
-from headway.inference.engine_cuda import CudaRunner, pinned_sdpa
-from headway.inference.engine_kv import KVCache
-from headway.inference.engine_options import EngineOptions
+from headway.inference.drafters.dflash import DFlashDrafter
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.engines.cuda.accept import greedy_accept, tree_ancestors
+from headway.inference.engines.cuda.runner import CudaRunner, pinned_sdpa
+from headway.inference.engines.cuda.sync_guard import HostReads
+from headway.inference.engines.kv import KVCache
+from headway.inference.engines.options import EngineOptions
+from headway.inference.engines.runner import HFRunner, engine_name, make_runner
+from headway.inference.engines.tree import build_tree, tree_from_parents
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.inference.sampling import Sampler, SamplingConfig, accept_greedy
-from headway.inference.sync_guard import HostReads
-from headway.inference.tree import build_tree, tree_from_parents
 from headway.inference.tuned import gpu_sized
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
@@ -40,6 +40,11 @@ ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
 class DeviceOracle(OracleDrafter):
     """The oracle drafter (the greedy continuation on some branches, noise on others) on tensors."""
+
+    drafts_on_device = True
+
+    def reserve(self, max_len: int, graphs=None) -> None:
+        pass
 
     def draft_tensors(self, root: torch.Tensor):
         nodes, tree = self.draft(int(root))

@@ -21,14 +21,15 @@ from test_eagle import random_head
 from test_speculative_exact import WIDE_TREE
 
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.inference import draft_eagle, draft_eagle_device
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_medusa import MedusaDrafter
-from headway.inference.engine_cuda import CudaRunner
-from headway.inference.engine_options import EngineOptions
+from headway.inference.drafters import eagle as draft_eagle
+from headway.inference.drafters import eagle_device as draft_eagle_device
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.engines.cuda.runner import CudaRunner
+from headway.inference.engines.cuda.sync_guard import HostReads, Uploads
+from headway.inference.engines.options import EngineOptions
+from headway.inference.engines.tree import build_tree
 from headway.inference.generate import speculative_generate
-from headway.inference.sync_guard import HostReads, Uploads
-from headway.inference.tree import build_tree
 
 
 def load32(path):

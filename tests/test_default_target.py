@@ -10,9 +10,9 @@ import torch
 from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config
-from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.distill import distill, load_distilled
 from headway.run_config import RunConfig
+from headway.target.chat import ChatFormat
 from headway.target.config import TargetConfig
 from headway.target.loading import export_target, load_target
 
@@ -115,9 +115,9 @@ def test_export_bf16_directory(smollm2, tmp_path: Path):
 def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache):
     """Untrained Medusa heads on SmolLM2 in float64: speculative output equals plain greedy output."""
     from headway.heads.medusa import MedusaConfig, MedusaHeads
-    from headway.inference.draft_medusa import MedusaDrafter
+    from headway.inference.drafters.medusa import MedusaDrafter
+    from headway.inference.engines.tree import build_tree
     from headway.inference.generate import greedy_generate, speculative_generate
-    from headway.inference.tree import build_tree
 
     t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
     heads = MedusaHeads(MedusaConfig(num_heads=3, lm_head="shared"), 576, 49152).double()
@@ -138,7 +138,7 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     from headway.heads.draft_layer import draft_layer_config
     from headway.heads.eagle import EagleConfig
     from headway.heads.eagle3 import Eagle3Config
-    from headway.inference.draft_eagle import EagleDrafter
+    from headway.inference.drafters.eagle import EagleDrafter
     from headway.inference.generate import greedy_generate, speculative_generate
     from headway.kinds.registry import build_head
 
@@ -164,9 +164,9 @@ def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache
     slots): speculative output equals plain greedy output."""
     from headway.heads.dflash import DFlashConfig, DFlashHead
     from headway.heads.draft_layer import draft_layer_config
-    from headway.inference.draft_dflash import DFlashDrafter
+    from headway.inference.drafters.dflash import DFlashDrafter
+    from headway.inference.engines.tree import build_tree, chain_choices
     from headway.inference.generate import greedy_generate, speculative_generate
-    from headway.inference.tree import build_tree, chain_choices
     from headway.kinds.registry import build_head
 
     t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))

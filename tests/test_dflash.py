@@ -16,10 +16,10 @@ from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
 from headway.heads.dflash import DFlashConfig, DFlashHead
 from headway.heads.draft_layer import draft_layer_config
-from headway.inference.draft_dflash import DFlashDrafter
-from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
+from headway.inference.drafters.dflash import DFlashDrafter
+from headway.inference.drafters.hybrid import HybridConfig, HybridDrafter
+from headway.inference.engines.tree import build_tree, chain_choices
 from headway.inference.generate import features_at, greedy_generate, speculative_generate
-from headway.inference.tree import build_tree, chain_choices
 from headway.kinds.registry import build_head
 from headway.train.losses import draft_loss
 from headway.train.objectives import Features

@@ -14,14 +14,14 @@ import pytest
 from dataset_checks import greedy_reference, mask_spans
 
 from headway.config import load_config
-from headway.data_scripts.chat import ChatFormat
 from headway.data_scripts.config import DistillConfig, MagpieConfig
 from headway.data_scripts.distill import answer, distill, load_distilled
 from headway.data_scripts.engines import Generation, HFEngine, SamplingSettings
 from headway.data_scripts.magpie import write_prompts
-from headway.data_scripts.prompts import Conversation
 from headway.errors import HeadwayError
+from headway.prompts import Conversation
 from headway.run_config import RunConfig
+from headway.target.chat import ChatFormat
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target
 

@@ -15,7 +15,7 @@ from headway.errors import HeadwayError
 from headway.heads.draft_layer import draft_layer_config, drafter_mask
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
-from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.drafters.eagle import EagleDrafter
 from headway.inference.generate import features_at, greedy_generate, speculative_generate
 from headway.kinds.checkpoint import load_head
 from headway.kinds.registry import build_head
@@ -89,7 +89,7 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
     """The drafter layer's preallocated cache (llama-style families; others keep transformers' cache) proposes
     the same candidates with the same scores at every step as transformers' DynamicCache, through growth past
     its first buffer and the truncation after every expansion."""
-    from headway.inference.engine_cpu import StaticLayerCache
+    from headway.inference.engines.static.runner import StaticLayerCache
 
     t = load64(tiny_dirs[arch])
     heads = random_head(t, kind)
@@ -116,7 +116,7 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
 def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: str):
     """The EAGLE-3 draft layer as one C++ layer-loop call gives the Python step's bits (float64), and with the
     fused bf16 kernels stays within bf16 rounding of it, over a prompt and a tree expansion after it."""
-    from headway.inference.engine_cpu import StaticLayerCache
+    from headway.inference.engines.static.runner import StaticLayerCache
 
     t = load64(tiny_dirs[arch])
     h = t.config.hidden_size

@@ -14,12 +14,12 @@ from decode_helpers import chat_ids, engine_steps, load64, load_packed
 from test_eagle import random_head
 
 from headway.errors import HeadwayError
-from headway.inference import layer_loop
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.engine import HFRunner, StaticRunner, make_runner, static_supported
-from headway.inference.engine_plans import RowAttention
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.engines.runner import HFRunner, StaticRunner, make_runner, static_supported
+from headway.inference.engines.static import layer_loop
+from headway.inference.engines.static.plans import RowAttention
+from headway.inference.engines.tree import build_tree
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.inference.tree import build_tree
 from headway.target.packed_model import rows_for_one
 
 STATIC = ["llama", "qwen2", "mistral"]

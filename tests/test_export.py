@@ -17,16 +17,17 @@ from tiny_models import make_tiny_model
 
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
+from headway.export.layouts import LAYOUTS
 from headway.heads.dflash import DFlashConfig, DFlashHead
 from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head
 from headway.heads.medusa import MedusaConfig
-from headway.inference.draft_dflash import DFlashDrafter
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.drafters.dflash import DFlashDrafter
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.engines.tree import build_tree
 from headway.inference.generate import speculative_generate
-from headway.inference.tree import build_tree
 from headway.kinds.checkpoint import save_head
 from headway.kinds.registry import KINDS, build_head
 from headway.target.config import TargetConfig
@@ -112,7 +113,7 @@ def llama(tiny_dirs):
 CASES = [
     (f, k, "target" if (k, f) == ("dflash", "sglang") else "reduced")
     for k in sorted(KINDS)
-    for f in sorted(KINDS[k].exports)
+    for f in sorted(LAYOUTS[k])
     if k != "medusa" and f != "gguf"  # gguf writes the target's tokenizer too: tests/test_export_gguf.py
 ] + [
     ("vllm", "dflash", "target"),
@@ -163,7 +164,7 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(
         target_lm_head=lm_head_of(t),
         verifier="/models/target",
     )
-    weights = KINDS[kind].exports[fmt].layout.weights_file if fmt != "native" else "model.safetensors"
+    weights = LAYOUTS[kind][fmt].layout.weights_file if fmt != "native" else "model.safetensors"
     written = load_file(str(tmp_path / "bf16" / weights))
     assert all(
         v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64) or v.dtype == torch.bool

@@ -21,7 +21,8 @@ from tiny_models import CORPUS, make_config, make_tokenizer
 from headway.cli import main
 from headway.errors import HeadwayError
 from headway.export.exporter import export_head, load_export, read_export, serve_hint
-from headway.export.layouts.gguf import read_gguf, target_vocab, write_gguf
+from headway.export.layouts.gguf import read_gguf, write_gguf
+from headway.export.layouts.gguf_vocab import target_vocab
 from headway.heads.config import DFlashConfig, EagleConfig, MedusaConfig
 from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle3 import Eagle3Config, Eagle3Head

@@ -19,7 +19,7 @@ from headway.run_config import RunConfig
 from headway.train.data import Sample
 from headway.train.distributed import HeadObjective
 from headway.train.flops import counter
-from headway.train.objectives import Features
+from headway.train.objectives import OBJECTIVES, Features
 from headway.train.setup_heads import build_heads, feature_layers
 from headway.train.step import plan_batch
 from headway.train.target_features import target_features
@@ -80,9 +80,8 @@ def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind:
     heads = build_heads(cfg.head, None, target_on("cpu"), batch).to("meta")
     target = target_on("meta")
     heads.attach_target(target.model)
-    from headway.kinds.registry import head_kind
 
-    objective = head_kind(kind).objective(heads.cfg, seed=0)
+    objective = OBJECTIVES[kind](heads.cfg, seed=0)
     planned = plan_batch(batch, 0, objective)
     analytic = counter(objective, heads, target, online=True, lm_head=lm_head)(planned)
 

@@ -1,4 +1,4 @@
-"""The C++ loop's fused bf16 element-wise kernels (inference/csrc/fused_ops.cpp): ATen's results (rotary and
+"""The C++ loop's fused bf16 element-wise kernels (inference/engines/static/csrc/fused_ops.cpp): ATen's results (rotary and
 the residual add bit for bit, RMSNorm and SiLU to within a bf16 rounding), the same bits at any thread count,
 and steps through them close to ATen's, with every tree row still the one-token step of its token."""
 
@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from decode_helpers import load_packed, with_threads
 
-from headway.inference import layer_loop
-from headway.inference.engine_cpu import StaticRunner
-from headway.inference.engine_step import LeanRMSNorm, rope_tables
-from headway.inference.tree import build_tree
+from headway.inference.engines.layer_step import LeanRMSNorm, rope_tables
+from headway.inference.engines.static import layer_loop
+from headway.inference.engines.static.runner import StaticRunner
+from headway.inference.engines.tree import build_tree
 
 pytestmark = pytest.mark.skipif(
     layer_loop.extension() is None, reason="the C++ extension does not build here"

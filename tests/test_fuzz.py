@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import Conversation, load_conversations
 from headway.errors import HeadwayError
+from headway.prompts import Conversation, load_conversations
 from headway.run_config import RunConfig
 
 # HEADWAY_FUZZ_EXAMPLES=2000 for a longer hunt than CI's.

@@ -19,11 +19,12 @@ from decode_helpers import load64
 from fake_cuda import fake_cuda, to_fake_cuda
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from headway.inference import engine_graphs, kernel_tree_attention
-from headway.inference.batch_decode import BatchDecoder
-from headway.inference.engine_cuda import CudaRunner, cuda_supported
-from headway.inference.engine_graphs import StepGraphs
-from headway.inference.engine_step import gqa_sdpa
+from headway.inference.engines.batch import BatchDecoder
+from headway.inference.engines.cuda import graphs as engine_graphs
+from headway.inference.engines.cuda import tree_attention as kernel_tree_attention
+from headway.inference.engines.cuda.graphs import StepGraphs
+from headway.inference.engines.cuda.runner import CudaRunner, cuda_supported
+from headway.inference.engines.layer_step import gqa_sdpa
 from headway.inference.sampling import SamplingConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,8 +203,8 @@ def test_an_eagle_expansion_dies_with_its_drafter(tiny_dirs):
     """Finding 3: the drafter and its device expansion form no cycle (a weak proxy and a weak method)."""
     from test_eagle import random_head
 
-    from headway.inference.draft_eagle import EagleDrafter
-    from headway.inference.draft_eagle_device import EagleExpansion
+    from headway.inference.drafters.eagle import EagleDrafter
+    from headway.inference.drafters.eagle_device import EagleExpansion
 
     t = load64(tiny_dirs["llama"])
     drafter = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 2, 2, 4)

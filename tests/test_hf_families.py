@@ -21,11 +21,11 @@ from tiny_models import make_tiny_model
 from train_helpers import small_run
 
 from headway.errors import HeadwayError
-from headway.inference.cache import attention_windows, step_masks
 from headway.inference.cost_model import verify_cost
-from headway.inference.engine import HFRunner
+from headway.inference.engines.hf import attention_windows, step_masks
+from headway.inference.engines.runner import HFRunner
+from headway.inference.engines.tree import Tree, build_tree
 from headway.inference.generate import plain_generate, speculative_generate
-from headway.inference.tree import Tree, build_tree
 from headway.target.config import TargetConfig
 from headway.target.loading import attention_implementation, load_target
 from headway.train.target_features import target_features
@@ -51,6 +51,8 @@ class OracleDrafter:
 
     feature_layers = [0]
     max_depth = 4
+    drafts_on_device = False
+    node_sources = None
 
     def __init__(self, tree: Tree, reference: list[int], vocab: int, seed: int):
         self.tree, self.ref, self.vocab = tree, reference, vocab

@@ -11,13 +11,13 @@ from test_eagle import ARCHS, random_head
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.cost_model import tree_cost, verify_costs
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_hybrid import Candidate, HybridConfig, HybridDrafter, Rate, _most_likely
-from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.drafters.hybrid import Candidate, HybridConfig, HybridDrafter, Rate, _most_likely
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.drafters.ngram import Continuation, NgramIndex
+from headway.inference.engines.tree import build_tree, tree_from_parents
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.inference.ngram import Continuation, NgramIndex
-from headway.inference.replay import Replay, simulate
-from headway.inference.tree import build_tree, tree_from_parents
+from headway.inference.tune.replay import Replay, simulate
 
 
 def linear_cost(per_node: float):
@@ -169,6 +169,7 @@ class FixedNeural:
 
     feature_layers: list = []
     max_depth = 1
+    expands_levels = False
 
     def __init__(self, token: int):
         self.token, self.heads, self.runs = token, torch.nn.Linear(1, 1), 0
@@ -230,6 +231,7 @@ class LevelledNeural:
 
     feature_layers: list = []
     max_depth = 3
+    expands_levels = True
 
     def __init__(self, clock: FakeClock, level_cost: float):
         self.clock, self.level_cost, self.heads = clock, level_cost, torch.nn.Linear(1, 1)
@@ -262,7 +264,7 @@ def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(monkeypatch, level
     one, but for its probes."""
     from types import SimpleNamespace
 
-    from headway.inference import draft_hybrid
+    from headway.inference.drafters import hybrid as draft_hybrid
 
     clock = FakeClock()
     monkeypatch.setattr(draft_hybrid, "time", SimpleNamespace(perf_counter=clock.perf_counter))
@@ -371,7 +373,7 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkey
     measures a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's. The curves
     are stand-ins (a tiny model's timings are noise), so only the choice of curves is under test."""
     from headway.inference import api
-    from headway.inference.engine import depth_matters
+    from headway.inference.engines.runner import depth_matters
     from headway.run_config import RunConfig
     from headway.target.config import TargetConfig
     from headway.target.loading import load_target

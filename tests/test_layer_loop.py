@@ -12,10 +12,10 @@ import torch
 from decode_helpers import engine_steps, load_packed
 
 from headway.errors import HeadwayError
-from headway.inference import layer_loop
-from headway.inference.engine import make_runner
-from headway.inference.engine_cpu import StaticRunner
-from headway.inference.engine_options import EngineOptions
+from headway.inference.engines.options import EngineOptions
+from headway.inference.engines.runner import make_runner
+from headway.inference.engines.static import layer_loop
+from headway.inference.engines.static.runner import StaticRunner
 from headway.runtime import native_bf16
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target

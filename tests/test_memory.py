@@ -15,10 +15,9 @@ import torch
 from test_flops import SMOLLM2, samples, target_on
 
 from headway.config import load_config
-from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.train.distributed import HeadObjective
-from headway.train.objectives import Features
+from headway.train.objectives import OBJECTIVES, Features
 from headway.train.setup_heads import build_heads, feature_layers
 from headway.train.step import plan_batch
 from headway.train.target_features import target_features
@@ -39,7 +38,7 @@ def saved_bytes(kind: str, width: int, attention: str, chunk: int, cpu_target) -
     heads = build_heads(cfg.head, None, cpu_target, batch).to("meta")
     target = target_on("meta")
     heads.attach_target(target.model)
-    objective = head_kind(kind).objective(heads.cfg, seed=0, loss_chunk=chunk, ttt_attention=attention)
+    objective = OBJECTIVES[kind](heads.cfg, seed=0, loss_chunk=chunk, ttt_attention=attention)
     meta = {k: v.to("meta") for k, v in plan_batch(batch, 0, objective).items()}
     t2d = None
     if heads.d2t is not None:

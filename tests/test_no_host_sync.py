@@ -127,6 +127,7 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from headway.train.distributed import HeadObjective, Parallel, TorchStep
+    from headway.train.objectives import OBJECTIVES
     from headway.train.optim import cosine_schedule, make_optimizer
     from headway.train.step import FiniteCheck, TrainStep
 
@@ -155,10 +156,9 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         to_fake_cuda(target.model, model.heads)
         par = Parallel(device=cuda)
         # the kind's objective as a CUDA run resolves it (EAGLE-3: flex attention, a chunked loss)
-        from headway.kinds.registry import head_kind
         from headway.train.loop import argmax_from_data, loss_chunk, ttt_attention
 
-        planner = head_kind(kind).objective(
+        planner = OBJECTIVES[kind](
             model.heads.cfg,
             seed=tc.seed,
             loss_chunk=loss_chunk(tc.loss_chunk, cuda),

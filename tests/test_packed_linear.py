@@ -20,8 +20,8 @@ from torch import nn
 
 from headway.errors import HeadwayError
 from headway.inference.api import drafter_dtype
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.engine import make_runner, static_supported
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.engines.runner import make_runner, static_supported
 from headway.inference.generate import greedy_generate, speculative_generate
 from headway.target.config import TargetConfig
 from headway.target.loading import export_target, load_target

@@ -18,10 +18,10 @@ from train_helpers import assert_same_training, loss_and_grads, losses, recipe_p
 
 from headway.config import load_config
 from headway.errors import HeadwayError
-from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.train import loop
 from headway.train.distributed import HeadObjective
+from headway.train.objectives import OBJECTIVES
 from headway.train.packing import collate_packed, pack_at
 from headway.train.step import plan_batch, plan_packed, step_loss
 from headway.train.target_features import target_features
@@ -43,7 +43,7 @@ def test_packed_rows_train_as_the_padded_ones(tiny_dirs, tiny_data, tmp_path: Pa
     run, target, data, model = recipe_parts(cfg, float64=True)
     kind = cfg.head.kind
     attention = "recompute" if case.endswith("recompute") else "structured"
-    objective = head_kind(kind).objective(model.heads.cfg, seed=0, ttt_attention=attention)
+    objective = OBJECTIVES[kind](model.heads.cfg, seed=0, ttt_attention=attention)
     context = replace(model.context, objective=HeadObjective(model.heads, objective), plan=objective)
     samples = data.train_set[:4]
     rows = [samples[:2], samples[2:]]

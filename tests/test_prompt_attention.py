@@ -1,4 +1,4 @@
-"""A fresh prompt's causal attention in Headway's kernel (inference/csrc/prompt_attention.cpp). bf16, on the
+"""A fresh prompt's causal attention in Headway's kernel (inference/engines/static/csrc/prompt_attention.cpp). bf16, on the
 CPU's bf16 matrix units: as close to float32 attention as torch's own bf16 attention is, for any length, head
 size and grouping, and the same bits at any thread count; runs where oneDNN has a bf16 brgemm (AMX or
 AVX512-BF16), elsewhere the layer loop keeps torch's attention and these tests skip. float32: float32
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from decode_helpers import load_packed
 
-from headway.inference import layer_loop
-from headway.inference.engine_cpu import StaticRunner
-from headway.inference.tree import build_tree
+from headway.inference.engines.static import layer_loop
+from headway.inference.engines.static.runner import StaticRunner
+from headway.inference.engines.tree import build_tree
 from headway.runtime import native_bf16
 
 needs_brgemm = pytest.mark.skipif(

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations, source_hash
 from headway.errors import HeadwayError
+from headway.prompts import load_conversations, source_hash
 
 RECORDS = [
     {"instruction": "Add the numbers.", "input": "2 and 3"},

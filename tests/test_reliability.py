@@ -25,12 +25,12 @@ from train_helpers import losses, small_run, small_run_args
 from headway.config import load_config
 from headway.data_scripts.config import PromptConfig
 from headway.data_scripts.distill import distill, load_distilled
-from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
-from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.drafters.eagle import EagleDrafter
 from headway.inference.generate import speculative_generate
 from headway.io import atomic_write_json, atomic_write_text
 from headway.kinds.checkpoint import load_head, save_head
+from headway.prompts import load_conversations
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
 from headway.target.loading import load_target

@@ -1,5 +1,5 @@
-"""Greedy's token and a drafter's most likely tokens from logit rows (inference/row_select.py and its kernels,
-inference/csrc/row_select.cpp): argmax's first index among ties, NaN and -inf rows as torch treats them, the k
+"""Greedy's token and a drafter's most likely tokens from logit rows (inference/engines/static/row_select.py and its kernels,
+inference/engines/static/csrc/row_select.cpp): argmax's first index among ties, NaN and -inf rows as torch treats them, the k
 most likely tokens in order with torch's log probabilities, at any row count and thread count, and torch's
 reductions where the kernels do not serve."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from decode_helpers import with_threads
 
-from headway.inference import layer_loop, row_select
+from headway.inference.engines.static import layer_loop, row_select
 
 pytestmark = pytest.mark.skipif(
     layer_loop.extension() is None, reason="the C++ extension does not build here"

@@ -21,11 +21,13 @@ from headway.heads.draft_layer import draft_layer_config
 from headway.heads.eagle import EagleConfig
 from headway.heads.eagle3 import Eagle3Config
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.inference import accept_device, engine_cuda
-from headway.inference.draft_dflash import DFlashDrafter
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.draft_hybrid import HybridConfig, HybridDrafter
-from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.drafters.dflash import DFlashDrafter
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.drafters.hybrid import HybridConfig, HybridDrafter
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.engines.cuda import accept as accept_device
+from headway.inference.engines.cuda import runner as engine_cuda
+from headway.inference.engines.tree import build_tree
 from headway.inference.generate import plain_generate, speculative_generate
 from headway.inference.sampling import (
     Sampler,
@@ -34,7 +36,6 @@ from headway.inference.sampling import (
     greedy_token,
     target_distribution,
 )
-from headway.inference.tree import build_tree
 from headway.kinds.registry import build_head
 
 V, N_TOKENS, PROMPT = 5, 3, [1, 2, 3, 4, 0, 2]

@@ -10,9 +10,9 @@ from decode_helpers import load64
 
 from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
-from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.engines.tree import best_tree, build_tree, chain_choices
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.inference.tree import best_tree, build_tree, chain_choices
 
 WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0, 0, 0]]
 
@@ -31,6 +31,8 @@ class OracleDrafter:
 
     feature_layers = [0]
     max_depth = 4
+    drafts_on_device = False
+    node_sources = None
 
     def __init__(self, tree, reference: list[int], vocab: int, seed: int):
         self.tree, self.ref, self.vocab = tree, reference, vocab

@@ -19,11 +19,11 @@ from test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
 from tiny_models import make_tiny_model
 
 from headway.errors import HeadwayError
-from headway.inference import layer_loop
-from headway.inference.engine import HFRunner, StaticRunner, static_supported
-from headway.inference.engine_cuda import CudaRunner
+from headway.inference.engines.cuda.runner import CudaRunner
+from headway.inference.engines.runner import HFRunner, StaticRunner, static_supported
+from headway.inference.engines.static import layer_loop
+from headway.inference.engines.tree import build_tree
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.inference.tree import build_tree
 from headway.target.packed_capability import kernels_missing
 
 # Llama's rope types beside default and llama3 (tiny_models' llama3): each table a function of the position

@@ -12,28 +12,44 @@ from pathlib import Path
 import pytest
 
 from headway.export.exporter import FORMATS
+from headway.export.layouts import LAYOUTS, REFUSED
+from headway.inference.drafters.neural import NEURAL
+from headway.inference.tune.spaces import TREE_SPACES
 from headway.kinds.config import HeadConfig
 from headway.kinds.registry import KINDS
+from headway.train.objectives import OBJECTIVES
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {
+# the top-level folders and the packages they install as (pyproject.toml's package-dir)
+TOP = {
     "headway": "headway",
     "heads": "headway.heads",
     "target": "headway.target",
     "train": "headway.train",
-    "train/objectives": "headway.train.objectives",
     "inference": "headway.inference",
     "export": "headway.export",
-    "export/layouts": "headway.export.layouts",
     "data_scripts": "headway.data_scripts",
     "kinds": "headway.kinds",
 }
 
 
+def _packages() -> dict[Path, str]:
+    """Every Headway package folder (a folder with an __init__.py under a top-level folder) -> its name."""
+    out = {}
+    for folder, package in TOP.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(ROOT / folder)
+            out[init.parent] = ".".join([package, *rel.parts])
+    return out
+
+
+PACKAGES = _packages()
+
+
 def _modules() -> dict[str, ast.Module]:
     out = {}
     for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).glob("*.py")):
+        for path in sorted(folder.glob("*.py")):
             name = package if path.stem == "__init__" else f"{package}.{path.stem}"
             out[name] = ast.parse(path.read_text(), str(path))
     return out
@@ -116,9 +132,12 @@ def test_every_registered_kind_is_complete():
     for name, spec in KINDS.items():
         assert spec.name == name and name in sections
         assert isinstance(getattr(HeadConfig(), name), spec.config)
-        assert set(spec.exports) | set(spec.refused_exports) <= set(FORMATS) - {"native"}
-        assert not set(spec.exports) & set(spec.refused_exports)
-        assert callable(spec.objective) and callable(spec.drafter)
+        assert set(LAYOUTS[name]) | set(REFUSED[name]) <= set(FORMATS) - {"native"}
+        assert not set(LAYOUTS[name]) & set(REFUSED[name])
+    # each stage's part of every kind, and of no other (the stages' tables, by the kind's name)
+    for table in (OBJECTIVES, NEURAL, TREE_SPACES, LAYOUTS, REFUSED):
+        assert set(table) == set(KINDS)
+    assert all(callable(part) for table in (OBJECTIVES, NEURAL) for part in table.values())
 
 
 HEAVY = ("torch", "transformers", "datasets", "safetensors", "numpy")
@@ -160,13 +179,96 @@ def test_config_modules_are_torch_free():
     assert not [m for m in loaded if m.split(".")[0] in HEAVY]
 
 
-def test_no_inference_module_is_over_600_lines():
-    """The engine is split by concern and device (engine.py is the facade): no module grows past a screenful
-    of screens."""
+def test_no_module_is_over_600_lines():
+    """Code is split by concern (the engines by device, the drafters one per drafter): no module grows past
+    a screenful of screens."""
     long = {
-        p.name: n for p in (ROOT / "inference").glob("*.py") if (n := len(p.read_text().splitlines())) > 600
+        str(p.relative_to(ROOT)): n
+        for folder in PACKAGES
+        for p in folder.glob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
     }
     assert not long, long
+
+
+# the most modules directly in one package folder, so that a reader can scan it: a larger one splits into
+# sub-packages by what its modules are (inference/ did: engines/, drafters/, bench/, tune/)
+MAX_MODULES = {"headway.inference": 12, "headway.target": 20, "headway.train": 26}
+DEFAULT_MAX_MODULES = 15
+
+
+def test_every_folder_is_small_enough_to_scan():
+    big = {}
+    for folder, package in PACKAGES.items():
+        n = len([p for p in folder.glob("*.py") if p.stem != "__init__"])
+        if n > MAX_MODULES.get(package, DEFAULT_MAX_MODULES):
+            big[package] = n
+    assert not big, big
+
+
+# The layers, bottom first (docs/layout.md draws them): a module imports from its own layer and the layers below
+# it, never from one above. Every `config` module (a config section's dataclasses, torch-free) and the run
+# configs that gather them are the settings layer, just above the base: every stage reads them.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    (
+        "base",
+        (
+            "headway",
+            "headway.errors",
+            "headway.io",
+            "headway.config",
+            "headway.faults",
+            "headway.ranks",
+            "headway.runtime",
+        ),
+    ),
+    ("settings", ("headway.run_config", "headway.demo_config")),
+    ("heads", ("headway.heads",)),
+    ("target", ("headway.target",)),
+    ("prompt sets", ("headway.prompts",)),
+    ("kinds", ("headway.kinds",)),
+    ("export", ("headway.export",)),
+    ("inference.engines", ("headway.inference.engines",)),
+    ("inference.drafters", ("headway.inference.drafters",)),
+    ("inference", ("headway.inference",)),
+    ("inference.tune", ("headway.inference.tune",)),
+    ("inference.bench", ("headway.inference.bench",)),
+    ("data_scripts", ("headway.data_scripts",)),
+    ("train", ("headway.train",)),
+    ("commands", ("headway.checks", "headway.demo", "headway.cli", "headway.__main__")),
+]
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of the layer a module belongs to (the longest matching name wins)."""
+    if module.endswith(".config") and module != "headway.config":
+        return 1
+    best = max(
+        (
+            (len(name), i)
+            for i, (_, names) in enumerate(LAYERS)
+            for name in names
+            if module == name or module.startswith(name + ".") and name != "headway"
+        ),
+        default=(0, -1),
+    )
+    if best[1] < 0 and module == "headway":
+        return 0
+    assert best[1] >= 0, f"{module} belongs to no layer of LAYERS"
+    return best[1]
+
+
+def test_imports_run_one_way_between_layers():
+    """No module imports from a layer above its own, so no two folders import each other: the stages look a
+    head kind up in kinds/ (and keep their own part of it), inference reads prompt sets and the chat format
+    from below it, and data_scripts (self-distillation) decodes with inference's engines."""
+    upward = []
+    for name, tree in MODULES.items():
+        own = _layer(name)
+        for dep in sorted(_imports(tree) - {name}):
+            if _layer(dep) > own:
+                upward.append(f"{name} ({LAYERS[own][0]}) imports {dep} ({LAYERS[_layer(dep)][0]})")
+    assert not upward, upward
 
 
 # where the engine lives: nothing there sets an attribute of another object behind its back

@@ -14,9 +14,9 @@ from train_helpers import losses, small_run
 
 from headway.config import load_config, save_config
 from headway.errors import HeadwayError
-from headway.inference.draft_medusa import MedusaDrafter
+from headway.inference.drafters.medusa import MedusaDrafter
+from headway.inference.engines.tree import build_tree
 from headway.inference.generate import greedy_generate, speculative_generate
-from headway.inference.tree import build_tree
 from headway.kinds.checkpoint import load_head
 from headway.run_config import RunConfig
 from headway.target.config import TargetConfig
@@ -369,14 +369,14 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
 def test_bench_subset_takes_the_first_prompts_of_each_category():
     from types import SimpleNamespace
 
-    from headway.inference.bench import per_category
+    from headway.inference.bench.run import per_category
 
     convs = [SimpleNamespace(id=i, meta={"category": c}) for i, c in enumerate("aaabbbc")]
     assert [c.id for c in per_category(convs, 2)] == [0, 1, 3, 4, 6]
 
 
 def test_length_buckets_hold_each_prompt_once_by_its_token_count():
-    from headway.inference.bench import length_buckets
+    from headway.inference.bench.run import length_buckets
 
     rows = [{"prompt_tokens": n} for n in (10, 255, 256, 999, 1000, 2999, 3000, 9000)]
     got = length_buckets(rows, [0, 256, 1000, 2000, 3000])

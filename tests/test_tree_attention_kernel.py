@@ -1,4 +1,4 @@
-"""The row-exact tree attention (inference/kernel_tree_attention.py): the torch reference on CPU tensors,
+"""The row-exact tree attention (inference/engines/cuda/tree_attention.py): the torch reference on CPU tensors,
 and the Triton kernel under the interpreter (TRITON_INTERPRET=1, skipped without triton). A row's bits are
 the same alone or among 64 rows, and a tree row's (its ancestors at scattered slots) equal the plain row's
 with the same virtual sequence (its ancestors compacted into the prefix), at starts 0, 1, BLOCK_N - 1 and
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from headway.inference import kernel_tree_attention as kta
+from headway.inference.engines.cuda import tree_attention as kta
 
 ROOT = Path(__file__).resolve().parents[1]
 KV, GROUP, HD, CAP, DEPTH = 2, 3, 32, 96, 6

@@ -17,16 +17,16 @@ from headway.errors import HeadwayError
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.config import TuneConfig
 from headway.inference.cost_model import interpolate
-from headway.inference.draft_eagle import EagleDrafter
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.engines.tree import build_tree, chain_choices
 from headway.inference.generate import speculative_generate
-from headway.inference.replay import (
+from headway.inference.tune.replay import (
     best_static_trees,
     eagle_accepted_along,
     replay_answers,
     static_matches_along,
 )
-from headway.inference.tree import build_tree, chain_choices
-from headway.inference.tune import search
+from headway.inference.tune.run import search
 from headway.run_config import RunConfig
 
 PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell me a story about it."]

@@ -19,9 +19,9 @@ pytestmark = [
 
 def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
     from headway.config import load_config
-    from headway.data_scripts.chat import ChatFormat
     from headway.data_scripts.distill import distill, load_distilled
     from headway.run_config import RunConfig
+    from headway.target.chat import ChatFormat
     from headway.target.config import TargetConfig
     from headway.target.loading import load_target
 

@@ -24,7 +24,6 @@ from headway.config import CONFIG_FILENAME, save_config
 from headway.errors import HeadwayError
 from headway.kinds.checkpoint import save_head
 from headway.kinds.head_dir import read_head_config
-from headway.kinds.registry import head_kind
 from headway.run_config import RunConfig
 from headway.runtime import autocast_dtype, resolve_device
 from headway.target.loading import load_target
@@ -44,6 +43,7 @@ from headway.train.feature_cache import FeatureCache, training_target_dtype
 from headway.train.logging import RunLogger
 from headway.train.losses import target_to_draft
 from headway.train.metrics import Throughput, peak_flops, read
+from headway.train.objectives import OBJECTIVES
 from headway.train.optim import cosine_schedule, make_optimizer
 from headway.train.resume import check_same_run, gather_state, resume_from, write_checkpoint
 from headway.train.setup_heads import add_lora, build_heads, feature_layers
@@ -203,7 +203,7 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
     attention = ttt_attention(tc.ttt_attention, device)
     longest = (tc.pack_length or tc.max_length) if tc.packing else tc.max_length
     buckets = length_buckets(tc.flex_buckets, longest) if attention == "flex" else ()
-    plan = head_kind(cfg.head.kind).objective(
+    plan = OBJECTIVES[cfg.head.kind](
         heads.cfg,
         seed=tc.seed,
         loss_chunk=loss_chunk(tc.loss_chunk, device),
@@ -514,7 +514,7 @@ def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: 
     accuracy, for the tree builder)."""
     tc = cfg.train
     extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
-    calibrate = head_kind(cfg.head.kind).calibrate
+    calibrate = OBJECTIVES[cfg.head.kind].calibrate
     if held and calibrate and tc.shard_target:
         log.warning(
             "train.shard_target: the target is sharded, so rank 0 cannot measure the heads' "

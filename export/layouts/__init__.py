@@ -7,7 +7,8 @@ docs/export.md): vLLM `Eagle3LlamaForCausalLM`, `EagleLlamaForCausalLM`, `Medusa
 and Medusa (the original Medusa checkpoint layout).
 
 Each kind's converters live in their own module, which ends with the kind's tables (format -> Converter, and
-the formats refused with why); this package only collects those tables for kinds/<kind>.py to name:
+the formats refused with why); this package collects them by kind (`LAYOUTS`, `REFUSED`; every kind of
+kinds/registry.py has both, tests/test_structure.py checks):
 
 - `eagle3.py`: EAGLE-3 and EAGLE-3.1 for vLLM, SGLang and TensorRT-LLM, and vLLM's speculators format
 - `eagle.py`: EAGLE-1 for vLLM and SGLang
@@ -19,8 +20,7 @@ the formats refused with why); this package only collects those tables for kinds
   config, RoPE keys and tensors, the renaming rules, the d2t check, the vLLM and SGLang serve hints, the
   engine descriptions)
 
-A new kind adds one file (`mykind.py`, importing `common.py` and no other kind) and one import line here (its
-tables' names go in `__all__`).
+A new kind adds one file (`mykind.py`, importing `common.py` and no other kind) and its two entries here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,24 @@ from headway.export.layouts.eagle import EAGLE_EXPORTS, EAGLE_REFUSED
 from headway.export.layouts.eagle3 import EAGLE3_EXPORTS
 from headway.export.layouts.medusa import MEDUSA_EXPORTS, MEDUSA_REFUSED
 
+# kind -> export format -> Converter
+LAYOUTS: dict[str, dict[str, Converter]] = {
+    "medusa": MEDUSA_EXPORTS,
+    "eagle": EAGLE_EXPORTS,
+    "eagle3": EAGLE3_EXPORTS,
+    "dflash": DFLASH_EXPORTS,
+}
+# kind -> export format -> why it is refused, and what to use
+REFUSED: dict[str, dict[str, str]] = {
+    "medusa": MEDUSA_REFUSED,
+    "eagle": EAGLE_REFUSED,
+    "eagle3": {},
+    "dflash": DFLASH_REFUSED,
+}
+
 __all__ = [
+    "LAYOUTS",
+    "REFUSED",
     "Converter",
     "DFLASH_EXPORTS",
     "DFLASH_REFUSED",

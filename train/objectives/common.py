@@ -10,7 +10,7 @@ the class.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +120,9 @@ class Objective(ABC):
     # Whether the loss reads the target's full distribution (its logits over the whole vocabulary), not only
     # its argmax and hidden states: with train.target_argmax=data the target's lm_head is skipped otherwise.
     needs_logits: bool = True
+    # What the end of training measures on the held-out split and saves with the head (config.json
+    # `rank_accuracy`): (target, heads, held-out samples, batch size, t2d) -> value, or None.
+    calibrate: Optional[Callable[..., Any]] = None
 
     def __init__(
         self,

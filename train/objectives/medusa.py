@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from headway.train.calibration import rank_accuracy
 from headway.train.chunked_loss import chunked_draft_loss
 from headway.train.flops import Dims, linear
 from headway.train.losses import IGNORE, counted, masked_mean, medusa_labels, medusa_loss, wide
@@ -20,6 +21,8 @@ class MedusaObjective(Objective):
     """Head i at t learns the token at t+2+i (loss=ce) or the target's distribution there (loss=kl), weighted
     decay^i. The plan holds each head's answer positions (`rows{i}`, `cols{i}` [n_i]); a token outside a
     reduced draft vocabulary is masked out on the device by its label."""
+
+    calibrate = staticmethod(rank_accuracy)  # per-rank accuracy of each head, for inference.tree_nodes
 
     def __init__(self, cfg: Any, **train: Any) -> None:
         super().__init__(cfg, **train)

@@ -1,7 +1,7 @@
 """Batched decoding on the static KV cache, with slots refilled as answers finish: self-distillation's
 `distill.engine=static`, the way to feed a GPU without vLLM.
 
-The shape follows vLLM's and SGLang's decode loops, in Headway's fixed-shape style (engine_cuda.py):
+The shape follows vLLM's and SGLang's decode loops, in Headway's fixed-shape style (engines/cuda/runner.py):
 - one KV cache of `batch` slots, each `max_len` positions plus one scratch position that an idle slot writes;
 - a slot runs one answer: its prompt is prefilled alone (eagerly, causal over its own segment), and its
   first token comes from the prompt's last logits;
@@ -12,7 +12,7 @@ The shape follows vLLM's and SGLang's decode loops, in Headway's fixed-shape sty
   batch's and the attention span's;
 - the span: attention covers the first `end` positions of every slot, `end` rounded up to a multiple of
   `span_block` from the host's bound on the longest occupied slot (a bound it keeps without reading the
-  device), so each span is one graph on CUDA (engine_graphs.py);
+  device), so each span is one graph on CUDA (engines/cuda/graphs.py);
 - every `check_every` steps the host reads the active flags (one read); finished slots' tokens are read
   once, and those slots take the next prompts.
 
@@ -29,12 +29,13 @@ from typing import Any, Callable, Optional
 import torch
 
 from headway.errors import HeadwayError
-from headway.inference.engine_cuda import cuda_supported, pinned_sdpa
-from headway.inference.engine_graphs import StepGraphs
-from headway.inference.engine_kv import KVCache
-from headway.inference.engine_step import gqa_sdpa
-from headway.inference.sampling import SamplingConfig, target_distribution
-from headway.inference.step_model import StepModel
+from headway.inference.config import SamplingConfig
+from headway.inference.engines.cuda.graphs import StepGraphs
+from headway.inference.engines.cuda.runner import cuda_supported, pinned_sdpa
+from headway.inference.engines.distribution import target_distribution
+from headway.inference.engines.kv import KVCache
+from headway.inference.engines.layer_step import gqa_sdpa
+from headway.inference.engines.step_model import StepModel
 from headway.target.families import engine_support, family_of
 
 log = logging.getLogger("headway")

@@ -28,8 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from headway.inference.config import HybridConfig
-from headway.inference.ngram import NgramIndex
-from headway.inference.tree import Tree, build_tree, tree_from_parents
+from headway.inference.drafters.ngram import NgramIndex
+from headway.inference.engines.tree import Tree, build_tree, tree_from_parents
 
 NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
 
@@ -98,6 +98,8 @@ class Candidate:
 class HybridDrafter:
     """Neural and n-gram branches in one tree (drafter=hybrid), or n-gram branches alone (drafter=ngram)."""
 
+    drafts_on_device = False  # its n-gram branches are found on the host (generate.Drafter)
+
     def __init__(
         self,
         neural: Optional[Any],
@@ -118,7 +120,13 @@ class HybridDrafter:
         self.neural_seconds = 0.0  # moving average of the neural drafter's time when it runs
         # the depth an EAGLE drafter expands to, where drafting time counts and the drafter times its levels
         self.depths: Optional[DepthChoice] = None
-        if timed and hc.depth_probe_every > 0 and hasattr(neural, "level_seconds") and neural.max_depth > 1:
+        if (
+            timed
+            and hc.depth_probe_every > 0
+            and neural is not None
+            and neural.expands_levels
+            and neural.max_depth > 1
+        ):
             self.depths = DepthChoice(neural.max_depth, hc.depth_probe_every)
         self.gate = NeuralGate(hc)
         self._step_seconds = 0.0

@@ -12,12 +12,13 @@ the device, roots the next tree. The tokens are exactly plain greedy decoding's 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
-from headway.inference.engine_cuda import CudaRunner, pinned_sdpa
-from headway.inference.sampling import SamplingConfig, target_distribution
+from headway.inference.config import SamplingConfig
+from headway.inference.engines.cuda.runner import CudaRunner, pinned_sdpa
+from headway.inference.engines.distribution import target_distribution
 
 
 def device_features(states: list, layers: list[int], rows: torch.Tensor) -> torch.Tensor:
@@ -28,9 +29,27 @@ def device_features(states: list, layers: list[int], rows: torch.Tensor) -> torc
     return torch.cat([states[i].index_select(0, rows) for i in layers], dim=-1)
 
 
+class DeviceDrafter(Protocol):
+    """What the device loop needs of a drafter (generate.Drafter with `drafts_on_device`)."""
+
+    feature_layers: list[int]
+
+    def reserve(self, max_len: int, graphs: Optional[bool] = None) -> None:
+        """Size what it keeps on the device for sequences of up to `max_len` tokens, once, before `begin`."""
+
+    def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
+        """A new sequence (generate.Drafter.begin)."""
+
+    def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """root [1] (a device tensor) -> the tree's node ids [n] and parent indices [n] (-1: the root)."""
+
+    def accept(self, tokens: list[int], features: torch.Tensor) -> None:
+        """The verified step (generate.Drafter.accept)."""
+
+
 def device_loop(
     runner: CudaRunner,
-    drafter: Any,
+    drafter: DeviceDrafter,
     prompt: list[int],
     max_new_tokens: int,
     stops: set[int],
@@ -49,7 +68,7 @@ def device_loop(
 
 def _device_loop(
     runner: CudaRunner,
-    drafter: Any,
+    drafter: DeviceDrafter,
     prompt: list[int],
     max_new_tokens: int,
     stops: set[int],
@@ -68,8 +87,7 @@ def _device_loop(
         def uniforms(k: int) -> torch.Tensor:
             return torch.rand(k, generator=gen, dtype=torch.float64, device=runner.device)
 
-    if hasattr(drafter, "reserve"):  # a drafter with a device cache of its own sizes it once
-        drafter.reserve(runner.max_len, runner.graphs.enabled)
+    drafter.reserve(runner.max_len, runner.graphs.enabled)
     logits, hidden = runner.forward(torch.tensor(prompt), hidden=bool(layers))
     if uniforms is None:
         root_dev = logits[-1].argmax().view(1)  # argmax: the first max, as plain decoding's

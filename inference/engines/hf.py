@@ -1,4 +1,5 @@
-"""KV-cache bookkeeping for tree verification, on the model's own transformers cache.
+"""The hf engine (`inference.engine=hf`): the model's own forward (`HFRunner`) on its own transformers cache,
+with the KV-cache bookkeeping tree verification needs.
 
 After a tree forward the cache holds the prefix plus every tree node; only the accepted path stays.
 
@@ -16,7 +17,8 @@ from typing import Any, Optional
 import torch
 
 from headway.errors import HeadwayError
-from headway.heads.draft_layer import cache_kwarg  # noqa: F401  (re-exported for the decoding loop)
+from headway.heads.draft_layer import cache_kwarg
+from headway.inference.engines.tree import Tree, tree_attention_bias
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -160,3 +162,66 @@ def truncate_cache(cache: Any, length: int) -> None:
         layer.values = layer.values[..., :length, :]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length -= removed
+
+
+class HFRunner:
+    """The model's own forward and a transformers DynamicCache.
+
+    On a model with sliding-window layers the cache keeps every key (`new_cache`) and every forward, plain or
+    tree, passes the masks itself (`step_masks`: one per layer type, the window measured from each row's
+    position), so plain and speculative decoding see the same keys at any length and a rejected branch is
+    dropped like any other. A model with a recurrent layer decodes plainly; a tree on it is refused.
+    """
+
+    accepts_on_device = False  # (Runner protocol: engines/runner.py)
+
+    def __init__(self, model: Any):
+        self.model = model
+        self.cache = new_cache(model)
+        self.kw = cache_kwarg(model)
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.windows = attention_windows(model)
+
+    @property
+    def length(self) -> int:
+        return cache_length(self.cache)
+
+    def forward(
+        self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        extra: dict[str, Any] = {}
+        prefix = self.length
+        if tree is not None:
+            if has_recurrent_state(self.cache):
+                raise HeadwayError(
+                    f"this '{getattr(self.model.config, 'model_type', '?')}' target keeps a recurrent state "
+                    "(SSM, linear attention or convolution) that a draft tree's branches would share: "
+                    "speculative decoding cannot verify a tree on it; decode it without a draft"
+                )
+            pos = prefix + tree.depth.to(self.device)
+            extra["position_ids"] = pos.view(1, -1)
+            if self.windows:
+                extra["attention_mask"] = step_masks(self.windows, prefix, pos, tree.ancestors, self.dtype)
+            else:
+                extra["attention_mask"] = tree_attention_bias(tree, prefix, self.dtype, self.device)
+        elif self.windows:
+            n = ids.numel()
+            pos = torch.arange(prefix, prefix + n, device=self.device)
+            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+            extra["position_ids"] = pos.view(1, -1)
+            extra["attention_mask"] = step_masks(self.windows, prefix, pos, causal, self.dtype)
+        o = self.model(
+            ids.view(1, -1).to(self.device),
+            use_cache=True,
+            output_hidden_states=hidden,
+            **{self.kw: self.cache},
+            **extra,
+        )
+        return o.logits[0], o.hidden_states
+
+    def keep(self, tree_size: int, keep: list[int]) -> None:
+        keep_tree_nodes(self.cache, tree_size, keep)
+
+    def truncate(self, length: int) -> None:
+        truncate_cache(self.cache, length)

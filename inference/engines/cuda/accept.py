@@ -82,7 +82,7 @@ def sample_accept(
 
     Args:
         tokens, parent, ancestors, n: as `greedy_accept`; probs: [M, V] the target's distribution after each
-        node (`sampling.target_distribution`); uniforms: [M + 1] in [0, 1): one per node, then the last one
+        node (`distribution.target_distribution`); uniforms: [M + 1] in [0, 1): one per node, then the last one
         for the bonus token.
     Returns:
         [2 + M] int64, as `greedy_accept`'s."""

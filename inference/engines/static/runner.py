@@ -3,7 +3,7 @@ around the model's modules, through the C++ layer loop, the row-exact path and t
 where they apply), `StaticLayerCache` (the EAGLE drafter's one layer the same way), `LazyLogits` (logits a row
 at a time, as a greedy walk reads them) and `ModelEngine` (what one model keeps across sequences).
 
-It also runs on other devices (without the CPU-only machinery); the CUDA backend is engine_cuda.py.
+It also runs on other devices (without the CPU-only machinery); the CUDA backend is engines/cuda/runner.py.
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ import torch.nn.functional as F
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference import layer_loop
-from headway.inference.engine_kv import KVCache
-from headway.inference.engine_plans import _ACTIVE, RowAttention, TransposedKeys
-from headway.inference.engine_step import (
+from headway.inference.engines.kv import KVCache
+from headway.inference.engines.layer_step import (
     STATIC_FAMILIES,
     LayerPlan,
     _lean_norm,
@@ -29,7 +27,9 @@ from headway.inference.engine_step import (
     moe_block,
     rope_tables,
 )
-from headway.inference.tree import Tree
+from headway.inference.engines.static import layer_loop
+from headway.inference.engines.static.plans import _ACTIVE, RowAttention, TransposedKeys
+from headway.inference.engines.tree import Tree
 from headway.runtime import native_bf16
 from headway.target.packed_model import fewest_rows, linear_weights, rows_for_one
 
@@ -60,7 +60,7 @@ class StaticLayerCache:
         self.rope_by_position = "dynamic" not in kind and "longrope" not in kind
         self.loop, self.emb_norm = self._build_loop(layer, decoder, loop, p.device.type)
         self.fused = fused and p.dtype == torch.bfloat16
-        # the device expansion's rows (draft_eagle_device.py): the slots the next `run` writes, as a device
+        # the device expansion's rows (drafters/eagle_device.py): the slots the next `run` writes, as a device
         # tensor; its attention then spans the whole buffer under a mask of that width, and the length stays
         self.at: Optional[torch.Tensor] = None
         self.fixed = False  # reserved: the buffers never move again (a captured graph holds their addresses)
@@ -302,6 +302,8 @@ class StaticRunner:
     `compiled`, the decoder stack runs under torch.compile. `loop`, `row_attention`, `fused_ops`,
     `prompt_attention`: the target.layer_loop, target.row_attention, target.fused_ops and
     target.prompt_attention settings (engine_options.EngineOptions; the model holds none of them)."""
+
+    accepts_on_device = False  # (Runner protocol: engines/runner.py)
 
     def __init__(
         self,

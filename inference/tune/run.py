@@ -32,24 +32,24 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
 from headway.inference.api import SpeculativeDecoder, build_drafter
 from headway.inference.config import TREE_KEYS, TuneConfig
 from headway.inference.cost_model import machine_key, verify_cost, verify_costs
-from headway.inference.engine import depth_matters
+from headway.inference.engines.runner import depth_matters
 from headway.inference.generate import alternate, pooled
-from headway.inference.replay import Replay, replay_answers, simulate
+from headway.inference.tune.replay import Replay, replay_answers, simulate
+from headway.inference.tune.spaces import TREE_SPACES
 from headway.inference.tuned import save_tuned
-from headway.kinds.registry import head_kind
+from headway.prompts import load_conversations
 
 log = logging.getLogger("headway")
 
 
 def calibration_prompts(decoder: Any, tc: TuneConfig) -> list[list[int]]:
     """First-turn prompt ids of the calibration prompts (the user's, or the set shipped with Headway)."""
-    path = tc.prompts or str(Path(__file__).with_name("calibration_prompts.jsonl"))
+    path = tc.prompts or str(Path(__file__).parent / "prompts" / "calibration.jsonl")
     convs = load_conversations(PromptConfig(path=path, limit=tc.num_prompts))
     if not convs:
         raise HeadwayError(f"tune.prompts={path} has no prompts")
@@ -63,7 +63,7 @@ def search(
     time and tokens/s, best first; cost(n, depth) is the verify time of n tokens in a tree that
     deep (`verify_costs`)."""
     num_layers = int(text_config(decoder.target.config).num_hidden_layers)
-    space = head_kind(decoder.heads.kind).tree_space
+    space = TREE_SPACES[decoder.heads.kind]
     out = space.candidates(decoder.heads, decoder.drafter, replays, cost, tc, num_layers)
     return sorted(out, key=lambda c: -c["tok_s"])
 
@@ -99,7 +99,7 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     prompts = calibration_prompts(decoder, tc)
     replays = replay_answers(decoder, prompts, tc.max_new_tokens)
     prefix = int(statistics.median(len(p) for p in prompts) + tc.max_new_tokens // 2)
-    sizes = tc.verify_sizes or head_kind(decoder.heads.kind).tree_space.verify_sizes(tc)
+    sizes = tc.verify_sizes or TREE_SPACES[decoder.heads.kind].verify_sizes(tc)
     log.info(
         "measuring the target's verification time over 1..%d tokens after a %d-token cache",
         max(sizes),
@@ -132,7 +132,7 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
         "cache_prefix": prefix,
         **({"verify_flat_ms": {str(n): 1e3 * s for n, s in sorted(flat.items())}} if flat else {}),
         "calibration": {
-            "prompts": tc.prompts or "shipped calibration_prompts.jsonl",
+            "prompts": tc.prompts or "shipped tune/prompts/calibration.jsonl",
             "num_prompts": len(prompts),
             "answer_tokens": sum(len(r.answer) for r in replays),
             "max_new_tokens": tc.max_new_tokens,

@@ -4,13 +4,13 @@ which the target verifies in one forward; `tree_search.StaticTrees` tunes its sh
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from headway.errors import HeadwayError
 from headway.inference.config import DEFAULT_STATIC_TREE
-from headway.inference.tree import Tree, best_tree, build_tree
+from headway.inference.engines.tree import Tree, best_tree, build_tree
 
 
 def choose_tree(ic: Any, head_config: dict, default: list[list[int]]) -> list[list[int]]:
@@ -40,6 +40,10 @@ class StaticTreeDrafter:
     A subclass says how its head guesses (`offset_logits`), what it keeps between steps (`begin`, `accept`)
     and, where it has one, its own default tree (`default_tree`)."""
 
+    drafts_on_device = True  # draft_tensors: the static tree's guesses on the device (generate.Drafter)
+    node_sources = None
+    expands_levels = False  # one forward guesses every position: no depth to choose
+
     @classmethod
     def default_tree(cls, heads: Any) -> list[list[int]]:
         """The tree inference.tree=null means for this kind: DEFAULT_STATIC_TREE unless a subclass has
@@ -48,10 +52,11 @@ class StaticTreeDrafter:
 
     @classmethod
     def from_config(
-        cls, heads: Any, ic: Any, head_config: dict, num_target_layers: int
+        cls, heads: Any, ic: Any, head_config: dict, num_target_layers: int, options: Any = None
     ) -> "StaticTreeDrafter":
         """The drafter the inference section asks for (`ic`: InferenceConfig, its tree / tree_nodes;
-        head_config: the head's config.json)."""
+        head_config: the head's config.json). `options` (the engine settings) is not needed: a static tree's
+        guesses come from the heads' own forward, which runs no layer of the target's engine."""
         return cls(
             heads, build_tree(choose_tree(ic, head_config, cls.default_tree(heads))), num_target_layers
         )
@@ -111,6 +116,9 @@ class StaticTreeDrafter:
         top = self.heads.to_target_ids(torch.topk(self.offset_logits(root), self.kmax, dim=-1).indices)
         nodes = top[self.node_depth, self.node_rank]
         return torch.cat([torch.tensor([root], device=nodes.device), nodes]), self.tree
+
+    def reserve(self, max_len: int, graphs: Optional[bool] = None) -> None:
+        """Nothing to size: a static tree's drafting keeps no cache of its own (cuda/loop.DeviceDrafter)."""
 
     @torch.no_grad()
     def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

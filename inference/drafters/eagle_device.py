@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 
 from headway.heads.draft_layer import drafter_mask
-from headway.inference.engine_graphs import StepGraphs
-from headway.inference.row_select import top_logprobs
+from headway.inference.engines.cuda.graphs import StepGraphs
+from headway.inference.engines.static.row_select import top_logprobs
 
 
 def lexsort(*keys: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ gpt-fast, SGLang's graph runners and vLLM's persistent buffers are the models:
   step is the same kernels with the same shapes at every position and for every tree;
 - attention spans the whole cache under a mask built on the device (the prefix below the length, and each
   node's ancestors), the lm_head runs over every row in one matmul, and greedy acceptance runs on the device
-  (accept_device.py), so a speculative step reads the host once: the accepted count, the bonus token, the
+  (engines/cuda/accept.py), so a speculative step reads the host once: the accepted count, the bonus token, the
   path and its tokens, in one small tensor;
 - the prompt runs eagerly (once per sequence); on CUDA each bucket's step is captured as a CUDA graph after
-  warm-up, with an eager fallback (engine_graphs.py), and SDPA is pinned to the flash, memory-efficient and
+  warm-up, with an eager fallback (engines/cuda/graphs.py), and SDPA is pinned to the flash, memory-efficient and
   math kernels (cuDNN's builds a plan per new shape; see docs/inference.md).
 
 The same code runs on CPU tensors (the tests prove it there: the same logits as the model's own forward, and
@@ -31,22 +31,23 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.accept_device import greedy_accept, sample_accept, tree_ancestors
-from headway.inference.engine_graphs import StepGraphs
-from headway.inference.engine_kv import KVCache
-from headway.inference.engine_options import EXACT_BUCKETS
-from headway.inference.engine_step import (
+from headway.inference.config import SamplingConfig
+from headway.inference.engines.cuda.accept import greedy_accept, sample_accept, tree_ancestors
+from headway.inference.engines.cuda.graphs import StepGraphs
+from headway.inference.engines.cuda.tree_attention import BLOCK_N, tree_attention
+from headway.inference.engines.distribution import target_distribution
+from headway.inference.engines.kv import KVCache
+from headway.inference.engines.layer_step import (
     moe_block,
 )
-from headway.inference.kernel_tree_attention import BLOCK_N, tree_attention
-from headway.inference.sampling import SamplingConfig, target_distribution
-from headway.inference.step_model import StepModel
-from headway.inference.tree import Tree
+from headway.inference.engines.options import EXACT_BUCKETS
+from headway.inference.engines.step_model import StepModel
+from headway.inference.engines.tree import Tree
 from headway.target.families import engine_support
 
 log = logging.getLogger("headway")
 
-# the row buckets of a runner made without inference.cuda_buckets: the one exact bucket (engine_options.py)
+# the row buckets of a runner made without inference.cuda_buckets: the one exact bucket (engines/options.py)
 DEFAULT_BUCKETS = EXACT_BUCKETS
 # SDPA's kernels for the backend's attention, in order of preference: never cuDNN's, whose plan is built
 # anew for each shape (and the prompt's shapes change with every request)
@@ -99,13 +100,15 @@ class StepBuffers:
 class CudaRunner:
     """The bucketed, graph-shaped runner (see the module docstring). A `Runner` (forward, keep, truncate) for
     every decoding loop, plus `step` / `read` / `keep_path`: the greedy loop's device-side verification
-    (generate_device.py).
+    (engines/cuda/loop.py).
 
     Args:
         model: a target the backend runs (`cuda_supported`: the family table's), rotary tables by position
             alone; max_len: the most tokens a sequence holds; buckets: row counts a step pads to (a tree of n
             nodes runs in the smallest bucket >= n); graphs: capture each bucket's step as a CUDA graph (CUDA
             only; None: on CUDA)."""
+
+    accepts_on_device = True  # (Runner protocol: engines/runner.py): the device loop runs it
 
     def __init__(
         self,

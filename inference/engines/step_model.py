@@ -1,8 +1,8 @@
 """A target's decoder as Headway's fixed-shape steps run it: its layers (engine_step's math for its family),
 its final norm, its rotary tables for every cache slot, and its lm_head with the final soft-capping.
 
-The CUDA backend's speculative runner (engine_cuda.py) and the batched decoder of self-distillation
-(batch_decode.py) share it, so both run the arithmetic that the tests prove against the model's own forward.
+The CUDA backend's speculative runner (engines/cuda/runner.py) and the batched decoder of self-distillation
+(engines/batch.py) share it, so both run the arithmetic that the tests prove against the model's own forward.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import text_config
-from headway.inference.engine_step import (
+from headway.inference.engines.layer_step import (
     GEMMA3_FAMILIES,
     LayerPlan,
     _rms_norm_fn,

@@ -13,10 +13,10 @@ with its decoder stack under torch.compile (`ModelEngine.compiled_stack`; not fo
 engine (`CudaRunner`) is the static engine's CUDA backend: bucketed steps over persistent buffers, CUDA
 graphs, greedy acceptance on the device (not for MoE layers either).
 
-The modules behind it, one job each: engine_step.py (the layer math every static backend shares),
-engine_kv.py (the KV cache), engine_plans.py (the CPU backend's attention plans), engine_cpu.py (the CPU
-backend, and `StaticLayerCache`, the EAGLE drafter's layer), engine_cuda.py and engine_graphs.py (the CUDA
-backend and its graphs), accept_device.py (tree bookkeeping and greedy acceptance on the device).
+The modules behind it, one job each: engines/layer_step.py (the layer math every static backend shares),
+engines/kv.py (the KV cache), engines/static/plans.py (the CPU backend's attention plans), engines/static/runner.py (the CPU
+backend, and `StaticLayerCache`, the EAGLE drafter's layer), engines/cuda/runner.py and engines/cuda/graphs.py (the CUDA
+backend and its graphs), engines/cuda/accept.py (tree bookkeeping and greedy acceptance on the device).
 """
 
 from __future__ import annotations
@@ -26,24 +26,21 @@ from typing import Any, Optional, Protocol, Union
 import torch
 
 from headway.errors import HeadwayError
-from headway.inference.cache import (
-    attention_windows,
-    cache_kwarg,
-    cache_length,
-    has_recurrent_state,
-    keep_tree_nodes,
-    new_cache,
-    step_masks,
-    truncate_cache,
-)
-from headway.inference.engine_cpu import StaticRunner, _row_exact_dtype
-from headway.inference.engine_cuda import CudaRunner, cuda_supported
-from headway.inference.engine_options import EngineOptions, as_options
-from headway.inference.tree import Tree, tree_attention_bias
+from headway.inference.engines.cuda.runner import CudaRunner, cuda_supported
+from headway.inference.engines.hf import HFRunner
+from headway.inference.engines.options import EngineOptions, as_options
+from headway.inference.engines.static.runner import StaticRunner, _row_exact_dtype
+from headway.inference.engines.tree import Tree
 from headway.target.families import engine_support, family_of
 
 
 class Runner(Protocol):
+    """What the decoding loops need of an engine's runner (hf.py, static/runner.py, cuda/runner.py)."""
+
+    # verifies and accepts a tree on the device in fixed row buckets (the CUDA backend): the device loop
+    # (cuda/loop.py) runs it, and one step's cost is one value per bucket
+    accepts_on_device: bool
+
     def forward(
         self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
     ) -> tuple[Any, Any]:
@@ -56,67 +53,6 @@ class Runner(Protocol):
 
     def truncate(self, length: int) -> None:
         """Forget every cache entry past the first `length`."""
-
-
-class HFRunner:
-    """The model's own forward and a transformers DynamicCache.
-
-    On a model with sliding-window layers the cache keeps every key (`new_cache`) and every forward, plain or
-    tree, passes the masks itself (`step_masks`: one per layer type, the window measured from each row's
-    position), so plain and speculative decoding see the same keys at any length and a rejected branch is
-    dropped like any other. A model with a recurrent layer decodes plainly; a tree on it is refused.
-    """
-
-    def __init__(self, model: Any):
-        self.model = model
-        self.cache = new_cache(model)
-        self.kw = cache_kwarg(model)
-        self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
-        self.windows = attention_windows(model)
-
-    @property
-    def length(self) -> int:
-        return cache_length(self.cache)
-
-    def forward(
-        self, ids: torch.Tensor, tree: Optional[Tree] = None, hidden: bool = False
-    ) -> tuple[torch.Tensor, Any]:
-        extra: dict[str, Any] = {}
-        prefix = self.length
-        if tree is not None:
-            if has_recurrent_state(self.cache):
-                raise HeadwayError(
-                    f"this '{getattr(self.model.config, 'model_type', '?')}' target keeps a recurrent state "
-                    "(SSM, linear attention or convolution) that a draft tree's branches would share: "
-                    "speculative decoding cannot verify a tree on it; decode it without a draft"
-                )
-            pos = prefix + tree.depth.to(self.device)
-            extra["position_ids"] = pos.view(1, -1)
-            if self.windows:
-                extra["attention_mask"] = step_masks(self.windows, prefix, pos, tree.ancestors, self.dtype)
-            else:
-                extra["attention_mask"] = tree_attention_bias(tree, prefix, self.dtype, self.device)
-        elif self.windows:
-            n = ids.numel()
-            pos = torch.arange(prefix, prefix + n, device=self.device)
-            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            extra["position_ids"] = pos.view(1, -1)
-            extra["attention_mask"] = step_masks(self.windows, prefix, pos, causal, self.dtype)
-        o = self.model(
-            ids.view(1, -1).to(self.device),
-            use_cache=True,
-            output_hidden_states=hidden,
-            **{self.kw: self.cache},
-            **extra,
-        )
-        return o.logits[0], o.hidden_states
-
-    def keep(self, tree_size: int, keep: list[int]) -> None:
-        keep_tree_nodes(self.cache, tree_size, keep)
-
-    def truncate(self, length: int) -> None:
-        truncate_cache(self.cache, length)
 
 
 def static_supported(model: Any) -> bool:
@@ -168,7 +104,7 @@ def make_runner(model: Any, max_len: int, engine: Union[str, EngineOptions] = "a
     """A fresh runner (empty cache) for sequences of up to `max_len` tokens.
 
     Args:
-        model: the target; engine: a name (auto, see `engine_name`; static, compiled, cuda (engine_cuda.py;
+        model: the target; engine: a name (auto, see `engine_name`; static, compiled, cuda (engines/cuda/runner.py;
             it runs on CPU tensors too), hf) with the default settings, or the EngineOptions to run with (the
             static engine's layer loop and kernels, the CUDA backend's buckets and graphs: never read from
             the model); rows: the most rows a step will verify (a tree's nodes and the root), which the CUDA

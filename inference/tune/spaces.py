@@ -3,18 +3,18 @@ the target's answers (`replay`) and priced with this machine's verify cost (`cos
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from headway.inference.config import TuneConfig
-from headway.inference.draft_eagle import EagleDrafter
-from headway.inference.replay import (
+from headway.inference.drafters.eagle import EagleDrafter
+from headway.inference.engines.tree import build_tree, chain_choices
+from headway.inference.tune.replay import (
     Replay,
     best_static_trees,
     draft_cost,
     eagle_acceptance,
     static_node_rates,
 )
-from headway.inference.tree import build_tree, chain_choices
 
 Cost = Callable[[int, int], float]  # (verified tokens, tree depth) -> seconds
 
@@ -78,3 +78,30 @@ class EagleTrees:
             )
             for (d, k, n), a in acc.items()
         ]
+
+
+class TreeSpace(Protocol):
+    """The trees `headway tune` searches for a kind."""
+
+    def verify_sizes(self, tc: TuneConfig) -> list[int]:
+        """The verified-token counts whose cost the search needs measured."""
+
+    def candidates(
+        self,
+        heads: Any,
+        drafter: Any,
+        replays: list,
+        cost: Cost,
+        tc: TuneConfig,
+        num_layers: int,
+    ) -> list[dict]:
+        """Every candidate tree setting, scored (`candidate`)."""
+
+
+# kind -> its search space (every kind of kinds/registry.py has one; tests/test_structure.py checks)
+TREE_SPACES: dict[str, TreeSpace] = {
+    "medusa": StaticTrees(),
+    "eagle": EagleTrees(),
+    "eagle3": EagleTrees(),
+    "dflash": StaticTrees(),
+}

@@ -19,23 +19,43 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.heads.draft_layer import drafter_mask
-from headway.inference.cache import truncate_cache
-from headway.inference.draft_eagle_device import EagleExpansion
-from headway.inference.engine_cpu import StaticLayerCache
-from headway.inference.engine_options import EngineOptions
-from headway.inference.row_select import top_logprobs
-from headway.inference.tree import Tree, build_tree
+from headway.inference.drafters.eagle_device import EagleExpansion
+from headway.inference.engines.hf import truncate_cache
+from headway.inference.engines.options import EngineOptions
+from headway.inference.engines.static.row_select import top_logprobs
+from headway.inference.engines.static.runner import StaticLayerCache
+from headway.inference.engines.tree import Tree, build_tree
 
 
 class EagleDrafter:
     """EAGLE-2's dynamic tree: the drafter layer expanded `depth` steps with `top_k` children per node, the
     `total_tokens` most likely candidates verified."""
 
+    drafts_on_device = True  # draft_tensors: the device expansion (generate.Drafter)
+    node_sources = None
+    expands_levels = True  # its tree grows level by level, each level timed (level_seconds): the hybrid
+    # chooses its depth
+
     @classmethod
-    def from_config(cls, heads: Any, ic: Any, head_config: dict, num_target_layers: int) -> "EagleDrafter":
-        """The drafter the inference section asks for (`ic`: InferenceConfig); the head's config is
-        not needed."""
-        return cls(heads, num_target_layers, ic.depth, ic.top_k, ic.total_tokens, static=ic.engine != "hf")
+    def from_config(
+        cls,
+        heads: Any,
+        ic: Any,
+        head_config: dict,
+        num_target_layers: int,
+        options: Optional[EngineOptions] = None,
+    ) -> "EagleDrafter":
+        """The drafter the inference section asks for (`ic`: InferenceConfig), its layer run with the static
+        engine's `options` (default: EngineOptions()); the head's config is not needed."""
+        return cls(
+            heads,
+            num_target_layers,
+            ic.depth,
+            ic.top_k,
+            ic.total_tokens,
+            static=ic.engine != "hf",
+            options=options,
+        )
 
     def __init__(
         self,
@@ -156,7 +176,7 @@ class EagleDrafter:
 
     def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`draft` on the device, for the CUDA backend's loop: root [1] (a device tensor) -> node ids [n] and
-        parent indices [n] of the same tree, by the tensor expansion (draft_eagle_device.py) where the
+        parent indices [n] of the same tree, by the tensor expansion (drafters/eagle_device.py) where the
         drafter's cache is the static one; otherwise the host tree, uploaded."""
         if isinstance(self.cache, StaticLayerCache):
             if self.expansion is None:

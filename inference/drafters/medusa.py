@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from headway.heads.medusa import MedusaHeads
-from headway.inference.draft_static import StaticTreeDrafter
-from headway.inference.tree import Tree
+from headway.inference.drafters.static_tree import StaticTreeDrafter
+from headway.inference.engines.tree import Tree
 
 
 class MedusaDrafter(StaticTreeDrafter):

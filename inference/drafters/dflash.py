@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from headway.heads.dflash import DFlashHead
-from headway.inference.draft_static import StaticTreeDrafter
-from headway.inference.tree import Tree, chain_choices
+from headway.inference.drafters.static_tree import StaticTreeDrafter
+from headway.inference.engines.tree import Tree, chain_choices
 
 
 class DFlashDrafter(StaticTreeDrafter):

@@ -2,7 +2,7 @@
 
 `RowAttention` gives every row of a tree exactly a one-token step's arithmetic (bf16/fp16 on CPUs, where the
 fused attention kernel's bits depend on the query count); `TransposedKeys` is its C++ kernel's transposed
-key blocks. The CUDA backend's plan is its device tree (engine_cuda.py), built from persistent buffers.
+key blocks. The CUDA backend's plan is its device tree (engines/cuda/runner.py), built from persistent buffers.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from headway.inference import layer_loop
+from headway.inference.engines.static import layer_loop
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 

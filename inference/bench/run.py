@@ -23,13 +23,13 @@ import torch
 from tqdm import tqdm
 
 from headway.data_scripts.config import PromptConfig
-from headway.data_scripts.prompts import load_conversations
 from headway.inference.api import SpeculativeDecoder
-from headway.inference.baselines import hf_generate
-from headway.inference.bench_plot import plot_results
+from headway.inference.bench.baselines import hf_generate
+from headway.inference.bench.plot import plot_results
 from headway.inference.config import LABELS, PLAIN, SPEC, BenchConfig
 from headway.inference.generate import GenerationResult, alternate
 from headway.io import atomic_write_json, atomic_write_text
+from headway.prompts import load_conversations
 
 
 def _rate(hits: list[bool]) -> float:

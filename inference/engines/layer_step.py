@@ -1,6 +1,6 @@
 """The shared step math of the static engines: one Llama-style decoder layer over rows (`layer_step`), the
 decoder stack (`decoder_stack`), and the layer's parts as plain callables (`LayerPlan`). Device-agnostic: the
-CPU backend (engine_cpu.py) and the CUDA backend (engine_cuda.py) run the same arithmetic; only the KV cache,
+CPU backend (engines/static/runner.py) and the CUDA backend (engines/cuda/runner.py) run the same arithmetic; only the KV cache,
 the attention and the dispatch differ between them.
 
 The families (STATIC_FAMILIES): Llama (every rope type whose tables are a function of the position: default,

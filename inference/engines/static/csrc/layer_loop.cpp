@@ -2,7 +2,7 @@
 // run, in the same order with the same arguments (so the same bits), without Python between them. A decoding
 // step of the default target makes about a thousand small calls, and the Python around each costs more than the
 // kernel on a CPU. bf16 steps can instead take `run_fused`, whose element-wise work is fused_ops.cpp's kernels
-// (`target.fused_ops`). Built on first use by `inference/layer_loop.py`.
+// (`target.fused_ops`). Built on first use by `inference/engines/static/layer_loop.py`.
 // Narrow headers, not <torch/extension.h>: that one alone takes about 20 s to compile on 2 cores, and this
 // extension is built on a user's first `headway demo`.
 #include <ATen/core/dispatch/Dispatcher.h>
