@@ -1,7 +1,7 @@
 """The `head` config section: which kind to train, and one sub-section per registered kind (head.<kind>).
 
 Torch-free, like every config module (the command line checks a config before it loads torch), so it names
-each kind's section class itself; tests/test_structure.py checks that the sections are exactly the registered
+each kind's section class itself; tests/headway/test_structure.py checks that the sections are exactly the registered
 kinds (kinds/registry.py) with their config classes.
 """
 

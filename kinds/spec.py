@@ -2,7 +2,7 @@
 
 Each stage keeps its part of a kind beside its own code, by the same name: train/objectives (`OBJECTIVES`),
 inference/drafters/neural.py (`NEURAL`), inference/tune/spaces.py (`TREE_SPACES`) and export/layouts
-(`LAYOUTS`, `REFUSED`); tests/test_structure.py checks every registered kind has each.
+(`LAYOUTS`, `REFUSED`); tests/headway/test_structure.py checks every registered kind has each.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ float32 and bf16, on a pinned thread count: what running a family on the static 
     python scripts/family_speed.py [--target DIR | --family qwen3] [--dtypes float32,bfloat16] [--threads 1]
                                    [--linear-weights native] [--tokens 128] [--repeats 3]
 
-Without --target it builds the tiny random model of --family (tests/tiny_models.py) in a temporary
+Without --target it builds the tiny random model of --family (tests/helpers/tiny_models.py) in a temporary
 directory. Both engines decode the same prompt from the same loaded model, alternating, and the fastest of
 --repeats runs of each is printed (tok/s: new tokens over the whole call, the prompt included). The static
 engine's tokens must equal the hf engine's in float32 (exit 1 otherwise; bf16 rounds differently on the two,
@@ -29,7 +29,7 @@ PROMPT = "Write a short story about a lighthouse keeper."
 
 
 def tiny_target(family: str, root: Path) -> Path:
-    """The tiny random model of `family` (tests/tiny_models.py), saved under `root`."""
+    """The tiny random model of `family` (tests/helpers/tiny_models.py), saved under `root`."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from tiny_models import make_tiny_model
 
@@ -65,7 +65,7 @@ def measure(target: Path, dtype: str, threads: int, fmt: str, tokens: int, repea
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=None, help="a model directory (default: the tiny --family model)")
-    ap.add_argument("--family", default="qwen3", help="tiny model id of tests/tiny_models.py")
+    ap.add_argument("--family", default="qwen3", help="tiny model id of tests/helpers/tiny_models.py")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--linear-weights", default="native", help="target.linear_weights for both engines")

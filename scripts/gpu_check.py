@@ -481,7 +481,7 @@ def _tiny_eagle(device: str, dtype: str, arch: str = "llama") -> tuple[Any, Any]
 
 
 def _fake_cuda_loop(res: Results) -> None:
-    """The CUDA backend's real loop with every tensor on a fake CUDA device (tests/fake_cuda.py): a device
+    """The CUDA backend's real loop with every tensor on a fake CUDA device (tests/helpers/fake_cuda.py): a device
     mismatch or any host read but the loop's own raises there; the loop's reads (`CudaRunner.read`) are
     counted and answered (0, 1, 2 accepted in turn), and the host reads and uploads inside each step
     counted."""

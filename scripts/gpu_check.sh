@@ -11,7 +11,7 @@
 #   env      GPU, torch, CUDA, transformers, commit
 #   cudnn    the old path's bf16 steps with cuDNN's SDPA preferred, then (cudnn_deprioritized) deprioritised
 #   capture_tests  the CUDA backend's fake-CUDA and capturability tests and the tree attention kernel's bit tests
-#            (tests/test_cuda_capture.py, tests/test_tree_attention_kernel.py)
+#            (tests/inference/engines/cuda/test_cuda_capture.py, tests/inference/engines/cuda/test_tree_attention_kernel.py)
 #   backend  the CUDA backend: capture time and memory, replay ms at 1/16/48/64 rows, host reads per step
 #   exact    speculative greedy output against plain greedy output, per engine and dtype: tiny models of four
 #            architectures and the default target in float32 and bf16
@@ -56,8 +56,8 @@ K=()
 # (on a GPU the tree attention tests run the Triton kernel compiled for the device, not the interpreter)
 # (the dry run only collects them: CI runs them all in the suite)
 if [ -n "$DRY" ]; then K=(--collect-only -k "fake_cuda or frozen or same_ops or alone"); fi
-run_step capture_tests "${LIMITS[4]}" $PY -m pytest -q -p no:cacheprovider tests/test_cuda_capture.py \
-    tests/test_tree_attention_kernel.py "${K[@]}"
+run_step capture_tests "${LIMITS[4]}" $PY -m pytest -q -p no:cacheprovider tests/inference/engines/cuda/test_cuda_capture.py \
+    tests/inference/engines/cuda/test_tree_attention_kernel.py "${K[@]}"
 run_step backend "${LIMITS[5]}" $PY scripts/gpu_check.py backend --results "$RESULTS" $DRY "${P[@]}"
 run_step exact "${LIMITS[6]}" $PY scripts/gpu_check.py exact --results "$RESULTS" $DRY "${P[@]}" \
     --deadline $(( LIMITS[6] - MARGIN ))

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ARCHS, make_tiny_model
+
+from tests.helpers.tiny_models import ARCHS, make_tiny_model
 
 torch.set_num_threads(int(os.environ.get("HEADWAY_TEST_THREADS", "1")))
 # Without a GPU, Triton kernels run in its interpreter on CPU tensors; triton reads this when a kernel is

@@ -5,7 +5,7 @@ target's distribution, and autograd keeps several of those [n, V] tensors until 
 Here each chunk of rows makes its logits, its loss rows and their gradient with respect to the logits, and
 folds that at once into the gradients of the hidden states [n, d] and of the lm_head weight [V, d]; only
 those two are kept for backward, scaled there by the loss's incoming gradient (the loss is a scalar). The
-values and gradients are the full loss's (tests/test_chunked_loss.py checks them in float64).
+values and gradients are the full loss's (tests/train/test_chunked_loss.py checks them in float64).
 
 The gradient of each kind with respect to the logits z (q = softmax(z), p = the target's distribution):
 soft_ce: q * sum(p) - p; argmax_ce: q - onehot(argmax p), and ce the same on given labels; tv

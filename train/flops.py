@@ -1,7 +1,7 @@
 """Model FLOPs of a training micro-batch, per head kind, from its planned shapes alone (no device work).
 
 The count is of matrix products (linear layers, attention scores and values, lm_heads), the convention of
-torch's FlopCounterMode, which checks it (tests/test_flops.py). Padding counts: the hardware computes it.
+torch's FlopCounterMode, which checks it (tests/train/test_flops.py). Padding counts: the hardware computes it.
 Attention counts the whole [queries, keys] product, masked or not, as the kernels the step runs compute it.
 A product's backward costs twice its forward (the gradients of both operands), once where its input needs
 no gradient (the first layer after the frozen features, the frozen lm_heads' input gradient only). The

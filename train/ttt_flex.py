@@ -10,7 +10,7 @@ no query sees (above the causal diagonal, and the earlier steps' keys at other p
 - step j >= 1, queries at the kept positions `index` [B, N], keys step 0's T then N per step 1..j: query n
   sees step 0's real keys s <= index[n], and its own position's key of each step (`step_mask`).
 
-These are the masks the structured path applies (tests/test_ttt.py compares both with the dense unroll).
+These are the masks the structured path applies (tests/train/test_ttt.py compares both with the dense unroll).
 Torch runs flex attention's backward on CUDA only; on CPUs the structured path trains, and this one runs
 forward (the tests).
 
@@ -149,7 +149,7 @@ def _mask_builder(compile: bool) -> Callable:
 
 
 def _compiles(t: torch.Tensor) -> bool:
-    """Compile for real CUDA tensors; fake ones (the CPU checks, tests/fake_cuda.py) run eager, since
+    """Compile for real CUDA tensors; fake ones (the CPU checks, tests/helpers/fake_cuda.py) run eager, since
     compile's tracing needs a CUDA build of torch."""
     return t.is_cuda and not is_fake(t)
 

@@ -7,7 +7,7 @@ each chunk's scores and forms the gradients from them (the flash-attention backw
 materialised beyond one chunk: query n, at position index[b, n], sees step 0's real keys s <= index[b, n]
 and its own position's key of each earlier step. Step 0 is the case of every position and no earlier step.
 
-Its loss and gradients equal the dense unroll's (tests/test_ttt.py, float64). It is `train.ttt_attention=
+Its loss and gradients equal the dense unroll's (tests/train/test_ttt.py, float64). It is `train.ttt_attention=
 recompute`; CPU runs keep `structured` by default, whose bits the shipped recipes' loss curves were made with.
 """
 

@@ -8,7 +8,7 @@ and Medusa (the original Medusa checkpoint layout).
 
 Each kind's converters live in their own module, which ends with the kind's tables (format -> Converter, and
 the formats refused with why); this package collects them by kind (`LAYOUTS`, `REFUSED`; every kind of
-kinds/registry.py has both, tests/test_structure.py checks):
+kinds/registry.py has both, tests/headway/test_structure.py checks):
 
 - `eagle3.py`: EAGLE-3 and EAGLE-3.1 for vLLM, SGLang and TensorRT-LLM, and vLLM's speculators format
 - `eagle.py`: EAGLE-1 for vLLM and SGLang

@@ -1,6 +1,6 @@
 """The neural drafter (`inference.drafter=neural`): each head kind's own, by the kind's name.
 
-Every kind registered in kinds/registry.py has one here (tests/test_structure.py checks the two agree).
+Every kind registered in kinds/registry.py has one here (tests/headway/test_structure.py checks the two agree).
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ class TreeSpace(Protocol):
         """Every candidate tree setting, scored (`candidate`)."""
 
 
-# kind -> its search space (every kind of kinds/registry.py has one; tests/test_structure.py checks)
+# kind -> its search space (every kind of kinds/registry.py has one; tests/headway/test_structure.py checks)
 TREE_SPACES: dict[str, TreeSpace] = {
     "medusa": StaticTrees(),
     "eagle": EagleTrees(),
