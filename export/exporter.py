@@ -1,10 +1,11 @@
-"""`headway export`: a native head directory in, an engine's draft checkpoint out, checked key by key.
+"""`headway export`: a native head directory in, an engine's draft checkpoint out, checked key by
+key.
 
-The exporter converts, checks the result against the engine's layout (refusing to write what the engine
-would reject or misread), writes it atomically, then reads the files back, checks them again and
-rebuilds the native head from them: the round trip must give the same tensors. The Headway metadata an
-engine ignores (head kind, its config, the target fingerprint) rides along under the "headway" key, so
-an export can be re-imported (`load_export`) and used by `headway generate`.
+The exporter converts, checks the result against the engine's layout (refusing to write what the
+engine would reject or misread), writes it atomically, then reads the files back, checks them again
+and rebuilds the native head from them: the round trip must give the same tensors. The Headway
+metadata an engine ignores (head kind, its config, the target fingerprint) rides along under the
+"headway" key, so an export can be re-imported (`load_export`) and used by `headway generate`.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def export_head(
     num_draft_tokens: Optional[int] = None,
     tokenizer: Any = None,
 ) -> Path:
-    """Write a head in an engine's layout, checked key by key against what that engine's loader reads.
+    """Write a head in an engine's layout, checked key by key against what that engine's loader
+    reads.
 
     Args:
         head_dir: a head directory, or a training run's directory (its head/).
@@ -71,9 +73,10 @@ def export_head(
         dtype: the floating weights' dtype.
         target_fingerprint: refuse a head made for another target than this one.
         target_lm_head: [V, h], the target's lm_head, for Medusa heads that read out through it.
-        verifier, verifier_arch: speculators only: the target directory (or hub id) `vllm serve` runs the
-            draft with, and its architecture.
-        num_draft_tokens: speculators only: the draft length written for vLLM (default: sized from the head).
+        verifier, verifier_arch: speculators only: the target directory (or hub id) `vllm serve`
+            runs the draft with, and its architecture.
+        num_draft_tokens: speculators only: the draft length written for vLLM (default: sized from
+            the head).
         tokenizer: gguf only: the target's tokenizer, which llama.cpp loads with the draft.
     Returns:
         `out`.
@@ -84,7 +87,8 @@ def export_head(
     if out.resolve() == head_dir.resolve():
         raise HeadwayError(f"--out {out} is the head directory itself: choose another directory")
     native = read_head_config(head_dir)
-    heads = load_head(head_dir, target_fingerprint)  # a damaged or mismatched head stops here, named
+    # a damaged or mismatched head stops here, named
+    heads = load_head(head_dir, target_fingerprint)
     if native.get("adapted_target"):
         raise HeadwayError(
             f"{head_dir} is a Medusa-2 head: its output is the LoRA-adapted target's, which engines do "
@@ -127,7 +131,9 @@ def export_head(
         for f in tmp.iterdir():
             f.chmod(0o644)  # engines often run as another user
         _read_back(tmp, heads, dtype)
-    log.info("%s: %s head written in the %s layout (%s)", out, native["kind"], fmt, conv.layout.engines)
+    log.info(
+        "%s: %s head written in the %s layout (%s)", out, native["kind"], fmt, conv.layout.engines
+    )
     return out
 
 
@@ -145,25 +151,28 @@ def converter(fmt: str, kind: str) -> Converter:
 
 
 def draft_tokens(native: dict) -> int:
-    """The draft length an engine should run the head with (the kind's: Medusa's head count, EAGLE-3's
-    trained unroll, 3 for EAGLE-1)."""
+    """The draft length an engine should run the head with (the kind's: Medusa's head count,
+    EAGLE-3's trained unroll, 3 for EAGLE-1)."""
     return head_kind(native.get("kind")).draft_tokens(native.get("head", {}))
 
 
 def needs_target_lm_head(native: dict) -> bool:
-    """A head that reads out through the target's own lm_head (Medusa's shared): engines load it with
-    the draft."""
+    """A head that reads out through the target's own lm_head (Medusa's shared): engines load it
+    with the draft."""
     return head_kind(native.get("kind")).reads_target_lm_head(native.get("head", {}))
 
 
 def _export_native(head_dir: Path, out: Path, heads: Any, dtype: str) -> Path:
-    """The head directory as it is (tuned.json, a LoRA adapter included), its weights cast to `dtype`."""
+    """The head directory as it is (tuned.json, a LoRA adapter included), its weights cast to
+    `dtype`."""
     with atomic_dir(out) as tmp:
         for name in os.listdir(head_dir):
             src = head_dir / name
             if name != "model.safetensors":
                 (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / name)
-        tensors = to_dtype({k: v.detach().cpu() for k, v in heads.state_dict().items()}, parse_dtype(dtype))
+        tensors = to_dtype(
+            {k: v.detach().cpu() for k, v in heads.state_dict().items()}, parse_dtype(dtype)
+        )
         save_file(
             safetensors_of(tensors),
             str(tmp / "model.safetensors"),
@@ -179,19 +188,24 @@ def _read_back(directory: Path, heads: Any, dtype: str) -> None:
     """The files on disk rebuild the same head (at the export dtype), or nothing is written."""
     again = load_export(directory)
     want = {
-        k: (v.to(parse_dtype(dtype)) if v.is_floating_point() else v) for k, v in heads.state_dict().items()
+        k: (v.to(parse_dtype(dtype)) if v.is_floating_point() else v)
+        for k, v in heads.state_dict().items()
     }
     got = again.state_dict()
     bad = [k for k in want if k not in got or not torch.equal(got[k].to(want[k].dtype), want[k])]
     if bad:
-        raise HeadwayError(f"internal: the export does not read back to the same head ({', '.join(bad[:5])})")
+        raise HeadwayError(
+            f"internal: the export does not read back to the same head ({', '.join(bad[:5])})"
+        )
 
 
 def read_export(directory: str | os.PathLike) -> tuple[str, dict, dict]:
     """(format, config, tensors) of an exported directory, checked against its engine layout."""
     d = Path(directory)
     if not (d / "config.json").is_file():
-        raise HeadwayError(f"{d} has no config.json: not an exported head (export one with `headway export`)")
+        raise HeadwayError(
+            f"{d} has no config.json: not an exported head (export one with `headway export`)"
+        )
     try:
         config = json.loads((d / "config.json").read_text())
     except json.JSONDecodeError as e:
@@ -231,7 +245,9 @@ def load_export(directory: str | os.PathLike, fingerprint: Optional[dict] = None
     Returns:
         The head module (eval mode), its weights equal to the export's."""
     d = Path(directory)
-    if (d / "config.json").is_file() and "headway" not in json.loads((d / "config.json").read_text() or "{}"):
+    if (d / "config.json").is_file() and "headway" not in json.loads(
+        (d / "config.json").read_text() or "{}"
+    ):
         return load_head(d, fingerprint)  # a native head directory
     fmt, config, tensors = read_export(d)
     meta = config["headway"]

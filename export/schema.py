@@ -1,8 +1,9 @@
-"""What an engine reads from a draft checkpoint: every tensor (name, shape, dtype) and every config key.
+"""What an engine reads from a draft checkpoint: every tensor (name, shape, dtype) and every config
+key.
 
-A layout derives the tensors it expects from the config, as the engine's loader does; `check` compares
-a checkpoint against that and names every problem, so an exporter never writes (and an importer never
-reads) a checkpoint the engine would reject or load wrong.
+A layout derives the tensors it expects from the config, as the engine's loader does; `check`
+compares a checkpoint against that and names every problem, so an exporter never writes (and an
+importer never reads) a checkpoint the engine would reject or load wrong.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ class Layout:
     required_config: tuple[str, ...]  # keys the engine reads
     fixed_config: dict  # keys whose value the engine requires
     tensors: Callable[[dict], dict[str, Spec]]  # the expected tensors, from the config
-    extra_check: Optional[Callable[[dict, dict], list[str]]] = None  # cross-tensor rules (d2t, token_map)
+    # cross-tensor rules (d2t, token_map)
+    extra_check: Optional[Callable[[dict, dict], list[str]]] = None
     weights_file: str = "model.safetensors"  # the file the engine's loader opens
-    # an engine whose file is not safetensors (llama.cpp's GGUF): (path, config, tensors, dtype) -> the file,
-    # its keys in it, weights cast as the engine's converter does; and path -> (keys, tensors) read back
+    # an engine whose file is not safetensors (llama.cpp's GGUF): (path, config, tensors, dtype) ->
+    # the file, its keys in it, weights cast as the engine's converter does; and path -> (keys,
+    # tensors) read back
     write: Optional[Callable[[Path, dict, dict, torch.dtype], None]] = None
     read: Optional[Callable[[Path], tuple[dict, dict]]] = None
 
@@ -65,7 +68,9 @@ def check(layout: Layout, config: dict, tensors: dict[str, torch.Tensor], where:
             if k not in tensors
         ]
         problems += [
-            f"tensor '{k}' is not part of the {layout.name} layout" for k in tensors if k not in expected
+            f"tensor '{k}' is not part of the {layout.name} layout"
+            for k in tensors
+            if k not in expected
         ]
         for k, s in expected.items():
             if k not in tensors:
@@ -78,9 +83,13 @@ def check(layout: Layout, config: dict, tensors: dict[str, torch.Tensor], where:
         if not problems and layout.extra_check is not None:
             problems += layout.extra_check(config, tensors)
     if problems:
-        raise HeadwayError(f"{where} does not fit {layout.name} ({layout.engines}): " + "; ".join(problems))
+        raise HeadwayError(
+            f"{where} does not fit {layout.name} ({layout.engines}): " + "; ".join(problems)
+        )
 
 
 def to_dtype(tensors: dict[str, torch.Tensor], dtype: Any) -> dict[str, torch.Tensor]:
     """Floating tensors in `dtype`, index tensors unchanged; contiguous, as safetensors needs."""
-    return {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+    return {
+        k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()
+    }

@@ -1,12 +1,13 @@
 """DFlash: a block drafter that proposes `block_size - 1` tokens in one forward.
 
-The block is the last accepted token followed by mask tokens, embedded with the target's frozen embedding.
-Each of its decoder layers attends bidirectionally within the block and to the context: the target's fused
-hidden states for every earlier position, projected by `fc`, normalised by `hidden_norm` and turned into
-keys and values by the layer's own k/v projections (with per-head q/k norms, as vLLM's and speculators'
-Qwen3-style DFlash layers). Slot j of the block predicts the token j positions after the anchor. The read-out
-is the head's own lm_head over a reduced draft vocabulary (d2t), cheap as in EAGLE-3, or (lm_head=target) the
-target's own frozen lm_head over its whole vocabulary, the read-out SGLang's DFlash serves.
+The block is the last accepted token followed by mask tokens, embedded with the target's frozen
+embedding. Each of its decoder layers attends bidirectionally within the block and to the context:
+the target's fused hidden states for every earlier position, projected by `fc`, normalised by
+`hidden_norm` and turned into keys and values by the layer's own k/v projections (with per-head q/k
+norms, as vLLM's and speculators' Qwen3-style DFlash layers). Slot j of the block predicts the token
+j positions after the anchor. The read-out is the head's own lm_head over a reduced draft vocabulary
+(d2t), cheap as in EAGLE-3, or (lm_head=target) the target's own frozen lm_head over its whole
+vocabulary, the read-out SGLang's DFlash serves.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def mask_token(configured: int, vocab_size: int) -> int:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE (the rotate-half form transformers and vLLM's neox style use): x [B, heads, N, d], cos/sin [B,
-    N, d]."""
+    """RoPE (the rotate-half form transformers and vLLM's neox style use): x [B, heads, N, d],
+    cos/sin [B, N, d]."""
     half = x.shape[-1] // 2
     turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos.unsqueeze(1) + turned * sin.unsqueeze(1)
@@ -40,7 +41,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 class DFlashAttention(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
-        h, self.heads, self.kv_heads = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+        h, self.heads, self.kv_heads = (
+            c["hidden_size"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+        )
         self.head_dim = c["head_dim"]
         self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
@@ -49,7 +54,9 @@ class DFlashAttention(nn.Module):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=c["rms_norm_eps"])
         self.k_norm = nn.RMSNorm(self.head_dim, eps=c["rms_norm_eps"])
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values of x [B, N, h]: each [B, kv_heads, N, head_dim]."""
         B, N, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(B, N, self.kv_heads, self.head_dim)).transpose(1, 2)
@@ -64,11 +71,13 @@ class DFlashAttention(nn.Module):
         context: tuple[torch.Tensor, torch.Tensor],
         allowed: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """x [B, Q, h] (the block, normed); context keys/values [B, kv_heads, N, d]; allowed [B, Q, N + Q] or
-        None (every query sees everything) -> [B, Q, h]."""
+        """x [B, Q, h] (the block, normed); context keys/values [B, kv_heads, N, d]; allowed [B, Q,
+        N + Q] or None (every query sees everything) -> [B, Q, h]."""
         B, Q, _ = x.shape
         q = rotate(
-            self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.head_dim)).transpose(1, 2), cos, sin
+            self.q_norm(self.q_proj(x).view(B, Q, self.heads, self.head_dim)).transpose(1, 2),
+            cos,
+            sin,
         )
         k_block, v_block = self.kv(x, cos, sin)
         k = torch.cat((context[0], k_block), dim=2)
@@ -98,7 +107,9 @@ class DFlashLayer(nn.Module):
             }
         )
 
-    def forward(self, x: torch.Tensor, cos: Any, sin: Any, context: Any, allowed: Any) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: Any, sin: Any, context: Any, allowed: Any
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, context, allowed)
         m = self.post_attention_layernorm(x)
         return x + self.mlp["down_proj"](F.silu(self.mlp["gate_proj"](m)) * self.mlp["up_proj"](m))
@@ -123,8 +134,11 @@ class DFlashHead(nn.Module):
         self.layer_config = dict(layer_config)
         own = cfg.lm_head == "own"
         size = min(cfg.draft_vocab_size, vocab_size) if own else vocab_size
-        # lm_head=target drafts over the whole vocabulary: d2t is the identity, rebuilt rather than saved
-        self.register_buffer("d2t", d2t if d2t is not None and own else torch.arange(size), persistent=own)
+        # lm_head=target drafts over the whole vocabulary: d2t is the identity, rebuilt rather than
+        # saved
+        self.register_buffer(
+            "d2t", d2t if d2t is not None and own else torch.arange(size), persistent=own
+        )
         n_fused = len(cfg.feature_layers) or 3
         self.fc = nn.Linear(n_fused * hidden_size, hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(hidden_size, eps=layer_config["rms_norm_eps"])
@@ -133,7 +147,8 @@ class DFlashHead(nn.Module):
         self.lm_head = nn.Linear(hidden_size, len(self.d2t), bias=False) if own else None
         self._target_lm_head: Optional[torch.Tensor] = None  # lm_head=target: set by attach_target
         rope_cfg = {k: v for k, v in layer_config.items() if k != "model_type"}
-        self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope_cfg))  # its inverse frequencies are not saved
+        # its inverse frequencies are not saved
+        self.rotary = LlamaRotaryEmbedding(LlamaConfig(**rope_cfg))
         self._embed: Optional[torch.Tensor] = None
 
     @property
@@ -155,8 +170,8 @@ class DFlashHead(nn.Module):
         return fused_layers("head.dflash", list(cfg.feature_layers), num_target_layers)
 
     def attach_target(self, target_model: Any) -> None:
-        """Share the target's embedding, and with lm_head=target its lm_head (frozen, never saved with
-        the head)."""
+        """Share the target's embedding, and with lm_head=target its lm_head (frozen, never saved
+        with the head)."""
         self._embed = target_model.get_input_embeddings().weight.detach()
         if self.lm_head is None:
             self._target_lm_head = target_model.get_output_embeddings().weight.detach()
@@ -175,7 +190,9 @@ class DFlashHead(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t.to(draft_ids.device)[draft_ids]
 
-    def rope_at(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_at(
+        self, positions: torch.Tensor, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, N, head_dim] at positions [B, N]."""
         return self.rotary(like, positions)
 
@@ -194,8 +211,8 @@ class DFlashHead(nn.Module):
         context: list[tuple[torch.Tensor, torch.Tensor]],
         allowed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Logits [B, Q, draft vocab] of block tokens [B, Q] (anchors and mask ids) at positions [B, Q],
-        attending to `context` (from `context`) and to each other where allowed [B, Q, N + Q]
+        """Logits [B, Q, draft vocab] of block tokens [B, Q] (anchors and mask ids) at positions [B,
+        Q], attending to `context` (from `context`) and to each other where allowed [B, Q, N + Q]
         (None: everywhere)."""
         return self.read_out(self.block_states(tokens, positions, context, allowed))
 
@@ -206,8 +223,8 @@ class DFlashHead(nn.Module):
         context: list[tuple[torch.Tensor, torch.Tensor]],
         allowed: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """`block`'s normed states [B, Q, hidden], before the read-out (the training loss reads them in
-        chunks)."""
+        """`block`'s normed states [B, Q, hidden], before the read-out (the training loss reads them
+        in chunks)."""
         if self._embed is None:
             raise HeadwayError("a DFlash head needs attach_target(target model) first")
         x = F.embedding(tokens, self._embed).to(self.fc.weight.dtype)
@@ -223,8 +240,8 @@ class DFlashHead(nn.Module):
             return self.lm_head(x)
         weight = self.readout_weight
         if weight.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):
-            # a head decoding in another dtype than the target's: convert the shared weight once, not
-            # per draft
+            # a head decoding in another dtype than the target's: convert the shared weight once,
+            # not per draft
             weight = self._target_lm_head = weight.to(x.dtype)
         return F.linear(x, weight)
 
@@ -234,7 +251,9 @@ class DFlashHead(nn.Module):
         if self.lm_head is not None:
             return self.lm_head.weight
         if self._target_lm_head is None:
-            raise HeadwayError("a DFlash head with lm_head=target needs attach_target(target model) first")
+            raise HeadwayError(
+                "a DFlash head with lm_head=target needs attach_target(target model) first"
+            )
         return self._target_lm_head
 
     def draft_logits(self, context: list, root: int, position: int) -> torch.Tensor:

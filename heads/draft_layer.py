@@ -22,8 +22,8 @@ def text_config(config: Any) -> Any:
 
 
 def draft_layer_config(target_config: Any, style: str = "target") -> dict:
-    """The draft layer's config as a dict, saved with the head: one full-attention layer of the target's
-    own class (style=target), or a Llama layer with the target's sizes, GQA, RoPE and norm
+    """The draft layer's config as a dict, saved with the head: one full-attention layer of the
+    target's own class (style=target), or a Llama layer with the target's sizes, GQA, RoPE and norm
     epsilon (style=llama)."""
     if style == "llama":
         return llama_layer_config(target_config)
@@ -31,7 +31,13 @@ def draft_layer_config(target_config: Any, style: str = "target") -> dict:
     cfg["num_hidden_layers"] = 1
     if cfg.get("layer_types"):
         cfg["layer_types"] = ["full_attention"]
-    for key in ("architectures", "auto_map", "quantization_config", "_name_or_path", "transformers_version"):
+    for key in (
+        "architectures",
+        "auto_map",
+        "quantization_config",
+        "_name_or_path",
+        "transformers_version",
+    ):
         cfg.pop(key, None)
     cfg["use_cache"] = True
     return cfg
@@ -80,13 +86,16 @@ def llama_layer_config(target_config: Any) -> dict:
 
 
 def build_draft_layer(layer_config: dict) -> nn.Module:
-    """A one-layer base model (e.g. LlamaModel) from a draft_layer_config dict, without its embedding."""
+    """A one-layer base model (e.g. LlamaModel) from a draft_layer_config dict, without its
+    embedding."""
     from transformers import AutoConfig, AutoModel
 
     cfg = dict(layer_config)
     model_type = cfg.pop("model_type", None)
     if not model_type:
-        raise HeadwayError("the head's draft layer config has no model_type: re-train or re-export the head")
+        raise HeadwayError(
+            "the head's draft layer config has no model_type: re-train or re-export the head"
+        )
     try:
         config = AutoConfig.for_model(model_type, **cfg)
         model = AutoModel.from_config(config)
@@ -98,12 +107,14 @@ def build_draft_layer(layer_config: dict) -> nn.Module:
         raise HeadwayError(
             f"'{model_type}' models have no `layers` list: EAGLE heads support decoder-only text targets"
         )
-    model.embed_tokens = None  # inputs_embeds only: the target's embedding is shared, never stored twice
+    # inputs_embeds only: the target's embedding is shared, never stored twice
+    model.embed_tokens = None
     return model
 
 
 def cache_kwarg(model: Any) -> str:
-    """transformers renamed `past_key_values` to `cache`; use whichever this version's forward takes."""
+    """transformers renamed `past_key_values` to `cache`; use whichever this version's forward
+    takes."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -32,7 +32,8 @@ class EagleBase(nn.Module):
         self.layer_config = dict(layer_config)
         self.decoder = build_draft_layer(layer_config)
         self._cache_kw = cache_kwarg(self.decoder)
-        self.decoder.norm = nn.Identity()  # the layer's raw output; EAGLE-3 keeps its own final norm
+        # the layer's raw output; EAGLE-3 keeps its own final norm
+        self.decoder.norm = nn.Identity()
         self._embed: Optional[nn.Module] = None
         self._target_lm_head: Optional[torch.Tensor] = None
 
@@ -67,8 +68,9 @@ class EagleBase(nn.Module):
         attention_mask: Optional[torch.Tensor],
         cache: Any = None,
     ) -> torch.Tensor:
-        """One pass of the decoder layer over x [B, T, h]; returns the layer's output before any final norm. A
-        cache with its own `run` (the drafter's static cache) runs the layer itself."""
+        """One pass of the decoder layer over x [B, T, h]; returns the layer's output before any
+        final norm. A cache with its own `run` (the drafter's static cache) runs the layer
+        itself."""
         if hasattr(cache, "run"):
             return cache.run(self.decoder, x, position_ids, attention_mask)
         kw = {self._cache_kw: cache} if cache is not None else {}
@@ -124,7 +126,8 @@ class EagleHead(EagleBase):
         attention_mask: Optional[torch.Tensor] = None,
         cache: Any = None,
     ) -> torch.Tensor:
-        """Predicted features [B, T, h] for positions whose token is `tokens` and feature is `hidden`."""
+        """Predicted features [B, T, h] for positions whose token is `tokens` and feature is
+        `hidden`."""
         x = self.fc(torch.cat([self.embed(tokens), hidden.to(self.fc.weight.dtype)], dim=-1))
         return self.run_decoder(x, position_ids, attention_mask, cache)
 

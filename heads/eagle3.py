@@ -1,8 +1,8 @@
 """EAGLE-3 drafter: target features fused from three layers, its own small draft vocabulary.
 
-Input at position t: fc([low; middle; high] target hidden states at t) (3h -> h), one decoder layer of
-the target's architecture whose attention reads [norm(embedding(token t+1)); norm(hidden)] (2h wide)
-with the hidden as the residual stream, then a final norm and an lm_head over a reduced draft
+Input at position t: fc([low; middle; high] target hidden states at t) (3h -> h), one decoder layer
+of the target's architecture whose attention reads [norm(embedding(token t+1)); norm(hidden)] (2h
+wide) with the hidden as the residual stream, then a final norm and an lm_head over a reduced draft
 vocabulary (d2t maps draft ids to target ids). While drafting, the layer's own output replaces the
 fused feature, which is what training-time test unrolls in training.
 """
@@ -21,8 +21,8 @@ from headway.heads.eagle import EagleBase
 
 
 def fused_layers(section: str, layers: list[int], num_target_layers: int) -> list[int]:
-    """The fused target layers: the config's, or the low/middle/high default (2, L//2, L-3) that vLLM and
-    SGLang feed by default (1, L//2, L-1 on targets too shallow for it)."""
+    """The fused target layers: the config's, or the low/middle/high default (2, L//2, L-3) that
+    vLLM and SGLang feed by default (1, L//2, L-1 on targets too shallow for it)."""
     L = num_target_layers
     if layers:
         bad = [i for i in layers if not 0 <= i <= L]
@@ -39,8 +39,9 @@ def fused_layers(section: str, layers: list[int], num_target_layers: int) -> lis
 
 
 def check_servable_layers(section: str, layers: list[int], num_target_layers: int) -> None:
-    """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before the
-    last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by the engines."""
+    """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output
+    before the last one (1..L-1), since the last (HF index L) is post-norm in HF but captured
+    pre-norm by the engines."""
     L = num_target_layers
     bad = [i for i in layers if not 1 <= i <= L - 1]
     if bad:
@@ -52,7 +53,8 @@ def check_servable_layers(section: str, layers: list[int], num_target_layers: in
 
 
 class FusedInputNorm(nn.Module):
-    """Stands in for the layer's input norm: [norm(embedding); norm(hidden)], the embedding set per call."""
+    """Stands in for the layer's input norm: [norm(embedding); norm(hidden)], the embedding set per
+    call."""
 
     def __init__(self, norm: nn.Module):
         super().__init__()
@@ -97,8 +99,8 @@ class Eagle3Head(EagleBase):
                 nn.init.zeros_(new.bias)
             setattr(attn, name, new)
         self.norm = copy.deepcopy(fused.hidden_norm)
-        # EAGLE-3.1's input norms, copied from the fresh layer's norm (its initial weights, the norm class of
-        # the layer's family); speculators' names, which its export keeps
+        # EAGLE-3.1's input norms, copied from the fresh layer's norm (its initial weights, the norm
+        # class of the layer's family); speculators' names, which its export keeps
         if cfg.input_norm == "per_layer":
             self.fc_norm = nn.ModuleList(copy.deepcopy(fused.hidden_norm) for _ in range(3))
         elif cfg.input_norm == "concat":
@@ -117,15 +119,15 @@ class Eagle3Head(EagleBase):
 
     @staticmethod
     def feature_layers(cfg: Eagle3Config, num_target_layers: int) -> list[int]:
-        """The fused target layers: cfg's, or the low/middle/high default (2, L//2, L-3) that vLLM and SGLang
-        feed by default (1, L//2, L-1 on targets too shallow for it)."""
+        """The fused target layers: cfg's, or the low/middle/high default (2, L//2, L-3) that vLLM
+        and SGLang feed by default (1, L//2, L-1 on targets too shallow for it)."""
         return fused_layers("head.eagle3", list(cfg.feature_layers), num_target_layers)
 
     @staticmethod
     def check_servable(layers: list[int], num_target_layers: int) -> None:
-        """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output before
-        the last one (1..L-1), since the last (HF index L) is post-norm in HF but captured pre-norm by
-        the engines."""
+        """Refuse fused layers that engines capture otherwise: each must be a decoder layer's output
+        before the last one (1..L-1), since the last (HF index L) is post-norm in HF but captured
+        pre-norm by the engines."""
         check_servable_layers("head.eagle3", layers, num_target_layers)
 
     def init_from_target(self, target_model: Any) -> None:
@@ -139,8 +141,8 @@ class Eagle3Head(EagleBase):
             )
             if final_norm is not None and type(final_norm) is type(self.norm):
                 self.norm.load_state_dict(final_norm.state_dict())
-            # fc starts by passing the highest fused layer through: the untrained drafter then reads the
-            # target's own late residual stream out through the target's own norm and lm_head.
+            # fc starts by passing the highest fused layer through: the untrained drafter then reads
+            # the target's own late residual stream out through the target's own norm and lm_head.
             h = self.hidden_size
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * h :] = torch.eye(h, dtype=self.fc.weight.dtype)
@@ -149,8 +151,8 @@ class Eagle3Head(EagleBase):
 
     def copy_target_layer(self, target_model: Any, index: int) -> None:
         """Start the draft layer as target layer `index`: its attention reads the hidden half of the
-        [embedding; hidden] input through the target's q/k/v (the embedding half starts at zero), and
-        its output projection, MLP and norms are the target's."""
+        [embedding; hidden] input through the target's q/k/v (the embedding half starts at zero),
+        and its output projection, MLP and norms are the target's."""
         layers = target_model.get_decoder().layers
         if not 0 <= index < len(layers):
             raise HeadwayError(
@@ -184,16 +186,21 @@ class Eagle3Head(EagleBase):
                 src = source[key].to(value.dtype)  # state_dict values share the parameters' storage
                 if value.shape == src.shape:
                     value.copy_(src)
-                elif value.dim() == 2 and value.shape == (src.shape[0], 2 * h) and src.shape[1] == h:
+                elif (
+                    value.dim() == 2 and value.shape == (src.shape[0], 2 * h) and src.shape[1] == h
+                ):
                     value.zero_()
                     value[:, h:] = src
 
     def project(self, target_features: torch.Tensor) -> torch.Tensor:
-        """The drafter's h-wide input [.., h] from the concatenated low/middle/high target features [.., 3h]
-        (each normalised first with head.eagle3.input_norm=per_layer, all three with concat)."""
+        """The drafter's h-wide input [.., h] from the concatenated low/middle/high target features
+        [.., 3h] (each normalised first with head.eagle3.input_norm=per_layer, all three with
+        concat)."""
         x = target_features.to(self.fc.weight.dtype)
         if self.cfg.input_norm == "per_layer":
-            x = torch.cat([norm(part) for norm, part in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+            x = torch.cat(
+                [norm(part) for norm, part in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1
+            )
         elif self.cfg.input_norm == "concat":
             x = self.input_norm(x)
         return self.fc(x)
@@ -206,10 +213,13 @@ class Eagle3Head(EagleBase):
         attention_mask: Optional[torch.Tensor] = None,
         cache: Any = None,
     ) -> torch.Tensor:
-        """The layer's output [B, T, h] (pre-norm) for positions with `tokens` and h-wide input `hidden`."""
+        """The layer's output [B, T, h] (pre-norm) for positions with `tokens` and h-wide input
+        `hidden`."""
         self.fused_norm.embedding = self.embed(tokens)
         try:
-            return self.run_decoder(hidden.to(self.fc.weight.dtype), position_ids, attention_mask, cache)
+            return self.run_decoder(
+                hidden.to(self.fc.weight.dtype), position_ids, attention_mask, cache
+            )
         finally:
             self.fused_norm.embedding = None
 

@@ -1,9 +1,11 @@
-"""Medusa heads: K small heads on the target's last hidden state, head i guessing the token 2+i ahead.
+"""Medusa heads: K small heads on the target's last hidden state, head i guessing the token 2+i
+ahead.
 
 Each head is L residual blocks (a zero-initialised Linear, SiLU, residual: the head starts as the
 identity) followed by a projection to the vocabulary. The projection is either the head's own
 (initialised from the target's lm_head, as in the Medusa paper), the target's frozen lm_head shared
-by all heads, or a reduced draft vocabulary (the most frequent tokens) with a map back to target ids.
+by all heads, or a reduced draft vocabulary (the most frequent tokens) with a map back to target
+ids.
 """
 
 from __future__ import annotations
@@ -37,7 +39,11 @@ class MedusaHeads(nn.Module):
     kind = "medusa"
 
     def __init__(
-        self, cfg: MedusaConfig, hidden_size: int, vocab_size: int, d2t: Optional[torch.Tensor] = None
+        self,
+        cfg: MedusaConfig,
+        hidden_size: int,
+        vocab_size: int,
+        d2t: Optional[torch.Tensor] = None,
     ):
         super().__init__()
         self.cfg = cfg
@@ -53,13 +59,18 @@ class MedusaHeads(nn.Module):
             self.register_buffer("d2t", d2t.to(torch.long).clone(), persistent=True)
         else:
             self.d2t = None
-        out = 0 if cfg.lm_head == "shared" else (len(self.d2t) if self.d2t is not None else vocab_size)
+        out = (
+            0
+            if cfg.lm_head == "shared"
+            else (len(self.d2t) if self.d2t is not None else vocab_size)
+        )
         self.lm_heads = (
             nn.ModuleList(nn.Linear(hidden_size, out, bias=False) for _ in range(cfg.num_heads))
             if out
             else None
         )
-        self.shared_lm_head: Optional[torch.Tensor] = None  # set by attach_target for lm_head=shared
+        # set by attach_target for lm_head=shared
+        self.shared_lm_head: Optional[torch.Tensor] = None
 
     @property
     def draft_depth(self) -> int:
@@ -83,11 +94,13 @@ class MedusaHeads(nn.Module):
 
     @staticmethod
     def feature_layers(cfg: MedusaConfig, num_target_layers: int) -> list[int]:
-        """Indices into the target's `output_hidden_states` the heads read: the last (post-norm) one."""
+        """Indices into the target's `output_hidden_states` the heads read: the last (post-norm)
+        one."""
         return [num_target_layers]
 
     def attach_target(self, target_model: Any) -> None:
-        """Give a shared-projection head the frozen target lm_head (not a parameter, never saved)."""
+        """Give a shared-projection head the frozen target lm_head (not a parameter, never
+        saved)."""
         self.shared_lm_head = target_model.get_output_embeddings().weight.detach()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -109,7 +122,9 @@ class MedusaHeads(nn.Module):
         if self.lm_heads is not None:
             return self.lm_heads[i].weight
         if self.shared_lm_head is None:
-            raise HeadwayError("a shared-lm_head Medusa head needs attach_target(target model) first")
+            raise HeadwayError(
+                "a shared-lm_head Medusa head needs attach_target(target model) first"
+            )
         return self.shared_lm_head
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Every command's inputs, checked before it loads torch, a model or a kernel.
 
-A mistake in a path, a prompt file, a dataset or a head directory costs the user the seconds to minutes a
-command spends loading the target and building its kernels before it reads its inputs. The command line runs
-the check for its command first (`headway/cli.py`), so each mistake comes back at once, as one message that
-names the thing and the fix. Everything here is torch-free; the commands still check again where they read (a
-dataset's checksums, a head's target fingerprint), since those need the data or the target.
+A mistake in a path, a prompt file, a dataset or a head directory costs the user the seconds to
+minutes a command spends loading the target and building its kernels before it reads its inputs. The
+command line runs the check for its command first (`headway/cli.py`), so each mistake comes back at
+once, as one message that names the thing and the fix. Everything here is torch-free; the commands
+still check again where they read (a dataset's checksums, a head's target fingerprint), since those
+need the data or the target.
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from headway.target.families import choose_engine
 
 
 def check_prompts(cfg: PromptConfig, setting: str = "prompts.path") -> int:
-    """Parse the whole prompt file as the command will (fields, turns, offset and limit); returns how many
-    conversations it holds. The first bad line is named with its number."""
+    """Parse the whole prompt file as the command will (fields, turns, offset and limit); returns
+    how many conversations it holds. The first bad line is named with its number."""
     if not cfg.path:
         raise HeadwayError(f"no prompt file given: set {setting}=FILE")
     return len(load_conversations(cfg))
 
 
 def check_target(cfg: TargetConfig) -> None:
-    """target.name_or_path names something that can exist here: an alias, a local file or directory, or a hub
-    id (`org/name`, looked up in the local cache when the target loads)."""
+    """target.name_or_path names something that can exist here: an alias, a local file or directory,
+    or a hub id (`org/name`, looked up in the local cache when the target loads)."""
     name = cfg.name_or_path
     if name in ALIASES:
         return
@@ -53,8 +54,8 @@ def check_target(cfg: TargetConfig) -> None:
 
 
 def check_writable(path: str | os.PathLike, setting: str) -> Path:
-    """`path` is (or can be made) a directory this process writes into: it, or its nearest existing parent, is
-    a writable directory."""
+    """`path` is (or can be made) a directory this process writes into: it, or its nearest existing
+    parent, is a writable directory."""
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise HeadwayError(f"{setting}={p} is a file, not a directory: choose a directory")
@@ -62,7 +63,9 @@ def check_writable(path: str | os.PathLike, setting: str) -> Path:
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise HeadwayError(f"{setting}={p}: {existing} is a file, not a directory: choose another path")
+        raise HeadwayError(
+            f"{setting}={p}: {existing} is a file, not a directory: choose another path"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise HeadwayError(
             f"{setting}={p}: cannot write in {existing} (permission denied): choose a directory you can write"
@@ -83,9 +86,9 @@ BENCH_SUFFIXES = (".json", ".md", ".png")
 
 
 def bench_output(out: Optional[str], now: Optional[float] = None) -> Path:
-    """Where `headway bench` writes, never over a result it did not make: --out if none of its files exist
-    (else an error naming them), or by default bench-YYYYmmdd-HHMMSS.json in the working directory, with -2,
-    -3 ... added while that name's files exist."""
+    """Where `headway bench` writes, never over a result it did not make: --out if none of its files
+    exist (else an error naming them), or by default bench-YYYYmmdd-HHMMSS.json in the working
+    directory, with -2, -3 ... added while that name's files exist."""
     if out:
         p = Path(out).expanduser()
         taken = [str(p.with_suffix(x)) for x in BENCH_SUFFIXES if p.with_suffix(x).exists()]
@@ -106,14 +109,16 @@ def bench_output(out: Optional[str], now: Optional[float] = None) -> Path:
 
 
 def check_head(path: Optional[str], setting: str = "--head", run_dir: bool = True) -> dict:
-    """A head directory with its config, weights and a known kind (`run_dir`: or a training run's directory,
-    whose head/ is used); returns its config.json."""
+    """A head directory with its config, weights and a known kind (`run_dir`: or a training run's
+    directory, whose head/ is used); returns its config.json."""
     if not path:
         raise HeadwayError(f"{setting} is required: a head directory written by `headway train`")
     p = Path(path).expanduser()
     p = resolve_head_dir(p) if run_dir else p
     if not p.exists():
-        raise HeadwayError(f"{setting} {p} does not exist: give a head directory written by `headway train`")
+        raise HeadwayError(
+            f"{setting} {p} does not exist: give a head directory written by `headway train`"
+        )
     config = read_head_config(p)
     if not isinstance(config, dict) or config.get("kind") not in kind_names():
         kind = config.get("kind") if isinstance(config, dict) else None
@@ -125,13 +130,15 @@ def check_head(path: Optional[str], setting: str = "--head", run_dir: bool = Tru
 
 
 def check_datasets(paths: Sequence[str], setting: str) -> list[dict]:
-    """Each path is a finished `headway distill` dataset, and all were made by the same target; returns their
-    manifests. (Their checksums are verified where training reads them.)"""
+    """Each path is a finished `headway distill` dataset, and all were made by the same target;
+    returns their manifests. (Their checksums are verified where training reads them.)"""
     manifests = []
     for path in paths:
         p = Path(path).expanduser()
         if not p.is_dir():
-            raise HeadwayError(f"{setting}: dataset {p} does not exist: make it with `headway distill`")
+            raise HeadwayError(
+                f"{setting}: dataset {p} does not exist: make it with `headway distill`"
+            )
         require_finished(p)
         manifest = _read_json(p / MANIFEST, "rerun the same `headway distill` to rewrite it")
         if not isinstance(manifest.get("target_fingerprint"), dict):
@@ -146,8 +153,8 @@ def check_datasets(paths: Sequence[str], setting: str) -> list[dict]:
 def check_feature_caches(
     paths: Sequence[str], datasets: Sequence[str], max_length: int, fingerprint: dict
 ) -> None:
-    """Each feature cache is finished, cached with train.max_length, by the datasets' target, and together
-    they hold every training dataset."""
+    """Each feature cache is finished, cached with train.max_length, by the datasets' target, and
+    together they hold every training dataset."""
     cached: list[str] = []
     for path in paths:
         p = Path(path).expanduser()
@@ -217,7 +224,9 @@ def before_train(cfg: RunConfig) -> None:
             "dataset",
         )
     if tc.features_dir:
-        check_feature_caches(tc.features_dir, tc.datasets, tc.max_length, manifests[0]["target_fingerprint"])
+        check_feature_caches(
+            tc.features_dir, tc.datasets, tc.max_length, manifests[0]["target_fingerprint"]
+        )
     if tc.init_from:
         check_head(tc.init_from, "train.init_from", run_dir=False)
     check_writable(tc.output_dir, "train.output_dir")
@@ -231,7 +240,9 @@ def before_export(args: Any) -> None:
             )
         return
     if not (args.head and args.format and args.out):
-        raise HeadwayError("headway export needs --head DIR --format FORMAT --out DIR (or --check DIR)")
+        raise HeadwayError(
+            "headway export needs --head DIR --format FORMAT --out DIR (or --check DIR)"
+        )
     check_head(args.head)
     out = Path(args.out).expanduser()
     if out.resolve() == resolve_head_dir(Path(args.head).expanduser()).resolve():
@@ -240,8 +251,9 @@ def before_export(args: Any) -> None:
 
 
 def check_family(cfg: RunConfig) -> None:
-    """A target whose family speculative decoding cannot verify (a recurrent state), or an engine asked for
-    that cannot run its family: one line, from its config.json (target/families.py), before torch loads."""
+    """A target whose family speculative decoding cannot verify (a recurrent state), or an engine
+    asked for that cannot run its family: one line, from its config.json (target/families.py),
+    before torch loads."""
     config = Path(cfg.target.name_or_path).expanduser() / "config.json"
     if config.is_file():
         choose_engine(

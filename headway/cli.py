@@ -1,9 +1,11 @@
-"""The `headway` command: one subcommand per job, each driven by a typed config plus key=value overrides.
+"""The `headway` command: one subcommand per job, each driven by a typed config plus key=value
+overrides.
 
-It answers at once: parsing the arguments, loading and checking the config, and checking every input a command
-reads (headway/checks.py) need neither torch nor transformers. Each command imports its job's modules only
-when it runs, after those checks, so `--help`, `--version`, `--print-config` and every argument, config or
-input error come back in well under a second, before any model loads or kernel builds.
+It answers at once: parsing the arguments, loading and checking the config, and checking every input
+a command reads (headway/checks.py) need neither torch nor transformers. Each command imports its
+job's modules only when it runs, after those checks, so `--help`, `--version`, `--print-config` and
+every argument, config or input error come back in well under a second, before any model loads or
+kernel builds.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def _setup_logging(verbose: bool) -> None:
     level = logging.DEBUG if verbose else logging.INFO if info.is_main else logging.WARNING
     tag = f"headway rank {info.rank}" if info.world_size > 1 else "headway"
     logging.basicConfig(level=level, format=f"%(asctime)s [{tag}] %(message)s", datefmt="%H:%M:%S")
-    # transformers reads its verbosity when it is first imported, which only a command that needs it does
+    # transformers reads its verbosity when it is first imported, which only a command that needs it
+    # does
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
@@ -48,10 +51,14 @@ def _add_config_args(
     p.add_argument(
         "--config",
         default=default_config,
-        help="YAML run config (see configs/)" + (f"; default {default_config}" if default_config else ""),
+        help="YAML run config (see configs/)"
+        + (f"; default {default_config}" if default_config else ""),
     )
     p.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. distill.max_new_tokens=128"
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, e.g. distill.max_new_tokens=128",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
@@ -79,7 +86,9 @@ def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
         return launch(args.nproc, "cache-features", cfg, args)
     from headway.train.feature_cache import run_cache_features
 
-    out = run_cache_features(cfg.target, cfg.head, cfg.features, cfg.train.datasets, cfg.train.max_length)
+    out = run_cache_features(
+        cfg.target, cfg.head, cfg.features, cfg.train.datasets, cfg.train.max_length
+    )
     if not dist_info().is_main:
         return 0
     print(f"features: {out}  (train with train.features_dir=[{out}])")
@@ -87,8 +96,8 @@ def cmd_cache_features(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def launcher_command(nproc: int, command: str, backend: str, args: argparse.Namespace) -> list[str]:
-    """The launcher for `--nproc N` on this machine: deepspeed's for train.backend=deepspeed, torchrun
-    otherwise; it reruns the same headway command (minus --nproc) in every process."""
+    """The launcher for `--nproc N` on this machine: deepspeed's for train.backend=deepspeed,
+    torchrun otherwise; it reruns the same headway command (minus --nproc) in every process."""
     if command == "train" and backend == "deepspeed":
         cmd = [
             sys.executable,
@@ -142,7 +151,9 @@ def launch(nproc: int, command: str, cfg: RunConfig, args: argparse.Namespace) -
         import importlib.util
 
         if importlib.util.find_spec("deepspeed") is None:
-            raise HeadwayError("train.backend=deepspeed needs DeepSpeed: pip install 'headway[deepspeed]'")
+            raise HeadwayError(
+                "train.backend=deepspeed needs DeepSpeed: pip install 'headway[deepspeed]'"
+            )
         if cfg.target.device == "cpu" or not _cuda_available():
             env.setdefault("DS_ACCELERATOR", "cpu")
     cmd = launcher_command(nproc, command, cfg.train.backend, args)
@@ -205,7 +216,8 @@ def cmd_export(cfg: RunConfig, args: argparse.Namespace) -> int:
         lm_head,
         verifier=verifier,
         num_draft_tokens=args.draft_tokens,
-        tokenizer=target.tokenizer if args.format == "gguf" else None,  # llama.cpp loads it with the draft
+        # llama.cpp loads it with the draft
+        tokenizer=target.tokenizer if args.format == "gguf" else None,
     )
     config = json.loads((out / "config.json").read_text())
     print(f"exported: {out}  ({args.format})")
@@ -312,7 +324,10 @@ def cmd_demo(cfg: DemoConfig, args: argparse.Namespace) -> int:
 
     result = run_demo(cfg, train_first=args.train)
     if cfg.inference.sampling.greedy and not result["overall"]["all_equal_plain"]:
-        print("headway: error: a speculative output differed from plain greedy decoding", file=sys.stderr)
+        print(
+            "headway: error: a speculative output differed from plain greedy decoding",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -357,21 +372,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p, DemoConfig, cmd_demo, str(demo_config_file()))
 
-    p = sub.add_parser("distill", help="the frozen target answers prompts: a self-distilled training dataset")
+    p = sub.add_parser(
+        "distill", help="the frozen target answers prompts: a self-distilled training dataset"
+    )
     p.add_argument(
-        "--nproc", type=int, default=0, help="start this many processes with torchrun (each answers a share)"
+        "--nproc",
+        type=int,
+        default=0,
+        help="start this many processes with torchrun (each answers a share)",
     )
     _add_config_args(p, RunConfig, cmd_distill)
 
     p = sub.add_parser(
-        "cache-features", help="run the target once over train.datasets and keep the features heads read"
+        "cache-features",
+        help="run the target once over train.datasets and keep the features heads read",
     )
     p.add_argument(
-        "--nproc", type=int, default=0, help="start this many processes with torchrun (each writes a share)"
+        "--nproc",
+        type=int,
+        default=0,
+        help="start this many processes with torchrun (each writes a share)",
     )
     _add_config_args(p, RunConfig, cmd_cache_features)
 
-    p = sub.add_parser("train", help="train a draft head on the frozen target from self-distilled data")
+    p = sub.add_parser(
+        "train", help="train a draft head on the frozen target from self-distilled data"
+    )
     p.add_argument(
         "--nproc",
         type=int,
@@ -385,14 +411,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a trained head for a serving engine (vLLM, SGLang, TensorRT-LLM, llama.cpp), checked key "
         "by key",
     )
-    p.add_argument("--head", help="a head directory, or a training run's directory (its head/ is exported)")
+    p.add_argument(
+        "--head", help="a head directory, or a training run's directory (its head/ is exported)"
+    )
     p.add_argument(
         "--format",
         choices=["native", "vllm", "sglang", "trtllm", "speculators", "gguf"],
         help="the engine layout (gguf: llama.cpp)",
     )
     p.add_argument(
-        "--verifier", help="--format speculators: the target directory or hub id vLLM serves the draft with"
+        "--verifier",
+        help="--format speculators: the target directory or hub id vLLM serves the draft with",
     )
     p.add_argument(
         "--draft-tokens",
@@ -401,9 +430,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="output directory (written whole or not at all)")
     p.add_argument(
-        "--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"], help="weights' dtype"
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "float16"],
+        help="weights' dtype",
     )
-    p.add_argument("--check", metavar="DIR", help="only check an existing export against its engine layout")
+    p.add_argument(
+        "--check", metavar="DIR", help="only check an existing export against its engine layout"
+    )
     _add_config_args(p, RunConfig, cmd_export)
 
     p = sub.add_parser(
@@ -439,11 +473,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p, RunConfig, cmd_bench)
 
     p = sub.add_parser(
-        "tune", help="measure this machine and the head, pick the fastest tree, save it in the head directory"
+        "tune",
+        help="measure this machine and the head, pick the fastest tree, save it in the head directory",
     )
     p.add_argument("--head", required=True, help="a head directory")
     p.add_argument(
-        "--prompts", help="calibration prompts (tune.prompts); default: the set shipped with Headway"
+        "--prompts",
+        help="calibration prompts (tune.prompts); default: the set shipped with Headway",
     )
     _add_config_args(p, RunConfig, cmd_tune)
 
@@ -453,7 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = t.add_parser("info", help="resolve the target and print its path and fingerprint")
     _add_config_args(p, RunConfig, cmd_target_info)
     p = t.add_parser(
-        "export", help="write the target as a plain HF directory (safetensors) other engines can read"
+        "export",
+        help="write the target as a plain HF directory (safetensors) other engines can read",
     )
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    OmegaConfBaseException,
+    ValidationError,
+)
 
 from headway.errors import HeadwayError
 from headway.io import atomic_write_text
@@ -24,7 +29,8 @@ T = TypeVar("T")
 log = logging.getLogger("headway")
 
 CONFIG_FILENAME = "config.yaml"
-# The dtype names configs accept, and the torch dtype each means (headway/runtime.py maps them to torch's).
+# The dtype names configs accept, and the torch dtype each means (headway/runtime.py maps them to
+# torch's).
 DTYPE_NAMES = {
     "float32": "float32",
     "fp32": "float32",
@@ -59,8 +65,8 @@ def _unknown_key_error(schema: type, exc: OmegaConfBaseException, source: str) -
 
 
 def _section_of(layer: DictConfig, key: str) -> tuple[Any, str]:
-    """The section of `layer` that holds the dotted `key` (None where the layer has no such section), and its
-    name there."""
+    """The section of `layer` that holds the dotted `key` (None where the layer has no such
+    section), and its name there."""
     *path, leaf = key.split(".")
     node: Any = layer
     for part in path:
@@ -69,17 +75,22 @@ def _section_of(layer: DictConfig, key: str) -> tuple[Any, str]:
 
 
 def _rename_old_keys(schema: DictConfig, layer: DictConfig, source: str, prefix: str = "") -> None:
-    """Read the keys a config section renamed (the RENAMED_KEYS class attribute of its dataclass: old -> new,
-    dotted paths within the section, so that a key may also move to another sub-section, with the issue that
-    renamed them) as the new ones, in place, so that configs saved before keep loading; a layer that sets both
-    is an error. schema: the structured config `layer` is merged into."""
+    """Read the keys a config section renamed (the RENAMED_KEYS class attribute of its dataclass:
+    old -> new, dotted paths within the section, so that a key may also move to another sub-section,
+    with the issue that renamed them) as the new ones, in place, so that configs saved before keep
+    loading; a layer that sets both is an error. schema: the structured config `layer` is merged
+    into."""
     for old, new in getattr(OmegaConf.get_type(schema), "RENAMED_KEYS", {}).items():
         section, leaf = _section_of(layer, old)
         if section is not None and leaf in section:
             there, new_leaf = _section_of(layer, new)
             if there is not None and new_leaf in there:
-                raise HeadwayError(f"{source} sets both {prefix}{old} and {prefix}{new}: keep {prefix}{new}")
-            log.warning("%s: %s%s was renamed %s%s; reading it as that", source, prefix, old, prefix, new)
+                raise HeadwayError(
+                    f"{source} sets both {prefix}{old} and {prefix}{new}: keep {prefix}{new}"
+                )
+            log.warning(
+                "%s: %s%s was renamed %s%s; reading it as that", source, prefix, old, prefix, new
+            )
             OmegaConf.update(layer, new, section.pop(leaf), merge=False)
     for key, value in layer.items_ex(resolve=False):
         section = schema.get(key) if isinstance(value, DictConfig) else None
@@ -88,8 +99,8 @@ def _rename_old_keys(schema: DictConfig, layer: DictConfig, source: str, prefix:
 
 
 def read_renamed_keys(schema: type, layer: DictConfig, source: str) -> DictConfig:
-    """`layer` (a config file, such as a run's saved config.yaml) with the keys `schema` renamed read as the
-    new ones, as load_config reads them (in place)."""
+    """`layer` (a config file, such as a run's saved config.yaml) with the keys `schema` renamed
+    read as the new ones, as load_config reads them (in place)."""
     _rename_old_keys(OmegaConf.structured(schema), layer, source)
     return layer
 
@@ -98,8 +109,11 @@ def _first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def load_config(schema: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> T:
-    """Build a `schema` instance from its defaults, then the YAML file, then `key=value` overrides."""
+def load_config(
+    schema: type[T], path: str | os.PathLike | None = None, overrides: Sequence[str] = ()
+) -> T:
+    """Build a `schema` instance from its defaults, then the YAML file, then `key=value`
+    overrides."""
     base = OmegaConf.structured(schema)
     layers: list[tuple[str, DictConfig]] = []
     if path is not None:
@@ -130,7 +144,8 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
     if overrides:
         try:
             layers.append(("the command line", OmegaConf.from_dotlist(list(overrides))))
-        except Exception as e:  # e.g. `train=1 train.lr=2`: a key set both as a value and as a section
+        # e.g. `train=1 train.lr=2`: a key set both as a value and as a section
+        except Exception as e:
             raise HeadwayError(
                 f"the overrides {' '.join(overrides)} contradict each other ({_first_line(e)})"
             ) from None
@@ -142,8 +157,11 @@ def load_config(schema: type[T], path: str | os.PathLike | None = None, override
         except (ConfigKeyError, ConfigAttributeError) as e:
             raise _unknown_key_error(schema, e, source) from None
         except ValidationError as e:
-            raise HeadwayError(f"bad value for config key '{e.full_key}' in {source}: {e.msg}") from None
-        except (OmegaConfBaseException, TypeError, ValueError) as e:  # a list given a mapping, and the like
+            raise HeadwayError(
+                f"bad value for config key '{e.full_key}' in {source}: {e.msg}"
+            ) from None
+        # a list given a mapping, and the like
+        except (OmegaConfBaseException, TypeError, ValueError) as e:
             key = getattr(e, "full_key", "") or ""
             raise HeadwayError(
                 f"bad value{f' for config key {key!r}' if key else ''} in {source}: {_first_line(e)}"
@@ -170,4 +188,6 @@ def save_config(cfg: Any, directory: str | os.PathLike, filename: str = CONFIG_F
 def check_choice(section: str, key: str, value: str, choices: Sequence[str]) -> None:
     """Validate a string field limited to a few values (OmegaConf has no Literal support)."""
     if value not in choices:
-        raise HeadwayError(f"{section}.{key}='{value}' is not allowed: use one of {', '.join(choices)}")
+        raise HeadwayError(
+            f"{section}.{key}='{value}' is not allowed: use one of {', '.join(choices)}"
+        )

@@ -1,11 +1,12 @@
-"""`headway demo`: the main job on the default target, from a fresh machine, with numbers measured in the run.
+"""`headway demo`: the main job on the default target, from a fresh machine, with numbers measured
+in the run.
 
-Without `--train` it decodes a handful of prompts of different kinds with the EAGLE-3 head that ships
-with Headway (heads/reference/), beside plain decoding of the same target, and prints the text, tau,
-tokens/s, the speedup and whether the output equals plain greedy decoding. With `--train` it first
-runs the whole pipeline on a small budget: the target writes its own prompts and answers them
-(Magpie-style self-distillation), an EAGLE-3 head is trained on that, exported for vLLM, and then
-measured the same way. Every budget (prompts, tokens, steps) is a field of DemoConfig.
+Without `--train` it decodes a handful of prompts of different kinds with the EAGLE-3 head that
+ships with Headway (heads/reference/), beside plain decoding of the same target, and prints the
+text, tau, tokens/s, the speedup and whether the output equals plain greedy decoding. With `--train`
+it first runs the whole pipeline on a small budget: the target writes its own prompts and answers
+them (Magpie-style self-distillation), an EAGLE-3 head is trained on that, exported for vLLM, and
+then measured the same way. Every budget (prompts, tokens, steps) is a field of DemoConfig.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def decoding_inference(cfg: DemoConfig, target: TargetConfig) -> InferenceConfig
 
 
 def decoding_target(cfg: DemoConfig) -> TargetConfig:
-    """The target settings the demo decodes with: with target.dtype=auto on a CPU, the fastest exact format
-    for it (target/cpu_format.py, as every decoding command), said in one line."""
+    """The target settings the demo decodes with: with target.dtype=auto on a CPU, the fastest exact
+    format for it (target/cpu_format.py, as every decoding command), said in one line."""
     target, why = fastest_cpu_format(cfg.target)
     if why:
         print(f"== {why}")
@@ -79,7 +80,9 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
     """Self-distil, train an EAGLE-3 head and export it for vLLM; returns the head directory.
     Reruns resume."""
 
-    distill_cfg = dataclasses.replace(cfg.distill, output_dir=cfg.distill.output_dir or str(out / "distill"))
+    distill_cfg = dataclasses.replace(
+        cfg.distill, output_dir=cfg.distill.output_dir or str(out / "distill")
+    )
     t0 = time.time()
     print(
         f"== 1/3 self-distillation: the target writes {cfg.magpie.num_prompts} prompts and answers them "
@@ -103,7 +106,9 @@ def train_pipeline(cfg: DemoConfig, out: Path) -> Path:
     print(f"   trained in {(time.time() - t0) / 60:.1f} min -> {head_dir}")
     target = load_target(cfg.target, with_model=False)
     try:
-        exported = export_head(head_dir, "vllm", out / "eagle3-vllm", "bfloat16", target.fingerprint)
+        exported = export_head(
+            head_dir, "vllm", out / "eagle3-vllm", "bfloat16", target.fingerprint
+        )
         print(f"== 3/3 exported for vLLM -> {exported}")
     except (
         HeadwayError
@@ -122,24 +127,33 @@ def _by_branch(sources: dict) -> str:
 
 
 def speedup_summary(speedups: list[float], wide: float) -> dict:
-    """The median of per-round speedups, their range, and whether the range is wide: (max - min) over the
-    median above `wide`."""
+    """The median of per-round speedups, their range, and whether the range is wide: (max - min)
+    over the median above `wide`."""
     ordered = sorted(speedups)
     mid = len(ordered) // 2
     median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
     spread = (ordered[-1] - ordered[0]) / median if median else 0.0
-    return {"speedup": median, "range": [ordered[0], ordered[-1]], "spread": spread, "wide": spread > wide}
+    return {
+        "speedup": median,
+        "range": [ordered[0], ordered[-1]],
+        "spread": spread,
+        "wide": spread > wide,
+    }
 
 
 def measure(cfg: DemoConfig, head_dir: Path) -> dict:
-    """Plain and speculative decoding of every prompt, `cfg.rounds` times, alternating which goes first;
-    prints the first round's answers as it goes, then the median speedup over rounds with its range."""
+    """Plain and speculative decoding of every prompt, `cfg.rounds` times, alternating which goes
+    first; prints the first round's answers as it goes, then the median speedup over rounds with its
+    range."""
 
-    # a first run compiles the C++ kernels while the target is fetched and dequantised (both once, cached)
+    # a first run compiles the C++ kernels while the target is fetched and dequantised (both once,
+    # cached)
     build_in_background(cfg.target)
     resolve_target_dir(cfg.target)
     target = decoding_target(cfg)
-    run = _run_config(dataclasses.replace(cfg, target=target, inference=decoding_inference(cfg, target)))
+    run = _run_config(
+        dataclasses.replace(cfg, target=target, inference=decoding_inference(cfg, target))
+    )
     decoder = SpeculativeDecoder.load(head_dir, run)
     print(
         f"\n== decoding {len(cfg.prompts)} prompts with {head_dir} beside plain decoding, {cfg.rounds} "
@@ -170,7 +184,9 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
                 rows.append(_first_round_row(cfg, decoder, text, spec, plain, same))
             else:
                 rows[i]["equals_plain"] = rows[i]["equals_plain"] and same if greedy else None
-            rows[i].setdefault("speedups", []).append(spec.tokens_per_second / plain.tokens_per_second)
+            rows[i].setdefault("speedups", []).append(
+                spec.tokens_per_second / plain.tokens_per_second
+            )
         speedups.append(pooled(round_specs)["tok_s"] / pooled(round_plains)["tok_s"])
         specs += round_specs
         plains += round_plains
@@ -210,7 +226,9 @@ def measure(cfg: DemoConfig, head_dir: Path) -> dict:
     }
 
 
-def _first_round_row(cfg: DemoConfig, decoder: Any, text: str, spec: Any, plain: Any, same: Any) -> dict:
+def _first_round_row(
+    cfg: DemoConfig, decoder: Any, text: str, spec: Any, plain: Any, same: Any
+) -> dict:
     """A prompt's first round: its answer printed, and its record."""
     answer = decoder.target.tokenizer.decode(spec.tokens, skip_special_tokens=True).strip()
     tqdm.write(

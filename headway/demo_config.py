@@ -1,4 +1,5 @@
-"""`headway demo`'s config: which head, which prompts, and (--train) the budget of the pipeline it runs first.
+"""`headway demo`'s config: which head, which prompts, and (--train) the budget of the pipeline it
+runs first.
 
 Torch-free, like every config module: the command line checks it before `headway demo` loads torch.
 """
@@ -26,7 +27,8 @@ def demo_config_file() -> Path:
 
 
 def reference_head() -> Path:
-    """The EAGLE-3 head shipped with Headway for the default target (its README.md says how it was made)."""
+    """The EAGLE-3 head shipped with Headway for the default target (its README.md says how it was
+    made)."""
     from importlib.resources import files
 
     return Path(str(files("headway.heads"))) / "reference" / "smollm2-135m-instruct-eagle3"
@@ -45,7 +47,8 @@ DEMO_PROMPTS = [
 
 @dataclass
 class DemoConfig:
-    """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs first."""
+    """The demo: which head, which prompts, and (--train) the budget of the pipeline it runs
+    first."""
 
     target: TargetConfig = field(default_factory=TargetConfig)
     # Head to decode with; null = the EAGLE-3 head shipped with Headway (or, with --train, the one
@@ -54,8 +57,9 @@ class DemoConfig:
     # User messages decoded with plain and speculative decoding; a mix of kinds.
     prompts: list[str] = field(default_factory=lambda: list(DEMO_PROMPTS))
     max_new_tokens: int = 128
-    # Rounds: every prompt is decoded plainly and speculatively this many times (each pair back to back, the
-    # order alternating), and the speedup reported is the median of the rounds' speedups, with their range.
+    # Rounds: every prompt is decoded plainly and speculatively this many times (each pair back to
+    # back, the order alternating), and the speedup reported is the median of the rounds' speedups,
+    # with their range.
     rounds: int = 3
     # A range wider than this fraction of the median is reported as wide, with what to do about it.
     wide_spread: float = 0.1
@@ -63,16 +67,17 @@ class DemoConfig:
     show_chars: int = 300
     # Results (results.json) and, with --train, the dataset, the training run and the export.
     output_dir: str = "outputs/demo"
-    # Decoding settings (tree, sampling): the recipe's (configs/eagle3_smollm2.yaml). The head's tuned tree
-    # for this machine (tuned.json) wins when it has one (`headway tune`).
+    # Decoding settings (tree, sampling): the recipe's (configs/eagle3_smollm2.yaml). The head's
+    # tuned tree for this machine (tuned.json) wins when it has one (`headway tune`).
     inference: InferenceConfig = field(default_factory=InferenceConfig)
-    # The drafter's depth where the demo decodes in float32, whose draft levels cost about twice bf16's: on
-    # the demo's prompts one level measured fastest in float32, while in bf16 one and three measured alike and
-    # three accept more per step (docs/benchmarks.md). null: inference.depth in float32 too.
+    # The drafter's depth where the demo decodes in float32, whose draft levels cost about twice
+    # bf16's: on the demo's prompts one level measured fastest in float32, while in bf16 one and
+    # three measured alike and three accept more per step (docs/benchmarks.md). null:
+    # inference.depth in float32 too.
     float32_depth: Optional[int] = 1
     # --train: the budget of the pipeline, stated in configs/demo_smollm2.yaml (the demo's default --config):
-    # the self-distillation (the target writes magpie.num_prompts prompts itself and answers them), the head
-    # trained, and its training.
+    # the self-distillation (the target writes magpie.num_prompts prompts itself and answers them),
+    # the head trained, and its training.
     magpie: MagpieConfig = field(default_factory=MagpieConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     head: HeadConfig = field(default_factory=HeadConfig)

@@ -30,7 +30,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _temp_prefix(path: Path) -> str:
-    """Temp names beside `path`: distinctive, so the stale-temp sweep never touches a user's own files."""
+    """Temp names beside `path`: distinctive, so the stale-temp sweep never touches a user's own
+    files."""
     return f".{path.name}.headway-tmp-"
 
 
@@ -99,7 +100,8 @@ def read_json(path: str | os.PathLike) -> Any:
 
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp directory beside `out`; on success it replaces `out` whole, on error it is removed."""
+    """Yield a temp directory beside `out`; on success it replaces `out` whole, on error it is
+    removed."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out)
@@ -112,7 +114,8 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
                     with open(f, "rb") as fh:
                         os.fsync(fh.fileno())
         tmp.chmod(0o755)
-        if out.exists():  # move the old one aside first: a kill here leaves it whole under a temp name
+        # move the old one aside first: a kill here leaves it whole under a temp name
+        if out.exists():
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=_temp_prefix(out)))
             os.replace(out, old / "old")
             os.replace(tmp, out)
@@ -127,7 +130,8 @@ def atomic_dir(out: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temp path beside `path` for a writer that wants a file name; fsync and rename it on success."""
+    """Yield a temp path beside `path` for a writer that wants a file name; fsync and rename it on
+    success."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path)
@@ -164,12 +168,15 @@ def safetensors_of(tensors: dict) -> dict:
 def file_checksums(root: Path, names: list[str]) -> dict[str, dict]:
     """sha256 and size of each named file under `root`: what a manifest records so damage is caught
     on load."""
-    return {n: {"sha256": sha256_file(root / n), "bytes": (root / n).stat().st_size} for n in sorted(names)}
+    return {
+        n: {"sha256": sha256_file(root / n), "bytes": (root / n).stat().st_size}
+        for n in sorted(names)
+    }
 
 
 def verify_checksums(root: Path, recorded: Optional[dict], what: str, fix: str) -> None:
-    """Refuse `root` when a file its manifest lists is missing, truncated or altered; `recorded` None = an
-    older directory written without checksums, accepted as is."""
+    """Refuse `root` when a file its manifest lists is missing, truncated or altered; `recorded`
+    None = an older directory written without checksums, accepted as is."""
     for name, want in (recorded or {}).items():
         f = root / name
         if not f.is_file():
@@ -181,4 +188,6 @@ def verify_checksums(root: Path, recorded: Optional[dict], what: str, fix: str) 
                 f"{want['bytes']}): {fix}"
             )
         if sha256_file(f) != want["sha256"]:
-            raise HeadwayError(f"{what} {root}: {name} does not match its recorded sha256 (damaged): {fix}")
+            raise HeadwayError(
+                f"{what} {root}: {name} does not match its recorded sha256 (damaged): {fix}"
+            )

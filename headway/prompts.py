@@ -113,7 +113,9 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
         if isinstance(data, dict):
             lists = [v for v in data.values() if isinstance(v, list)]
             if len(lists) != 1:
-                raise HeadwayError(f"{path} must hold a list of records (or an object with exactly one list)")
+                raise HeadwayError(
+                    f"{path} must hold a list of records (or an object with exactly one list)"
+                )
             data = lists[0]
         if not isinstance(data, list):
             raise HeadwayError(f"{path} must hold a list of records, not a {type(data).__name__}")
@@ -132,8 +134,11 @@ def _read_records(path: Path) -> list[tuple[str, Any]]:
     )
 
 
-def _resolve(field_value: str, candidates: Iterable[str], records: list[tuple[str, Any]]) -> Optional[str]:
-    """An explicit field name as is; "auto" becomes the first candidate present in the first records."""
+def _resolve(
+    field_value: str, candidates: Iterable[str], records: list[tuple[str, Any]]
+) -> Optional[str]:
+    """An explicit field name as is; "auto" becomes the first candidate present in the first
+    records."""
     if field_value == "none":
         return None
     if field_value != "auto":
@@ -150,7 +155,9 @@ def _conversation_turns(messages: Any, where: str) -> tuple[list[str], Optional[
     turns, system = [], None
     for m in messages:
         if not isinstance(m, dict):
-            raise HeadwayError(f"{where}: each message must be an object with role/content (or from/value)")
+            raise HeadwayError(
+                f"{where}: each message must be an object with role/content (or from/value)"
+            )
         role = str(m.get("role", m.get("from", ""))).lower()
         content = m.get("content", m.get("value"))
         if role in USER_ROLES and isinstance(content, str):
@@ -165,7 +172,8 @@ def _conversation_turns(messages: Any, where: str) -> tuple[list[str], Optional[
 
 
 def load_conversations(cfg: PromptConfig) -> list[Conversation]:
-    """Read and normalise the prompt file; an empty result or a mapping that matches nothing is an error."""
+    """Read and normalise the prompt file; an empty result or a mapping that matches nothing is an
+    error."""
     if cfg.path is None:
         raise HeadwayError(
             "no prompt file given: set prompts.path=FILE (or magpie.num_prompts=N for self-written prompts)"
@@ -176,7 +184,9 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
         raise HeadwayError(f"prompt file {path} holds no records")
     for where, record in records:
         if not isinstance(record, dict):
-            raise HeadwayError(f"{where}: expected an object with fields, got {type(record).__name__}")
+            raise HeadwayError(
+                f"{where}: expected an object with fields, got {type(record).__name__}"
+            )
     conv_field = _resolve(cfg.conversations_field, AUTO_CONVERSATION_FIELDS, records)
     turns_field = _resolve(cfg.turns_field, AUTO_TURNS_FIELDS, records)
     instr_field = _resolve(cfg.instruction_field, AUTO_INSTRUCTION_FIELDS, records)
@@ -221,7 +231,9 @@ def load_conversations(cfg: PromptConfig) -> list[Conversation]:
                 f"turns={turns_field}, conversations={conv_field}); fix the record or the mapping"
             )
         if system is not None and not isinstance(system, str):
-            raise HeadwayError(f"{where}: the system prompt must be a string, got {type(system).__name__}")
+            raise HeadwayError(
+                f"{where}: the system prompt must be a string, got {type(system).__name__}"
+            )
         for text in turns + ([system] if system else []):
             try:
                 text.encode("utf-8")

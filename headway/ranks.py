@@ -1,4 +1,5 @@
-"""Where this process stands in a launched job (torchrun, deepspeed), read from the launcher's environment.
+"""Where this process stands in a launched job (torchrun, deepspeed), read from the launcher's
+environment.
 
 Torch-free, so that the command line can set up its logging before it decides whether to load torch.
 """
@@ -24,7 +25,8 @@ class DistInfo:
 
 
 def dist_info() -> DistInfo:
-    """Read the launcher's environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)."""
+    """Read the launcher's environment (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE)."""
     env = os.environ
     return DistInfo(
         rank=int(env.get("RANK", 0)),

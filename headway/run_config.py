@@ -1,9 +1,11 @@
-"""One run config for every command: a recipe YAML holds all its sections, each command reads its own.
+"""One run config for every command: a recipe YAML holds all its sections, each command reads its
+own.
 
-Sections: target, prompts + magpie + distill (self-distillation), features (offline target features),
+Sections: target, prompts + magpie + distill (self-distillation), features (offline target
+    features),
 head + train + logging (training),
-inference (decoding), bench (`headway bench`), tune (`headway tune`). An unknown section or key anywhere is an
-error that names it.
+inference (decoding), bench (`headway bench`), tune (`headway tune`). An unknown section or key
+anywhere is an error that names it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from headway.train.config import FeaturesConfig, LoggingConfig, TrainConfig
 
 @dataclass
 class RunConfig:
-    # Keys older configs (a recipe, an override, a run's saved config.yaml) may hold -> the keys they are read
-    # as; load_config moves them before merging, with a warning. Moved in issue 54: Medusa's own training
-    # settings are its head section's, beside its other settings.
+    # Keys older configs (a recipe, an override, a run's saved config.yaml) may hold -> the keys
+    # they are read as; load_config moves them before merging, with a warning. Moved in issue 54:
+    # Medusa's own training settings are its head section's, beside its other settings.
     RENAMED_KEYS: ClassVar[dict[str, str]] = {
         "train.loss": "head.medusa.loss",
         "train.decay": "head.medusa.decay",
@@ -59,7 +61,7 @@ class RunConfig:
             )
 
     def target_lora(self) -> Optional[LoraConfig]:
-        """The LoRA adapters this run trains on the target with its head (Medusa-2: head.medusa.lora),
-        or None."""
+        """The LoRA adapters this run trains on the target with its head (Medusa-2:
+        head.medusa.lora), or None."""
         lora = getattr(self.head.kind_config(), "lora", None)
         return lora if lora is not None and lora.enabled else None

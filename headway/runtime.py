@@ -50,10 +50,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_threads(num_threads: int) -> int:
-    """The thread count a `target.num_threads` setting means: itself, or (0) the machine's cores shared evenly
-    by this node's processes."""
+    """The thread count a `target.num_threads` setting means: itself, or (0) the machine's cores
+    shared evenly by this node's processes."""
     if num_threads <= 0:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
         num_threads = max(1, cores // max(1, dist_info().local_world_size))
     return num_threads
 
@@ -79,8 +83,8 @@ def _cpu_flags() -> tuple[str, ...] | None:
 
 
 def native_bf16(device: torch.device | str = "cpu") -> bool:
-    """Whether bf16 math is native here: any CUDA GPU, or a CPU with AVX512_BF16 or AMX (AVX2-only CPUs
-    emulate bf16 several times slower than float32)."""
+    """Whether bf16 math is native here: any CUDA GPU, or a CPU with AVX512_BF16 or AMX (AVX2-only
+    CPUs emulate bf16 several times slower than float32)."""
     if torch.device(device).type == "cuda":
         return True
     flags = _cpu_flags()
@@ -91,7 +95,8 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 
 
 def amx_bf16() -> bool:
-    """Whether this CPU multiplies bf16 on AMX tiles, where a product's rows beside the first cost little."""
+    """Whether this CPU multiplies bf16 on AMX tiles, where a product's rows beside the first cost
+    little."""
     flags = _cpu_flags()
     return flags is not None and "amx_bf16" in flags
 

@@ -1,12 +1,13 @@
 """Sampling at temperature > 0: one target distribution for plain and speculative decoding, and the
 tree acceptance rules that decide which drafted tokens a verification keeps.
 
-`exact` (the default) is tree rejection sampling for deterministic drafts (a drafter's top-k, a static
-Medusa tree, an n-gram): at a node the target's distribution p is the residual; the children are tried
-in order, child x is accepted with probability p(x), and a rejected x has its mass removed from the
-residual, which is renormalised; when every child fails, the next token is sampled from the residual.
-Token x ends up chosen with probability exactly p(x) (p(x1), then (1 - p(x1)) * p(x2) / (1 - p(x1)),
-...), so the output has the target's own distribution whatever the drafter guessed. `typical` is
+`exact` (the default) is tree rejection sampling for deterministic drafts (a drafter's top-k, a
+static Medusa tree, an n-gram): at a node the target's distribution p is the residual; the children
+are tried in order, child x is accepted with probability p(x), and a rejected x has its mass removed
+from the residual, which is renormalised; when every child fails, the next token is sampled from the
+residual. Token x ends up chosen with probability exactly p(x) (p(x1), then (1 - p(x1)) * p(x2) / (1
+- p(x1)), ...), so the output has the target's own distribution whatever the drafter guessed.
+  `typical` is
 Medusa's typical acceptance: faster, and lossy (the output is not the target's distribution).
 """
 
@@ -21,8 +22,8 @@ from headway.inference.engines.tree import Tree
 
 
 class Sampler:
-    """Draws the random numbers of one generation from its own seeded generator (on the CPU, so a seed
-    gives the same run on any device)."""
+    """Draws the random numbers of one generation from its own seeded generator (on the CPU, so a
+    seed gives the same run on any device)."""
 
     def __init__(self, cfg: SamplingConfig):
         self.cfg = cfg
@@ -35,7 +36,8 @@ class Sampler:
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
 
     def next_token(self, logits: torch.Tensor) -> int:
-        """A token from the target's distribution after `logits` (plain decoding, and the first token)."""
+        """A token from the target's distribution after `logits` (plain decoding, and the first
+        token)."""
         if self.cfg.greedy:
             return greedy_token(logits)
         return self.sample(target_distribution(logits, self.cfg))
@@ -49,9 +51,11 @@ def greedy_token(logits: torch.Tensor) -> int:
 def accept_greedy(
     tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler
 ) -> tuple[list[int], int]:
-    """The longest path whose every token is the target's argmax; the next token is the argmax after it."""
+    """The longest path whose every token is the target's argmax; the next token is the argmax after
+    it."""
     path, cur = [0], 0
-    while True:  # reads only the rows on the walked path (the static engine computes logits as they are read)
+    # reads only the rows on the walked path (the static engine computes logits as they are read)
+    while True:
         choice = greedy_token(logits[cur])
         nxt = next((c for c in tree.children[cur] if node_ids[c] == choice), None)
         if nxt is None:
@@ -84,13 +88,16 @@ def accept_exact(
 def accept_typical(
     tree: Tree, node_ids: list[int], logits: torch.Tensor, sampler: Sampler
 ) -> tuple[list[int], int]:
-    """Medusa's typical acceptance (LOSSY): follow the first child the target finds plausible enough."""
+    """Medusa's typical acceptance (LOSSY): follow the first child the target finds plausible
+    enough."""
     cfg = sampler.cfg
     path, cur = [0], 0
     while True:
         p = target_distribution(logits[cur], cfg).cpu()
         entropy = float(-(p * torch.log(p.clamp_min(1e-30))).sum())
-        threshold = min(cfg.typical_epsilon, cfg.typical_delta * float(torch.exp(torch.tensor(-entropy))))
+        threshold = min(
+            cfg.typical_epsilon, cfg.typical_delta * float(torch.exp(torch.tensor(-entropy)))
+        )
         nxt = next((c for c in tree.children[cur] if float(p[node_ids[c]]) > threshold), None)
         if nxt is None:
             return path, sampler.sample(p)

@@ -46,14 +46,16 @@ def tuned_entry(head_dir: str | Path, model: Any, engine: str) -> Optional[dict]
 
 
 def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
-    """cfg with its tree settings replaced by the head's tuned ones for this machine, if there are any (a
-    copy; the caller's config is left as it was)."""
+    """cfg with its tree settings replaced by the head's tuned ones for this machine, if there are
+    any (a copy; the caller's config is left as it was)."""
     if not cfg.inference.use_tuned:
         return cfg
     entries = read_tuned(head_dir)
     match = tuned_entry(head_dir, model, cfg.inference.engine)
     if match is None and next(model.parameters()).device.type == "cuda":
-        log.info("no tree tuned for this GPU: using GPU-sized trees (%s; run `headway tune`)", GPU_TREE)
+        log.info(
+            "no tree tuned for this GPU: using GPU-sized trees (%s; run `headway tune`)", GPU_TREE
+        )
         return gpu_sized(cfg)
     if match is None:
         if entries:
@@ -75,6 +77,9 @@ def apply_tuned(cfg: Any, head_dir: str | Path, model: Any) -> Any:
 
 
 def gpu_sized(cfg: Any) -> Any:
-    """cfg with the GPU-sized trees (config.GPU_TREE, GPU_HYBRID_MAX_NODES) in place of its tree settings."""
+    """cfg with the GPU-sized trees (config.GPU_TREE, GPU_HYBRID_MAX_NODES) in place of its tree
+    settings."""
     hybrid = dataclasses.replace(cfg.inference.hybrid, max_nodes=GPU_HYBRID_MAX_NODES)
-    return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **GPU_TREE, hybrid=hybrid))
+    return dataclasses.replace(
+        cfg, inference=dataclasses.replace(cfg.inference, **GPU_TREE, hybrid=hybrid)
+    )

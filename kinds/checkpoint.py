@@ -1,4 +1,5 @@
-"""Native head directories: config.json + model.safetensors, tied to one target by its fingerprint."""
+"""Native head directories: config.json + model.safetensors, tied to one target by its
+fingerprint."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def save_head(
     extra: Optional[dict] = None,
     write_extra: Optional[Callable[[Path], None]] = None,
 ) -> Path:
-    """Write the head directory whole or not at all (temp dir, then rename); `write_extra` adds files
-    (Medusa-2's LoRA adapter) to the temp dir before the rename."""
+    """Write the head directory whole or not at all (temp dir, then rename); `write_extra` adds
+    files (Medusa-2's LoRA adapter) to the temp dir before the rename."""
     out = Path(out)
     config = {
         "kind": heads.kind,
@@ -69,12 +70,17 @@ def saved_head_config(kind: str, saved: dict, state: dict) -> Any:
 
 
 def rebuild_head(config: dict, head_section: dict, state: dict, mismatch: str) -> Any:
-    """The head a saved config (kind, sizes, draft_layer) and its `head` section describe, holding `state`; a
-    state that does not fit is an error that starts with `mismatch` and names the keys."""
+    """The head a saved config (kind, sizes, draft_layer) and its `head` section describe, holding
+    `state`; a state that does not fit is an error that starts with `mismatch` and names the
+    keys."""
     kind = config["kind"]
-    if config.get("adapted_target") and head_kind(kind).adapts_target and "lora" not in head_section:
-        # a Medusa-2 head saved before its LoRA settings were a head setting (head.medusa.lora) said so
-        # only here
+    if (
+        config.get("adapted_target")
+        and head_kind(kind).adapts_target
+        and "lora" not in head_section
+    ):
+        # a Medusa-2 head saved before its LoRA settings were a head setting (head.medusa.lora) said
+        # so only here
         head_section = {**head_section, "lora": {"enabled": True}}
     heads = head_kind(kind).build(
         saved_head_config(kind, head_section, state),
@@ -90,14 +96,19 @@ def rebuild_head(config: dict, head_section: dict, state: dict, mismatch: str) -
 
 
 def load_head(
-    path: str | os.PathLike, fingerprint: Optional[dict] = None, device: Any = "cpu", dtype: Any = None
+    path: str | os.PathLike,
+    fingerprint: Optional[dict] = None,
+    device: Any = "cpu",
+    dtype: Any = None,
 ) -> Any:
     """Build the head a directory describes; refuse one made for another target (naming both)."""
     p = Path(path)
     config = read_head_config(p)
     kind = config.get("kind")
     if kind not in KINDS:
-        raise HeadwayError(f"{p}: unknown head kind '{kind}' (this headway knows {', '.join(KINDS)})")
+        raise HeadwayError(
+            f"{p}: unknown head kind '{kind}' (this headway knows {', '.join(KINDS)})"
+        )
     if fingerprint is not None:
         diff = fingerprint_mismatch(config.get("target_fingerprint", {}), fingerprint)
         if diff:
@@ -105,7 +116,9 @@ def load_head(
                 f"head {p} was made for target {config.get('target_fingerprint', {}).get('id')} but the "
                 f"loaded target is {fingerprint.get('id')} ({'; '.join(diff)}): use the head's own target"
             )
-    verify_checksums(p, config.get("files"), "head", "the file is damaged; copy or export the head again")
+    verify_checksums(
+        p, config.get("files"), "head", "the file is damaged; copy or export the head again"
+    )
     try:
         state = load_file(str(p / "model.safetensors"))
     except Exception as e:
@@ -119,7 +132,8 @@ def load_head(
     heads = rebuild_head(
         config, config["head"], state, f"{p / 'model.safetensors'} does not match its config"
     )
-    return heads.to(device=device, dtype=dtype).eval()  # dtype casts floating tensors only: d2t stays int64
+    # dtype casts floating tensors only: d2t stays int64
+    return heads.to(device=device, dtype=dtype).eval()
 
 
 # the sizes a head's config.json shares with its target's config.json
@@ -127,13 +141,14 @@ TARGET_SIZES = ("hidden_size", "vocab_size")
 
 
 def check_head_shapes(path: str | os.PathLike, target_sizes: Optional[dict] = None) -> None:
-    """Refuse, in one line, a head whose config.json disagrees with its own weights (the shapes the config
-    builds, on the meta device, against model.safetensors' header) or with its target's sizes
-    (`target_sizes`: the target's config.json, e.g. hidden_size and vocab_size), before any weight or the
-    target loads.
+    """Refuse, in one line, a head whose config.json disagrees with its own weights (the shapes the
+    config builds, on the meta device, against model.safetensors' header) or with its target's sizes
+    (`target_sizes`: the target's config.json, e.g. hidden_size and vocab_size), before any weight
+    or the target loads.
 
     Args:
-        path: a native head directory; target_sizes: the target's sizes by name (None: not checked)."""
+        path: a native head directory; target_sizes: the target's sizes by name (None: not
+            checked)."""
     import torch
     from safetensors import safe_open
 
@@ -142,8 +157,8 @@ def check_head_shapes(path: str | os.PathLike, target_sizes: Optional[dict] = No
     kind = config.get("kind")
     if kind not in KINDS or not (p / "model.safetensors").is_file():
         return  # (named where the head loads)
-    # the shapes from the header; integer tensors (the draft vocabulary's maps, small) read whole, since a
-    # head's build reads their values
+    # the shapes from the header; integer tensors (the draft vocabulary's maps, small) read whole,
+    # since a head's build reads their values
     saved, state = {}, {}
     try:
         with safe_open(str(p / "model.safetensors"), framework="pt") as f:
@@ -193,7 +208,8 @@ def check_head_shapes(path: str | os.PathLike, target_sizes: Optional[dict] = No
 
 
 def _fields_of(config: dict, values: set) -> list[str]:
-    """The config's numeric fields (top level, `head`, `draft_layer`) whose value is one of `values`."""
+    """The config's numeric fields (top level, `head`, `draft_layer`) whose value is one of
+    `values`."""
     found = []
     for prefix, section in (
         ("", config),

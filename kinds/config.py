@@ -1,8 +1,9 @@
-"""The `head` config section: which kind to train, and one sub-section per registered kind (head.<kind>).
+"""The `head` config section: which kind to train, and one sub-section per registered kind
+(head.<kind>).
 
-Torch-free, like every config module (the command line checks a config before it loads torch), so it names
-each kind's section class itself; tests/headway/test_structure.py checks that the sections are exactly the registered
-kinds (kinds/registry.py) with their config classes.
+Torch-free, like every config module (the command line checks a config before it loads torch), so it
+names each kind's section class itself; tests/headway/test_structure.py checks that the sections are
+exactly the registered kinds (kinds/registry.py) with their config classes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from headway.heads.config import DFlashConfig, Eagle3Config, EagleConfig, Medusa
 
 @dataclass
 class HeadConfig:
-    # Which draft head to train: medusa, eagle (EAGLE-1, decoded with EAGLE-2 trees), eagle3 or dflash; then
-    # each kind's settings, so a recipe can hold several and switch with head.kind. eagle3: the recipe's and
-    # the shipped head's kind.
+    # Which draft head to train: medusa, eagle (EAGLE-1, decoded with EAGLE-2 trees), eagle3 or
+    # dflash; then each kind's settings, so a recipe can hold several and switch with head.kind.
+    # eagle3: the recipe's and the shipped head's kind.
     kind: str = "eagle3"
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     eagle: EagleConfig = field(default_factory=EagleConfig)

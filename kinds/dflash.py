@@ -1,5 +1,5 @@
-"""DFlash: a block drafter that guesses every position of a block in one forward, over the target's fused
-context features."""
+"""DFlash: a block drafter that guesses every position of a block in one forward, over the target's
+fused context features."""
 
 from __future__ import annotations
 

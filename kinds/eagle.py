@@ -1,4 +1,5 @@
-"""EAGLE-1 (decoded with EAGLE-2's dynamic tree): one decoder layer over [embedding; target feature]."""
+"""EAGLE-1 (decoded with EAGLE-2's dynamic tree): one decoder layer over [embedding; target
+feature]."""
 
 from __future__ import annotations
 

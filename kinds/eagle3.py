@@ -1,5 +1,5 @@
-"""EAGLE-3: one decoder layer over three fused target layers, trained with training-time test, over a
-reduced draft vocabulary."""
+"""EAGLE-3: one decoder layer over three fused target layers, trained with training-time test, over
+a reduced draft vocabulary."""
 
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ from headway.kinds.spec import HeadKind
 
 def _upgrade(head: dict, state: dict) -> dict:
     """The saved section as MedusaConfig takes it: its LoRA settings (a mapping in config.json) as a
-    LoraConfig. Heads saved before loss, decay and lora were head.medusa settings (they were train.*) have
-    none of the three, and read as the defaults (they shape training only; kinds/checkpoint.py marks a
-    Medusa-2 one's lora enabled)."""
+    LoraConfig. Heads saved before loss, decay and lora were head.medusa settings (they were
+    train.*) have none of the three, and read as the defaults (they shape training only;
+    kinds/checkpoint.py marks a Medusa-2 one's lora enabled)."""
     lora = head.get("lora")
     return {**head, "lora": LoraConfig(**lora)} if isinstance(lora, dict) else head
 

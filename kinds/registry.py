@@ -31,6 +31,7 @@ def build_head(
     d2t: Optional[torch.Tensor] = None,
     layer_config: Optional[dict] = None,
 ) -> Any:
-    """A fresh head of `kind` (see HeadKind.build): cfg is its head.<kind> section, d2t [draft vocab] its
-    draft-to-target token map, layer_config its decoder layer's config (layered kinds)."""
+    """A fresh head of `kind` (see HeadKind.build): cfg is its head.<kind> section, d2t [draft
+    vocab] its draft-to-target token map, layer_config its decoder layer's config (layered
+    kinds)."""
     return head_kind(kind).build(cfg, hidden_size, vocab_size, d2t, layer_config)

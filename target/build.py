@@ -1,15 +1,17 @@
-"""Headway's C++ kernels built with torch's extension builder, in a way an interrupted build cannot break.
+"""Headway's C++ kernels built with torch's extension builder, in a way an interrupted build cannot
+break.
 
-torch's builder guards each extension's build directory with a lock file that it creates before compiling and
-deletes after (`FileBaton`). A build killed midway (Ctrl-C during the first `headway demo`'s compile, SIGKILL,
-a lost machine) leaves that file behind, and every later build of the extension then waits for it forever,
-printing nothing. So Headway takes its own lock first: an flock on a file beside torch's, which the kernel
-releases when its holder dies, however it dies. Whoever holds it is the only Headway process building that
-extension, so a torch lock file found then was left by a dead build: it is removed (with a warning that names
-it) and the build runs again; the compiler's own build log reruns whatever the dead build left unfinished. Two
-processes that build at once still share one build: the second waits on the flock, then finds the extension
-built. A build that another live process holds for longer than `HEADWAY_BUILD_WAIT_S` seconds (default 900)
-stops with a message naming the lock.
+torch's builder guards each extension's build directory with a lock file that it creates before
+compiling and deletes after (`FileBaton`). A build killed midway (Ctrl-C during the first `headway
+demo`'s compile, SIGKILL, a lost machine) leaves that file behind, and every later build of the
+extension then waits for it forever, printing nothing. So Headway takes its own lock first: an flock
+on a file beside torch's, which the kernel releases when its holder dies, however it dies. Whoever
+holds it is the only Headway process building that extension, so a torch lock file found then was
+left by a dead build: it is removed (with a warning that names it) and the build runs again; the
+compiler's own build log reruns whatever the dead build left unfinished. Two processes that build at
+once still share one build: the second waits on the flock, then finds the extension built. A build
+that another live process holds for longer than `HEADWAY_BUILD_WAIT_S` seconds (default 900) stops
+with a message naming the lock.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from headway.errors import HeadwayError
 
 log = logging.getLogger("headway")
 
-LOCK_NAME = "headway-build.lock"  # Headway's flock, beside torch's `lock` in the extension's build directory
-WAIT_ENV = "HEADWAY_BUILD_WAIT_S"  # how long to wait for another process's build of the same extension
-DEFAULT_WAIT_S = 900.0  # a first build of the layer loop takes about 30 s on 2 cores; this leaves room
+# Headway's flock, beside torch's `lock` in the extension's build directory
+LOCK_NAME = "headway-build.lock"
+# how long to wait for another process's build of the same extension
+WAIT_ENV = "HEADWAY_BUILD_WAIT_S"
+# a first build of the layer loop takes about 30 s on 2 cores; this leaves room
+DEFAULT_WAIT_S = 900.0
 
 
 def build_directory(name: str) -> str:
@@ -38,7 +43,11 @@ def build_directory(name: str) -> str:
 
 
 def load_extension(
-    name: str, sources: Sequence[str], extra_cflags: Sequence[str], announce: str = "", **kwargs: Any
+    name: str,
+    sources: Sequence[str],
+    extra_cflags: Sequence[str],
+    announce: str = "",
+    **kwargs: Any,
 ) -> Any:
     """`torch.utils.cpp_extension.load(name, sources, extra_cflags=..., **kwargs)`, under Headway's
     build lock.
@@ -50,7 +59,8 @@ def load_extension(
         announce: a line to log where the library has to be compiled (not where it is only loaded).
         kwargs: passed on to torch's `load` (e.g. `is_python_module=False`).
     Returns:
-        What torch's `load` returns: the module (or, for `is_python_module=False`, the library's path).
+        What torch's `load` returns: the module (or, for `is_python_module=False`, the library's
+        path).
     """
     directory = build_directory(name)
     lock_path = os.path.join(directory, LOCK_NAME)
@@ -61,30 +71,41 @@ def load_extension(
                 log.info(announce)
             stale = os.path.join(directory, "lock")
             if os.path.exists(stale):
-                log.warning("removing %s, left by an interrupted build of %s; building it again", stale, name)
+                log.warning(
+                    "removing %s, left by an interrupted build of %s; building it again",
+                    stale,
+                    name,
+                )
                 os.remove(stale)
             return cpp_extension.load(
-                name, list(sources), extra_cflags=list(extra_cflags), build_directory=directory, **kwargs
+                name,
+                list(sources),
+                extra_cflags=list(extra_cflags),
+                build_directory=directory,
+                **kwargs,
             )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _built_after(library: str, sources: Sequence[str]) -> bool:
-    """Whether `library` exists and is newer than every file beside the sources (their headers included):
-    what torch's builder will only load. (It decides by the compiler's own dependency list; this only
-    chooses whether to say that a build is starting.)"""
+    """Whether `library` exists and is newer than every file beside the sources (their headers
+    included): what torch's builder will only load. (It decides by the compiler's own dependency
+    list; this only chooses whether to say that a build is starting.)"""
     if not os.path.isfile(library):
         return False
     folders = {os.path.dirname(os.path.abspath(source)) for source in sources}
     newest = max(
-        os.path.getmtime(os.path.join(folder, entry)) for folder in folders for entry in os.listdir(folder)
+        os.path.getmtime(os.path.join(folder, entry))
+        for folder in folders
+        for entry in os.listdir(folder)
     )
     return os.path.getmtime(library) >= newest
 
 
 def _acquire(lock: Any, lock_path: str, name: str) -> None:
-    """Take the flock, waiting (with one message) while another live process builds the same extension."""
+    """Take the flock, waiting (with one message) while another live process builds the same
+    extension."""
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return

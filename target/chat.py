@@ -15,7 +15,8 @@ _SENTINEL = "\u2063HEADWAY_SENTINEL\u2063"
 
 
 def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
-    """Token ids that end an assistant turn: the tokenizer's eos plus the model's generation eos ids."""
+    """Token ids that end an assistant turn: the tokenizer's eos plus the model's generation eos
+    ids."""
     ids: list[int] = []
     for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
         if source is None:
@@ -33,7 +34,9 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
 class ChatFormat:
     """Builds prompt token ids for first turns, follow-up turns and Magpie-style user prefixes."""
 
-    def __init__(self, tokenizer: Any, system_prompt: Optional[str] = None, generation_config: Any = None):
+    def __init__(
+        self, tokenizer: Any, system_prompt: Optional[str] = None, generation_config: Any = None
+    ):
         if not getattr(tokenizer, "chat_template", None):
             raise HeadwayError(
                 "the target's tokenizer has no chat template; self-distillation needs one "
@@ -54,20 +57,26 @@ class ChatFormat:
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as e:  # jinja raises for templates that refuse a message layout
-            raise HeadwayError(f"the target's chat template cannot render this conversation: {e}") from None
+            raise HeadwayError(
+                f"the target's chat template cannot render this conversation: {e}"
+            ) from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def first_turn(self, user: str, system: Optional[str] = None) -> list[int]:
         """Prompt ids for the first user message, ending with the assistant generation prompt."""
-        return self.encode(self._render(self._messages(system, ("user", user)), add_generation_prompt=True))
+        return self.encode(
+            self._render(self._messages(system, ("user", user)), add_generation_prompt=True)
+        )
 
-    def next_turn(self, user: str, last_token: Optional[int], system: Optional[str] = None) -> list[int]:
+    def next_turn(
+        self, user: str, last_token: Optional[int], system: Optional[str] = None
+    ) -> list[int]:
         """Ids to append after an assistant answer so that the target answers `user` next.
 
-        `last_token` is the last token the target wrote; when it is the turn-closing token the template
-        would write itself, it is not written twice.
+        `last_token` is the last token the target wrote; when it is the turn-closing token the
+        template would write itself, it is not written twice.
         """
         text = self._render(
             self._messages(system, ("user", "u"), ("assistant", _SENTINEL), ("user", user)),
@@ -86,6 +95,9 @@ class ChatFormat:
         return self.encode(after)
 
     def user_prefix(self, system: Optional[str] = None) -> list[int]:
-        """The template up to where a user's message starts (Magpie: the target writes the question)."""
-        text = self._render(self._messages(system, ("user", _SENTINEL)), add_generation_prompt=False)
+        """The template up to where a user's message starts (Magpie: the target writes the
+        question)."""
+        text = self._render(
+            self._messages(system, ("user", _SENTINEL)), add_generation_prompt=False
+        )
         return self.encode(text.split(_SENTINEL, 1)[0])

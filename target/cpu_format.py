@@ -1,12 +1,12 @@
-"""The fastest exact format a CPU decodes a target in: what `target.dtype=auto` (the default) means for every
-decoding command.
+"""The fastest exact format a CPU decodes a target in: what `target.dtype=auto` (the default) means
+for every decoding command.
 
-On the static engine every CPU format Headway decodes in keeps speculative decoding equal to that format's
-plain decoding, so the choice is one of speed only (docs/bench-kernels.md has the figures behind it). On the
-hf engine (families the static engine does not run: target/families.py) only float32 is exact, so `auto` is
-float32 there, with a line saying why. A dtype set explicitly is decoded as set (with a warning where the
-engine cannot decode it exactly), and training, distillation and GPU decoding resolve `auto` as float32
-(TargetConfig.as_loaded).
+On the static engine every CPU format Headway decodes in keeps speculative decoding equal to that
+format's plain decoding, so the choice is one of speed only (docs/bench-kernels.md has the figures
+behind it). On the hf engine (families the static engine does not run: target/families.py) only
+float32 is exact, so `auto` is float32 there, with a line saying why. A dtype set explicitly is
+decoded as set (with a warning where the engine cannot decode it exactly), and training,
+distillation and GPU decoding resolve `auto` as float32 (TargetConfig.as_loaded).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ OPT_OUT = "target.dtype=float32"
 
 
 def may_stream(cfg: TargetConfig) -> bool:
-    """Whether decoding with `cfg` may run Headway's streaming linear: set as target.linear_weights, or left
-    to `fastest_cpu_format`, which picks it on CPUs without AMX. A caller builds the kernel early on that
-    answer (it only costs compile time where the policy then picks another format)."""
+    """Whether decoding with `cfg` may run Headway's streaming linear: set as target.linear_weights,
+    or left to `fastest_cpu_format`, which picks it on CPUs without AMX. A caller builds the kernel
+    early on that answer (it only costs compile time where the policy then picks another format)."""
     if resolve_device(cfg.device).type != "cpu":
         return False
     if cfg.linear_weights == "stream":
@@ -34,13 +34,16 @@ def may_stream(cfg: TargetConfig) -> bool:
     return cfg.dtype == "auto" and cfg.linear_weights == "auto" and not amx_bf16()
 
 
-def decoding_format(cfg: TargetConfig, engine: str, family: str = "this") -> tuple[TargetConfig, str, str]:
-    """The target settings `engine` decodes exactly, a line saying why they were chosen, and a warning where
-    the user asked for a dtype that engine cannot decode exactly (decoded as asked).
+def decoding_format(
+    cfg: TargetConfig, engine: str, family: str = "this"
+) -> tuple[TargetConfig, str, str]:
+    """The target settings `engine` decodes exactly, a line saying why they were chosen, and a
+    warning where the user asked for a dtype that engine cannot decode exactly (decoded as asked).
 
     Args:
-        cfg: the target section as the user left it; engine: the engine that will run it (static, compiled,
-            cuda or hf: target/families.choose_engine); family: the family's name, for the messages.
+        cfg: the target section as the user left it; engine: the engine that will run it (static,
+            compiled, cuda or hf: target/families.choose_engine); family: the family's name, for the
+            messages.
     Returns:
         (resolved settings, why, warning); why and warning are "" where there is nothing to say.
     """
@@ -67,18 +70,21 @@ def decoding_format(cfg: TargetConfig, engine: str, family: str = "this") -> tup
 def fastest_cpu_format(cfg: TargetConfig) -> tuple[TargetConfig, str]:
     """The target settings to decode with, and a line saying why (empty where nothing changed).
 
-    On CPUs with oneDNN's bf16 kernels: bf16, with oneDNN-packed weights on AMX (a tree's rows beside the
-    first cost little), else through Headway's AVX512-BF16 streaming linear (the fastest step and cheapest
-    tree rows there), or where it cannot build, float16-packed weights (fbgemm's one-row kernel). On other
-    CPUs (AVX2): bf16 through the streaming linear's AVX2 build, else float32 through it, or where it cannot
-    run, float32 with oneDNN-packed weights (one-row steps that use every thread), MKL-packed on one thread.
+    On CPUs with oneDNN's bf16 kernels: bf16, with oneDNN-packed weights on AMX (a tree's rows
+    beside the first cost little), else through Headway's AVX512-BF16 streaming linear (the fastest
+    step and cheapest tree rows there), or where it cannot build, float16-packed weights (fbgemm's
+    one-row kernel). On other
+    CPUs (AVX2): bf16 through the streaming linear's AVX2 build, else float32 through it, or where
+        it cannot
+    run, float32 with oneDNN-packed weights (one-row steps that use every thread), MKL-packed on one
+    thread.
 
     Args:
         cfg: the target section as the user left it.
     Returns:
-        (cfg with dtype and linear_weights resolved, the reason to print): as a plain load resolves them
-        (cfg.as_loaded(), no reason) where dtype or linear_weights were set, the device is not a CPU, or
-        torch has no oneDNN kernels.
+        (cfg with dtype and linear_weights resolved, the reason to print): as a plain load resolves
+        them (cfg.as_loaded(), no reason) where dtype or linear_weights were set, the device is not
+        a CPU, or torch has no oneDNN kernels.
     """
     if (
         cfg.dtype != "auto"
@@ -101,9 +107,13 @@ def fastest_cpu_format(cfg: TargetConfig) -> tuple[TargetConfig, str]:
                 f"streaming linear ({OPT_OUT}: float32 as loaded)"
             )
             return dataclasses.replace(cfg, dtype="float32", linear_weights="stream"), why
-        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses more
-        # threads
-        packed = "mkl" if resolve_threads(cfg.num_threads) == 1 and not kernels_missing("mkl") else "onednn"
+        # one thread: MKL's packed sgemm streams a one-token step's weights fastest; oneDNN's uses
+        # more threads
+        packed = (
+            "mkl"
+            if resolve_threads(cfg.num_threads) == 1 and not kernels_missing("mkl")
+            else "onednn"
+        )
         why = (
             "no oneDNN bf16 kernels on this CPU: decoding the target in float32 with weights prepacked for "
             f"{'MKL' if packed == 'mkl' else 'oneDNN'} ({OPT_OUT}: float32 as loaded)"

@@ -1,14 +1,16 @@
-"""The family table: for each target family (a config's `model_type`), which engines run it exactly, which
-attention implementation it loads with, whether engines can serve a draft for it, and why not where they
-cannot. Every command asks it, from the target's config.json, before the model loads; docs/targets.md is
-written from it (`python -m headway.target.families > docs/targets.md`).
+"""The family table: for each target family (a config's `model_type`), which engines run it exactly,
+which attention implementation it loads with, whether engines can serve a draft for it, and why not
+where they cannot. Every command asks it, from the target's config.json, before the model loads;
+docs/targets.md is written from it (`python -m headway.target.families > docs/targets.md`).
 
-Exact by construction means: on the static engine and the CUDA backend a tree's rows get the bits a one-token
-step gives them, in every format they run (float32, and bf16 through their row-exact kernels); on the hf
-engine (the model's own forward through transformers) a tree's rows and a single row round differently in
-bf16, so only float32 and float64 are exact there (float32 up to near-ties, as on every engine).
+Exact by construction means: on the static engine and the CUDA backend a tree's rows get the bits a
+one-token step gives them, in every format they run (float32, and bf16 through their row-exact
+kernels); on the hf engine (the model's own forward through transformers) a tree's rows and a single
+row round differently in bf16, so only float32 and float64 are exact there (float32 up to near-ties,
+as on every engine).
 
-Torch-free, like every config module, so that the command line checks a target before it loads torch.
+Torch-free, like every config module, so that the command line checks a target before it loads
+torch.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any, Optional
 
 from headway.errors import HeadwayError
 
-# the decoding engines (inference.engine values that name one engine; compiled is the static engine compiled)
+# the decoding engines (inference.engine values that name one engine; compiled is the static engine
+# compiled)
 ENGINES = ("static", "cuda", "hf")
-# the dtypes each engine decodes exactly: the row-exact engines in every format, the hf engine in float32 and
-# float64 only
+# the dtypes each engine decodes exactly: the row-exact engines in every format, the hf engine in
+# float32 and float64 only
 EXACT_DTYPES = {
     "static": ("float32", "float64", "bfloat16", "float16"),
     "cuda": ("float32", "float64", "bfloat16", "float16"),
@@ -31,8 +34,8 @@ EXACT_DTYPES = {
 }
 # what a layer of `layer_types` may be on a family whose state is a KV cache
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
-# rope types whose tables depend on the sequence length, not the position alone: the static engine and the
-# CUDA backend precompute tables per position, so they refuse these
+# rope types whose tables depend on the sequence length, not the position alone: the static engine
+# and the CUDA backend precompute tables per position, so they refuse these
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
@@ -43,7 +46,8 @@ class Family:
     Attributes:
         name: what the docs call it.
         model_types: the config `model_type` values it covers.
-        engines: the engines that run it exactly (a config may still rule one out: see `engine_support`).
+        engines: the engines that run it exactly (a config may still rule one out: see
+            `engine_support`).
         attention: the attn_implementation `target.attn_implementation=auto` loads it with.
         unserved: why serving engines cannot serve an EAGLE draft for it ("" = they can).
         refused: why speculative decoding refuses it ("" = it decodes).
@@ -70,7 +74,9 @@ _RECURRENT = (
 )
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Llama (Llama-2, Llama-3.x with llama3 rope, SmolLM2)", ("llama",), ("static", "cuda", "hf")),
+    Family(
+        "Llama (Llama-2, Llama-3.x with llama3 rope, SmolLM2)", ("llama",), ("static", "cuda", "hf")
+    ),
     Family("Qwen2 / Qwen2.5", ("qwen2",), ("static", "cuda", "hf")),
     Family(
         "Mistral",
@@ -87,7 +93,9 @@ FAMILIES: tuple[Family, ...] = (
         ("gpt_oss",),
         ("hf",),
         attention="eager",
-        notes=("attention sinks: transformers runs it with eager attention (its sdpa path has no sinks)",),
+        notes=(
+            "attention sinks: transformers runs it with eager attention (its sdpa path has no sinks)",
+        ),
     ),
     Family(
         "Gemma-2",
@@ -109,7 +117,12 @@ FAMILIES: tuple[Family, ...] = (
     Family("Falcon-H1", ("falcon_h1",), (), refused=_RECURRENT),
     Family("Jamba", ("jamba",), (), refused=_RECURRENT),
     Family("Qwen3-Next", ("qwen3_next",), (), refused=_RECURRENT),
-    Family("Qwen3.5", ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"), (), refused=_RECURRENT),
+    Family(
+        "Qwen3.5",
+        ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"),
+        (),
+        refused=_RECURRENT,
+    ),
     Family("LFM2", ("lfm2", "lfm2_moe", "lfm2_vl"), (), refused=_RECURRENT),
     Family(
         "Mamba, Bamba, Zamba, Nemotron-H, Granite-4 hybrid, RecurrentGemma, RWKV, MiniMax, Kimi-Linear",
@@ -137,7 +150,8 @@ _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
 
 def config_dict(config: Any) -> dict:
-    """A target config (transformers config object, dict, or a model directory) as the text model's dict."""
+    """A target config (transformers config object, dict, or a model directory) as the text model's
+    dict."""
     if isinstance(config, (str, Path)):
         config = json.loads((Path(config) / "config.json").read_text())
     if not isinstance(config, dict):
@@ -150,15 +164,17 @@ def config_dict(config: Any) -> dict:
 
 
 def family_of(config: Any) -> Family:
-    """The table's row for this config; a family not in the table runs through transformers (hf) alone, and
-    is refused where its layer types say it keeps a recurrent state."""
+    """The table's row for this config; a family not in the table runs through transformers (hf)
+    alone, and is refused where its layer types say it keeps a recurrent state."""
     cfg = config_dict(config)
     model_type = str(cfg.get("model_type") or "?")
     if model_type in _BY_TYPE:
         return _BY_TYPE[model_type]
     odd = sorted({t for t in cfg.get("layer_types") or [] if t not in ATTENTION_LAYERS})
     if odd:
-        return Family(model_type, (model_type,), (), refused=f"{_RECURRENT} (layer types {', '.join(odd)})")
+        return Family(
+            model_type, (model_type,), (), refused=f"{_RECURRENT} (layer types {', '.join(odd)})"
+        )
     return Family(
         model_type,
         (model_type,),
@@ -177,7 +193,8 @@ def rope_type(config: Any) -> str:
 
 
 def has_sliding_window(config: Any) -> bool:
-    """Whether a layer attends over a sliding window (a window set, and a layer of that kind or no kinds)."""
+    """Whether a layer attends over a sliding window (a window set, and a layer of that kind or no
+    kinds)."""
     cfg = config_dict(config)
     kinds = cfg.get("layer_types") or []
     return bool(cfg.get("sliding_window")) and (not kinds or "sliding_attention" in kinds)
@@ -195,8 +212,12 @@ def engine_support(config: Any) -> dict[str, str]:
         elif engine != "hf" and rope_type(config) in LENGTH_DEPENDENT_ROPE:
             out[engine] = f"rope_type={rope_type(config)} rescales with the sequence length"
         elif engine == "static" and has_sliding_window(config):
-            out[engine] = "the static engine runs full attention only, and this target has a sliding window"
-        elif engine == "cuda" and has_sliding_window(config) and fam.model_types[0] != "gemma3_text":
+            out[engine] = (
+                "the static engine runs full attention only, and this target has a sliding window"
+            )
+        elif (
+            engine == "cuda" and has_sliding_window(config) and fam.model_types[0] != "gemma3_text"
+        ):
             out[engine] = "the CUDA backend runs sliding windows for Gemma-3 only"
         elif engine == "cuda" and config_dict(config).get("attn_logit_softcapping") is not None:
             out[engine] = "the CUDA backend's attention has no logit soft-capping"
@@ -206,11 +227,13 @@ def engine_support(config: Any) -> dict[str, str]:
 
 
 def choose_engine(config: Any, requested: str, on_cuda: bool) -> str:
-    """The engine `inference.engine=requested` means for this target (compiled counts as static): auto is the
-    CUDA backend on a CUDA device where it runs the target, else static where it does, else hf.
+    """The engine `inference.engine=requested` means for this target (compiled counts as static):
+    auto is the CUDA backend on a CUDA device where it runs the target, else static where it does,
+    else hf.
 
     Raises:
-        HeadwayError: the requested engine cannot run this target (one line: why, and what to use)."""
+        HeadwayError: the requested engine cannot run this target (one line: why, and what to
+            use)."""
     support = engine_support(config)
     refuse_speculative(config)
     if requested == "auto":
@@ -238,13 +261,14 @@ def refuse_speculative(config: Any) -> None:
 
 
 def exact_dtype(engine: str, dtype: str) -> bool:
-    """Whether `engine` decodes a target in `dtype` exactly (speculative output equal to plain greedy)."""
+    """Whether `engine` decodes a target in `dtype` exactly (speculative output equal to plain
+    greedy)."""
     return dtype in EXACT_DTYPES["static" if engine == "compiled" else engine]
 
 
 def attention_for(config: Any) -> Optional[str]:
-    """The attn_implementation `auto` means for this target where the table knows it, else None (the loader
-    asks the model class)."""
+    """The attn_implementation `auto` means for this target where the table knows it, else None (the
+    loader asks the model class)."""
     cfg = config_dict(config)
     fam = _BY_TYPE.get(str(cfg.get("model_type")))
     return fam.attention if fam is not None else None

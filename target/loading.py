@@ -30,7 +30,8 @@ log = logging.getLogger("headway")
 
 @dataclass
 class Target:
-    """A loaded target: the model (eval mode, no grad), its tokenizer, where it came from, its fingerprint."""
+    """A loaded target: the model (eval mode, no grad), its tokenizer, where it came from, its
+    fingerprint."""
 
     model: Any  # None when loaded with with_model=False (an external engine runs the weights)
     tokenizer: Any
@@ -39,8 +40,9 @@ class Target:
     config: Any
     generation_config: Any
     num_threads: int
-    # the settings it was loaded with: the engine's target.* ones (layer_loop, row_attention, fused_ops,
-    # prompt_attention) reach the runner from here (inference/engines/options.py), never through the model
+    # the settings it was loaded with: the engine's target.* ones (layer_loop, row_attention,
+    # fused_ops, prompt_attention) reach the runner from here (inference/engines/options.py), never
+    # through the model
     settings: Optional[TargetConfig] = None
 
     @property
@@ -50,7 +52,9 @@ class Target:
     @property
     def max_position_embeddings(self) -> int:
         text_config = (
-            self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+            self.config.get_text_config()
+            if hasattr(self.config, "get_text_config")
+            else self.config
         )
         return int(getattr(text_config, "max_position_embeddings", 2048))
 
@@ -63,14 +67,19 @@ def cache_root(cfg: TargetConfig) -> Path:
 def tokenizer_hash(tokenizer: Any) -> str:
     """A short hash of the tokenizer's vocabulary (token -> id), independent of dict order."""
     vocab = tokenizer.get_vocab()
-    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode("utf-8")
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: kv[1]), ensure_ascii=False).encode(
+        "utf-8"
+    )
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def compute_fingerprint(config: Any, tokenizer: Any) -> dict:
-    """What identifies a target for the contracts: a head or dataset made for another target is refused."""
+    """What identifies a target for the contracts: a head or dataset made for another target is
+    refused."""
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    archs = getattr(config, "architectures", None) or [type(config).__name__.replace("Config", "ForCausalLM")]
+    archs = getattr(config, "architectures", None) or [
+        type(config).__name__.replace("Config", "ForCausalLM")
+    ]
     fp = {
         "architecture": archs[0],
         "model_type": config.model_type,
@@ -86,11 +95,16 @@ def compute_fingerprint(config: Any, tokenizer: Any) -> dict:
 def fingerprint_mismatch(expected: dict, actual: dict) -> list[str]:
     """The fingerprint fields that differ ('id' aside), as 'field: expected vs actual' strings."""
     keys = [k for k in expected if k != "id"]
-    return [f"{k}: {expected.get(k)} vs {actual.get(k)}" for k in keys if expected.get(k) != actual.get(k)]
+    return [
+        f"{k}: {expected.get(k)} vs {actual.get(k)}"
+        for k in keys
+        if expected.get(k) != actual.get(k)
+    ]
 
 
 def resolve_target_dir(cfg: TargetConfig) -> Path | str:
-    """Turn `name_or_path` into a plain HF model directory (or a hub id found in the local cache)."""
+    """Turn `name_or_path` into a plain HF model directory (or a hub id found in the local
+    cache)."""
     name = cfg.name_or_path
     if name in sources.ALIASES:
         return sources.materialise_alias(name, cache_root(cfg))
@@ -110,7 +124,9 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
         if len(ggufs) == 1:
             return sources.dequantised_gguf_dir(ggufs[0], cache_root(cfg))
         if ggufs:
-            raise HeadwayError(f"{path} holds several .gguf files; choose one with target.gguf_file=NAME")
+            raise HeadwayError(
+                f"{path} holds several .gguf files; choose one with target.gguf_file=NAME"
+            )
         raise HeadwayError(
             f"target directory {path} has no config.json and no .gguf file: is it a model directory?"
         )
@@ -120,15 +136,16 @@ def resolve_target_dir(cfg: TargetConfig) -> Path | str:
 
 
 def target_config_json(cfg: TargetConfig) -> dict:
-    """The target's config.json as a dict, read without loading the model (the family table and the size
-    checks read it before anything heavy); {} where there is no local config.json (a hub id)."""
+    """The target's config.json as a dict, read without loading the model (the family table and the
+    size checks read it before anything heavy); {} where there is no local config.json (a hub
+    id)."""
     path = Path(resolve_target_dir(cfg)) / "config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def target_sizes(cfg: TargetConfig) -> dict:
-    """The target's hidden_size and vocab_size from its config.json (its text model's, for a multimodal one),
-    read without loading it; {} where there is no local config.json (a hub id)."""
+    """The target's hidden_size and vocab_size from its config.json (its text model's, for a
+    multimodal one), read without loading it; {} where there is no local config.json (a hub id)."""
     config = target_config_json(cfg)
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     return {k: text[k] for k in ("hidden_size", "vocab_size") if isinstance(text.get(k), int)}
@@ -143,7 +160,8 @@ def _remote_code_refused(path: Path | str, e: Exception) -> HeadwayError:
 
 
 def _from_pretrained(cls: Any, path: Path | str, trust_remote_code: bool) -> Any:
-    """cls.from_pretrained from local files; a model that needs its own code gets one clear refusal."""
+    """cls.from_pretrained from local files; a model that needs its own code gets one clear
+    refusal."""
     try:
         return cls.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -153,7 +171,8 @@ def _from_pretrained(cls: Any, path: Path | str, trust_remote_code: bool) -> Any
 
 
 def _model_class(config: Any) -> Any:
-    """The class AutoModelForCausalLM builds for this config (None: one it cannot name, e.g. remote code)."""
+    """The class AutoModelForCausalLM builds for this config (None: one it cannot name, e.g. remote
+    code)."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -163,12 +182,13 @@ def _model_class(config: Any) -> Any:
 
 
 def attention_implementation(requested: str, config: Any) -> Optional[str]:
-    """The attn_implementation a target loads with: `requested`, or for auto the family table's choice
-    (target/families.py), else sdpa where the model class has it, else eager (None: a class Headway cannot
-    name, which transformers then picks for).
+    """The attn_implementation a target loads with: `requested`, or for auto the family table's
+    choice (target/families.py), else sdpa where the model class has it, else eager (None: a class
+    Headway cannot name, which transformers then picks for).
 
     Raises:
-        HeadwayError: sdpa or flex_attention asked of a family that cannot run it (before any weight loads).
+        HeadwayError: sdpa or flex_attention asked of a family that cannot run it (before any weight
+            loads).
     """
     cls = _model_class(config)
     known = attention_for(config)
@@ -182,12 +202,18 @@ def attention_implementation(requested: str, config: Any) -> Optional[str]:
     family = family_of(config)
     model_type = config_dict(config).get("model_type")
     if requested == "sdpa" and (not has_sdpa or known == "eager"):
-        why = "; ".join(family.notes) if known == "eager" else f"{cls.__name__} has no SDPA attention"
+        why = (
+            "; ".join(family.notes) if known == "eager" else f"{cls.__name__} has no SDPA attention"
+        )
         raise HeadwayError(
             f"target.attn_implementation=sdpa cannot run this {family.name} target ({model_type}): {why}; "
             "use target.attn_implementation=auto or eager"
         )
-    if requested == "flex_attention" and cls is not None and not getattr(cls, "_supports_flex_attn", False):
+    if (
+        requested == "flex_attention"
+        and cls is not None
+        and not getattr(cls, "_supports_flex_attn", False)
+    ):
         raise HeadwayError(
             f"target.attn_implementation=flex_attention: transformers' {cls.__name__} ({family.name}) has "
             "no flex attention; use target.attn_implementation=auto"
@@ -196,8 +222,8 @@ def attention_implementation(requested: str, config: Any) -> Optional[str]:
 
 
 def _experts_implementation(config: Any, dtype: str) -> dict:
-    """{"experts_implementation": "eager"} for a mixture-of-experts target in float64, which transformers'
-    default grouped matmul cannot take (float32, bf16 and fp16 only), else {}."""
+    """{"experts_implementation": "eager"} for a mixture-of-experts target in float64, which
+    transformers' default grouped matmul cannot take (float32, bf16 and fp16 only), else {}."""
     cls = _model_class(config)
     if dtype == "float64" and cls is not None and cls._can_set_experts_implementation():
         return {"experts_implementation": "eager"}
@@ -216,9 +242,9 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
 def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     """Load the frozen target (eval mode, no grad) on the configured device, dtype and thread count.
 
-    with_model=False loads only the tokenizer and config, for engines that run the weights themselves.
-    `auto` dtype and linear weights load as float32 and native (decoding commands resolve them first with
-    target/cpu_format.py).
+    with_model=False loads only the tokenizer and config, for engines that run the weights
+    themselves. `auto` dtype and linear weights load as float32 and native (decoding commands
+    resolve them first with target/cpu_format.py).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -294,7 +320,8 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
 
 
 def export_target(target: Target, out_dir: str | os.PathLike, dtype: str = "bfloat16") -> Path:
-    """Write the loaded target as a plain HF directory (safetensors + tokenizer) that any engine reads."""
+    """Write the loaded target as a plain HF directory (safetensors + tokenizer) that any engine
+    reads."""
     if linear_weights(target.model) != "native":
         raise HeadwayError(
             f"target.linear_weights={linear_weights(target.model)} is an inference format of a loaded "

@@ -1,10 +1,10 @@
-"""What can run a packed format here: `kernels_missing` says why this torch build or CPU lacks a format's
-kernels for a dtype (the formats' modules ask it before making a oneDNN copy, the demo before choosing a
-format), and `check_format` gives one message for a target a format cannot serve, before `pack_linear_weights`
-packs anything.
+"""What can run a packed format here: `kernels_missing` says why this torch build or CPU lacks a
+format's kernels for a dtype (the formats' modules ask it before making a oneDNN copy, the demo
+before choosing a format), and `check_format` gives one message for a target a format cannot serve,
+before `pack_linear_weights` packs anything.
 
-Apart from the formats' modules because they ask it too (whether to make a bf16 weight's oneDNN prompt copy),
-as the model surgery (target/packed_model.py) does before packing.
+Apart from the formats' modules because they ask it too (whether to make a bf16 weight's oneDNN
+prompt copy), as the model surgery (target/packed_model.py) does before packing.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def check_format(model: Any, fmt: str) -> None:
 
 
 def kernels_missing(fmt: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """Why this torch build or CPU cannot run the format's kernels for a target of `dtype`; None when
-    it can."""
+    """Why this torch build or CPU cannot run the format's kernels for a target of `dtype`; None
+    when it can."""
     if fmt == "onednn":
         if not torch.backends.mkldnn.is_available():
             return "this torch build has no oneDNN"

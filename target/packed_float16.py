@@ -1,14 +1,15 @@
-"""The `float16` format (float32 and bfloat16 targets): nn.Linear's forward over a copy of its weight packed
-as float16 for fbgemm, the kernel behind torch's dynamic fp16 quantization (`Float16Linear`, its compiled
-graphs' op `headway::linear_fp16`).
+"""The `float16` format (float32 and bfloat16 targets): nn.Linear's forward over a copy of its
+weight packed as float16 for fbgemm, the kernel behind torch's dynamic fp16 quantization
+(`Float16Linear`, its compiled graphs' op `headway::linear_fp16`).
 
-float32 accumulation, and a row's result that does not depend on the row count. For float32 targets the
-weights are rounded to float16 (half the traffic; outputs are exactly this format's own plain decoding, which
-can differ from float32's where two tokens nearly tie). For bfloat16 targets it is exact: a bf16 weight is a
-float16 value (a power-of-two scale brings tiny ones into range; a matrix no scale fits is refused), bf16
-inputs convert exactly to float32, and the output rounds to bf16: bf16 math, through fbgemm's fast one-row
-kernel (faster than oneDNN's for one-token steps; verifying 8 or more rows costs more than with oneDNN, and
-bf16 prompts take a oneDNN copy where the CPU has oneDNN's bf16 kernels).
+float32 accumulation, and a row's result that does not depend on the row count. For float32 targets
+the weights are rounded to float16 (half the traffic; outputs are exactly this format's own plain
+decoding, which can differ from float32's where two tokens nearly tie). For bfloat16 targets it is
+exact: a bf16 weight is a float16 value (a power-of-two scale brings tiny ones into range; a matrix
+    no scale fits is refused), bf16
+inputs convert exactly to float32, and the output rounds to bf16: bf16 math, through fbgemm's fast
+one-row kernel (faster than oneDNN's for one-token steps; verifying 8 or more rows costs more than
+with oneDNN, and bf16 prompts take a oneDNN copy where the CPU has oneDNN's bf16 kernels).
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from torch import nn
 
 from headway.errors import HeadwayError
 from headway.target.packed_capability import kernels_missing
-from headway.target.packed_fbgemm import FBGEMM_CHUNKED_ROWS, fbgemm_chunked, fbgemm_fp16, fbgemm_rows_vary
+from headway.target.packed_fbgemm import (
+    FBGEMM_CHUNKED_ROWS,
+    fbgemm_chunked,
+    fbgemm_fp16,
+    fbgemm_rows_vary,
+)
 from headway.target.packed_onednn import BF16_PROMPT_ROWS, onednn_linear
 from headway.target.packed_registry import FP16_BY_KEY, register
 
@@ -29,10 +35,10 @@ from headway.target.packed_registry import FP16_BY_KEY, register
 def fp16_linear(
     x: torch.Tensor, packed: object, scale: float, prompt: Optional[tuple] = None
 ) -> torch.Tensor:
-    """x [rows, in] times a weight packed as float16 (fbgemm), in float32; a bf16 x is converted in and out
-    (exactly in: bf16 values are float32 values), in row-count-independent chunks where this CPU's kernels
-    need them. `scale`: the power of two the packed weight was multiplied by. `prompt`: (oneDNN-packed bf16
-    weight, bias) for bf16 calls of BF16_PROMPT_ROWS rows or more."""
+    """x [rows, in] times a weight packed as float16 (fbgemm), in float32; a bf16 x is converted in
+    and out (exactly in: bf16 values are float32 values), in row-count-independent chunks where this
+    CPU's kernels need them. `scale`: the power of two the packed weight was multiplied by.
+    `prompt`: (oneDNN-packed bf16 weight, bias) for bf16 calls of BF16_PROMPT_ROWS rows or more."""
     if x.dtype == torch.float32:
         return fbgemm_fp16(x, packed)
     if prompt is not None and x.shape[0] >= BF16_PROMPT_ROWS:
@@ -58,10 +64,10 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 def _float16_exact(
     weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """A bf16 weight (and bias) as float32 values that float16 holds exactly, times a power of two where that
-    brings small weights into float16's normal range; and the inverse scale. float16 has 3 more mantissa bits
-    than bf16 and 3 fewer exponent bits: a bf16 value is a float16 value when its exponent fits. Raises where
-    no scale
+    """A bf16 weight (and bias) as float32 values that float16 holds exactly, times a power of two
+    where that brings small weights into float16's normal range; and the inverse scale. float16 has
+    3 more mantissa bits than bf16 and 3 fewer exponent bits: a bf16 value is a float16 value when
+    its exponent fits. Raises where no scale
     fits all."""
     w = weight.detach().float()
     b = None if bias is None else bias.detach().float()
@@ -79,14 +85,15 @@ def _float16_exact(
 
 
 class Float16Linear(nn.Module):
-    """nn.Linear's forward over a copy of its weight packed as float16 for fbgemm, float32 accumulation. For a
-    float32 target the weight is rounded to float16; for a bf16 target it is exact (bf16 inputs converted
-    exactly to float32, outputs rounded to bf16: a bf16 linear whose one-row steps are fbgemm's fast path)."""
+    """nn.Linear's forward over a copy of its weight packed as float16 for fbgemm, float32
+    accumulation. For a float32 target the weight is rounded to float16; for a bf16 target it is
+    exact (bf16 inputs converted exactly to float32, outputs rounded to bf16: a bf16 linear whose
+    one-row steps are fbgemm's fast path)."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
-        """keep_weight: keep the weight as `.weight` too (the lm_head, whose weight the embedding and the
-        EAGLE heads share). exact: refuse a bf16 weight that float16 cannot hold (a target's; a draft head's
-        may round)."""
+        """keep_weight: keep the weight as `.weight` too (the lm_head, whose weight the embedding
+        and the EAGLE heads share). exact: refuse a bf16 weight that float16 cannot hold (a
+        target's; a draft head's may round)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, bias, self.scale = linear.weight.detach().float(), linear.bias, 1.0
@@ -111,8 +118,8 @@ class Float16Linear(nn.Module):
         if torch.compiler.is_compiling():
             y = torch.ops.headway.linear_fp16(x2, self.key, self.out_features)
         else:
-            # eager: the op itself (a custom op's dispatch costs a little on every call, and a step makes
-            # hundreds)
+            # eager: the op itself (a custom op's dispatch costs a little on every call, and a step
+            # makes hundreds)
             y = fp16_linear(x2, self.packed, self.scale, self.prompt)
         return y.view(*x.shape[:-1], self.out_features)
 

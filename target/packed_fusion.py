@@ -1,7 +1,8 @@
-"""Fused projections: in Llama-style layers the query, key and value projections are packed as one weight, and
-the MLP's gate and up projections as another (`FusedLinear`): a step then makes 4 calls a layer instead of 7,
-over larger weights. The model's own forward still calls one module per original linear (`FusedPart`);
-Headway's static engine calls the fused module itself (`fused_projections`).
+"""Fused projections: in Llama-style layers the query, key and value projections are packed as one
+weight, and the MLP's gate and up projections as another (`FusedLinear`): a step then makes 4 calls
+a layer instead of 7, over larger weights. The model's own forward still calls one module per
+original linear (`FusedPart`); Headway's static engine calls the fused module itself
+(`fused_projections`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from headway.target.packed_formats import PACKED
 
 
 class FusedLinear(nn.Module):
-    """Several linears over the same input as one packed weight (their rows stacked): returns their outputs,
-    views of one result. Headway's static engine calls it (`fused_projections`); the model's own forward calls
-    the `FusedPart`s that replace the original linears, each of which computes the whole product and keeps
-    its part."""
+    """Several linears over the same input as one packed weight (their rows stacked): returns their
+    outputs, views of one result. Headway's static engine calls it (`fused_projections`); the
+    model's own forward calls the `FusedPart`s that replace the original linears, each of which
+    computes the whole product and keeps its part."""
 
     def __init__(self, linears: list[nn.Linear], fmt: str, exact: bool = True):
         """exact: as the packed format's (False for a draft head's weights, which may round)."""
@@ -24,7 +25,9 @@ class FusedLinear(nn.Module):
         biases = [lin.bias for lin in linears]
         if any(b is None for b in biases) and not all(b is None for b in biases):
             biases = [
-                torch.zeros(lin.out_features, dtype=lin.weight.dtype) if lin.bias is None else lin.bias
+                torch.zeros(lin.out_features, dtype=lin.weight.dtype)
+                if lin.bias is None
+                else lin.bias
                 for lin in linears
             ]
         stacked = nn.Linear(
@@ -45,8 +48,8 @@ class FusedLinear(nn.Module):
 
 
 class FusedPart(nn.Module):
-    """One of a FusedLinear's linears, for the model's own forward (the HF engine): the whole product, then
-    its part."""
+    """One of a FusedLinear's linears, for the model's own forward (the HF engine): the whole
+    product, then its part."""
 
     def __init__(self, fused: FusedLinear, index: int):
         super().__init__()
@@ -71,8 +74,9 @@ _FUSED_GROUPS = (
 
 
 def fuse_layer(layer: nn.Module, fmt: str, exact: bool = True) -> int:
-    """Pack a Llama-style layer's q/k/v projections as one weight and its gate/up projections as another,
-    where the layer has them as nn.Linear; returns how many linears were packed. exact: as FusedLinear's."""
+    """Pack a Llama-style layer's q/k/v projections as one weight and its gate/up projections as
+    another, where the layer has them as nn.Linear; returns how many linears were packed. exact: as
+    FusedLinear's."""
     n = 0
     for owner_name, fused_name, names in _FUSED_GROUPS:
         owner = getattr(layer, owner_name, None)

@@ -1,9 +1,9 @@
-"""The `mkl` format (float32 targets): the float32 weights prepacked for MKL's packed sgemm (`MKLLinear`, its
-compiled graphs' op `headway::linear_mkl`).
+"""The `mkl` format (float32 targets): the float32 weights prepacked for MKL's packed sgemm
+(`MKLLinear`, its compiled graphs' op `headway::linear_mkl`).
 
-One-row calls (a one-token step) run through the packed sgemm, which streams the weights closer to the
-memory's rate than torch's or oneDNN's float32 kernels. Calls of other row counts (trees, prompts) take
-torch's float32 linear over the weights as loaded.
+One-row calls (a one-token step) run through the packed sgemm, which streams the weights closer to
+the memory's rate than torch's or oneDNN's float32 kernels. Calls of other row counts (trees,
+prompts) take torch's float32 linear over the weights as loaded.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ MKL_PACKED_ROWS = 1
 def mkl_linear(
     x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [rows, in] (float32) times a weight packed for MKL: one row through the packed sgemm, any other row
-    count through torch's linear over `weight` (the op's own fallback)."""
+    """x [rows, in] (float32) times a weight packed for MKL: one row through the packed sgemm, any
+    other row count through torch's linear over `weight` (the op's own fallback)."""
     return torch.ops.mkl._mkl_linear.default(x, packed, weight, bias, MKL_PACKED_ROWS)
 
 
@@ -36,16 +36,19 @@ def _(x: torch.Tensor, key: int, out_features: int) -> torch.Tensor:
 
 
 class MKLLinear(nn.Module):
-    """nn.Linear's forward for a float32 weight, one-row calls through a copy of the weight packed for MKL's
-    sgemm (the weight as loaded stays, for other row counts)."""
+    """nn.Linear's forward for a float32 weight, one-row calls through a copy of the weight packed
+    for MKL's sgemm (the weight as loaded stays, for other row counts)."""
 
     def __init__(self, linear: nn.Linear, keep_weight: bool = False, exact: bool = True):
-        """keep_weight: always (the other row counts read it). exact: always (the float32 weight as is)."""
+        """keep_weight: always (the other row counts read it). exact: always (the float32 weight as
+        is)."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), MKL_PACKED_ROWS)
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(
+            linear.weight.detach(), MKL_PACKED_ROWS
+        )
         self.key = register(MKL_BY_KEY, (self.packed, self.weight.detach(), self.bias), self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

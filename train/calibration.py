@@ -14,7 +14,8 @@ from headway.train.losses import IGNORE, medusa_labels
 def rank_accuracy(
     target: Any, heads: Any, samples: list[Sample], batch_size: int, t2d: Any, topk: int = 8
 ) -> list[list[float]]:
-    """[num_heads][topk]: the fraction of labelled positions where head d's rank-k guess is the token."""
+    """[num_heads][topk]: the fraction of labelled positions where head d's rank-k guess is the
+    token."""
     device = target.device
     hits = torch.zeros(heads.cfg.num_heads, topk)
     total = torch.zeros(heads.cfg.num_heads)
@@ -24,7 +25,9 @@ def rank_accuracy(
         batch = collate(samples[start : start + batch_size], target.tokenizer.pad_token_id or 0)
         ids = batch["input_ids"].to(device)
         out = target.model(
-            input_ids=ids, attention_mask=batch["attention_mask"].to(device), output_hidden_states=True
+            input_ids=ids,
+            attention_mask=batch["attention_mask"].to(device),
+            output_hidden_states=True,
         )
         logits = heads(out.hidden_states[-1].to(next(heads.parameters()).dtype))
         labels = medusa_labels(ids, batch["loss_mask"].to(device), logits.shape[0], t2d)

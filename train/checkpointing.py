@@ -1,4 +1,5 @@
-"""Training checkpoints: head weights, optimizer, scheduler, each rank's RNG state and the data position.
+"""Training checkpoints: head weights, optimizer, scheduler, each rank's RNG state and the data
+position.
 
 Written to a temp directory and renamed, so a checkpoint is whole or absent. Optimizer state is
 read back with torch.load(weights_only=True): tensors and plain containers only, never pickled code.
@@ -38,12 +39,13 @@ def save_checkpoint(
     shards: Optional[dict[str, Path]] = None,
     progress: Optional[dict] = None,
 ) -> Path:
-    """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the target's
-    trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state (`rng_state`), in rank
-    order; `optimizer_format`: "index" (torch's own optimizer.state_dict) or "fqn" (gathered by parameter
-    name, loadable under any backend and world size) or "deepspeed" (DeepSpeed's per-rank files, in `shards`:
-    directories written by every rank, moved into the checkpoint under their names); `progress`: the run's
-    totals so far (answer tokens trained on, training seconds), carried across resumes."""
+    """Write one checkpoint (rank 0, with the states every rank helped gather). `adapters`: the
+    target's trainable adapter tensors (Medusa-2); `rng_states`: each rank's torch RNG state
+    (`rng_state`), in rank order; `optimizer_format`: "index" (torch's own optimizer.state_dict) or
+    "fqn" (gathered by parameter name, loadable under any backend and world size) or "deepspeed"
+    (DeepSpeed's per-rank files, in `shards`: directories written by every rank, moved into the
+    checkpoint under their names); `progress`: the run's totals so far (answer tokens trained on,
+    training seconds), carried across resumes."""
     out = root / f"step-{step:08d}"
     with atomic_dir(out) as tmp:
         save_file(safetensors_of(model_state), str(tmp / "heads.safetensors"))
@@ -76,8 +78,8 @@ def save_checkpoint(
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    """This process's torch random state: the CPU generator's, and on CUDA the device's too (dropout and
-    feature noise drawn there), so that a resumed GPU run draws the same noise."""
+    """This process's torch random state: the CPU generator's, and on CUDA the device's too (dropout
+    and feature noise drawn there), so that a resumed GPU run draws the same noise."""
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -102,9 +104,11 @@ def _tupled(state: Any) -> Any:
 
 
 def latest_checkpoint(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint whose files match their checksums; a damaged newer one is named
-    and skipped."""
-    for path in sorted((p for p in root.glob("step-*") if (p / "trainer.json").is_file()), reverse=True):
+    """The newest complete checkpoint whose files match their checksums; a damaged newer one is
+    named and skipped."""
+    for path in sorted(
+        (p for p in root.glob("step-*") if (p / "trainer.json").is_file()), reverse=True
+    ):
         try:
             _verify(path)
         except HeadwayError as e:
@@ -138,7 +142,8 @@ class Checkpoint:
 
 
 def read_checkpoint(path: Path, scheduler: Any, with_adapters: bool) -> Checkpoint:
-    """Read a checkpoint (every rank), restore the scheduler and Python RNG; the caller loads the rest."""
+    """Read a checkpoint (every rank), restore the scheduler and Python RNG; the caller loads the
+    rest."""
     files = [path / "heads.safetensors", path / "state.pt", path / "trainer.json"]
     missing = [f.name for f in files if not f.is_file()]
     if missing:

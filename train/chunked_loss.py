@@ -1,13 +1,15 @@
 """A draft head's vocabulary loss in chunks of rows, keeping no [n, V] tensor for backward.
 
-The full loss (train/losses.py, `draft_loss`) computes logits [n, V] in float32, the log-softmax and the
-target's distribution, and autograd keeps several of those [n, V] tensors until backward, at every TTT step.
-Here each chunk of rows makes its logits, its loss rows and their gradient with respect to the logits, and
-folds that at once into the gradients of the hidden states [n, d] and of the lm_head weight [V, d]; only
-those two are kept for backward, scaled there by the loss's incoming gradient (the loss is a scalar). The
-values and gradients are the full loss's (tests/train/test_chunked_loss.py checks them in float64).
+The full loss (train/losses.py, `draft_loss`) computes logits [n, V] in float32, the log-softmax and
+the target's distribution, and autograd keeps several of those [n, V] tensors until backward, at
+every TTT step. Here each chunk of rows makes its logits, its loss rows and their gradient with
+respect to the logits, and folds that at once into the gradients of the hidden states [n, d] and of
+the lm_head weight [V, d]; only those two are kept for backward, scaled there by the loss's incoming
+gradient (the loss is a scalar). The values and gradients are the full loss's
+(tests/train/test_chunked_loss.py checks them in float64).
 
-The gradient of each kind with respect to the logits z (q = softmax(z), p = the target's distribution):
+The gradient of each kind with respect to the logits z (q = softmax(z), p = the target's
+distribution):
 soft_ce: q * sum(p) - p; argmax_ce: q - onehot(argmax p), and ce the same on given labels; tv
 (0.5 * |q - p|_1): q * (g - <q, g>) with g = 0.5 * sign(q - p).
 """
@@ -21,8 +23,11 @@ import torch
 KINDS = ("soft_ce", "argmax_ce", "tv", "soft_ce+tv", "ce")  # ce: cross-entropy on given labels
 
 
-def _rows_and_grad(kind: str, z: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row loss [c] and its gradient with respect to the logits [c, V], for logits z and target p."""
+def _rows_and_grad(
+    kind: str, z: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row loss [c] and its gradient with respect to the logits [c, V], for logits z and target
+    p."""
     logp = torch.log_softmax(z, -1)
     q = logp.exp()
     if kind in ("argmax_ce", "ce"):
@@ -57,14 +62,17 @@ class _ChunkedDraftLoss(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         acc = torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 when given
-        # the weight cast once, to the dtype its matmuls run in (autocast's, else the hidden states'), and
-        # shared by every chunk: autocast would otherwise cast it again in each chunk's two matmuls
+        # the weight cast once, to the dtype its matmuls run in (autocast's, else the hidden
+        # states'), and shared by every chunk: autocast would otherwise cast it again in each
+        # chunk's two matmuls
         device = hidden.device.type
         autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         w = weight.to(torch.get_autocast_dtype(device) if autocast else hidden.dtype)
-        w_grad = w if autocast or w.dtype == acc else weight.to(acc)  # grad_h's matmul: dz is in acc
+        # grad_h's matmul: dz is in acc
+        w_grad = w if autocast or w.dtype == acc else weight.to(acc)
         scale = rows.to(acc) / rows.sum().clamp(min=1).to(acc)  # each kept row's share of the mean
-        # no gradients under no_grad (evaluation); a frozen lm_head (EAGLE-1's, the target's) needs none
+        # no gradients under no_grad (evaluation); a frozen lm_head (EAGLE-1's, the target's) needs
+        # none
         want_h, want_w = grads and ctx.needs_input_grad[0], grads and ctx.needs_input_grad[1]
         grad_h = torch.empty(hidden.shape if want_h else (0,), dtype=acc, device=hidden.device)
         grad_w = torch.zeros(weight.shape if want_w else (0,), dtype=acc, device=weight.device)
@@ -111,23 +119,29 @@ def chunked_draft_loss(
     chunk: int,
     top: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`draft_loss(kind, hidden @ weight.T, softmax(target_logits), rows)` computed `chunk` rows at a time.
+    """`draft_loss(kind, hidden @ weight.T, softmax(target_logits), rows)` computed `chunk` rows at
+    a time.
 
     Args:
-        kind: soft_ce, argmax_ce, tv or soft_ce+tv (as `draft_loss`), or ce (cross-entropy on labels).
+        kind: soft_ce, argmax_ce, tv or soft_ce+tv (as `draft_loss`), or ce (cross-entropy on
+            labels).
         hidden: [n, d] the lm_head's input (after the head's final norm), with gradient.
         weight: [V, d] the lm_head weight, with gradient.
-        target_logits: [n, V] the target's logits over the same vocabulary (no gradient; any dtype); for
-            ce, the labels [n] (long, in range: clamp ignored rows' labels and leave them out of `rows`).
+        target_logits: [n, V] the target's logits over the same vocabulary (no gradient; any dtype);
+            for ce, the labels [n] (long, in range: clamp ignored rows' labels and leave them out of
+            `rows`).
         rows: [n] bool, the rows the mean is over.
         chunk: rows per chunk (> 0).
         top: how many of each row's best logits to return (1: the argmax).
     Returns:
-        (loss, best): the 0-dim mean loss (float32, float64 for float64 inputs) and the logits' argmax [n]
-        (top=1) or top-k indices [n, top] (for accuracy metrics), with no [n, V] tensor kept.
+        (loss, best): the 0-dim mean loss (float32, float64 for float64 inputs) and the logits'
+        argmax [n] (top=1) or top-k indices [n, top] (for accuracy metrics), with no [n, V] tensor
+        kept.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown draft loss {kind!r}")
     top = min(top, weight.shape[0])
     grads = torch.is_grad_enabled()  # forward runs with grad mode off: read it here
-    return _ChunkedDraftLoss.apply(hidden, weight, target_logits.detach(), rows, kind, chunk, top, grads)
+    return _ChunkedDraftLoss.apply(
+        hidden, weight, target_logits.detach(), rows, kind, chunk, top, grads
+    )

@@ -1,4 +1,5 @@
-"""Training data: self-distilled datasets checked against the target, a stable held-out split, batches.
+"""Training data: self-distilled datasets checked against the target, a stable held-out split,
+batches.
 
 The sample order is a pure function of (seed, samples consumed), so a resumed run reads exactly the
 batches the uninterrupted run would have read.
@@ -28,11 +29,11 @@ class Sample:
 def load_samples(
     paths: list[str], fingerprint: dict, max_length: int
 ) -> tuple[list[tuple[str, Sample]], dict]:
-    """(key, sample) pairs from every dataset, and what the datasets share: `greedy`, every one distilled at
-    temperature 0 (each answer token is the target's argmax); `answerless`, how many samples were dropped for
-    having no answer token left after truncation to `max_length` (a prompt at least that long): such a sample
-    teaches nothing, and a micro-batch of them has no loss row. A dataset made by another target is
-    refused."""
+    """(key, sample) pairs from every dataset, and what the datasets share: `greedy`, every one
+    distilled at temperature 0 (each answer token is the target's argmax); `answerless`, how many
+    samples were dropped for having no answer token left after truncation to `max_length` (a prompt
+    at least that long): such a sample teaches nothing, and a micro-batch of them has no loss row. A
+    dataset made by another target is refused."""
     if not paths:
         raise HeadwayError(
             "no training data: set train.datasets=[DIR, ...] (directories written by `headway distill`)"
@@ -65,25 +66,30 @@ def drop_duplicates(
     return [x for x, d in zip(samples, dup) if not d], sum(dup)
 
 
-def split_heldout(samples: list[tuple[str, Sample]], fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """Held-out by a hash of the sample's tokens: the same samples whatever the order, the other data or where
-    the dataset lies (a key with the directory's path would move the split with it), and duplicates
-    fall together."""
+def split_heldout(
+    samples: list[tuple[str, Sample]], fraction: float
+) -> tuple[list[Sample], list[Sample]]:
+    """Held-out by a hash of the sample's tokens: the same samples whatever the order, the other
+    data or where the dataset lies (a key with the directory's path would move the split with it),
+    and duplicates fall together."""
     train, held = [], []
     for _, s in samples:
         bucket = int(hashlib.sha256(repr(s.input_ids).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
         (held if bucket < fraction else train).append(s)
     if not train:
-        raise HeadwayError("every sample was held out for evaluation: lower train.eval_fraction or add data")
+        raise HeadwayError(
+            "every sample was held out for evaluation: lower train.eval_fraction or add data"
+        )
     return train, held
 
 
 def sample_order(
     n: int, seed: int, epoch: int, lengths: Optional[Sequence[int]] = None, window: int = 0
 ) -> tuple[int, ...]:
-    """Epoch `epoch`'s order of n samples: a seeded shuffle; with `window` > 1, cut into windows of that many
-    samples, each sorted by `lengths` (ascending or descending, by a seeded coin per window), so that
-    consecutive samples (a micro-batch) are of similar length and pad little. A pure function of its
+    """Epoch `epoch`'s order of n samples: a seeded shuffle; with `window` > 1, cut into windows of
+    that many samples, each sorted by `lengths` (ascending or descending, by a seeded coin per
+    window), so that consecutive samples (a micro-batch) are of similar length and pad little. A
+    pure function of its
     arguments: a resumed run, or one that splits its batches otherwise, reads the same stream."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(n, generator=g).tolist()
@@ -92,15 +98,17 @@ def sample_order(
         order = [
             i
             for w, start in enumerate(range(0, n, window))
-            for i in sorted(order[start : start + window], key=lambda i: lengths[i], reverse=bool(flips[w]))
+            for i in sorted(
+                order[start : start + window], key=lambda i: lengths[i], reverse=bool(flips[w])
+            )
         ]
     return tuple(order)
 
 
 class Stream:
-    """The training stream over `samples` (`sample_order` per epoch): the lengths read once, each epoch's
-    order computed once when first read, so that reading a micro-batch costs O(its size), not O(dataset) (a
-    step's host plan must keep ahead of the GPUs at any corpus size)."""
+    """The training stream over `samples` (`sample_order` per epoch): the lengths read once, each
+    epoch's order computed once when first read, so that reading a micro-batch costs O(its size),
+    not O(dataset) (a step's host plan must keep ahead of the GPUs at any corpus size)."""
 
     def __init__(self, samples: list[Sample], seed: int, window: int = 0) -> None:
         self.samples, self.seed, self.window = samples, seed, window
@@ -112,7 +120,9 @@ class Stream:
         if epoch not in self._orders:
             if len(self._orders) >= 2:
                 del self._orders[min(self._orders)]
-            self._orders[epoch] = sample_order(len(self.samples), self.seed, epoch, self.lengths, self.window)
+            self._orders[epoch] = sample_order(
+                len(self.samples), self.seed, epoch, self.lengths, self.window
+            )
         return self._orders[epoch]
 
     def at(self, k: int) -> Sample:
@@ -125,10 +135,12 @@ class Stream:
         return [self.at(k) for k in range(consumed, consumed + size)]
 
 
-def batch_at(samples: list[Sample], consumed: int, size: int, seed: int, window: int = 0) -> list[Sample]:
-    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream (length-sorted in
-    windows of `window` samples: `sample_order`). A run reads through one `Stream` instead, which keeps the
-    epoch's order between calls."""
+def batch_at(
+    samples: list[Sample], consumed: int, size: int, seed: int, window: int = 0
+) -> list[Sample]:
+    """The `size` samples after the first `consumed` ones of the epoch-shuffled stream
+    (length-sorted in windows of `window` samples: `sample_order`). A run reads through one `Stream`
+    instead, which keeps the epoch's order between calls."""
     return Stream(samples, seed, window).take(consumed, size)
 
 

@@ -1,8 +1,10 @@
-"""Removing duplicate answers from training data: exact copies, or near copies by MinHash over token n-grams.
+"""Removing duplicate answers from training data: exact copies, or near copies by MinHash over token
+n-grams.
 
 Self-distilled data repeats itself: Magpie prompts ask the same things, and a small target answers
-similar prompts with the same text. Repeats spend training steps on what the head has already seen. The
-first of a group is kept (data order), so the rule is deterministic and a resumed run sees the same set.
+similar prompts with the same text. Repeats spend training steps on what the head has already seen.
+The first of a group is kept (data order), so the rule is deterministic and a resumed run sees the
+same set.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-# MinHash: NUM_HASHES signature entries in BANDS bands; two answers share a bucket when one band agrees.
+# MinHash: NUM_HASHES signature entries in BANDS bands; two answers share a bucket when one band
+# agrees.
 NUM_HASHES, BANDS = 64, 16
 _PRIME = (1 << 61) - 1
 
@@ -22,11 +25,15 @@ def answer_tokens(input_ids: Sequence[int], loss_mask: Sequence[int]) -> tuple[i
 
 
 def minhash(tokens: tuple[int, ...], ngram: int, coeffs: np.ndarray) -> np.ndarray:
-    """[NUM_HASHES] uint64 signature of the set of `ngram`-grams (the whole text when it is shorter)."""
+    """[NUM_HASHES] uint64 signature of the set of `ngram`-grams (the whole text when it is
+    shorter)."""
     n = max(1, len(tokens) - ngram + 1)
     grams = {tokens[i : i + ngram] for i in range(n)}
     keys = np.array(
-        [int.from_bytes(hashlib.blake2b(repr(g).encode(), digest_size=7).digest(), "little") for g in grams],
+        [
+            int.from_bytes(hashlib.blake2b(repr(g).encode(), digest_size=7).digest(), "little")
+            for g in grams
+        ],
         dtype=np.uint64,
     )
     a, b = coeffs[:, :1], coeffs[:, 1:]
@@ -38,8 +45,9 @@ def minhash(tokens: tuple[int, ...], ngram: int, coeffs: np.ndarray) -> np.ndarr
 def duplicates(
     answers: list[tuple[int, ...]], rule: str, threshold: float = 0.8, ngram: int = 5
 ) -> list[bool]:
-    """Per answer, True when an earlier answer is the same (rule=exact) or its estimated Jaccard similarity
-    of token `ngram`-grams to an earlier kept one is at least `threshold` (rule=near); rule=none keeps all."""
+    """Per answer, True when an earlier answer is the same (rule=exact) or its estimated Jaccard
+    similarity of token `ngram`-grams to an earlier kept one is at least `threshold` (rule=near);
+    rule=none keeps all."""
     if rule == "none":
         return [False] * len(answers)
     if rule == "exact":

@@ -23,7 +23,8 @@ from headway.errors import HeadwayError
 log = logging.getLogger("headway")
 
 PRESETS = ["zero1", "zero2", "zero3"]
-# The subdirectory of a Headway checkpoint that holds DeepSpeed's files (also DeepSpeed's checkpoint tag).
+# The subdirectory of a Headway checkpoint that holds DeepSpeed's files (also DeepSpeed's checkpoint
+# tag).
 TAG = "deepspeed"
 
 
@@ -33,7 +34,9 @@ def zero_preset(stage: int) -> dict:
     if stage >= 2:
         zero.update(contiguous_gradients=True, overlap_comm=False, reduce_bucket_size=50_000_000)
     if stage == 3:
-        zero.update(stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=50_000_000)
+        zero.update(
+            stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=50_000_000
+        )
     return {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -59,8 +62,8 @@ def _set(cfg: dict, key: str, value: Any, source: str) -> None:
 
 
 def resolve_config(source: str, tc: Any, world_size: int, bf16: bool) -> dict:
-    """The DeepSpeed config for this run: a preset name (zero1/zero2/zero3) or a JSON file, with its "auto"
-    fields filled from `tc` (TrainConfig)."""
+    """The DeepSpeed config for this run: a preset name (zero1/zero2/zero3) or a JSON file, with its
+    "auto" fields filled from `tc` (TrainConfig)."""
     if source in PRESETS:
         cfg = zero_preset(int(source[-1]))
     else:
@@ -111,10 +114,16 @@ def initialize(module: torch.nn.Module, optimizer: Any, scheduler: Any, ds_confi
             "(on CPU also export DS_ACCELERATOR=cpu)"
         ) from None
     engine, _, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+        model=module,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        dist_init_required=False,
     )
     log.info(
-        "deepspeed: ZeRO stage %d, bf16 %s", engine.zero_optimization_stage(), ds_config["bf16"]["enabled"]
+        "deepspeed: ZeRO stage %d, bf16 %s",
+        engine.zero_optimization_stage(),
+        ds_config["bf16"]["enabled"],
     )
     return engine
 
@@ -142,7 +151,8 @@ class DeepSpeedStep:
         self._pending = True
 
     def step(self) -> torch.Tensor:
-        """The boundary step; the gradient norm as a 0-dim tensor (DeepSpeed computes it on the host)."""
+        """The boundary step; the gradient norm as a 0-dim tensor (DeepSpeed computes it on the
+        host)."""
         self.engine.step()
         self._pending = False
         norm = self.engine.get_global_grad_norm()
@@ -150,7 +160,8 @@ class DeepSpeedStep:
 
 
 def full_module_state(engine: Any) -> dict[str, torch.Tensor]:
-    """The head's whole state on every rank, in float32 (ZeRO-3: gathered from the shards; a collective)."""
+    """The head's whole state on every rank, in float32 (ZeRO-3: gathered from the shards; a
+    collective)."""
     import deepspeed
 
     module = engine.module
@@ -162,7 +173,8 @@ def full_module_state(engine: Any) -> dict[str, torch.Tensor]:
 
 
 def save_shards(engine: Any, directory: Path) -> None:
-    """Every rank writes its share of the optimizer (and ZeRO-3 parameter) state under directory/TAG."""
+    """Every rank writes its share of the optimizer (and ZeRO-3 parameter) state under
+    directory/TAG."""
     engine.save_checkpoint(str(directory), tag=TAG, save_latest=False)
 
 

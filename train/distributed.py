@@ -1,10 +1,10 @@
-"""Several processes training one head, launched by torchrun (or deepspeed): DDP, FSDP2 or DeepSpeed ZeRO
-(train/deepspeed_engine.py), gloo on CPU, nccl on GPU.
+"""Several processes training one head, launched by torchrun (or deepspeed): DDP, FSDP2 or DeepSpeed
+ZeRO (train/deepspeed_engine.py), gloo on CPU, nccl on GPU.
 
-The head and its objective run as one module (`HeadObjective`), so every parameter is used inside the
-forward that DDP and FSDP wrap. Each rank reads a disjoint slice of every global micro-batch; losses and
-metrics are averaged across ranks; rank 0 writes logs and exports; checkpoints gather the full state
-(every rank takes part) so that a run can resume, also under another world size.
+The head and its objective run as one module (`HeadObjective`), so every parameter is used inside
+the forward that DDP and FSDP wrap. Each rank reads a disjoint slice of every global micro-batch;
+losses and metrics are averaged across ranks; rank 0 writes logs and exports; checkpoints gather the
+full state (every rank takes part) so that a run can resume, also under another world size.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ log = logging.getLogger("headway")
 
 
 class HeadObjective(torch.nn.Module):
-    """A head with its kind's training objective (train/objectives/): forward(batch, features, t2d) -> (loss,
-    metrics)."""
+    """A head with its kind's training objective (train/objectives/): forward(batch, features, t2d)
+    -> (loss, metrics)."""
 
     def __init__(self, heads: torch.nn.Module, objective: Any):
         super().__init__()
@@ -45,7 +45,8 @@ class Parallel:
     backend: str = "none"
     rank: int = 0
     world_size: int = 1
-    # The training device: every tensor a collective receives lives here (NCCL takes only CUDA tensors).
+    # The training device: every tensor a collective receives lives here (NCCL takes only CUDA
+    # tensors).
     device: torch.device = torch.device("cpu")
 
     @property
@@ -62,8 +63,8 @@ class Parallel:
         return items[self.rank * n : (self.rank + 1) * n]
 
     def mean(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Average each 0-dim tensor across ranks, in one all-reduce on the training device (every rank gets
-        the result, on the device; nothing is read back to the host here).
+        """Average each 0-dim tensor across ranks, in one all-reduce on the training device (every
+        rank gets the result, on the device; nothing is read back to the host here).
 
         Args:
             values: name -> 0-dim tensor (or Python number) on any device.
@@ -73,14 +74,17 @@ class Parallel:
         if not values:
             return {}
         keys = sorted(values)
-        t = torch.stack([torch.as_tensor(values[k], device=self.device).float().reshape(()) for k in keys])
+        t = torch.stack(
+            [torch.as_tensor(values[k], device=self.device).float().reshape(()) for k in keys]
+        )
         if self.active:
             dist.all_reduce(t)
             t = t / self.world_size
         return dict(zip(keys, t.unbind()))
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        """`t` summed over ranks (one all-reduce; the same shape on every rank, as the collective needs)."""
+        """`t` summed over ranks (one all-reduce; the same shape on every rank, as the collective
+        needs)."""
         if self.active:
             t = t.clone()
             dist.all_reduce(t)
@@ -114,7 +118,8 @@ class Parallel:
             dist.barrier()
 
     def close(self) -> None:
-        """End of the run: wait for every rank, then leave the process group, so launchers exit 0."""
+        """End of the run: wait for every rank, then leave the process group, so launchers exit
+        0."""
         if self.active and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -128,8 +133,8 @@ class Parallel:
 
 
 def rank_device(device: torch.device) -> torch.device:
-    """This rank's own device: on CUDA the GPU of its local rank (made the current one, so that a bare
-    "cuda" and every later allocation land there rather than on cuda:0), else `device`."""
+    """This rank's own device: on CUDA the GPU of its local rank (made the current one, so that a
+    bare "cuda" and every later allocation land there rather than on cuda:0), else `device`."""
     if device.type != "cuda":
         return device
     info = dist_info()
@@ -144,9 +149,9 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
-# HEADWAY_CHECK_COLLECTIVES=1 makes every collective called through torch.distributed refuse a tensor that is
-# not on the training device: NCCL rejects CPU tensors, but only on a GPU machine, mid-run. The 2-process
-# tests set it; a user may set it to find such a call in their own extension.
+# HEADWAY_CHECK_COLLECTIVES=1 makes every collective called through torch.distributed refuse a
+# tensor that is not on the training device: NCCL rejects CPU tensors, but only on a GPU machine,
+# mid-run. The 2-process tests set it; a user may set it to find such a call in their own extension.
 CHECK_COLLECTIVES = "HEADWAY_CHECK_COLLECTIVES"
 _COLLECTIVES = (
     "all_reduce",
@@ -163,7 +168,8 @@ CHECKED: dict[str, int] = {}  # collective name -> calls checked in this process
 
 
 def check_collectives(device: torch.device) -> None:
-    """Wrap torch.distributed's tensor collectives so that a tensor off `device` raises, naming the call.
+    """Wrap torch.distributed's tensor collectives so that a tensor off `device` raises, naming the
+    call.
 
     Args:
         device: the training device every collective's tensors must be on.
@@ -216,30 +222,44 @@ def start(backend: str, device: torch.device, timeout_min: float = 30) -> Parall
         return Parallel(device=device)
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_min)
-        if device.type == "cuda":  # device_id binds NCCL (and the object collectives) to this rank's GPU
+        # device_id binds NCCL (and the object collectives) to this rank's GPU
+        if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     par = Parallel(backend, dist.get_rank(), dist.get_world_size(), device)
     if os.environ.get(CHECK_COLLECTIVES) == "1":
         check_collectives(device)
-    log.info("distributed: %s over %s, rank %d of %d", backend, dist.get_backend(), par.rank, par.world_size)
+    log.info(
+        "distributed: %s over %s, rank %d of %d",
+        backend,
+        dist.get_backend(),
+        par.rank,
+        par.world_size,
+    )
     return par
 
 
 def wrap(
-    module: torch.nn.Module, par: Parallel, device: torch.device, compute: torch.dtype = torch.float32
+    module: torch.nn.Module,
+    par: Parallel,
+    device: torch.device,
+    compute: torch.dtype = torch.float32,
 ) -> torch.nn.Module:
-    """DDP replicates the module and averages gradients; FSDP2 shards its parameters and optimizer state.
+    """DDP replicates the module and averages gradients; FSDP2 shards its parameters and optimizer
+    state.
 
-    compute: the run's autocast dtype. Under FSDP2 the head's parameters are gathered in it (bfloat16: half
-    the traffic) and its gradients reduced in float32 (`MixedPrecisionPolicy`), so the head computes in one
-    dtype as under DeepSpeed's bf16; DDP keeps float32 parameters under autocast, and flex attention gets q,
-    k and v in the autocast dtype (train/ttt_flex.py)."""
+    compute: the run's autocast dtype. Under FSDP2 the head's parameters are gathered in it
+        (bfloat16: half
+    the traffic) and its gradients reduced in float32 (`MixedPrecisionPolicy`), so the head computes
+    in one dtype as under DeepSpeed's bf16; DDP keeps float32 parameters under autocast, and flex
+    attention gets q, k and v in the autocast dtype (train/ttt_flex.py)."""
     if par.backend == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+        return DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None
+        )
     if par.backend == "fsdp":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -251,12 +271,13 @@ def wrap(
 
 
 def shard_target(model: torch.nn.Module, device: Optional[torch.device] = None) -> None:
-    """FSDP2 over each decoder layer of the frozen target: every rank keeps 1/world_size of their weights and
-    gathers a layer's weights just for its forward, freeing them after it (`reshard_after_forward=True`: a
-    layer with no FSDP parent is its own root, which by default keeps its gathered weights after a forward,
-    and the target runs without a backward that would free them). The embedding, final norm and lm_head
-    stay whole on every rank (the head reads them). `model` may be on the CPU: each layer's shard moves to
-    `device` as it is sharded, and the rest after, so the whole target never sits on one GPU."""
+    """FSDP2 over each decoder layer of the frozen target: every rank keeps 1/world_size of their
+    weights and gathers a layer's weights just for its forward, freeing them after it
+    (`reshard_after_forward=True`: a layer with no FSDP parent is its own root, which by default
+    keeps its gathered weights after a forward, and the target runs without a backward that would
+    free them). The embedding, final norm and lm_head stay whole on every rank (the head reads
+    them). `model` may be on the CPU: each layer's shard moves to `device` as it is sharded, and the
+    rest after, so the whole target never sits on one GPU."""
     from torch.distributed.fsdp import fully_shard
 
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -274,12 +295,14 @@ def shard_target(model: torch.nn.Module, device: Optional[torch.device] = None) 
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     if device is not None:
         model.to(device)
-    log.info("target: %d decoder layers sharded across %d ranks", len(layers), dist.get_world_size())
+    log.info(
+        "target: %d decoder layers sharded across %d ranks", len(layers), dist.get_world_size()
+    )
 
 
 def held_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of `model`'s parameters this rank holds now, bytes of the whole model): a sharded layer counts
-    its local shard while resharded, its whole weights while gathered."""
+    """(bytes of `model`'s parameters this rank holds now, bytes of the whole model): a sharded
+    layer counts its local shard while resharded, its whole weights while gathered."""
     from torch.distributed.tensor import DTensor
 
     held = whole = 0
@@ -291,7 +314,8 @@ def held_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def full_state(module: torch.nn.Module, optimizer: Any, par: Parallel) -> tuple[dict, dict]:
-    """The whole model and optimizer state, gathered to rank 0 on CPU (every rank must call this)."""
+    """The whole model and optimizer state, gathered to rank 0 on CPU (every rank must call
+    this)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -321,9 +345,9 @@ def load_full_state(
 
 
 class TorchStep:
-    """Backward and optimizer step for ddp, fsdp and one process: each micro-batch's loss is scaled by
-    1/grad_accum; the step averages the LoRA adapters' gradients (outside the wrapped head), clips and
-    steps the optimizer and the schedule."""
+    """Backward and optimizer step for ddp, fsdp and one process: each micro-batch's loss is scaled
+    by 1/grad_accum; the step averages the LoRA adapters' gradients (outside the wrapped head),
+    clips and steps the optimizer and the schedule."""
 
     def __init__(
         self,
@@ -343,9 +367,9 @@ class TorchStep:
         self.optimizer.zero_grad(set_to_none=True)
 
     def accumulating(self, module: torch.nn.Module, last: bool) -> Any:
-        """The context a micro-batch's forward and backward run in: before the last micro-batch of an
-        accumulation, DDP keeps its gradients local (`no_sync`) and FSDP2 skips its reduce-scatter, so
-        gradients cross ranks once per optimizer step."""
+        """The context a micro-batch's forward and backward run in: before the last micro-batch of
+        an accumulation, DDP keeps its gradients local (`no_sync`) and FSDP2 skips its
+        reduce-scatter, so gradients cross ranks once per optimizer step."""
         if last or self.grad_accum == 1:
             return contextlib.nullcontext()
         if hasattr(module, "no_sync"):
@@ -358,8 +382,8 @@ class TorchStep:
         (loss / self.grad_accum).backward()
 
     def step(self) -> torch.Tensor:
-        """Clip and step; returns the gradient norm before clipping, a 0-dim tensor on the device (0 when
-        clipping is off), not read here."""
+        """Clip and step; returns the gradient norm before clipping, a 0-dim tensor on the device (0
+        when clipping is off), not read here."""
         self.par.all_reduce_grads(self.lora_params)
         norm = torch.zeros((), device=self.par.device)
         if self.grad_clip > 0:
@@ -371,7 +395,8 @@ class TorchStep:
 
 
 class _FsdpNoSync:
-    """FSDP2's no_sync: gradients stay unsharded and unreduced until the accumulation's last backward."""
+    """FSDP2's no_sync: gradients stay unsharded and unreduced until the accumulation's last
+    backward."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module

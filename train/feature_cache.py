@@ -1,14 +1,16 @@
-"""The feature cache, written and read: run the frozen target once over the training data and keep the hidden
-states a head reads, in safetensors shards, so training epochs (and sweeps) never run the target again.
+"""The feature cache, written and read: run the frozen target once over the training data and keep
+the hidden states a head reads, in safetensors shards, so training epochs (and sweeps) never run the
+target again.
 
 Layout of the output directory:
-  shards/shard-NNNNN.safetensors  h{layer}: [tokens, hidden] for each cached layer, argmax: [tokens] (the
+  shards/shard-NNNNN.safetensors  h{layer}: [tokens, hidden] for each cached layer, argmax: [tokens]
+  (the
                                   target's greedy next token), offsets: [n + 1]
   manifest.json                   target fingerprint, layers, dtype, the sample keys of every shard
                                   and each shard's sha256 (written last: present = complete)
-Each shard is written atomically and skipped when it exists, so a killed run resumes where it stopped.
-Under a launcher (torchrun, deepspeed, `--nproc N`) rank r writes shards r, r + N, ...; rank 0 checks
-that every shard is there and writes the manifest.
+Each shard is written atomically and skipped when it exists, so a killed run resumes where it
+stopped. Under a launcher (torchrun, deepspeed, `--nproc N`) rank r writes shards r, r + N, ...;
+rank 0 checks that every shard is there and writes the manifest.
 """
 
 from __future__ import annotations
@@ -132,7 +134,8 @@ def cache_features(
                 }
             )
         atomic_write_json(
-            out / "manifest.json", {**run, "sequences": len(samples), "tokens": tokens, "shards": shards}
+            out / "manifest.json",
+            {**run, "sequences": len(samples), "tokens": tokens, "shards": shards},
         )
     barrier(info)
     return out
@@ -178,13 +181,18 @@ def _write_shard(
 
 
 class FeatureCache:
-    """Reads cached features back by sample key, from one or several caches (one per group of datasets, so
-    new data is cached without redoing the old). Refuses a cache made by another target, with other layers
-    or max_length, caches that miss one of the training datasets, or a shard that no longer matches its
-    checksum. Training on a subset of the cached datasets (a data-size sweep) reads just those samples."""
+    """Reads cached features back by sample key, from one or several caches (one per group of
+    datasets, so new data is cached without redoing the old). Refuses a cache made by another
+    target, with other layers or max_length, caches that miss one of the training datasets, or a
+    shard that no longer matches its checksum. Training on a subset of the cached datasets (a
+    data-size sweep) reads just those samples."""
 
-    def __init__(self, paths: str | Path | list, fingerprint: dict, layers: list[int], identity: dict):
-        self.paths = [Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    def __init__(
+        self, paths: str | Path | list, fingerprint: dict, layers: list[int], identity: dict
+    ):
+        self.paths = [
+            Path(p).expanduser() for p in ([paths] if isinstance(paths, (str, Path)) else paths)
+        ]
         self.where: dict[str, tuple[int, int]] = {}
         self.files: list[Path] = []
         cached: list[str] = []
@@ -200,7 +208,9 @@ class FeatureCache:
         self._open: dict[int, Any] = {}
         self._offsets: dict[int, torch.Tensor] = {}
 
-    def _read_manifest(self, path: Path, fingerprint: dict, layers: list[int], identity: dict) -> list[str]:
+    def _read_manifest(
+        self, path: Path, fingerprint: dict, layers: list[int], identity: dict
+    ) -> list[str]:
         """Check one cache against the run and index its shards; returns the datasets it holds."""
         manifest_file = path / "manifest.json"
         if not manifest_file.is_file():
@@ -247,9 +257,10 @@ class FeatureCache:
     def batch(
         self, keys: list[str], width: int, device: Any = "cpu"
     ) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Right-padded features {layer: [B, width, h]} (float32 on `device`) and the target's greedy tokens
-        [B, width]. The rows stay in the cache's dtype (bfloat16: half the bytes) until they are on the
-        device, copied from pinned memory without a host wait on CUDA, and widen there."""
+        """Right-padded features {layer: [B, width, h]} (float32 on `device`) and the target's
+        greedy tokens [B, width]. The rows stay in the cache's dtype (bfloat16: half the bytes)
+        until they are on the device, copied from pinned memory without a host wait on CUDA, and
+        widen there."""
         out: dict[int, Optional[torch.Tensor]] = {i: None for i in self.layers}
         argmax = torch.zeros(len(keys), width, dtype=torch.long)
         for b, key in enumerate(keys):
@@ -278,20 +289,23 @@ class FeatureCache:
 
 
 def layers_for(features: FeaturesConfig, head: HeadConfig, num_target_layers: int) -> list[int]:
-    """features.layers, or those head.kind reads; always with the last layer (the target's logits)."""
+    """features.layers, or those head.kind reads; always with the last layer (the target's
+    logits)."""
     layers = list(features.layers)
     if not layers:
         layers = head_kind(head.kind).module.feature_layers(head.kind_config(), num_target_layers)
     bad = [i for i in layers if not 0 <= i <= num_target_layers]
     if bad:
-        raise HeadwayError(f"features.layers {bad} outside the target's hidden states 0..{num_target_layers}")
+        raise HeadwayError(
+            f"features.layers {bad} outside the target's hidden states 0..{num_target_layers}"
+        )
     return sorted(set(layers) | {num_target_layers})
 
 
 def training_target_dtype(setting: str, target_dtype: str, device: torch.device) -> str:
-    """The target's weights dtype in training and in `cache-features` alike (train.target_dtype): auto is
-    bfloat16 on CUDA (the features engines serve) and target.dtype elsewhere, so a cache holds the features
-    online training would compute on the same device."""
+    """The target's weights dtype in training and in `cache-features` alike (train.target_dtype):
+    auto is bfloat16 on CUDA (the features engines serve) and target.dtype elsewhere, so a cache
+    holds the features online training would compute on the same device."""
     if setting != "auto":
         return setting
     return "bfloat16" if device.type == "cuda" else target_dtype
@@ -311,8 +325,10 @@ def run_cache_features(
         target_cfg: the target whose hidden states are cached (the `target` section).
         head: the head section; its kind names the layers to cache when `features.layers` is empty.
         features: where and how to write the cache (the `features` section).
-        datasets, max_length: `train.datasets` and `train.max_length`, which the training run must match.
-        target_dtype: `train.target_dtype`, resolved as training resolves it (`training_target_dtype`).
+        datasets, max_length: `train.datasets` and `train.max_length`, which the training run must
+            match.
+        target_dtype: `train.target_dtype`, resolved as training resolves it
+            (`training_target_dtype`).
 
     Returns:
         `features.output_dir`, holding a finished cache (manifest written last).
@@ -321,7 +337,8 @@ def run_cache_features(
     if info.world_size > 1 and not torch.distributed.is_initialized():
         import datetime
 
-        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=48))  # barriers only
+        # barriers only
+        torch.distributed.init_process_group("gloo", timeout=datetime.timedelta(hours=48))
     dtype = training_target_dtype(target_dtype, target_cfg.dtype, resolve_device(target_cfg.device))
     target = load_target(replace(target_cfg, dtype=dtype))
     pairs, _ = load_samples(datasets, target.fingerprint, max_length)

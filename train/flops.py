@@ -1,11 +1,13 @@
-"""Model FLOPs of a training micro-batch, per head kind, from its planned shapes alone (no device work).
+"""Model FLOPs of a training micro-batch, per head kind, from its planned shapes alone (no device
+work).
 
-The count is of matrix products (linear layers, attention scores and values, lm_heads), the convention of
-torch's FlopCounterMode, which checks it (tests/train/test_flops.py). Padding counts: the hardware computes it.
-Attention counts the whole [queries, keys] product, masked or not, as the kernels the step runs compute it.
-A product's backward costs twice its forward (the gradients of both operands), once where its input needs
-no gradient (the first layer after the frozen features, the frozen lm_heads' input gradient only). The
-frozen target runs forward only; Medusa-2's adapted target's backward is not counted.
+The count is of matrix products (linear layers, attention scores and values, lm_heads), the
+convention of torch's FlopCounterMode, which checks it (tests/train/test_flops.py). Padding counts:
+the hardware computes it. Attention counts the whole [queries, keys] product, masked or not, as the
+kernels the step runs compute it. A product's backward costs twice its forward (the gradients of
+both operands), once where its input needs no gradient (the first layer after the frozen features,
+the frozen lm_heads' input gradient only). The frozen target runs forward only; Medusa-2's adapted
+target's backward is not counted.
 
 Throughput and MFU in the logs use it (train/metrics.py).
 """
@@ -22,7 +24,8 @@ from headway.heads.draft_layer import text_config
 
 @dataclass(frozen=True)
 class Dims:
-    """A decoder's widths: hidden, query and key/value widths (heads x head_dim), MLP width, query heads."""
+    """A decoder's widths: hidden, query and key/value widths (heads x head_dim), MLP width, query
+    heads."""
 
     hidden: int
     q: int
@@ -64,7 +67,9 @@ def layer_linears(rows: int, d: Dims, qkv_in: int = 0) -> float:
     EAGLE-3's 2h; default the hidden width)."""
     qkv_in = qkv_in or d.hidden
     return (
-        linear(rows, qkv_in, d.q + 2 * d.kv) + linear(rows, d.q, d.hidden) + 3 * linear(rows, d.hidden, d.mlp)
+        linear(rows, qkv_in, d.q + 2 * d.kv)
+        + linear(rows, d.q, d.hidden)
+        + 3 * linear(rows, d.hidden, d.mlp)
     )
 
 
@@ -77,15 +82,17 @@ def target_forward(batch: int, width: int, target: Dims, lm_head: bool = True) -
     """The frozen target's forward, with its full-vocabulary logits unless `lm_head` is False."""
     tokens = batch * width
     per_layer = layer_linears(tokens, target) + attention(batch, width, width, target)
-    return target.layers * per_layer + (linear(tokens, target.hidden, target.vocab) if lm_head else 0.0)
+    return target.layers * per_layer + (
+        linear(tokens, target.hidden, target.vocab) if lm_head else 0.0
+    )
 
 
 def counter(
     objective: Any, heads: Any, target: Any, online: bool = True, lm_head: bool = True
 ) -> Callable[[dict], float]:
-    """The model FLOPs of one of this run's planned micro-batches (train/step.py plans them): the head's
-    forward and backward (its kind's objective counts them: `Objective.flops`), plus the target's forward
-    when it runs online.
+    """The model FLOPs of one of this run's planned micro-batches (train/step.py plans them): the
+    head's forward and backward (its kind's objective counts them: `Objective.flops`), plus the
+    target's forward when it runs online.
 
     Args:
         objective: the kind's objective; heads: the built head; target: the loaded target.
@@ -98,6 +105,8 @@ def counter(
 
     def count(plan: dict[str, torch.Tensor]) -> float:
         B, T = plan["input_ids"].shape
-        return objective.flops(heads, plan, dims) + (target_forward(B, T, dims, lm_head) if online else 0.0)
+        return objective.flops(heads, plan, dims) + (
+            target_forward(B, T, dims, lm_head) if online else 0.0
+        )
 
     return count

@@ -22,8 +22,9 @@ def _step_of(line: str) -> float:
 
 
 class RunLogger:
-    """`resume_step`: continuing a run from that step's checkpoint; records of later steps (written before
-    the run was killed, and about to be redone) are dropped, so the log holds each step once."""
+    """`resume_step`: continuing a run from that step's checkpoint; records of later steps (written
+    before the run was killed, and about to be redone) are dropped, so the log holds each step
+    once."""
 
     def __init__(self, path: Path, cfg: Any, run_cfg: Any, resume_step: int | None = None):
         if resume_step is not None and path.is_file():
@@ -36,7 +37,9 @@ class RunLogger:
                 import wandb
 
                 config = asdict(run_cfg) if is_dataclass(run_cfg) else dict(run_cfg)
-                self.wandb = wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=config)
+                self.wandb = wandb.init(
+                    project=cfg.wandb_project, name=cfg.wandb_run_name, config=config
+                )
             except ImportError:
                 log.warning(
                     "logging.wandb_project is set but wandb is not installed (pip install 'headway[wandb]'); "

@@ -1,10 +1,10 @@
-"""`headway train`: a head trained on a frozen target, as named steps read top to bottom (torchtune's recipe
-shape): the run and its ranks, the target, the data, the head with its objective and optimizer, resume,
-the loop, finish.
+"""`headway train`: a head trained on a frozen target, as named steps read top to bottom
+(torchtune's recipe shape): the run and its ranks, the target, the data, the head with its objective
+and optimizer, resume, the loop, finish.
 
-The target runs under no_grad in eval mode; its features feed the head. One optimizer step = grad_accum
-micro-batches on each of world_size ranks (train/step.py), with no host read except every `log_every`
-steps. Checkpoints carry everything needed to continue the same curve (train/resume.py).
+The target runs under no_grad in eval mode; its features feed the head. One optimizer step =
+grad_accum micro-batches on each of world_size ranks (train/step.py), with no host read except every
+`log_every` steps. Checkpoints carry everything needed to continue the same curve (train/resume.py).
 """
 
 from __future__ import annotations
@@ -94,9 +94,9 @@ class Model:
 
 
 def setup_run(cfg: RunConfig) -> Run:
-    """Seeds, the process group and this rank's device (on CUDA its local rank's GPU, made current before
-    anything is allocated), the output directory. A missing or broken train.init_from fails here, before the
-    target loads."""
+    """Seeds, the process group and this rank's device (on CUDA its local rank's GPU, made current
+    before anything is allocated), the output directory. A missing or broken train.init_from fails
+    here, before the target loads."""
     tc = cfg.train
     if tc.init_from:
         read_head_config(Path(tc.init_from).expanduser())
@@ -112,8 +112,8 @@ def setup_run(cfg: RunConfig) -> Run:
 
 
 def setup_target(run: Run) -> Any:
-    """The frozen target on this rank's device, in train.target_dtype (bfloat16 on CUDA by default); its
-    decoder layers sharded across ranks with train.shard_target."""
+    """The frozen target on this rank's device, in train.target_dtype (bfloat16 on CUDA by default);
+    its decoder layers sharded across ranks with train.shard_target."""
     cfg, tc = run.cfg, run.tc
     dtype = training_target_dtype(tc.target_dtype, cfg.target.dtype, run.device)
     sharded = tc.shard_target and not tc.features_dir
@@ -127,7 +127,8 @@ def setup_target(run: Run) -> Any:
 
 
 def deduplicate(samples: list, tc: Any, par: Parallel) -> tuple[list, int]:
-    """train.dedup's pass made once, on rank 0 (pure Python over every answer), and the kept positions
+    """train.dedup's pass made once, on rank 0 (pure Python over every answer), and the kept
+    positions
     broadcast: every rank keeps the same samples. Returns (kept pairs, how many were dropped)."""
     if not par.active or par.is_main:
         kept, dropped = drop_duplicates(samples, tc.dedup, tc.dedup_threshold)
@@ -151,8 +152,8 @@ def first_heads(cfg: RunConfig, target: Any, train_set: list, par: Parallel) -> 
 
 
 def setup_data(run: Run, target: Any) -> Data:
-    """The self-distilled sequences (deduplicated), split into training and held-out ones, and the feature
-    cache when training offline."""
+    """The self-distilled sequences (deduplicated), split into training and held-out ones, and the
+    feature cache when training offline."""
     cfg, tc, par = run.cfg, run.tc, run.par
     samples, info = load_samples(tc.datasets, target.fingerprint, tc.max_length)
     if info["answerless"]:
@@ -165,7 +166,10 @@ def setup_data(run: Run, target: Any) -> Data:
     if tc.dedup != "none":
         samples, dropped = deduplicate(samples, tc, par)
         log.info(
-            "train.dedup=%s: dropped %d duplicate answers, %d sequences left", tc.dedup, dropped, len(samples)
+            "train.dedup=%s: dropped %d duplicate answers, %d sequences left",
+            tc.dedup,
+            dropped,
+            len(samples),
         )
     if tc.eval_datasets:  # every training sequence trains; evaluation reads other datasets
         train_set = [s for _, s in samples]
@@ -194,12 +198,13 @@ def setup_data(run: Run, target: Any) -> Data:
 
 
 def setup_model(run: Run, target: Any, data: Data) -> Model:
-    """The head (fresh or from train.init_from), its kind's objective wrapped for the backend, Medusa-2's
-    LoRA adapters, the optimizer (fused AdamW on CUDA), the schedule and the stepper."""
+    """The head (fresh or from train.init_from), its kind's objective wrapped for the backend,
+    Medusa-2's LoRA adapters, the optimizer (fused AdamW on CUDA), the schedule and the stepper."""
     cfg, tc, par, device = run.cfg, run.tc, run.par, run.device
     heads = first_heads(cfg, target, data.train_set, par).to(device)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, device)
-    # the kind's objective reads the head's own config section (as built: the run's, resolved for this target)
+    # the kind's objective reads the head's own config section (as built: the run's, resolved for
+    # this target)
     attention = ttt_attention(tc.ttt_attention, device)
     longest = (tc.pack_length or tc.max_length) if tc.packing else tc.max_length
     buckets = length_buckets(tc.flex_buckets, longest) if attention == "flex" else ()
@@ -212,7 +217,9 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
     )
     if buckets:
         warm_up_flex(heads, buckets, tc, device)
-    objective = wrap(HeadObjective(heads, plan), par, device, autocast_dtype(tc.autocast_dtype, device))
+    objective = wrap(
+        HeadObjective(heads, plan), par, device, autocast_dtype(tc.autocast_dtype, device)
+    )
     params = [p for p in objective.parameters() if p.requires_grad]
     groups = [{"params": params, "lr": tc.lr}]
     lora, lora_params = cfg.target_lora(), []
@@ -239,7 +246,9 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
         )
         stepper: Any = deepspeed_engine.DeepSpeedStep(objective)
     else:
-        stepper = TorchStep(optimizer, scheduler, params, lora_params, tc.grad_clip, tc.grad_accum, par)
+        stepper = TorchStep(
+            optimizer, scheduler, params, lora_params, tc.grad_clip, tc.grad_accum, par
+        )
     objective.train()
     context = StepContext(
         target,
@@ -257,8 +266,8 @@ def setup_model(run: Run, target: Any, data: Data) -> Model:
 
 
 def maybe_resume(run: Run, target: Any, model: Model) -> tuple[int, int, dict]:
-    """(step, sequences consumed, progress totals) of the checkpoint the run continues from, or a fresh
-    start's; each rank's own random stream is seeded either way."""
+    """(step, sequences consumed, progress totals) of the checkpoint the run continues from, or a
+    fresh start's; each rank's own random stream is seeded either way."""
     tc, par = run.tc, run.par
     torch.manual_seed(tc.seed + par.rank)  # each rank's own random stream (feature noise)
     ckpt_root = run.out / "checkpoints"
@@ -288,8 +297,11 @@ def maybe_resume(run: Run, target: Any, model: Model) -> tuple[int, int, dict]:
 
 
 def setup_step(run: Run, target: Any, data: Data, model: Model) -> TrainStep:
-    """One optimizer step of the run, with its finite-loss check (train.finite_check) and its FLOP count."""
-    finite = FiniteCheck(finite_mode(run.tc.finite_check, run.device), run.out / "checkpoints", run.par)
+    """One optimizer step of the run, with its finite-loss check (train.finite_check) and its FLOP
+    count."""
+    finite = FiniteCheck(
+        finite_mode(run.tc.finite_check, run.device), run.out / "checkpoints", run.par
+    )
     return TrainStep(
         model.context,
         model.stepper,
@@ -308,17 +320,23 @@ def setup_step(run: Run, target: Any, data: Data, model: Model) -> TrainStep:
     )
 
 
-def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[int, int, dict]) -> None:
-    """Steps up to train.max_steps (or train.max_seconds): logs every log_every steps (the only reads of the
-    device's figures), evaluates every eval_every, checkpoints every save_every and at the end."""
+def run_loop(
+    run: Run, target: Any, data: Data, model: Model, position: tuple[int, int, dict]
+) -> None:
+    """Steps up to train.max_steps (or train.max_seconds): logs every log_every steps (the only
+    reads of the device's figures), evaluates every eval_every, checkpoints every save_every and at
+    the end."""
     cfg, tc, par = run.cfg, run.tc, run.par
     step, consumed, progress = position
     ckpt_root = run.out / "checkpoints"
     logger = None
     if par.is_main:
         save_config(cfg, run.out)
-        logger = RunLogger(run.out / "log.jsonl", cfg.logging, cfg, resume_step=step if step > 0 else None)
-    micro = tc.micro_batch_size * par.world_size  # one global micro-batch; each rank reads its share
+        logger = RunLogger(
+            run.out / "log.jsonl", cfg.logging, cfg, resume_step=step if step > 0 else None
+        )
+    # one global micro-batch; each rank reads its share
+    micro = tc.micro_batch_size * par.world_size
     log.info(
         "effective batch: %d %s (%d per rank x %d accumulation x %d ranks)",
         micro * tc.grad_accum,
@@ -331,9 +349,12 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
     finite = train_step.finite
     throughput = Throughput(run.device, peak_flops(run.device, tc.peak_tflops))
     bar = tqdm(total=tc.max_steps, initial=step, desc="train", unit="step", disable=not par.is_main)
-    # the run's totals over all its resumes: runs are compared by the answer tokens they trained on and their
-    # wall time
-    seen, earlier_s = int(progress.get("answer_tokens", 0)), float(progress.get("wall_seconds", 0.0))
+    # the run's totals over all its resumes: runs are compared by the answer tokens they trained on
+    # and their wall time
+    seen, earlier_s = (
+        int(progress.get("answer_tokens", 0)),
+        float(progress.get("wall_seconds", 0.0)),
+    )
     started = time.time()
     while step < tc.max_steps:
         outcome = train_step(step + 1, consumed)
@@ -341,14 +362,21 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
         if step == 1 and tc.shard_target and not tc.features_dir:
             held, whole = held_bytes(target.model)
             log.info(
-                "target: rank %d holds %d of its %d parameter bytes after a forward", par.rank, held, whole
+                "target: rank %d holds %d of its %d parameter bytes after a forward",
+                par.rank,
+                held,
+                whole,
             )
         seen += outcome.tokens
         throughput.add(outcome.tokens, outcome.flops)
         bar.update(1)
-        progress = {"answer_tokens": seen, "wall_seconds": round(earlier_s + time.time() - started, 1)}
+        progress = {
+            "answer_tokens": seen,
+            "wall_seconds": round(earlier_s + time.time() - started, 1),
+        }
         out_of_time = False
-        if tc.max_seconds and step % tc.log_every == 0:  # rank 0's clock, so every rank stops at one step
+        # rank 0's clock, so every rank stops at one step
+        if tc.max_seconds and step % tc.log_every == 0:
             out_of_time = bool(par.broadcast_object(time.time() - started >= tc.max_seconds))
         last = step == tc.max_steps or out_of_time
         evaluating = tc.eval_every and (step % tc.eval_every == 0 or last) and data.held
@@ -369,7 +397,9 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
                 "step %d eval: %s",
                 step,
                 " ".join(
-                    f"{k.split('/', 1)[1]}={v:.3f}" for k, v in result.items() if "top" in k or "tau" in k
+                    f"{k.split('/', 1)[1]}={v:.3f}"
+                    for k, v in result.items()
+                    if "top" in k or "tau" in k
                 ),
             )
         if saving:
@@ -387,7 +417,9 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
                 progress,
             )
         if out_of_time:
-            log.info("train.max_seconds=%s reached at step %d of %d", tc.max_seconds, step, tc.max_steps)
+            log.info(
+                "train.max_seconds=%s reached at step %d of %d", tc.max_seconds, step, tc.max_steps
+            )
             break
     finite.settle()
     bar.close()
@@ -396,8 +428,9 @@ def run_loop(run: Run, target: Any, data: Data, model: Model, position: tuple[in
 
 
 def argmax_from_data(setting: str, device: torch.device, greedy: bool) -> bool:
-    """train.target_argmax resolved: whether the target's greedy next token is read from the data (skipping
-    its full lm_head); data on sampled datasets is refused, since their tokens are not the argmax."""
+    """train.target_argmax resolved: whether the target's greedy next token is read from the data
+    (skipping its full lm_head); data on sampled datasets is refused, since their tokens are not the
+    argmax."""
     if setting == "data" and not greedy:
         raise HeadwayError(
             "train.target_argmax=data needs datasets distilled at temperature 0 (their answer tokens are the "
@@ -410,8 +443,8 @@ def argmax_from_data(setting: str, device: torch.device, greedy: bool) -> bool:
 
 
 def warm_up_flex(heads: Any, buckets: tuple[int, ...], tc: Any, device: torch.device) -> None:
-    """Flex attention's compiles bounded (a recompile-limit hit raises) and, on a GPU, all made before step 1
-    (train/ttt_flex.py)."""
+    """Flex attention's compiles bounded (a recompile-limit hit raises) and, on a GPU, all made
+    before step 1 (train/ttt_flex.py)."""
     steps = getattr(heads.cfg, "ttt_steps", 1)
     shapes = len(flex_shapes(buckets, steps))
     limit_compiles(shapes)
@@ -419,7 +452,12 @@ def warm_up_flex(heads: Any, buckets: tuple[int, ...], tc: Any, device: torch.de
         started = time.time()
         config = heads.decoder.config
         warm_flex(
-            config, tc.micro_batch_size, buckets, steps, autocast_dtype(tc.autocast_dtype, device), device
+            config,
+            tc.micro_batch_size,
+            buckets,
+            steps,
+            autocast_dtype(tc.autocast_dtype, device),
+            device,
         )
         log.info(
             "flex attention: %d shapes (buckets %s) compiled in %.0f s",
@@ -430,8 +468,9 @@ def warm_up_flex(heads: Any, buckets: tuple[int, ...], tc: Any, device: torch.de
 
 
 def ttt_attention(setting: str, device: torch.device) -> str:
-    """train.ttt_attention resolved: auto is flex (block masks, no [T, T] tensors) on CUDA and structured
-    elsewhere; flex off CUDA is refused, since torch runs flex attention's backward on GPUs only."""
+    """train.ttt_attention resolved: auto is flex (block masks, no [T, T] tensors) on CUDA and
+    structured elsewhere; flex off CUDA is refused, since torch runs flex attention's backward on
+    GPUs only."""
     if setting == "auto":
         return "flex" if device.type == "cuda" else "structured"
     if setting == "flex" and device.type != "cuda":
@@ -443,16 +482,17 @@ def ttt_attention(setting: str, device: torch.device) -> str:
 
 
 def loss_chunk(setting: int, device: torch.device) -> int:
-    """train.loss_chunk resolved: auto (-1) is one pass on CPUs (the same bits as ever) and 4,096-row chunks
-    on CUDA, where the [n, V] tensors a full loss keeps are most of a long batch's memory."""
+    """train.loss_chunk resolved: auto (-1) is one pass on CPUs (the same bits as ever) and
+    4,096-row chunks on CUDA, where the [n, V] tensors a full loss keeps are most of a long batch's
+    memory."""
     if setting >= 0:
         return setting
     return 4096 if device.type == "cuda" else 0
 
 
 def finite_mode(setting: str, device: torch.device) -> str:
-    """train.finite_check resolved: auto reads each step's loss before its update on CPUs (no cost there)
-    and one step late on GPUs (no stall)."""
+    """train.finite_check resolved: auto reads each step's loss before its update on CPUs (no cost
+    there) and one step late on GPUs (no stall)."""
     if setting != "auto":
         return setting
     return "lagged" if device.type == "cuda" else "step"
@@ -462,12 +502,14 @@ def finish(run: Run, target: Any, data: Data, model: Model) -> Path:
     """The trained head exported (rank 0), then the process group closed."""
     par = run.par
     head_dir = run.out / "head"
-    final = _final_heads(run.cfg, target, data.train_set, model.objective, model.heads, model.optimizer, par)
+    final = _final_heads(
+        run.cfg, target, data.train_set, model.objective, model.heads, model.optimizer, par
+    )
     if par.is_main:
         head_dir = _export(run.cfg, target, final, data.held, model.context.t2d, run.out)
-    # the wrapped objective (DDP's reducer, FSDP, DeepSpeed) and its optimizer go before the process group:
-    # freed only at interpreter exit, work they still hold on gloo can abort the process after the
-    # run succeeded
+    # the wrapped objective (DDP's reducer, FSDP, DeepSpeed) and its optimizer go before the process
+    # group: freed only at interpreter exit, work they still hold on gloo can abort the process
+    # after the run succeeded
     model.objective = model.optimizer = model.scheduler = model.stepper = model.context = None
     gc.collect()
     par.close()
@@ -478,7 +520,8 @@ def train(cfg: RunConfig) -> Path:
     """Train a head on a frozen target, resuming from the run's latest checkpoint when there is one.
 
     Args:
-        cfg: the run config; its target, head, train and logging sections (and features, offline) are read.
+        cfg: the run config; its target, head, train and logging sections (and features, offline)
+            are read.
     Returns:
         The native head directory written at the end (`<train.output_dir>/head`; rank 0's path on
         every rank)."""
@@ -492,7 +535,13 @@ def train(cfg: RunConfig) -> Path:
 
 
 def _final_heads(
-    cfg: RunConfig, target: Any, train_set: list, objective: Any, heads: Any, optimizer: Any, par: Parallel
+    cfg: RunConfig,
+    target: Any,
+    train_set: list,
+    objective: Any,
+    heads: Any,
+    optimizer: Any,
+    par: Parallel,
 ) -> Any:
     """The trained head as one plain module on rank 0 (FSDP, DeepSpeed: gathered from the shards;
     a collective)."""
@@ -502,7 +551,8 @@ def _final_heads(
     if not par.is_main:
         return None
     torch.manual_seed(cfg.train.seed)
-    # the trained vocabulary map, not a new count over the training set: the other ranks wait in a barrier
+    # the trained vocabulary map, not a new count over the training set: the other ranks wait in a
+    # barrier
     d2t = model_state.get("d2t")
     final = build_heads(cfg.head, cfg.train.init_from, target, train_set, d2t).to(target.device)
     final.load_state_dict(model_state)
@@ -510,8 +560,8 @@ def _final_heads(
 
 
 def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: Path) -> Path:
-    """Write the native head (rank 0), with the kind's calibration on the held-out split (Medusa's per-rank
-    accuracy, for the tree builder)."""
+    """Write the native head (rank 0), with the kind's calibration on the held-out split (Medusa's
+    per-rank accuracy, for the tree builder)."""
     tc = cfg.train
     extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
     calibrate = OBJECTIVES[cfg.head.kind].calibrate

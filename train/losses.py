@@ -8,14 +8,16 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100
-# A metric `name` that is a mean over rows comes with `name + COUNT`, its row count: micro-batches and ranks
-# are averaged as sums over counts (train/metrics.py), so a micro-batch with few rows weighs little and one
-# with none nothing, and every objective emits the same keys whatever its rows (the ranks' all-reduce of
-# them has one length).
+# A metric `name` that is a mean over rows comes with `name + COUNT`, its row count: micro-batches
+# and ranks are averaged as sums over counts (train/metrics.py), so a micro-batch with few rows
+# weighs little and one with none nothing, and every objective emits the same keys whatever its rows
+# (the ranks' all-reduce of them has one length).
 COUNT = "#n"
 
 
-def counted(metrics: dict[str, torch.Tensor], name: str, mean: torch.Tensor, mask: torch.Tensor) -> None:
+def counted(
+    metrics: dict[str, torch.Tensor], name: str, mean: torch.Tensor, mask: torch.Tensor
+) -> None:
     """Set metrics[name] to `mean` (a mean over the rows where `mask` is true) and its row count."""
     metrics[name] = mean
     metrics[name + COUNT] = mask.sum().float()
@@ -48,7 +50,9 @@ def medusa_labels(
             continue
         tok = input_ids[:, shift:]
         lab = tok if t2d is None else t2d[tok]
-        lab = torch.where(loss_mask[:, shift:].bool() & (lab >= 0), lab, torch.full_like(lab, IGNORE))
+        lab = torch.where(
+            loss_mask[:, shift:].bool() & (lab >= 0), lab, torch.full_like(lab, IGNORE)
+        )
         labels[i, :B, : T - shift] = lab
     return labels
 
@@ -61,17 +65,17 @@ def medusa_loss(
     rows: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weighted sum over heads of the mean loss on labelled positions; soft targets turn CE into the
-    cross-entropy to the target's distribution (KL up to a constant). Nothing is read back to the host:
-    the means divide by device counts, and metrics are 0-dim device tensors.
+    cross-entropy to the target's distribution (KL up to a constant). Nothing is read back to the
+    host: the means divide by device counts, and metrics are 0-dim device tensors.
 
     Args:
         logits: [K, B, T, V] head logits.
         labels: [K, B, T] draft-id labels, IGNORE where no loss is taken.
         decay: head i's loss weight is decay**i.
-        soft_targets: [K, B, T, V] distributions (all positions), or, with `rows`, head i's [n_i, V] at
-            its rows.
-        rows: head i's (batch rows, positions) [n_i], a host-computed superset of its labelled positions
-            (Medusa's plan); None = every position.
+        soft_targets: [K, B, T, V] distributions (all positions), or, with `rows`, head i's [n_i, V]
+            at its rows.
+        rows: head i's (batch rows, positions) [n_i], a host-computed superset of its labelled
+            positions (Medusa's plan); None = every position.
     Returns:
         (loss, metrics): loss/head{i}, top1/head{i}, top5/head{i}.
     """
@@ -106,7 +110,8 @@ def medusa_loss(
 def distill_kl(
     adapted_logits: torch.Tensor, frozen_logits: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
-    """Mean over real tokens of KL(frozen target || adapted target): keeps Medusa-2's target itself."""
+    """Mean over real tokens of KL(frozen target || adapted target): keeps Medusa-2's target
+    itself."""
     logp = F.log_softmax(adapted_logits.float(), -1)
     logq = F.log_softmax(frozen_logits.float(), -1)
     kl = (logq.exp() * (logq - logp)).sum(-1)
@@ -120,7 +125,8 @@ def wide(t: torch.Tensor) -> torch.Tensor:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` where `mask` is true (0 when nothing is), with a device denominator: no host read."""
+    """Mean of `values` where `mask` is true (0 when nothing is), with a device denominator: no host
+    read."""
     dtype = values.dtype if values.is_floating_point() else torch.float32
     mask = mask.bool()
     kept = torch.where(mask, values.to(dtype), torch.zeros((), dtype=dtype, device=values.device))
@@ -134,15 +140,20 @@ def draft_loss(
     same vocabulary, over the rows where the bool `weight` [n] is true (None: all rows); the mean's
     denominator stays on the device.
 
-    soft_ce: cross-entropy to target_p (KL up to a constant); argmax_ce: cross-entropy on target_p's argmax,
-    the token greedy verification accepts; tv: total variation, since 1 - TV(draft, target) is the chance that
-    lossless sampling accepts a drafted token; soft_ce+tv: their sum.
+    soft_ce: cross-entropy to target_p (KL up to a constant); argmax_ce: cross-entropy on target_p's
+        argmax,
+    the token greedy verification accepts; tv: total variation, since 1 - TV(draft, target) is the
+    chance that lossless sampling accepts a drafted token; soft_ce+tv: their sum.
     """
     return masked_mean(draft_loss_rows(kind, logits, target_p), _all_rows(logits, weight))
 
 
 def _all_rows(logits: torch.Tensor, weight: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device) if weight is None else weight
+    return (
+        torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if weight is None
+        else weight
+    )
 
 
 def draft_loss_rows(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> torch.Tensor:
@@ -162,9 +173,9 @@ def draft_loss_rows(kind: str, logits: torch.Tensor, target_p: torch.Tensor) -> 
 
 
 def chain_acceptance(correct: list[torch.Tensor], valid0: torch.Tensor) -> torch.Tensor:
-    """Expected tokens per target forward of a greedy chain, simulated: 1 + the mean over positions valid at
-    step 0 of how many leading steps drafted the target's token. correct[j]: bool [B, T], step j right
-    at t."""
+    """Expected tokens per target forward of a greedy chain, simulated: 1 + the mean over positions
+    valid at step 0 of how many leading steps drafted the target's token. correct[j]: bool [B, T],
+    step j right at t."""
     run = torch.ones_like(valid0, dtype=torch.float32)
     length = torch.zeros_like(run)
     for c in correct:
@@ -173,6 +184,8 @@ def chain_acceptance(correct: list[torch.Tensor], valid0: torch.Tensor) -> torch
     return 1 + masked_mean(length, valid0)
 
 
-def chain_metric(metrics: dict[str, torch.Tensor], correct: list[torch.Tensor], valid0: torch.Tensor) -> None:
+def chain_metric(
+    metrics: dict[str, torch.Tensor], correct: list[torch.Tensor], valid0: torch.Tensor
+) -> None:
     """metrics["tau/chain"] (`chain_acceptance`) and its count: the positions valid at step 0."""
     counted(metrics, "tau/chain", chain_acceptance(correct, valid0).detach(), valid0)

@@ -1,9 +1,9 @@
 """Training figures kept on the device until a log step reads them, and the run's throughput.
 
-A training step reads nothing back to the host: its loss, metrics and gradient norm stay 0-dim device tensors.
-Every `train.log_every` steps `read` averages them across ranks in one all-reduce of one stacked tensor and
-reads that back with one `tolist()`: the only host read of the loop outside the finite-loss check
-(train/step.py) and evaluation.
+A training step reads nothing back to the host: its loss, metrics and gradient norm stay 0-dim
+device tensors. Every `train.log_every` steps `read` averages them across ranks in one all-reduce of
+one stacked tensor and reads that back with one `tolist()`: the only host read of the loop outside
+the finite-loss check (train/step.py) and evaluation.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from headway.train.distributed import Parallel
 from headway.train.losses import COUNT
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by a substring of torch.cuda.get_device_name, for
-# MFU when train.peak_tflops is 0 (auto). Longest names first: "H100 PCIe" before "H100".
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity), by a substring of torch.cuda.get_device_name,
+# for MFU when train.peak_tflops is 0 (auto). Longest names first: "H100 PCIe" before "H100".
 PEAK_TFLOPS = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
@@ -34,9 +34,9 @@ PEAK_TFLOPS = {
 
 
 class MetricSums:
-    """Metrics summed over micro-batches as (sum, count) pairs on the device: a metric with a row count
-    (`name` and `name#n`, train/losses.py `counted`) adds mean x count and count, any other adds itself and 1
-    (the loss, a gradient norm: a mean per micro-batch)."""
+    """Metrics summed over micro-batches as (sum, count) pairs on the device: a metric with a row
+    count (`name` and `name#n`, train/losses.py `counted`) adds mean x count and count, any other
+    adds itself and 1 (the loss, a gradient norm: a mean per micro-batch)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
@@ -59,9 +59,10 @@ class MetricSums:
 
 
 def read(values: dict[str, torch.Tensor], par: Parallel) -> dict[str, float]:
-    """Each metric averaged over micro-batches and ranks as its sum over its count, read to the host at once
-    (one all-reduce of one stacked tensor: a collective, the same keys on every rank). values: name -> a
-    [2] (sum, count) tensor (`MetricSums`), or a 0-dim value counted once (a rank's mean)."""
+    """Each metric averaged over micro-batches and ranks as its sum over its count, read to the host
+    at once (one all-reduce of one stacked tensor: a collective, the same keys on every rank).
+    values: name -> a [2] (sum, count) tensor (`MetricSums`), or a 0-dim value counted once (a
+        rank's mean)."""
     if not values:
         return {}
     keys = sorted(values)
@@ -77,8 +78,8 @@ def read(values: dict[str, torch.Tensor], par: Parallel) -> dict[str, float]:
 
 
 def peak_flops(device: torch.device, peak_tflops: float) -> Optional[float]:
-    """FLOP/s of 100% MFU: train.peak_tflops when set, else the GPU's dense bf16 peak when known; None (no MFU
-    logged) on CPUs and unknown GPUs."""
+    """FLOP/s of 100% MFU: train.peak_tflops when set, else the GPU's dense bf16 peak when known;
+    None (no MFU logged) on CPUs and unknown GPUs."""
     if peak_tflops > 0:
         return peak_tflops * 1e12
     if device.type != "cuda":
@@ -91,8 +92,9 @@ def peak_flops(device: torch.device, peak_tflops: float) -> Optional[float]:
 
 
 class Throughput:
-    """Answer tokens and model FLOPs per second between log steps: timed by CUDA events on GPUs (the time the
-    device spent, read when the log step synchronises anyway), by the wall clock on CPUs."""
+    """Answer tokens and model FLOPs per second between log steps: timed by CUDA events on GPUs (the
+    time the device spent, read when the log step synchronises anyway), by the wall clock on
+    CPUs."""
 
     def __init__(self, device: torch.device, peak: Optional[float]):
         self.cuda = device.type == "cuda"
@@ -108,12 +110,14 @@ class Throughput:
         return time.perf_counter()
 
     def add(self, tokens: int, flops: float) -> None:
-        """One step's global answer tokens and model FLOPs (host numbers, from the batch's shapes)."""
+        """One step's global answer tokens and model FLOPs (host numbers, from the batch's
+        shapes)."""
         self.tokens += tokens
         self.flops += flops
 
     def read(self) -> dict[str, float]:
-        """tokens_per_s, tflops_per_s and (with a known peak) mfu since the last read; restarts the count."""
+        """tokens_per_s, tflops_per_s and (with a known peak) mfu since the last read; restarts the
+        count."""
         end = self._mark()
         if self.cuda:
             end.synchronize()

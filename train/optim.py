@@ -1,5 +1,6 @@
-"""The optimizer and learning-rate schedule of a run: AdamW (fused on CUDA) over the head's trainable
-parameters (and Medusa-2's LoRA adapters, at their own rate), with linear warm-up then cosine decay."""
+"""The optimizer and learning-rate schedule of a run: AdamW (fused on CUDA) over the head's
+trainable parameters (and Medusa-2's LoRA adapters, at their own rate), with linear warm-up then
+cosine decay."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import torch
 
 
 def make_optimizer(groups: list[dict], tc: Any, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the parameter groups with train.lr, weight_decay and betas; fused into one kernel per step
-    on CUDA (torch's fused AdamW), torch's default (foreach) implementation elsewhere."""
+    """AdamW over the parameter groups with train.lr, weight_decay and betas; fused into one kernel
+    per step on CUDA (torch's fused AdamW), torch's default (foreach) implementation elsewhere."""
     fused = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas), **fused)
+    return torch.optim.AdamW(
+        groups, lr=tc.lr, weight_decay=tc.weight_decay, betas=tuple(tc.betas), **fused
+    )
 
 
 def cosine_schedule(optimizer: Any, warmup: int, total: int, min_ratio: float) -> Any:

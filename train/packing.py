@@ -1,12 +1,15 @@
-"""Packing: whole sequences filled into rows of a fixed token length, instead of padding each to the longest.
+"""Packing: whole sequences filled into rows of a fixed token length, instead of padding each to the
+longest.
 
-A packed micro-batch is `rows` rows of `length` tokens, however many sequences fill them: every step has the
-same shape, and a token of padding is only what the last sequence of a row leaves. Each sequence keeps its own
-positions (restarting at 0) and sees only itself: `doc` [R, L] numbers the sequences of a row (-1 on padding),
-and the target's and the heads' attention are document-causal (train/target_features.py, train/ttt.py).
+A packed micro-batch is `rows` rows of `length` tokens, however many sequences fill them: every step
+has the same shape, and a token of padding is only what the last sequence of a row leaves. Each
+sequence keeps its own positions (restarting at 0) and sees only itself: `doc` [R, L] numbers the
+sequences of a row (-1 on padding), and the target's and the heads' attention are document-causal
+(train/target_features.py, train/ttt.py).
 
-The stream is the padded one (`batch_at`): sequences are taken in its order, so the batches are a pure
-function of (seed, sequences consumed) and a resumed run reads the same ones; a step reports where it stopped.
+The stream is the padded one (`batch_at`): sequences are taken in its order, so the batches are a
+pure function of (seed, sequences consumed) and a resumed run reads the same ones; a step reports
+where it stopped.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ def pack_at(
     window: int = 0,
     stream: Optional[Stream] = None,
 ) -> tuple[list[list[Sample]], int]:
-    """The sequences after the first `consumed` of the stream, filled in order into `rows` rows of `length`
-    tokens: one that does not fit the current row starts the next, and the first that fits no row left ends
+    """The sequences after the first `consumed` of the stream, filled in order into `rows` rows of
+    `length`
+    tokens: one that does not fit the current row starts the next, and the first that fits no row
+        left ends
     the batch.
 
     Args:
-        stream: the run's `Stream` over `samples` (its epoch orders kept between calls); None: made here.
+        stream: the run's `Stream` over `samples` (its epoch orders kept between calls); None: made
+            here.
     Returns:
         (the rows' sequences, the stream position after the last one taken).
     """
@@ -57,9 +63,9 @@ def pack_at(
 
 
 def collate_packed(rows: list[list[Sample]], length: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """The packed micro-batch [R, L]: input_ids, attention_mask (1 on real tokens), loss_mask, doc (each
-    token's sequence within its row; -1 on padding) and positions (restarting at each sequence, and at the
-    padding)."""
+    """The packed micro-batch [R, L]: input_ids, attention_mask (1 on real tokens), loss_mask, doc
+    (each token's sequence within its row; -1 on padding) and positions (restarting at each
+    sequence, and at the padding)."""
     R = len(rows)
     ids = torch.full((R, length), pad_id, dtype=torch.long)
     attn = torch.zeros((R, length), dtype=torch.long)
@@ -76,4 +82,10 @@ def collate_packed(rows: list[list[Sample]], length: int, pad_id: int) -> dict[s
             pos[r, at : at + n] = torch.arange(n)
             at += n
         pos[r, at:] = torch.arange(length - at)
-    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss, "doc": doc, "positions": pos}
+    return {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "loss_mask": loss,
+        "doc": doc,
+        "positions": pos,
+    }

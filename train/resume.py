@@ -1,5 +1,6 @@
-"""Checkpoints of a running job and resuming from them: what a checkpoint holds is gathered from every rank
-(train/checkpointing.py writes and reads the files), and a resumed run must be the same run (RUN_IDENTITY)."""
+"""Checkpoints of a running job and resuming from them: what a checkpoint holds is gathered from
+every rank (train/checkpointing.py writes and reads the files), and a resumed run must be the same
+run (RUN_IDENTITY)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,17 @@ log = logging.getLogger("headway")
 def gather_state(
     objective: Any, heads: Any, optimizer: Any, par: Parallel, lora: bool
 ) -> tuple[dict, dict, str]:
-    """The head's and optimizer's whole state (a collective: every rank calls it). Runs with LoRA adapters
-    keep torch's own optimizer format (their optimizer also holds the target's adapters); DeepSpeed's
-    optimizer state stays in its own per-rank shards."""
+    """The head's and optimizer's whole state (a collective: every rank calls it). Runs with LoRA
+    adapters keep torch's own optimizer format (their optimizer also holds the target's adapters);
+    DeepSpeed's optimizer state stays in its own per-rank shards."""
     if lora:
         return heads.state_dict(), optimizer.state_dict(), "index"
     if par.backend == "deepspeed":
-        model_state, optim_state, fmt = deepspeed_engine.full_module_state(objective), {}, "deepspeed"
+        model_state, optim_state, fmt = (
+            deepspeed_engine.full_module_state(objective),
+            {},
+            "deepspeed",
+        )
     else:
         (model_state, optim_state), fmt = full_state(objective, optimizer, par), "fqn"
     return {k.removeprefix("heads."): v for k, v in model_state.items()}, optim_state, fmt
@@ -53,7 +58,8 @@ def write_checkpoint(
     model_state, optim_state, fmt = gather_state(objective, heads, optimizer, par, adapted)
     rngs = par.gather_objects(rng_state(par.device))
     shards = {}
-    if fmt == "deepspeed":  # every rank writes its shard beside the checkpoint; rank 0 moves them in
+    # every rank writes its shard beside the checkpoint; rank 0 moves them in
+    if fmt == "deepspeed":
         staging = root / f".shards-step-{step:08d}"
         if par.is_main:
             shutil.rmtree(staging, ignore_errors=True)
@@ -81,8 +87,8 @@ def write_checkpoint(
     fault_point(f"checkpoint:{step}")
 
 
-# What a checkpoint's weights and data order depend on: a resumed run must agree on all of them (the batch may
-# be split differently: the data position is counted in sequences).
+# What a checkpoint's weights and data order depend on: a resumed run must agree on all of them (the
+# batch may be split differently: the data position is counted in sequences).
 RUN_IDENTITY = (
     "head",
     "target.name_or_path",
@@ -93,18 +99,22 @@ RUN_IDENTITY = (
     "train.dedup",
     "train.dedup_threshold",
 )
-# Settings within RUN_IDENTITY that a resumed run may still change: Medusa's loss and decay (they could be
-# changed as train.loss and train.decay, before they moved into the head section).
+# Settings within RUN_IDENTITY that a resumed run may still change: Medusa's loss and decay (they
+# could be changed as train.loss and train.decay, before they moved into the head section).
 RESUME_MAY_CHANGE = ("head.medusa.loss", "head.medusa.decay")
 
 
 def check_same_run(saved: Path, cfg: RunConfig) -> None:
-    """Refuse to continue a run written with another head, data or batch (train.resume_from=auto)."""
+    """Refuse to continue a run written with another head, data or batch
+    (train.resume_from=auto)."""
     if not saved.is_file():
         return
     from omegaconf import OmegaConf
 
-    old, new = read_renamed_keys(RunConfig, OmegaConf.load(saved), str(saved)), OmegaConf.structured(cfg)
+    old, new = (
+        read_renamed_keys(RunConfig, OmegaConf.load(saved), str(saved)),
+        OmegaConf.structured(cfg),
+    )
     try:  # a key the saved config lacks was written before it existed: it had the default then
         old = OmegaConf.merge(OmegaConf.structured(RunConfig()), old)
     except Exception:  # a key since removed: compare what both have
@@ -148,7 +158,11 @@ def resume_from(
         optimizer.load_state_dict(ck.optim_state)
     else:
         load_full_state(
-            objective, optimizer, {f"heads.{k}": v for k, v in ck.model_state.items()}, ck.optim_state, par
+            objective,
+            optimizer,
+            {f"heads.{k}": v for k, v in ck.model_state.items()},
+            ck.optim_state,
+            par,
         )
     if ck.adapters is not None:
         from peft import set_peft_model_state_dict

@@ -1,5 +1,6 @@
 """The head a run trains: fresh for the target (a draft vocabulary from the training data) or from
-train.init_from's weights; the target hidden states it reads; Medusa-2's LoRA adapters on the target."""
+train.init_from's weights; the target hidden states it reads; Medusa-2's LoRA adapters on the
+target."""
 
 from __future__ import annotations
 
@@ -58,15 +59,15 @@ def adapter_state(model: Any, enabled: bool) -> Any:
 
 
 def kind_config(head: HeadConfig, num_layers: int) -> Any:
-    """The head kind's config (the `head` section's own) with defaults resolved for this target (EAGLE-3's
-    feature layers: they are saved with the head)."""
+    """The head kind's config (the `head` section's own) with defaults resolved for this target
+    (EAGLE-3's feature layers: they are saved with the head)."""
     return head_kind(head.kind).for_target(head.kind_config(), num_layers)
 
 
 def heads_from(head: HeadConfig, init_from: str, target: Any) -> Any:
     """The head of train.init_from, checked against the run's `head` section: same kind, same target
-    (load_head refuses another) and the same shape-defining settings; its training-only settings are the
-    run's."""
+    (load_head refuses another) and the same shape-defining settings; its training-only settings are
+    the run's."""
     path = Path(init_from).expanduser()
     kind = read_head_config(path).get("kind")
     if kind != head.kind:
@@ -89,9 +90,12 @@ def heads_from(head: HeadConfig, init_from: str, target: Any) -> Any:
         if f.name not in (*free, *added) and getattr(run_cfg, f.name) != getattr(heads.cfg, f.name)
     ]
     if added and not differ:  # the head, with the parts these settings add at their initial weights
-        heads = with_added_parts(heads, replace(heads.cfg, **{k: getattr(run_cfg, k) for k in added}))
+        heads = with_added_parts(
+            heads, replace(heads.cfg, **{k: getattr(run_cfg, k) for k in added})
+        )
         log.info(
-            "train.init_from: %s start at their initial weights", ", ".join(f"head.{kind}.{k}" for k in added)
+            "train.init_from: %s start at their initial weights",
+            ", ".join(f"head.{kind}.{k}" for k in added),
         )
     if differ:
         shown = ", ".join(f"{k}={getattr(heads.cfg, k)!r}" for k in differ)
@@ -106,15 +110,19 @@ def heads_from(head: HeadConfig, init_from: str, target: Any) -> Any:
 
 
 def with_added_parts(heads: Any, cfg: Any) -> Any:
-    """`heads` rebuilt under `cfg`, which adds parts (EAGLE-3.1's norms): every weight of `heads` kept, the
-    added ones at their initial values."""
+    """`heads` rebuilt under `cfg`, which adds parts (EAGLE-3.1's norms): every weight of `heads`
+    kept, the added ones at their initial values."""
     spec = head_kind(heads.kind)
     layer_config = getattr(heads, "layer_config", None)
-    grown = spec.build(cfg, heads.hidden_size, heads.vocab_size, heads.d2t, layer_config).to(heads.d2t.device)
+    grown = spec.build(cfg, heads.hidden_size, heads.vocab_size, heads.d2t, layer_config).to(
+        heads.d2t.device
+    )
     missing, unexpected = grown.load_state_dict(heads.state_dict(), strict=False)
     fresh = set(grown.state_dict()) - set(heads.state_dict())
     if unexpected or set(missing) != fresh:
-        raise HeadwayError(f"internal: {cfg} does not only add parts to the head ({unexpected or missing})")
+        raise HeadwayError(
+            f"internal: {cfg} does not only add parts to the head ({unexpected or missing})"
+        )
     return grown
 
 
@@ -125,14 +133,18 @@ def build_heads(
     train_samples: list,
     d2t: Optional[torch.Tensor] = None,
 ) -> Any:
-    """A fresh head of the `head` section for the target (or train.init_from's); a reduced vocabulary is
-    `d2t` when given (a trained head's, rebuilt: no pass over the samples) or else the most frequent tokens
-    the target wrote (in `train_samples`)."""
+    """A fresh head of the `head` section for the target (or train.init_from's); a reduced
+    vocabulary is `d2t` when given (a trained head's, rebuilt: no pass over the samples) or else the
+    most frequent tokens the target wrote (in `train_samples`)."""
     if init_from:
         return heads_from(head, init_from, target)
     kind, spec = head.kind, head_kind(head.kind)
     text = text_config(target.config)
-    hidden, vocab, num_layers = int(text.hidden_size), int(text.vocab_size), int(text.num_hidden_layers)
+    hidden, vocab, num_layers = (
+        int(text.hidden_size),
+        int(text.vocab_size),
+        int(text.num_hidden_layers),
+    )
     kind_cfg = kind_config(head, num_layers)
     if not spec.reduced_vocab(kind_cfg):
         d2t = None
@@ -153,7 +165,9 @@ def build_heads(
         d2t = torch.sort(torch.topk(freq, size).indices).values
         covered = float(freq[d2t].sum()) / max(1, int(freq.sum()))
         log.info(
-            "draft vocabulary: %d tokens cover %.1f%% of the target's training tokens", size, 100 * covered
+            "draft vocabulary: %d tokens cover %.1f%% of the target's training tokens",
+            size,
+            100 * covered,
         )
     layer_config = draft_layer_config(target.config, kind_cfg.draft_layer) if spec.layered else None
     heads = spec.build(kind_cfg, hidden, vocab, d2t=d2t, layer_config=layer_config)
@@ -163,8 +177,10 @@ def build_heads(
 
 
 def feature_layers(head: HeadConfig, target: Any) -> list[int]:
-    """The target hidden states a step needs: the head's own (from the `head` section, as build_heads
-    resolves them), plus the last one (the target's logits)."""
+    """The target hidden states a step needs: the head's own (from the `head` section, as
+    build_heads resolves them), plus the last one (the target's logits)."""
     num_layers = int(text_config(target.config).num_hidden_layers)
     module = head_kind(head.kind).module
-    return sorted(set(module.feature_layers(kind_config(head, num_layers), num_layers)) | {num_layers})
+    return sorted(
+        set(module.feature_layers(kind_config(head, num_layers), num_layers)) | {num_layers}
+    )

@@ -1,13 +1,15 @@
-"""One optimizer step: grad_accum micro-batches forward and backward, then the update, with no host read.
+"""One optimizer step: grad_accum micro-batches forward and backward, then the update, with no host
+read.
 
-A micro-batch is collated and planned on the host (the objective's index tensors, train/objectives/), then
-uploaded; the target's features (online, or from the offline cache) and the head's loss stay on the device.
-Losses, metrics and the gradient norm come back as device tensors. Between accumulated micro-batches DDP
-and FSDP2 keep their gradients local (`TorchStep.accumulating`).
+A micro-batch is collated and planned on the host (the objective's index tensors,
+train/objectives/), then uploaded; the target's features (online, or from the offline cache) and the
+head's loss stay on the device. Losses, metrics and the gradient norm come back as device tensors.
+Between accumulated micro-batches DDP and FSDP2 keep their gradients local
+(`TorchStep.accumulating`).
 
-The finite-loss check (`FiniteCheck`) reads the step's losses before its update (train.finite_check=step, the
-CPU default) or one step late (lagged, the CUDA default), when the device has long finished them, so that the
-host never waits on the device inside a step.
+The finite-loss check (`FiniteCheck`) reads the step's losses before its update
+(train.finite_check=step, the CPU default) or one step late (lagged, the CUDA default), when the
+device has long finished them, so that the host never waits on the device inside a step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def plan_batch(samples: list[Sample], pad_id: int, objective: Any) -> dict[str, 
 def plan_packed(
     rows: list[list[Sample]], length: int, pad_id: int, objective: Any
 ) -> dict[str, torch.Tensor]:
-    """The micro-batch packed into rows of `length` tokens (train/packing.py) and planned, on the host."""
+    """The micro-batch packed into rows of `length` tokens (train/packing.py) and planned, on the
+    host."""
     batch = collate_packed(rows, length, pad_id)
     return {**batch, **objective.plan(batch)}
 
@@ -65,8 +68,8 @@ def step_loss(
         run: the run's step context.
         planned: the micro-batch `plan_batch` made on the host (uploaded here).
         samples: its sequences (their keys name them in the offline feature cache).
-        adapt: Medusa-2 past its heads-only warm-up: the LoRA-adapted target runs with gradients and a
-            distillation loss keeps it close to the frozen target.
+        adapt: Medusa-2 past its heads-only warm-up: the LoRA-adapted target runs with gradients and
+            a distillation loss keeps it close to the frozen target.
     Returns:
         (loss, metrics): a 0-dim loss to backpropagate and name -> 0-dim tensor, on the device.
     """
@@ -82,7 +85,12 @@ def step_loss(
         # greedy data: the token after t is the target's argmax at t, so its full lm_head is not run
         with torch.no_grad(), autocast:
             hidden, _ = target_features(
-                target.model, ids, run.layers, batch.get("positions"), batch.get("doc"), logits=False
+                target.model,
+                ids,
+                run.layers,
+                batch.get("positions"),
+                batch.get("doc"),
+                logits=False,
             )
         feats = Features(hidden, model=target.model, argmax=shifted(ids, 1))
     else:
@@ -104,8 +112,8 @@ def step_loss(
 
 @dataclass
 class StepContext:
-    """What every micro-batch of the run needs: the target, the wrapped objective (the module DDP, FSDP or
-    DeepSpeed wraps) and the kind's objective that plans batches on the host."""
+    """What every micro-batch of the run needs: the target, the wrapped objective (the module DDP,
+    FSDP or DeepSpeed wraps) and the kind's objective that plans batches on the host."""
 
     target: Any
     objective: Any
@@ -116,7 +124,8 @@ class StepContext:
     autocast: str = "auto"
     cache: Optional[FeatureCache] = None
     distill_weight: float = 0.0
-    # train.target_argmax resolved: the target's argmax is the data's next token (its lm_head skipped)
+    # train.target_argmax resolved: the target's argmax is the data's next token (its lm_head
+    # skipped)
     argmax_from_data: bool = False
 
 
@@ -145,12 +154,12 @@ class StepOutcome:
 class FiniteCheck:
     """Stops the run at a non-finite loss, naming the step, its batch and the last good checkpoint.
 
-    mode=step reads each step's losses before its update, so a bad step changes nothing. mode=lagged starts
-    the read after the step's update is queued (every rank's flag reduced on the device, then copied to
-    pinned host memory behind a CUDA event) and looks at it when the next step is queued, when the device has
-    long finished it: the host never waits on the device inside a step. A bad step's update is then applied
-    and the run stops one step later; no checkpoint is written after it, since a checkpoint first reads the
-    pending check (`settle`)."""
+    mode=step reads each step's losses before its update, so a bad step changes nothing. mode=lagged
+    starts the read after the step's update is queued (every rank's flag reduced on the device, then
+    copied to pinned host memory behind a CUDA event) and looks at it when the next step is queued,
+    when the device has long finished it: the host never waits on the device inside a step. A bad
+    step's update is then applied and the run stops one step later; no checkpoint is written after
+    it, since a checkpoint first reads the pending check (`settle`)."""
 
     def __init__(self, mode: str, ckpt_root: Path, par: Parallel):
         self.mode, self.ckpt_root, self.par = mode, ckpt_root, par
@@ -175,7 +184,8 @@ class FiniteCheck:
             self.pending = (outcome, flag, event)
 
     def settle(self) -> None:
-        """Read the pending step's check now (before a checkpoint, an evaluation or the end of the run)."""
+        """Read the pending step's check now (before a checkpoint, an evaluation or the end of the
+        run)."""
         if self.pending is not None:
             (outcome, flag, event), self.pending = self.pending, None
             if event is not None:
@@ -211,7 +221,8 @@ class StepPlan:
     """One optimizer step's micro-batches as the host prepared them: collated, planned, counted."""
 
     step: int
-    micro: list[tuple[dict[str, torch.Tensor], list[Sample]]]  # (planned batch, its samples) per micro-batch
+    # (planned batch, its samples) per micro-batch
+    micro: list[tuple[dict[str, torch.Tensor], list[Sample]]]
     names: list[str]  # each micro-batch's first sequence keys, for the finite check's message
     tokens: int  # answer tokens of the global batch
     flops: float  # this rank's model FLOPs
@@ -220,21 +231,23 @@ class StepPlan:
 
 
 class TrainStep:
-    """grad_accum micro-batches forward and backward, then the optimizer step: no host read in between.
+    """grad_accum micro-batches forward and backward, then the optimizer step: no host read in
+    between.
 
-    `plan` does the step's host work (reading the stream, collating, the objective's index tensors, the
-    counts); `run` does the device work and reads nothing back (with train.finite_check=lagged); calling
-    the step does both, then hands the outcome to the lagged finite check.
+    `plan` does the step's host work (reading the stream, collating, the objective's index tensors,
+    the counts); `run` does the device work and reads nothing back (with train.finite_check=lagged);
+    calling the step does both, then hands the outcome to the lagged finite check.
 
     Args:
         run: the micro-batches' shared context.
         stepper: TorchStep or DeepSpeedStep (backward, the update, no_sync).
-        train_set: the training sequences; a step reads the global micro-batches after `consumed` of them
-            (`Stream.take`), each rank its share.
+        train_set: the training sequences; a step reads the global micro-batches after `consumed` of
+            them (`Stream.take`), each rank its share.
         tc: the train config (micro_batch_size, grad_accum, seed, length_window).
         par: the ranks.
         finite: the run's finite-loss check.
-        count_flops: this rank's model FLOPs of a planned micro-batch (train/flops.py), from its shapes.
+        count_flops: this rank's model FLOPs of a planned micro-batch (train/flops.py), from its
+            shapes.
         lora_warmup: Medusa-2's head.medusa.lora.heads_warmup_steps (None: no adapters).
     """
 
@@ -252,7 +265,8 @@ class TrainStep:
         self.run, self.stepper, self.train_set, self.tc, self.par = run, stepper, train_set, tc, par
         self.finite, self.count_flops, self.lora_warmup = finite, count_flops, lora_warmup
         self.micro = tc.micro_batch_size * par.world_size
-        self.stream = Stream(train_set, tc.seed, tc.length_window)  # each epoch's order computed once
+        # each epoch's order computed once
+        self.stream = Stream(train_set, tc.seed, tc.length_window)
         self.pad_id = run.target.tokenizer.pad_token_id or 0
 
     def __call__(self, step: int, consumed: int) -> StepOutcome:
@@ -276,7 +290,9 @@ class TrainStep:
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
             micro.append((planned, batch))
-        return StepPlan(step, micro, names, tokens, flops, adapt, consumed + self.micro * tc.grad_accum)
+        return StepPlan(
+            step, micro, names, tokens, flops, adapt, consumed + self.micro * tc.grad_accum
+        )
 
     def _plan_packed(self, step: int, consumed: int, adapt: bool) -> StepPlan:
         """`plan` with packing: each global micro-batch is micro_batch_size rows per rank of
@@ -333,8 +349,8 @@ class TrainStep:
 
 @torch.no_grad()
 def evaluate(run: StepContext, held: list, tc: Any, par: Parallel = Parallel()) -> dict[str, float]:
-    """Per-head top-1 / top-5 accuracy and loss on the held-out split (mean over batches and ranks; every
-    rank runs the same number of batches, as FSDP's collectives need); read back once."""
+    """Per-head top-1 / top-5 accuracy and loss on the held-out split (mean over batches and ranks;
+    every rank runs the same number of batches, as FSDP's collectives need); read back once."""
     run.objective.eval()
     sums = MetricSums()
     batches = 0

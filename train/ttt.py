@@ -1,4 +1,5 @@
-"""Training-time test: the EAGLE-3 drafter unrolled on its own outputs, computing only what a loss reads.
+"""Training-time test: the EAGLE-3 drafter unrolled on its own outputs, computing only what a loss
+reads.
 
 Step j at position t stands for drafting j tokens past t: it reads token t+1+j at position t+j and
 attends to the real prefix (step 0's keys at positions <= t) plus its own earlier steps at t, the
@@ -6,7 +7,8 @@ attention the drafter has at inference when it extends a chain from t. Step 0 ru
 (its keys feed every later query). A step j >= 1 output at t feeds only losses at t (its own and the
 later steps'), so steps j >= 1 run only at the positions where some step from 1 on takes a loss,
 about the answer tokens of a batch, and their attention is structured rather than masked densely:
-each query scores step 0's keys causally and its own position's keys of the earlier steps one by one.
+each query scores step 0's keys causally and its own position's keys of the earlier steps one by
+one.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from headway.train.ttt_recompute import Recompute
 ATTENTION = "headway_ttt"
 
 
-def causal_allowed(attention_mask: torch.Tensor, doc: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[B, T, T] bool: position t sees real positions s <= t (of its own sequence, in a packed batch: `doc`
-    [B, T], train/packing.py)."""
+def causal_allowed(
+    attention_mask: torch.Tensor, doc: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """[B, T, T] bool: position t sees real positions s <= t (of its own sequence, in a packed
+    batch: `doc` [B, T], train/packing.py)."""
     T = attention_mask.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=attention_mask.device).tril()
     allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
@@ -74,9 +78,9 @@ def ttt_attention(
         prefix, own = (torch.tanh(s / softcap) * softcap for s in (prefix, own))
     prefix = prefix + attention_mask.unsqueeze(2)
     scores = torch.cat([prefix, own], dim=-1)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(
-        query.dtype
-    )
+    weights = torch.softmax(
+        scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
+    ).to(query.dtype)
     if dropout and module.training:
         weights = torch.nn.functional.dropout(weights, p=dropout)
     out = torch.einsum("bhgns,bhsd->bhgnd", weights[..., :T], v0)
@@ -89,15 +93,16 @@ AttentionInterface.register(ATTENTION, ttt_attention)
 
 @dataclass
 class Unrolled:
-    """The unroll's outputs. outputs[0]: [B, T, h] at every position; outputs[j >= 1]: [B, N, h] at the
-    kept positions `index` [B, N] (rows padded with position 0, `kept` [B, N] False there)."""
+    """The unroll's outputs. outputs[0]: [B, T, h] at every position; outputs[j >= 1]: [B, N, h] at
+    the kept positions `index` [B, N] (rows padded with position 0, `kept` [B, N] False there)."""
 
     outputs: list[torch.Tensor]
     index: torch.Tensor
     kept: torch.Tensor
 
     def at(self, j: int, values: torch.Tensor) -> torch.Tensor:
-        """`values` [B, T, ...] in step j's layout: as is for step 0, gathered at the kept positions after."""
+        """`values` [B, T, ...] in step j's layout: as is for step 0, gathered at the kept positions
+        after."""
         if j == 0:
             return values
         idx = self.index.reshape(*self.index.shape, *([1] * (values.dim() - 2))).expand(
@@ -146,20 +151,26 @@ def ttt_unroll(
         ids: [B, T] token ids; attn: [B, T] 1 on real tokens; hidden: [B, T, h], step 0's input.
         needed: [B, T] bool, the positions steps j >= 1 must compute; None = all of them.
         kept: (index, kept) [B, N], `kept_positions(needed)` worked out on the host beforehand (the
-            objective's plan), so that the unroll reads nothing back from the device; overrides `needed`.
+            objective's plan), so that the unroll reads nothing back from the device; overrides
+            `needed`.
         attention: structured (additive masks, the scores kept for backward), flex (block masks,
-            train/ttt_flex.py; its backward runs on CUDA only) or recompute (scores recomputed in backward,
-            train/ttt_recompute.py).
-        positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded rows).
-        buckets: with flex, the lengths T is padded up to (train.flex_buckets: one compile per bucket); the
-            padding is no real token, and step 0's output is cut back to T.
+            train/ttt_flex.py; its backward runs on CUDA only) or recompute (scores recomputed in
+            backward, train/ttt_recompute.py).
+        positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded
+            rows).
+        buckets: with flex, the lengths T is padded up to (train.flex_buckets: one compile per
+            bucket); the padding is no real token, and step 0's output is cut back to T.
     Returns:
         an `Unrolled` with each step's layer output.
     """
     B, T = ids.shape
     if attention == "flex" and buckets and bucket(T, buckets) != T:
         padded = bucket(T, buckets)
-        pos = torch.arange(padded, device=ids.device).expand(B, -1) if positions is None else positions
+        pos = (
+            torch.arange(padded, device=ids.device).expand(B, -1)
+            if positions is None
+            else positions
+        )
         unrolled = ttt_unroll(
             heads,
             pad_to(ids, padded),
@@ -188,7 +199,9 @@ def ttt_unroll(
     if attention in ("flex", "recompute"):
         under = FlexAttention if attention == "flex" else Recompute
         context = under(heads.decoder, attn.bool(), index, doc)
-        return _unroll_under(context, heads, ids, hidden, steps, index, kept_mask, cache, pos, kept_pos)
+        return _unroll_under(
+            context, heads, ids, hidden, steps, index, kept_mask, cache, pos, kept_pos
+        )
     allowed = causal_allowed(attn, doc)
     dtype = heads.fc.weight.dtype
     out = heads(shifted(ids, 1), hidden, pos, drafter_mask(allowed, dtype), cache)

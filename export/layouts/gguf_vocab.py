@@ -1,6 +1,7 @@
-"""The target's tokenizer as llama.cpp's GGUF vocabulary keys (tokenizer.ggml.*), written into an exported
-head so that llama.cpp checks the draft and the target share one vocabulary (src/llama-vocab.cpp reads them;
-convert_hf_to_gguf.py's get_vocab_base and its BPE pre-tokenizer choice are what this mirrors)."""
+"""The target's tokenizer as llama.cpp's GGUF vocabulary keys (tokenizer.ggml.*), written into an
+exported head so that llama.cpp checks the draft and the target share one vocabulary
+(src/llama-vocab.cpp reads them; convert_hf_to_gguf.py's get_vocab_base and its BPE pre-tokenizer
+choice are what this mirrors)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ NORMAL, USER_DEFINED, CONTROL, UNUSED = 1, 4, 3, 5
 
 
 def looks_special(token: str) -> bool:
-    """convert_hf_to_gguf.py's does_token_look_special: added tokens it types CONTROL though not marked
-    special."""
+    """convert_hf_to_gguf.py's does_token_look_special: added tokens it types CONTROL though not
+    marked special."""
     return (
         token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]")
         or (token.startswith("<|") and token.endswith("|>"))
@@ -28,8 +29,9 @@ def looks_special(token: str) -> bool:
 
 
 def _bpe_tokens(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]:
-    """A byte-level BPE vocabulary as convert_hf_to_gguf.py's get_vocab_base lists it: every id up to the
-    target's vocab_size, added tokens normalised and typed CONTROL or USER_DEFINED, holes as [PAD{i}]."""
+    """A byte-level BPE vocabulary as convert_hf_to_gguf.py's get_vocab_base lists it: every id up
+    to the target's vocab_size, added tokens normalised and typed CONTROL or USER_DEFINED, holes as
+    [PAD{i}]."""
     reverse = {i: t for t, i in tokenizer.get_vocab().items()}
     added = tokenizer.get_added_vocab()
     decoder = tokenizer.added_tokens_decoder
@@ -56,16 +58,16 @@ def _bpe_tokens(tokenizer: Any, vocab_size: int) -> tuple[list[str], list[int]]:
 
 def target_vocab(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     """The target's tokenizer as GGUF keys, as convert_hf_to_gguf.py writes it from the directory
-    `headway target export` saves: a SentencePiece-style tokenizer.json (byte fallback) as model `llama`
-    through gguf's LlamaHfVocab, a byte-level BPE as model `gpt2`; then gguf's SpecialVocab (merges, special
-    ids, add_bos/add_eos, the chat template).
+    `headway target export` saves: a SentencePiece-style tokenizer.json (byte fallback) as model
+    `llama` through gguf's LlamaHfVocab, a byte-level BPE as model `gpt2`; then gguf's SpecialVocab
+    (merges, special ids, add_bos/add_eos, the chat template).
 
-    llama.cpp loads a vocabulary with every model, the draft too: its size is the n_vocab d2t scatters the
-    draft's logits into (llama.cpp's draft-model path also compares token texts and BOS/EOS with the
-    target's; its eagle3 path does not). A 49152-token vocabulary gets add_bos_token=false, as the
-    converter's LlamaModel.set_vocab writes it.
-    tokenizer.ggml.pre is `default`: llama.cpp reads it only to split text before BPE, which a draft never
-    does (it is fed the target's ids)."""
+    llama.cpp loads a vocabulary with every model, the draft too: its size is the n_vocab d2t
+    scatters the draft's logits into (llama.cpp's draft-model path also compares token texts and
+    BOS/EOS with the target's; its eagle3 path does not). A 49152-token vocabulary gets
+    add_bos_token=false, as the converter's LlamaModel.set_vocab writes it.
+    tokenizer.ggml.pre is `default`: llama.cpp reads it only to split text before BPE, which a draft
+    never does (it is fed the target's ids)."""
     import gguf
 
     with tempfile.TemporaryDirectory(prefix="headway-gguf-vocab-") as tmp:
@@ -98,7 +100,8 @@ def target_vocab(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
                 f"the target's tokenizer has {len(tokens)} tokens, more than its vocab_size {vocab_size}: "
                 "the target's config and tokenizer do not match"
             )
-        pad = range(len(tokens), vocab_size)  # ids the model has and the tokenizer lacks, as [PAD{i}]
+        # ids the model has and the tokenizer lacks, as [PAD{i}]
+        pad = range(len(tokens), vocab_size)
         tokens += [f"[PAD{i}]" for i in pad]
         types += [UNUSED for _ in pad]
         if "tokenizer.ggml.scores" in keys:
@@ -117,8 +120,11 @@ def target_vocab(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
         gguf.SpecialVocab(
             d, load_merges=keys["tokenizer.ggml.model"] == "gpt2", n_vocab=vocab_size
         ).add_to_gguf(collector, quiet=True)
-        keys.update({k: v.value for k, v in collector.kv_data[0].items() if k.startswith("tokenizer.")})
-        if vocab_size == 49152:  # LlamaModel.set_vocab's rule for 49152-token vocabularies (SmolLM2's too)
+        keys.update(
+            {k: v.value for k, v in collector.kv_data[0].items() if k.startswith("tokenizer.")}
+        )
+        # LlamaModel.set_vocab's rule for 49152-token vocabularies (SmolLM2's too)
+        if vocab_size == 49152:
             keys["tokenizer.ggml.add_bos_token"] = False
     return keys
 
@@ -132,7 +138,8 @@ def _tokenizer_json_model(d: Path) -> str:
 
 
 def _add_prefix_space(d: Path) -> Optional[bool]:
-    """tokenizer_config.json's add_prefix_space, which convert_hf_to_gguf.py copies to add_space_prefix."""
+    """tokenizer_config.json's add_prefix_space, which convert_hf_to_gguf.py copies to
+    add_space_prefix."""
 
     f = d / "tokenizer_config.json"
     if not f.is_file():

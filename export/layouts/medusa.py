@@ -1,7 +1,7 @@
-"""Medusa's engine layouts: vLLM's Medusa (vLLM 0.10 to 0.32; 0.33 removed it, so the installed vLLM is probed
-and a newer one refused) and TensorRT-LLM's Medusa checkpoint (the original Medusa keys, which its converter
-reads); the shared-lm_head handling both need, the mappings both ways, how each is served, and the formats
-refused with why.
+"""Medusa's engine layouts: vLLM's Medusa (vLLM 0.10 to 0.32; 0.33 removed it, so the installed vLLM
+is probed and a newer one refused) and TensorRT-LLM's Medusa checkpoint (the original Medusa keys,
+which its converter reads); the shared-lm_head handling both need, the mappings both ways, how each
+is served, and the formats refused with why.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ def _medusa_native(native: dict) -> tuple[int, int, int, int]:
 
 
 def _shared_lm_head(native: dict, state: dict) -> Any:
-    """lm_head=shared: the target's lm_head, which the exporter passes in as `target.lm_head.weight`."""
+    """lm_head=shared: the target's lm_head, which the exporter passes in as
+    `target.lm_head.weight`."""
     if native["head"].get("lm_head") != "shared":
         return None
     weight = state.pop("target.lm_head.weight", None)
@@ -40,7 +41,11 @@ def _shared_lm_head(native: dict, state: dict) -> Any:
 
 
 def _vllm_medusa_specs(config: dict) -> dict[str, Spec]:
-    h, heads, layers = int(config["hidden_size"]), int(config["num_heads"]), int(config["num_hidden_layers"])
+    h, heads, layers = (
+        int(config["hidden_size"]),
+        int(config["num_heads"]),
+        int(config["num_hidden_layers"]),
+    )
     specs = {}
     for i in range(heads):
         for j in range(layers):
@@ -107,7 +112,8 @@ def _vllm_medusa_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict, d
 def _vllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     tensors = dict(tensors)
     if config.get("original_lm_head"):
-        tensors.pop("lm_heads.0.weight")  # the target's own lm_head, which a shared head does not hold
+        # the target's own lm_head, which a shared head does not hold
+        tensors.pop("lm_heads.0.weight")
     return rename(
         tensors,
         [
@@ -118,8 +124,9 @@ def _vllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
 
 
 def _trtllm_medusa_specs(config: dict) -> dict[str, Spec]:
-    """TensorRT-LLM's load_medusa_hf reads medusa_lm_head.safetensors with the original Medusa keys: head i's
-    residual block j as `i.j.linear.weight|bias` and its lm_head as `i.L.weight` (L = medusa_num_layers)."""
+    """TensorRT-LLM's load_medusa_hf reads medusa_lm_head.safetensors with the original Medusa keys:
+    head i's residual block j as `i.j.linear.weight|bias` and its lm_head as `i.L.weight` (L =
+    medusa_num_layers)."""
     h, v = int(config["hidden_size"]), int(config["vocab_size"])
     heads, layers = int(config["medusa_num_heads"]), int(config["medusa_num_layers"])
     specs = {}
@@ -162,7 +169,9 @@ def _trtllm_medusa_to_engine(native: dict, state: dict, **_: Any) -> tuple[dict,
 def _trtllm_medusa_from_engine(config: dict, tensors: dict) -> dict:
     layers = int(config["medusa_num_layers"])
     if config.get("headway", {}).get("head", {}).get("lm_head") == "shared":
-        tensors = {k: v for k, v in tensors.items() if not re.fullmatch(rf"\d+\.{layers}\.weight", k)}
+        tensors = {
+            k: v for k, v in tensors.items() if not re.fullmatch(rf"\d+\.{layers}\.weight", k)
+        }
     return rename(
         tensors,
         [

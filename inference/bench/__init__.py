@@ -1,1 +1,2 @@
-"""`headway bench`: Headway's decoding beside plain decoding and its peers, on prompt sets (prompts/)."""
+"""`headway bench`: Headway's decoding beside plain decoding and its peers, on prompt sets
+(prompts/)."""

@@ -1,7 +1,9 @@
-"""Peers that `headway bench` runs beside Headway: Hugging Face `generate`, plain and with prompt lookup.
+"""Peers that `headway bench` runs beside Headway: Hugging Face `generate`, plain and with prompt
+lookup.
 
-Both decode the same target object with the same prompt ids, stop tokens, max_new_tokens and sampling
-settings as Headway's own plain decoding, so their outputs are comparable token for token (greedy).
+Both decode the same target object with the same prompt ids, stop tokens, max_new_tokens and
+sampling settings as Headway's own plain decoding, so their outputs are comparable token for token
+(greedy).
 """
 
 from __future__ import annotations
@@ -47,11 +49,14 @@ def hf_generate(
     prompt_lookup_tokens: int = 0,
     prompt_lookup_max_ngram: int = 2,
 ) -> GenerationResult:
-    """`model.generate` on one prompt; `prompt_lookup_tokens` > 0 turns on its prompt-lookup decoding
-    (n-gram drafts copied from the prompt and the text so far, verified by the target)."""
+    """`model.generate` on one prompt; `prompt_lookup_tokens` > 0 turns on its prompt-lookup
+    decoding (n-gram drafts copied from the prompt and the text so far, verified by the target)."""
     device = next(model.parameters()).device
     extra = (
-        {"prompt_lookup_num_tokens": prompt_lookup_tokens, "max_matching_ngram_size": prompt_lookup_max_ngram}
+        {
+            "prompt_lookup_num_tokens": prompt_lookup_tokens,
+            "max_matching_ngram_size": prompt_lookup_max_ngram,
+        }
         if prompt_lookup_tokens > 0
         else {}
     )

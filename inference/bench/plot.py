@@ -1,4 +1,5 @@
-"""The bench's picture: acceptance by draft depth (per category), and every method's speed per category."""
+"""The bench's picture: acceptance by draft depth (per category), and every method's speed per
+category."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from headway.io import atomic_write_bytes
 
 
 def plot_results(result: dict, path: Path) -> Path:
-    """Two panels written atomically to `path` (PNG): acceptance at each depth, and tokens/s of each method
-    relative to Headway's plain decoding, per category and overall."""
+    """Two panels written atomically to `path` (PNG): acceptance at each depth, and tokens/s of each
+    method relative to Headway's plain decoding, per category and overall."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,8 +1,9 @@
-"""`headway bench`: Headway's speculative decoding beside plain decoding and Hugging Face's own decoders.
+"""`headway bench`: Headway's speculative decoding beside plain decoding and Hugging Face's own
+decoders.
 
 Per prompt (and per turn of multi-turn prompts) every method runs back to back with the same thread
-count, prompt ids, stop tokens and max_new_tokens, in an order that rotates from prompt to prompt, so
-a slow spell of the machine hits every method alike. Methods: Headway's plain decoding (the
+count, prompt ids, stop tokens and max_new_tokens, in an order that rotates from prompt to prompt,
+so a slow spell of the machine hits every method alike. Methods: Headway's plain decoding (the
 reference), Hugging Face `generate` (greedy), its prompt-lookup decoding, and Headway speculative
 decoding. Reported per category and overall: tau, acceptance at each draft depth, tokens/s of every
 method, the speculative speedup over each, and (greedy) whether each output equals plain decoding.
@@ -37,7 +38,8 @@ def _rate(hits: list[bool]) -> float:
 
 
 def _tau(rows: list[dict], method: str) -> float:
-    """Tokens per target forward after the prompt's (each answer's first token comes with the prompt)."""
+    """Tokens per target forward after the prompt's (each answer's first token comes with the
+    prompt)."""
     tokens = sum(r[method]["tokens"] for r in rows)
     return (tokens - len(rows)) / max(1, sum(r[method]["target_forwards"] for r in rows))
 
@@ -46,9 +48,12 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
     spec = [r[SPEC] for r in rows]
     spec_tokens = sum(s["tokens"] for s in spec)
     accepted = [a for s in spec for a in s["accepted"]]
-    by_source = {k: sum(s.get("sources", {}).get(k, 0) for s in spec) for k in ("neural", "ngram", "both")}
+    by_source = {
+        k: sum(s.get("sources", {}).get(k, 0) for s in spec) for k in ("neural", "ngram", "both")
+    }
     tok_s = {
-        m: sum(r[m]["tokens"] for r in rows) / max(1e-9, sum(r[m]["seconds"] for r in rows)) for m in methods
+        m: sum(r[m]["tokens"] for r in rows) / max(1e-9, sum(r[m]["seconds"] for r in rows))
+        for m in methods
     }
     return {
         "prompts": len(rows),
@@ -59,15 +64,20 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
         "tok_s": tok_s,
         # tau of every method that verifies drafts
         "tau_by_method": {
-            m: _tau(rows, m) for m in methods if m != PLAIN and all(r[m].get("target_forwards") for r in rows)
+            m: _tau(rows, m)
+            for m in methods
+            if m != PLAIN and all(r[m].get("target_forwards") for r in rows)
         },
         # speculative tokens/s over each other method's
         "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
         # share of outputs equal to Headway's plain greedy decoding (None when sampling)
         "matches_plain": {
-            m: _rate([r[m]["match"] for r in rows]) if greedy else None for m in methods if m != PLAIN
+            m: _rate([r[m]["match"] for r in rows]) if greedy else None
+            for m in methods
+            if m != PLAIN
         },
-        # accepted draft tokens by the branch kind that proposed them (hybrid and n-gram drafters), as shares
+        # accepted draft tokens by the branch kind that proposed them (hybrid and n-gram drafters),
+        # as shares
         "accepted_from": {k: v / max(1, sum(by_source.values())) for k, v in by_source.items()}
         if any(by_source.values())
         else None,
@@ -102,7 +112,11 @@ def per_category(convs: list, n: int) -> list:
 def _runners(
     decoder: SpeculativeDecoder, bc: BenchConfig, max_new_tokens: int
 ) -> dict[str, Callable[[list[int]], GenerationResult]]:
-    model, stops, sampling = decoder.target.model, decoder.fmt.stop_ids, decoder.cfg.inference.sampling
+    model, stops, sampling = (
+        decoder.target.model,
+        decoder.fmt.stop_ids,
+        decoder.cfg.inference.sampling,
+    )
     runners: dict[str, Callable[[list[int]], GenerationResult]] = {
         PLAIN: lambda ids: decoder.generate_plain(ids, max_new_tokens),
         SPEC: lambda ids: decoder.generate(ids, max_new_tokens),
@@ -110,12 +124,22 @@ def _runners(
     for kind in bc.drafters:
         if kind != decoder.cfg.inference.drafter:
             other = decoder.with_drafter(kind)
-            runners[f"headway_{kind}"] = lambda ids, other=other: other.generate(ids, max_new_tokens)
+            runners[f"headway_{kind}"] = lambda ids, other=other: other.generate(
+                ids, max_new_tokens
+            )
     if "hf_generate" in bc.baselines:
-        runners["hf_generate"] = lambda ids: hf_generate(model, ids, max_new_tokens, stops, sampling)
+        runners["hf_generate"] = lambda ids: hf_generate(
+            model, ids, max_new_tokens, stops, sampling
+        )
     if "hf_prompt_lookup" in bc.baselines:
         runners["hf_prompt_lookup"] = lambda ids: hf_generate(
-            model, ids, max_new_tokens, stops, sampling, bc.prompt_lookup_tokens, bc.prompt_lookup_max_ngram
+            model,
+            ids,
+            max_new_tokens,
+            stops,
+            sampling,
+            bc.prompt_lookup_tokens,
+            bc.prompt_lookup_max_ngram,
         )
     return runners
 
@@ -147,8 +171,9 @@ def run_bench(
     greedy = decoder.cfg.inference.sampling.greedy
     runners = _runners(decoder, bc, max_new_tokens)
     methods = [PLAIN, *[m for m in runners if m not in (PLAIN, SPEC)], SPEC]
-    # every method once before anything is timed: Headway's through throwaway copies of their drafters, so the
-    # greeting does not steer a hybrid's acceptance estimates; Hugging Face's (no learnt state) as they are
+    # every method once before anything is timed: Headway's through throwaway copies of their
+    # drafters, so the greeting does not steer a hybrid's acceptance estimates; Hugging Face's (no
+    # learnt state) as they are
     kinds = [m.removeprefix("headway_") for m in runners if m.startswith("headway_")]
     decoder.warm_up(max_new_tokens, [decoder.cfg.inference.drafter, *kinds])
     warm = decoder.fmt.first_turn("Hello")
@@ -156,10 +181,13 @@ def run_bench(
         if name.startswith("hf_"):
             run(warm)
     work = [
-        (c, t) for c in convs for t in range(len(c.turns) if bc.turns == 0 else min(bc.turns, len(c.turns)))
+        (c, t)
+        for c in convs
+        for t in range(len(c.turns) if bc.turns == 0 else min(bc.turns, len(c.turns)))
     ]
     rows: list[dict] = []
-    history: dict[int, list[int]] = {}  # conversation id -> its ids so far (prompts + plain answers)
+    # conversation id -> its ids so far (prompts + plain answers)
+    history: dict[int, list[int]] = {}
     for i, (conv, turn) in enumerate(tqdm(work, desc="bench", unit="turn")):
         if turn == 0:
             ids = decoder.fmt.first_turn(conv.turns[0], conv.system)
@@ -184,7 +212,8 @@ def run_bench(
     return {
         "overall": _summary(rows, methods, depth, greedy),
         "by_category": {
-            c: _summary([r for r in rows if r["category"] == c], methods, depth, greedy) for c in categories
+            c: _summary([r for r in rows if r["category"] == c], methods, depth, greedy)
+            for c in categories
         },
         "by_prompt_length": {
             label: _summary(bucket, methods, depth, greedy)
@@ -209,11 +238,13 @@ def run_bench(
 
 
 def length_buckets(rows: list[dict], edges: list[int]) -> dict[str, list[dict]]:
-    """The rows by prompt length, the non-empty buckets only, labelled by their token range ("1000-1999",
-    "3000+"); `edges` are the buckets' ascending lower edges."""
+    """The rows by prompt length, the non-empty buckets only, labelled by their token range
+    ("1000-1999", "3000+"); `edges` are the buckets' ascending lower edges."""
     out: dict[str, list[dict]] = {}
     for lo, hi in zip(edges, [*edges[1:], None]):
-        bucket = [r for r in rows if r["prompt_tokens"] >= lo and (hi is None or r["prompt_tokens"] < hi)]
+        bucket = [
+            r for r in rows if r["prompt_tokens"] >= lo and (hi is None or r["prompt_tokens"] < hi)
+        ]
         if bucket:
             out[f"{lo}+" if hi is None else f"{lo}-{hi - 1}"] = bucket
     return out
@@ -257,13 +288,16 @@ def markdown_table(result: dict) -> str:
         lines.append(
             "tau by prompt length (tokens): "
             + ", ".join(
-                f"{k} {s['tau']:.2f} ({s['prompts']} prompts)" for k, s in result["by_prompt_length"].items()
+                f"{k} {s['tau']:.2f} ({s['prompts']} prompts)"
+                for k, s in result["by_prompt_length"].items()
             )
             + "."
         )
     if len(o.get("tau_by_method", {})) > 1:
         lines.append(
-            "tau by method: " + ", ".join(f"{LABELS[m]} {t:.2f}" for m, t in o["tau_by_method"].items()) + "."
+            "tau by method: "
+            + ", ".join(f"{LABELS[m]} {t:.2f}" for m, t in o["tau_by_method"].items())
+            + "."
         )
     lines.append(
         f"Acceptance at draft depth 1..{min(8, len(o['acceptance_by_depth']))}: {acc}. "

@@ -1,8 +1,9 @@
 """DFlash drafting: one block forward guesses every position ahead of the root; the guesses fill a
 static tree.
 
-The drafter keeps each layer's context keys and values for the positions the target has verified, so a step
-runs the block alone ([root, mask, ...]) against that cache: its cost does not grow with the draft's depth.
+The drafter keeps each layer's context keys and values for the positions the target has verified, so
+a step runs the block alone ([root, mask, ...]) against that cache: its cost does not grow with the
+draft's depth.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from headway.inference.engines.tree import Tree, chain_choices
 
 
 class DFlashDrafter(StaticTreeDrafter):
-    """A static tree over the block's slots (inference.tree; a chain as deep as the block by default)."""
+    """A static tree over the block's slots (inference.tree; a chain as deep as the block by
+    default)."""
 
     @classmethod
     def default_tree(cls, heads: DFlashHead) -> list[list[int]]:
@@ -23,10 +25,11 @@ class DFlashDrafter(StaticTreeDrafter):
         return chain_choices(heads.draft_depth)
 
     def __init__(self, heads: DFlashHead, tree: Tree, num_target_layers: int):
-        """Args: heads: the DFlash head; tree: the static tree over its block slots; num_target_layers: the
-        target's."""
+        """Args: heads: the DFlash head; tree: the static tree over its block slots;
+        num_target_layers: the target's."""
         super().__init__(heads, tree, num_target_layers)
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer, [1, kv_heads, capacity, head_dim]
+        # per layer, [1, kv_heads, capacity, head_dim]
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.length = 0  # context positions cached: the root's position
 
     @property
@@ -35,8 +38,8 @@ class DFlashDrafter(StaticTreeDrafter):
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
 
     def _extend(self, features: torch.Tensor) -> None:
-        """Add the context keys and values of the next positions' features [n, F], in buffers that double when
-        full, so a step copies only its own positions."""
+        """Add the context keys and values of the next positions' features [n, F], in buffers that
+        double when full, so a step copies only its own positions."""
         n = features.shape[0]
         positions = torch.arange(self.length, self.length + n, device=features.device).view(1, -1)
         new = self.heads.context(features.unsqueeze(0), positions)
@@ -67,8 +70,8 @@ class DFlashDrafter(StaticTreeDrafter):
 
     @torch.no_grad()
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
-        """features [k, F]: the verified positions' (the old root and the accepted drafts); tokens end with
-        the new root."""
+        """features [k, F]: the verified positions' (the old root and the accepted drafts); tokens
+        end with the new root."""
         self._extend(features)
 
     def offset_logits(self, root: int) -> torch.Tensor:

@@ -28,12 +28,13 @@ from headway.inference.engines.tree import Tree, build_tree
 
 
 class EagleDrafter:
-    """EAGLE-2's dynamic tree: the drafter layer expanded `depth` steps with `top_k` children per node, the
-    `total_tokens` most likely candidates verified."""
+    """EAGLE-2's dynamic tree: the drafter layer expanded `depth` steps with `top_k` children per
+    node, the `total_tokens` most likely candidates verified."""
 
     drafts_on_device = True  # draft_tensors: the device expansion (generate.Drafter)
     node_sources = None
-    expands_levels = True  # its tree grows level by level, each level timed (level_seconds): the hybrid
+    # its tree grows level by level, each level timed (level_seconds): the hybrid
+    expands_levels = True
     # chooses its depth
 
     @classmethod
@@ -45,8 +46,9 @@ class EagleDrafter:
         num_target_layers: int,
         options: Optional[EngineOptions] = None,
     ) -> "EagleDrafter":
-        """The drafter the inference section asks for (`ic`: InferenceConfig), its layer run with the static
-        engine's `options` (default: EngineOptions()); the head's config is not needed."""
+        """The drafter the inference section asks for (`ic`: InferenceConfig), its layer run with
+        the static engine's `options` (default: EngineOptions()); the head's config is not
+        needed."""
         return cls(
             heads,
             num_target_layers,
@@ -67,9 +69,10 @@ class EagleDrafter:
         static: bool = True,
         options: Optional[EngineOptions] = None,
     ):
-        """static: keep the drafter layer's keys and values in a preallocated buffer (where its family allows)
-        rather than a transformers DynamicCache; options: the engine settings drafting follows
-        (target.layer_loop, target.fused_ops; EngineOptions, default: the defaults)."""
+        """static: keep the drafter layer's keys and values in a preallocated buffer (where its
+        family allows) rather than a transformers DynamicCache; options: the engine settings
+        drafting follows (target.layer_loop, target.fused_ops; EngineOptions, default: the
+        defaults)."""
         if depth < 1 or top_k < 1 or total_tokens < 1:
             raise HeadwayError(
                 "EAGLE tree settings need depth, top_k and total_tokens "
@@ -87,13 +90,15 @@ class EagleDrafter:
         self.feature_layers = heads.feature_layers(heads.cfg, num_target_layers)
         self.cache: Any = None
         self.committed = 0
-        self.last_out: torch.Tensor | None = None  # drafter output at the last committed position [h]
+        # drafter output at the last committed position [h]
+        self.last_out: torch.Tensor | None = None
         self.pending: list[int] = []  # tokens whose drafter positions are not in the cache yet
-        # seconds from the start of the last expansion to the end of each of its levels (the hybrid prices
-        # depth with them)
+        # seconds from the start of the last expansion to the end of each of its levels (the hybrid
+        # prices depth with them)
         self.level_seconds: list[float] = []
-        # the device expansion (draft_tensors) over this drafter's reserved cache, kept across sequences (on
-        # CUDA its graph), and the slots to reserve for it (`reserve`; 0: sized at first use)
+        # the device expansion (draft_tensors) over this drafter's reserved cache, kept across
+        # sequences (on CUDA its graph), and the slots to reserve for it (`reserve`; 0: sized at
+        # first use)
         self.expansion: Optional[EagleExpansion] = None
         self.reserved, self.graphs = 0, None
 
@@ -103,7 +108,8 @@ class EagleDrafter:
 
     @property
     def param(self) -> torch.Tensor:
-        """A parameter of the head: its device and dtype now (the head may move after the drafter is made)."""
+        """A parameter of the head: its device and dtype now (the head may move after the drafter is
+        made)."""
         return next(self.heads.parameters())
 
     def settings(self) -> dict:
@@ -128,7 +134,8 @@ class EagleDrafter:
 
     @torch.no_grad()
     def _commit(self, tokens: list[int], features: torch.Tensor) -> None:
-        """Drafter positions committed..committed+n-1 from the target's real features and the next tokens."""
+        """Drafter positions committed..committed+n-1 from the target's real features and the next
+        tokens."""
         n = len(tokens)
         dev = self.param.device
         if self.expansion is not None and not self._fits(self.committed + n):
@@ -150,7 +157,8 @@ class EagleDrafter:
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         if self.expansion is not None and self._fits(len(prompt)):
-            self.cache = self.expansion.cache  # reserved: reused, so a captured expansion stays valid
+            # reserved: reused, so a captured expansion stays valid
+            self.cache = self.expansion.cache
             self.cache.truncate(0)
         else:
             self.cache, self.expansion = self._new_cache(), None
@@ -158,14 +166,16 @@ class EagleDrafter:
         self._commit(prompt[1:] + [root], features)
 
     def reserve(self, max_len: int, graphs: Optional[bool] = None) -> None:
-        """Size the device expansion's cache for sequences of up to `max_len` tokens, and say whether to
-        capture it as a CUDA graph (None: on CUDA); the CUDA backend's loop calls it before `begin`."""
+        """Size the device expansion's cache for sequences of up to `max_len` tokens, and say
+        whether to capture it as a CUDA graph (None: on CUDA); the CUDA backend's loop calls it
+        before `begin`."""
         self.reserved, self.graphs = max_len + self.depth * self.top_k, graphs
         if self.expansion is not None and self.expansion.cache.k.shape[1] < self.reserved:
             self.expansion = None
 
     def _fits(self, length: int) -> bool:
-        """Whether the reserved cache holds `length` committed positions and an expansion after them."""
+        """Whether the reserved cache holds `length` committed positions and an expansion after
+        them."""
         return length + self.depth * self.top_k <= self.expansion.cache.k.shape[1]
 
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
@@ -175,9 +185,10 @@ class EagleDrafter:
         return self._select(root, *self.candidates())
 
     def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`draft` on the device, for the CUDA backend's loop: root [1] (a device tensor) -> node ids [n] and
-        parent indices [n] of the same tree, by the tensor expansion (drafters/eagle_device.py) where the
-        drafter's cache is the static one; otherwise the host tree, uploaded."""
+        """`draft` on the device, for the CUDA backend's loop: root [1] (a device tensor) -> node
+        ids [n] and parent indices [n] of the same tree, by the tensor expansion
+        (drafters/eagle_device.py) where the drafter's cache is the static one; otherwise the host
+        tree, uploaded."""
         if isinstance(self.cache, StaticLayerCache):
             if self.expansion is None:
                 room = self.reserved or self.committed + 1024 + self.depth * self.top_k
@@ -186,10 +197,12 @@ class EagleDrafter:
         nodes, tree = self.draft(int(root))
         return nodes, torch.tensor(tree.parent, dtype=torch.long, device=nodes.device)
 
-    def proposals(self, root: int, depth: Optional[int] = None) -> tuple[list[int], list[float], list[int]]:
-        """Every expanded candidate for a hybrid tree: target token id, draft probability given its parent,
-        and parent candidate (-1: the root; parents come first). depth: levels to expand (None:
-        this drafter's)."""
+    def proposals(
+        self, root: int, depth: Optional[int] = None
+    ) -> tuple[list[int], list[float], list[int]]:
+        """Every expanded candidate for a hybrid tree: target token id, draft probability given its
+        parent, and parent candidate (-1: the root; parents come first). depth: levels to expand
+        (None: this drafter's)."""
         tokens, scores, parents, _ = self.candidates(depth)
         ids = self.heads.to_target_ids(torch.tensor(tokens, device=self.param.device)).tolist()
         probs = [math.exp(s - (scores[p] if p >= 0 else 0.0)) for s, p in zip(scores, parents)]
@@ -199,8 +212,9 @@ class EagleDrafter:
     def candidates(
         self, depth: int | None = None, top_k: int | None = None
     ) -> tuple[list[int], list[float], list[int], list[int]]:
-        """Every node the expansion reaches (draft token id, cumulative log-prob, parent index or -1, depth),
-        with this drafter's depth and top_k unless given; the drafter cache is left as it was."""
+        """Every node the expansion reaches (draft token id, cumulative log-prob, parent index or
+        -1, depth), with this drafter's depth and top_k unless given; the drafter cache is left as
+        it was."""
         heads, dev = self.heads, self.param.device
         start = time.perf_counter()
         k = top_k or self.top_k
@@ -213,7 +227,8 @@ class EagleDrafter:
         layer = list(range(k))  # the nodes to expand next
         layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
         self.level_seconds = [time.perf_counter() - start]
-        # candidate index -> offset after the committed prefix of its drafter cache entry (added in this step)
+        # candidate index -> offset after the committed prefix of its drafter cache entry (added in
+        # this step)
         slot_of: dict[int, int] = {}
         for d in range(1, depth or self.depth):
             n_prev = len(slot_of)
@@ -233,7 +248,9 @@ class EagleDrafter:
             )
             allowed[0, :, : self.committed] = True
             allowed[0, rows, cols] = True
-            ids = heads.to_target_ids(torch.tensor([tokens[c] for c in layer], device=dev)).view(1, -1)
+            ids = heads.to_target_ids(torch.tensor([tokens[c] for c in layer], device=dev)).view(
+                1, -1
+            )
             pos = torch.full((1, len(layer)), self.committed + d - 1, device=dev)
             out = heads(ids, layer_hidden, pos, drafter_mask(allowed, self.param.dtype), self.cache)
             slot_of.update((c, n_prev + row) for row, c in enumerate(layer))
@@ -256,11 +273,19 @@ class EagleDrafter:
         return tokens, scores, parents, depths
 
     def _select(
-        self, root: int, tokens: list[int], scores: list[float], parents: list[int], depths: list[int]
+        self,
+        root: int,
+        tokens: list[int],
+        scores: list[float],
+        parents: list[int],
+        depths: list[int],
     ) -> tuple[torch.Tensor, Tree]:
-        """The `total_tokens` best candidates as a tree; a parent never ranks below its child (its score is
-        at least the child's and it is shallower), so every chosen node's ancestors are chosen too."""
-        order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))[: self.total_tokens]
+        """The `total_tokens` best candidates as a tree; a parent never ranks below its child (its
+        score is at least the child's and it is shallower), so every chosen node's ancestors are
+        chosen too."""
+        order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))[
+            : self.total_tokens
+        ]
         chosen = set(order)
         rank: dict[int, int] = {}
         seen: dict[int, int] = {}
@@ -274,7 +299,9 @@ class EagleDrafter:
             paths[c] = (paths[parents[c]] if parents[c] >= 0 else ()) + (rank[c],)
         tree = build_tree(list(paths.values()))
         by_path = {p: c for c, p in paths.items()}
-        draft_ids = torch.tensor([tokens[by_path[p]] for p in tree.paths[1:]], device=self.param.device)
+        draft_ids = torch.tensor(
+            [tokens[by_path[p]] for p in tree.paths[1:]], device=self.param.device
+        )
         nodes = torch.cat(
             [torch.tensor([root], device=draft_ids.device), self.heads.to_target_ids(draft_ids)]
         )

@@ -1,12 +1,14 @@
-"""EAGLE-2's expansion on the device, for the CUDA backend's loop: the tree `EagleDrafter.draft` builds on the
-host (the same nodes, in the same order, with the same parents), from tensors alone, with no host read, as
-one CUDA graph on CUDA.
+"""EAGLE-2's expansion on the device, for the CUDA backend's loop: the tree `EagleDrafter.draft`
+builds on the host (the same nodes, in the same order, with the same parents), from tensors alone,
+with no host read, as one CUDA graph on CUDA.
 
-Every size is fixed by (top_k, depth, total_tokens) and the reserved drafter cache: each level expands
-exactly top_k rows, so candidate c's parent, depth and drafter slot follow from tensors of static shape, and
-the drafter's attention spans its whole reserved cache under a mask built on the device from the committed
-length (a device buffer, like the root and the drafter's last output). The host's tie rules are kept by stable
-sorts: the best `total_tokens` candidates by (-score, depth, index); each chosen node's rank among its chosen
+Every size is fixed by (top_k, depth, total_tokens) and the reserved drafter cache: each level
+expands exactly top_k rows, so candidate c's parent, depth and drafter slot follow from tensors of
+static shape, and the drafter's attention spans its whole reserved cache under a mask built on the
+device from the committed length (a device buffer, like the root and the drafter's last output). The
+host's tie rules are kept by stable
+sorts: the best `total_tokens` candidates by (-score, depth, index); each chosen node's rank among
+    its chosen
 siblings by (-score, index); the tree's node order by (depth, path) as `build_tree` orders paths.
 """
 
@@ -23,8 +25,8 @@ from headway.inference.engines.static.row_select import top_logprobs
 
 
 def lexsort(*keys: torch.Tensor) -> torch.Tensor:
-    """The order sorting by keys[0], then keys[1], ... (ties: lower index first), by stable sorts from the
-    last key to the first."""
+    """The order sorting by keys[0], then keys[1], ... (ties: lower index first), by stable sorts
+    from the last key to the first."""
     order = torch.arange(keys[0].shape[0], device=keys[0].device)
     for key in reversed(keys):
         order = order.index_select(0, torch.sort(key.index_select(0, order), stable=True).indices)
@@ -32,17 +34,20 @@ def lexsort(*keys: torch.Tensor) -> torch.Tensor:
 
 
 class EagleExpansion:
-    """The expansion of one drafter as a fixed-shape step over persistent buffers (the root, the committed
-    length, the drafter's last output), over the drafter cache reserved at `capacity` slots: on CUDA one
-    graph, captured after warm-up (engine_graphs.StepGraphs), replayed for every tree.
+    """The expansion of one drafter as a fixed-shape step over persistent buffers (the root, the
+    committed length, the drafter's last output), over the drafter cache reserved at `capacity`
+    slots: on CUDA one graph, captured after warm-up (engine_graphs.StepGraphs), replayed for every
+        tree.
 
     Args:
-        drafter: the EagleDrafter (its cache a StaticLayerCache); capacity: the slots to reserve, at least
-            the longest sequence plus (depth - 1) * top_k expansion slots; graphs: None = on CUDA."""
+        drafter: the EagleDrafter (its cache a StaticLayerCache); capacity: the slots to reserve, at
+            least the longest sequence plus (depth - 1) * top_k expansion slots; graphs: None = on
+            CUDA."""
 
     def __init__(self, drafter: Any, capacity: int, graphs: Optional[bool] = None):
-        # the drafter owns its expansion: held by a weak proxy (and the step by a weak method), so the two
-        # form no cycle and an expansion's graph goes with its drafter, not at a later collection
+        # the drafter owns its expansion: held by a weak proxy (and the step by a weak method), so
+        # the two form no cycle and an expansion's graph goes with its drafter, not at a later
+        # collection
         self.drafter = drafter if isinstance(drafter, weakref.ProxyType) else weakref.proxy(drafter)
         p = drafter.param
         self.cache = drafter.cache
@@ -73,7 +78,8 @@ class EagleExpansion:
         depths = [torch.ones(k, dtype=torch.long, device=dev)]
         layer = torch.arange(k, device=dev)  # candidate index of each row to expand next
         layer_hidden = heads.next_hidden(self.last_out).view(1, 1, -1).expand(1, k, -1)
-        anc = torch.empty(k, 0, dtype=torch.long, device=dev)  # each row's ancestors' expansion slots
+        # each row's ancestors' expansion slots
+        anc = torch.empty(k, 0, dtype=torch.long, device=dev)
         rows = torch.arange(k, device=dev)
         count = k
         try:
@@ -86,9 +92,13 @@ class EagleExpansion:
                 cache.at = committed + (d - 1) * k + rows
                 ids = heads.to_target_ids(torch.cat(tokens).index_select(0, layer)).view(1, -1)
                 pos = (committed + d - 1).expand(1, k)
-                out = heads(ids, layer_hidden, pos, drafter_mask(allowed[None], self.last_out.dtype), cache)
+                out = heads(
+                    ids, layer_hidden, pos, drafter_mask(allowed[None], self.last_out.dtype), cache
+                )
                 child_logp, child_ids = top_logprobs(heads.logits(out[0]), k)
-                cum = (torch.cat(scores).index_select(0, layer).unsqueeze(-1) + child_logp).flatten()
+                cum = (
+                    torch.cat(scores).index_select(0, layer).unsqueeze(-1) + child_logp
+                ).flatten()
                 tokens.append(child_ids.flatten())
                 scores.append(cum)
                 parents.append(layer.repeat_interleave(k))
@@ -101,7 +111,12 @@ class EagleExpansion:
         finally:
             cache.at = None
         return _select(
-            drafter, self.root, torch.cat(tokens), torch.cat(scores), torch.cat(parents), torch.cat(depths)
+            drafter,
+            self.root,
+            torch.cat(tokens),
+            torch.cat(scores),
+            torch.cat(parents),
+            torch.cat(depths),
         )
 
 
@@ -113,26 +128,29 @@ def _select(
     parents: torch.Tensor,
     depths: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`EagleDrafter._select` on tensors: the best total_tokens candidates as a tree in build_tree's order."""
+    """`EagleDrafter._select` on tensors: the best total_tokens candidates as a tree in build_tree's
+    order."""
     dev, k = tokens.device, drafter.top_k
     total, depth = drafter.total_tokens, drafter.depth
     c = tokens.shape[0]
     idx = torch.arange(c, device=dev)
     chosen = lexsort(-scores, depths, idx)[:total]
     is_chosen = torch.zeros(c, dtype=torch.bool, device=dev).index_fill_(0, chosen, True)
-    # rank among chosen siblings by (-score, index): siblings share a depth; the root's children are one group
+    # rank among chosen siblings by (-score, index): siblings share a depth; the root's children are
+    # one group
     order = lexsort(parents, -scores, idx)
     p_sorted = parents.index_select(0, order)
     chosen_sorted = is_chosen.index_select(0, order).long()
-    # chosen siblings before each entry within its parent's group: a running count reset at each group
+    # chosen siblings before each entry within its parent's group: a running count reset at each
+    # group
     run = torch.cumsum(chosen_sorted, 0) - chosen_sorted
     group_start = torch.ones(c, dtype=torch.bool, device=dev)
     group_start[1:] = p_sorted[1:] != p_sorted[:-1]
     starts = torch.cummax(torch.where(group_start, idx, torch.zeros_like(idx)), 0).values
     rank_sorted = run - run.index_select(0, starts)
     rank = torch.empty_like(rank_sorted).index_copy_(0, order, rank_sorted)
-    # a candidate's path as one number: its rank at depth l in digit l (base k, depth digits), so that
-    # (depth, path) orders nodes as build_tree orders paths
+    # a candidate's path as one number: its rank at depth l in digit l (base k, depth digits), so
+    # that (depth, path) orders nodes as build_tree orders paths
     key = torch.zeros(c, dtype=torch.long, device=dev)
     cur = idx
     for _ in range(depth):
@@ -149,7 +167,9 @@ def _select(
         0, node_order, torch.arange(1, total + 1, device=dev)
     )
     par = parents.index_select(0, node_order)
-    tree_parent = torch.where(par >= 0, where.index_select(0, par.clamp(min=0)), torch.zeros_like(par))
+    tree_parent = torch.where(
+        par >= 0, where.index_select(0, par.clamp(min=0)), torch.zeros_like(par)
+    )
     ids = drafter.heads.to_target_ids(tokens.index_select(0, node_order))
     minus = torch.full((1,), -1, dtype=torch.long, device=dev)
     return torch.cat((root.view(1), ids)), torch.cat((minus, tree_parent))

@@ -1,22 +1,24 @@
-"""Hybrid drafting: prompt-lookup branches and a neural drafter's branches in one tree, sized per step.
+"""Hybrid drafting: prompt-lookup branches and a neural drafter's branches in one tree, sized per
+step.
 
-Each step pools two kinds of candidates under the root: the neural drafter's (an EAGLE expansion or a Medusa
-tree, each node with its draft probability given its parent) and n-gram continuations copied from the prompt
-and the text so far (ngram.py). Candidates that propose the same token after the same path merge into one
-node. A node's value is its estimated chance of being accepted: the product, along its path, of each edge's
-acceptance estimate. Those estimates are online Beta averages, updated after every verification from what the
-target really accepted: neural edges binned by draft probability, n-gram edges by match length, position in
-the copy and whether the last step accepted a copy. The N best nodes form the tree (a child never outranks
-its parent), and N is chosen every step to maximise expected tokens per second, (1 + sum of values) /
-(verify time of N + 1 tokens in a tree that deep + drafting time): N = 0, a plain step, when nothing is likely
-enough to pay for the larger verification. The neural drafter itself runs only where it has paid: after each
-step it ran on, the tokens/s the target really gave is set against what the n-gram tree alone would have given
-on the same step (the tree chosen without the neural candidates, walked along the tokens the target wrote),
-separately for steps that continue an accepted copy and steps that do not. An EAGLE drafter also expands only
-as many levels as pay for their drafting time: every few steps it expands all of them, and the tree each
-shallower depth would have made on that step is priced with that depth's measured drafting time. Verification,
-cache compaction and acceptance are the shared code, so greedy output is exactly plain decoding's and sampling
-keeps the target's distribution.
+Each step pools two kinds of candidates under the root: the neural drafter's (an EAGLE expansion or
+a Medusa tree, each node with its draft probability given its parent) and n-gram continuations
+copied from the prompt and the text so far (ngram.py). Candidates that propose the same token after
+the same path merge into one node. A node's value is its estimated chance of being accepted: the
+product, along its path, of each edge's acceptance estimate. Those estimates are online Beta
+averages, updated after every verification from what the target really accepted: neural edges binned
+by draft probability, n-gram edges by match length, position in the copy and whether the last step
+accepted a copy. The N best nodes form the tree (a child never outranks its parent), and N is chosen
+every step to maximise expected tokens per second, (1 + sum of values) / (verify time of N + 1
+tokens in a tree that deep + drafting time): N = 0, a plain step, when nothing is likely enough to
+pay for the larger verification. The neural drafter itself runs only where it has paid: after each
+step it ran on, the tokens/s the target really gave is set against what the n-gram tree alone would
+have given on the same step (the tree chosen without the neural candidates, walked along the tokens
+the target wrote), separately for steps that continue an accepted copy and steps that do not. An
+EAGLE drafter also expands only as many levels as pay for their drafting time: every few steps it
+expands all of them, and the tree each shallower depth would have made on that step is priced with
+that depth's measured drafting time. Verification, cache compaction and acceptance are the shared
+code, so greedy output is exactly plain decoding's and sampling keeps the target's distribution.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ NEURAL, NGRAM, BOTH = "neural", "ngram", "both"
 
 
 class Rate:
-    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations; with
-    memory < 1 each new observation scales the weight of everything before it by `memory`."""
+    """An acceptance rate: a Beta estimate that starts at `prior` with `weight` pseudo-observations;
+    with memory < 1 each new observation scales the weight of everything before it by `memory`."""
 
     def __init__(self, prior: float, weight: float, memory: float = 1.0):
         self.hits, self.seen, self.memory = prior * weight, weight, memory
@@ -96,7 +98,8 @@ class Candidate:
 
 
 class HybridDrafter:
-    """Neural and n-gram branches in one tree (drafter=hybrid), or n-gram branches alone (drafter=ngram)."""
+    """Neural and n-gram branches in one tree (drafter=hybrid), or n-gram branches alone
+    (drafter=ngram)."""
 
     drafts_on_device = False  # its n-gram branches are found on the host (generate.Drafter)
 
@@ -107,18 +110,20 @@ class HybridDrafter:
         verify_cost: Callable[[int, int], float],
         timed: bool = True,
     ):
-        """verify_cost(n, depth): the cost of verifying n tokens whose tree is `depth` levels deep below the
-        root, in seconds when `timed` (the drafter's own time per step is then added to it), else in any unit
-        (drafting counted as free)."""
+        """verify_cost(n, depth): the cost of verifying n tokens whose tree is `depth` levels deep
+        below the root, in seconds when `timed` (the drafter's own time per step is then added to
+        it), else in any unit (drafting counted as free)."""
         self.neural, self.hc, self.verify_cost, self.timed = neural, hc, verify_cost, timed
         self.feature_layers = neural.feature_layers if neural is not None else []
         self.max_nodes = hc.max_nodes + 1
         self.index = NgramIndex(hc.min_ngram, hc.max_ngram)
         self.calibration = Calibration(hc)
         self.copying = False  # the last verification accepted at least one n-gram token
-        self.draft_seconds = 0.0  # moving average of the n-gram side's time per step (draft plus accept)
+        # moving average of the n-gram side's time per step (draft plus accept)
+        self.draft_seconds = 0.0
         self.neural_seconds = 0.0  # moving average of the neural drafter's time when it runs
-        # the depth an EAGLE drafter expands to, where drafting time counts and the drafter times its levels
+        # the depth an EAGLE drafter expands to, where drafting time counts and the drafter times
+        # its levels
         self.depths: Optional[DepthChoice] = None
         if (
             timed
@@ -134,7 +139,8 @@ class HybridDrafter:
             tuple[list[int], torch.Tensor]
         ] = []  # verified steps the neural drafter has not read
         self.root: Optional[int] = None
-        self.node_sources: list[str] = []  # per node of the last tree (root: ""), for the loop's accounting
+        # per node of the last tree (root: ""), for the loop's accounting
+        self.node_sources: list[str] = []
         self._last: list[Candidate] = []  # per node of the last tree after the root
         self._children: list[list[int]] = []
 
@@ -181,18 +187,22 @@ class HybridDrafter:
             t1 = time.perf_counter()
             proposed = self._neural_proposals(root, depth)
             spent = time.perf_counter() - t1
-            ngram_cands, cands = cands, _merge(cands, proposed)  # the n-gram candidates keep their indices
+            # the n-gram candidates keep their indices
+            ngram_cands, cands = cands, _merge(cands, proposed)
             if self.depths is not None:
                 self.depths.timed(depth, spent, self.neural.level_seconds)
                 neural_seconds = self.depths.seconds[depth]
             else:
                 neural_seconds = self.neural_seconds = _average(self.neural_seconds, spent)
             chosen, rate = self._choose(cands, neural_seconds)
-            if probe:  # the trees the shallower depths would have made on this step, at their drafting time
+            # the trees the shallower depths would have made on this step, at their drafting time
+            if probe:
                 self.depths.score(
                     {
                         **{
-                            d: self._choose(_merge(ngram_cands, proposed, d), self.depths.seconds[d])[1]
+                            d: self._choose(
+                                _merge(ngram_cands, proposed, d), self.depths.seconds[d]
+                            )[1]
                             for d in range(1, depth)
                         },
                         depth: rate,
@@ -221,9 +231,12 @@ class HybridDrafter:
         return nodes, tree
 
     def _tree_cost(self, cands: list[Candidate], chosen: list[int]) -> float:
-        """The modelled time of a step verifying these candidates (the n-gram side's drafting included)."""
+        """The modelled time of a step verifying these candidates (the n-gram side's drafting
+        included)."""
         depth = max((cands[c].depth for c in chosen), default=0)
-        return self.verify_cost(len(chosen) + 1, depth) + (self.draft_seconds if self.timed else 0.0)
+        return self.verify_cost(len(chosen) + 1, depth) + (
+            self.draft_seconds if self.timed else 0.0
+        )
 
     def _ngram_candidates(self, root: int) -> list[Candidate]:
         """The n-gram continuations as a trie (continuations sharing a prefix share its nodes)."""
@@ -233,30 +246,44 @@ class HybridDrafter:
             parent = -1
             for j, token in enumerate(cont.tokens, start=1):
                 parent = _add(
-                    cands, where, parent, token, Calibration.ngram_key(cont.match, j, self.copying), NGRAM
+                    cands,
+                    where,
+                    parent,
+                    token,
+                    Calibration.ngram_key(cont.match, j, self.copying),
+                    NGRAM,
                 )
         return cands
 
-    def _neural_proposals(self, root: int, depth: Optional[int]) -> tuple[list[int], list[float], list[int]]:
-        """The neural drafter's most likely proposals (`_most_likely`), `depth` levels deep (None: its own
-        depth), after it has read the steps it has not seen yet."""
+    def _neural_proposals(
+        self, root: int, depth: Optional[int]
+    ) -> tuple[list[int], list[float], list[int]]:
+        """The neural drafter's most likely proposals (`_most_likely`), `depth` levels deep (None:
+        its own depth), after it has read the steps it has not seen yet."""
         if self._pending:
             self.neural.accept(
-                [t for toks, _ in self._pending for t in toks], torch.cat([f for _, f in self._pending])
+                [t for toks, _ in self._pending for t in toks],
+                torch.cat([f for _, f in self._pending]),
             )
             self._pending = []
-        proposed = self.neural.proposals(root) if depth is None else self.neural.proposals(root, depth)
+        proposed = (
+            self.neural.proposals(root) if depth is None else self.neural.proposals(root, depth)
+        )
         return _most_likely(*proposed, self.hc.max_nodes)
 
-    def _choose(self, cands: list[Candidate], extra_seconds: float = 0.0) -> tuple[list[int], float]:
+    def _choose(
+        self, cands: list[Candidate], extra_seconds: float = 0.0
+    ) -> tuple[list[int], float]:
         """The candidates to verify, best first (the top N by value for the N with the best expected
         tokens/s), and that rate; extra_seconds is drafting time beyond the n-gram side's."""
         value = [0.0] * len(cands)
         for c, cand in enumerate(cands):  # parents come before their children
-            value[c] = (value[cand.parent] if cand.parent >= 0 else 1.0) * self.calibration.estimate(
-                cand.keys
-            )
-        order = sorted(range(len(cands)), key=lambda c: (-value[c], cands[c].depth, c))[: self.hc.max_nodes]
+            value[c] = (
+                value[cand.parent] if cand.parent >= 0 else 1.0
+            ) * self.calibration.estimate(cand.keys)
+        order = sorted(range(len(cands)), key=lambda c: (-value[c], cands[c].depth, c))[
+            : self.hc.max_nodes
+        ]
         drafting = self.draft_seconds + extra_seconds if self.timed else 0.0
         best_n, best_rate, expected, depth = 0, 1.0 / (self.verify_cost(1, 0) + drafting), 1.0, 0
         for n, c in enumerate(order, start=1):
@@ -297,9 +324,10 @@ class HybridDrafter:
 
 
 class DepthChoice:
-    """How many levels the neural drafter expands: the depth whose trees promised the most tokens/s on the
-    probe steps (steps that expand every level, where each shallower depth's tree is priced too, as a ratio to
-    the full depth's), with each depth's drafting time measured on the steps that reach it."""
+    """How many levels the neural drafter expands: the depth whose trees promised the most tokens/s
+    on the probe steps (steps that expand every level, where each shallower depth's tree is priced
+    too, as a ratio to the full depth's), with each depth's drafting time measured on the steps that
+    reach it."""
 
     def __init__(self, most: int, probe_every: int):
         self.most, self.probe_every = most, probe_every
@@ -319,31 +347,37 @@ class DepthChoice:
         return self.best, False
 
     def timed(self, depth: int, seconds: float, level_seconds: list[float]) -> None:
-        """A step expanded `depth` levels in `seconds` (the drafter's reading of accepted steps included); the
-        drafter's level_seconds split its expansion, so each depth up to it is timed too."""
+        """A step expanded `depth` levels in `seconds` (the drafter's reading of accepted steps
+        included); the drafter's level_seconds split its expansion, so each depth up to it is timed
+        too."""
         fixed = seconds - level_seconds[depth - 1]
         for d in range(1, depth + 1):
             self.seconds[d] = _average(self.seconds.get(d), fixed + level_seconds[d - 1])
 
     def score(self, rates: dict[int, float]) -> None:
-        """A probe's promised tokens/s per depth (the full depth's included). Probes are few, so each
-        weighs 0.3: the first ones, led by the acceptance estimates' priors, fade fast."""
+        """A probe's promised tokens/s per depth (the full depth's included). Probes are few, so
+        each weighs 0.3: the first ones, led by the acceptance estimates' priors, fade fast."""
         for d, rate in rates.items():
             self.ratio[d] = _average(self.ratio.get(d), rate / rates[self.most], 0.3)
         self.best = max(self.ratio, key=lambda d: (self.ratio[d], -d))
 
 
 class NeuralGate:
-    """Whether the hybrid runs its neural drafter this step. Per context (continuing an accepted copy or not)
-    it keeps the realized gain of the steps the drafter ran on: the tokens/s the target gave against what the
-    n-gram tree alone would have given on the same step. It runs the drafter while that gain holds, and
-    otherwise probes at doubling intervals, so the estimate follows the text."""
+    """Whether the hybrid runs its neural drafter this step. Per context (continuing an accepted
+    copy or not) it keeps the realized gain of the steps the drafter ran on: the tokens/s the target
+    gave against what the n-gram tree alone would have given on the same step. It runs the drafter
+    while that gain holds, and otherwise probes at doubling intervals, so the estimate follows the
+    text."""
 
     def __init__(self, hc: HybridConfig):
         self.hc = hc
-        self.gains = {False: Gain(hc.gain_steps, hc.gain_memory), True: Gain(hc.gain_steps, hc.gain_memory)}
+        self.gains = {
+            False: Gain(hc.gain_steps, hc.gain_memory),
+            True: Gain(hc.gain_steps, hc.gain_memory),
+        }
         self.skipped = {False: 0, True: 0}  # steps since the neural drafter last ran, per context
-        self.interval = {False: hc.probe_every, True: hc.probe_every}  # steps between probes, per context
+        # steps between probes, per context
+        self.interval = {False: hc.probe_every, True: hc.probe_every}
         self.probe: Optional[Probe] = None  # the last step's, when the neural drafter ran on it
 
     def runs(self, context: bool) -> bool:
@@ -360,8 +394,9 @@ class NeuralGate:
         return False
 
     def score(self, tokens: list[int]) -> None:
-        """Set the last probed step against the n-gram tree alone on the same step: that tree would have
-        accepted its longest path along the tokens the target wrote (at least; they end at the bonus)."""
+        """Set the last probed step against the n-gram tree alone on the same step: that tree would
+        have accepted its longest path along the tokens the target wrote (at least; they end at the
+        bonus)."""
         probe, self.probe = self.probe, None
         if probe is None:
             return
@@ -378,19 +413,22 @@ class NeuralGate:
 
 @dataclass
 class Probe:
-    """A step the neural drafter ran on: what to score it against once the target has verified it."""
+    """A step the neural drafter ran on: what to score it against once the target has verified
+    it."""
 
     context: bool  # whether the step continued an accepted copy
     ngram_tree: (
-        dict  # (parent candidate or -1, token) -> candidate, for the tree chosen without the neural side
+        # (parent candidate or -1, token) -> candidate, for the tree chosen without the neural side
+        dict
     )
     ngram_seconds: float  # that tree's modelled step time
     seconds: float  # the chosen tree's modelled step time plus the neural drafter's
 
 
 class Gain:
-    """Tokens/s with the neural drafter over tokens/s of the n-gram tree alone, on the steps it ran on: ratios
-    of sums in which each step scales the earlier ones by `memory`; None until `steps` steps are in."""
+    """Tokens/s with the neural drafter over tokens/s of the n-gram tree alone, on the steps it ran
+    on: ratios of sums in which each step scales the earlier ones by `memory`; None until `steps`
+        steps are in."""
 
     def __init__(self, steps: int, memory: float) -> None:
         self.sums, self.steps, self.need, self.memory = [0.0, 0.0, 0.0, 0.0], 0, steps, memory
@@ -404,7 +442,8 @@ class Gain:
 
     def add(self, tokens: float, seconds: float, alone_tokens: float, alone_seconds: float) -> None:
         self.sums = [
-            self.memory * s + x for s, x in zip(self.sums, (tokens, seconds, alone_tokens, alone_seconds))
+            self.memory * s + x
+            for s, x in zip(self.sums, (tokens, seconds, alone_tokens, alone_seconds))
         ]
         self.steps += 1
 
@@ -414,13 +453,17 @@ def _average(mean: Optional[float], x: float, weight: float = 0.1) -> float:
     return x if not mean else (1.0 - weight) * mean + weight * x
 
 
-def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tuple, source: str) -> int:
-    """The candidate for `token` after `parent` (made if new), with this source's calibration key added;
-    `where` maps (parent, token) to its candidate."""
+def _add(
+    cands: list[Candidate], where: dict, parent: int, token: int, key: tuple, source: str
+) -> int:
+    """The candidate for `token` after `parent` (made if new), with this source's calibration key
+    added; `where` maps (parent, token) to its candidate."""
     c = where.get((parent, token))
     if c is None:
         c = where[parent, token] = len(cands)
-        cands.append(Candidate(token, parent, 1 if parent < 0 else cands[parent].depth + 1, [], set()))
+        cands.append(
+            Candidate(token, parent, 1 if parent < 0 else cands[parent].depth + 1, [], set())
+        )
     if key not in cands[c].keys:
         cands[c].keys.append(key)
     cands[c].sources.add(source)
@@ -428,11 +471,14 @@ def _add(cands: list[Candidate], where: dict, parent: int, token: int, key: tupl
 
 
 def _merge(
-    cands: list[Candidate], proposed: tuple[list[int], list[float], list[int]], depth: Optional[int] = None
+    cands: list[Candidate],
+    proposed: tuple[list[int], list[float], list[int]],
+    depth: Optional[int] = None,
 ) -> list[Candidate]:
-    """The trie with the neural proposals (ids, probs, parents; parents first) merged in, those at most
-    `depth` levels deep (None: all): a token proposed after the same path as a candidate joins its node.
-    `cands` is left as it was (a joined node is a new Candidate), so one trie can take several merges."""
+    """The trie with the neural proposals (ids, probs, parents; parents first) merged in, those at
+    most `depth` levels deep (None: all): a token proposed after the same path as a candidate joins
+    its node. `cands` is left as it was (a joined node is a new Candidate), so one trie can take
+    several merges."""
     cands = list(cands)
     where = {(c.parent, c.token): i for i, c in enumerate(cands)}
     placed: list[int] = []
@@ -447,7 +493,9 @@ def _merge(
         if c is None:
             c = where[parent, token] = len(cands)
             cands.append(
-                Candidate(token, parent, 1 if parent < 0 else cands[parent].depth + 1, [key], {NEURAL})
+                Candidate(
+                    token, parent, 1 if parent < 0 else cands[parent].depth + 1, [key], {NEURAL}
+                )
             )
         else:
             old = cands[c]
@@ -460,10 +508,10 @@ def _merge(
 def _most_likely(
     ids: list[int], probs: list[float], parents: list[int], count: int
 ) -> tuple[list[int], list[float], list[int]]:
-    """The `count` proposals most likely as paths (the product of the draft probabilities from the root;
-    parents come first, ties to the shallower), in their order, with parents renumbered: a verification holds
-    at most `count` nodes, and the drafter expands several times that many, which would only cost the
-    choice time."""
+    """The `count` proposals most likely as paths (the product of the draft probabilities from the
+    root; parents come first, ties to the shallower), in their order, with parents renumbered: a
+    verification holds at most `count` nodes, and the drafter expands several times that many, which
+    would only cost the choice time."""
     if len(ids) <= count:
         return ids, probs, parents
     path = [0.0] * len(ids)

@@ -1,6 +1,7 @@
 """The neural drafter (`inference.drafter=neural`): each head kind's own, by the kind's name.
 
-Every kind registered in kinds/registry.py has one here (tests/headway/test_structure.py checks the two agree).
+Every kind registered in kinds/registry.py has one here (tests/headway/test_structure.py checks the
+two agree).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from headway.inference.drafters.eagle import EagleDrafter
 from headway.inference.drafters.medusa import MedusaDrafter
 from headway.inference.engines.options import EngineOptions
 
-# kind -> (heads, InferenceConfig, head config.json, num target layers, options=EngineOptions) -> drafter
+# kind -> (heads, InferenceConfig, head config.json, num target layers, options=EngineOptions) ->
+# drafter
 NEURAL: dict[str, Callable[..., Any]] = {
     "medusa": MedusaDrafter.from_config,
     "eagle": EagleDrafter.from_config,

@@ -1,16 +1,19 @@
-"""Prompt lookup: continuations copied from earlier in the sequence where its last few tokens occurred before.
+"""Prompt lookup: continuations copied from earlier in the sequence where its last few tokens
+occurred before.
 
-The index maps every n-gram (min_ngram <= n <= max_ngram) of the sequence so far to the positions that
-followed it, and grows by one token at a time, so a lookup costs the same at token 10 and at token 4,000.
-A lookup tries the longest suffix first and returns up to `branches` distinct continuations, most recent
-occurrence first; the match length goes with each, since a longer match predicts the copy better.
+The index maps every n-gram (min_ngram <= n <= max_ngram) of the sequence so far to the positions
+that followed it, and grows by one token at a time, so a lookup costs the same at token 10 and at
+token 4,000. A lookup tries the longest suffix first and returns up to `branches` distinct
+continuations, most recent occurrence first; the match length goes with each, since a longer match
+predicts the copy better.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCAN = 64  # occurrences of one n-gram looked at per lookup (a long run of one repeated token has thousands)
+# occurrences of one n-gram looked at per lookup (a long run of one repeated token has thousands)
+SCAN = 64
 
 
 @dataclass
@@ -23,7 +26,8 @@ class NgramIndex:
     def __init__(self, min_ngram: int, max_ngram: int):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.tokens: list[int] = []
-        self.follows: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions right after its occurrences
+        # n-gram -> positions right after its occurrences
+        self.follows: dict[tuple[int, ...], list[int]] = {}
 
     def reset(self, tokens: list[int]) -> None:
         self.tokens, self.follows = [], {}
@@ -37,7 +41,8 @@ class NgramIndex:
                 self.follows.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
     def lookup(self, extra: list[int], max_tokens: int, branches: int) -> list[Continuation]:
-        """Continuations of the sequence followed by `extra` (tokens not yet in the index, e.g. the root)."""
+        """Continuations of the sequence followed by `extra` (tokens not yet in the index, e.g. the
+        root)."""
         seq = self.tokens + extra
         end = len(seq)
         out: list[Continuation] = []

@@ -1,13 +1,14 @@
-"""The hf engine (`inference.engine=hf`): the model's own forward (`HFRunner`) on its own transformers cache,
-with the KV-cache bookkeeping tree verification needs.
+"""The hf engine (`inference.engine=hf`): the model's own forward (`HFRunner`) on its own
+transformers cache, with the KV-cache bookkeeping tree verification needs.
 
 After a tree forward the cache holds the prefix plus every tree node; only the accepted path stays.
 
-Sliding-window layers keep every key here (transformers' own cache drops keys as the window moves, so a
-rejected branch could not be undone past it, and a tree's rows could not see the keys the window still shows
-them): the window is applied by the mask instead, one per layer type (`step_masks`), from each row's position.
-A recurrent layer (SSM, linear attention, convolution) keeps one state that a tree's branches would share; it
-cannot be rolled back, and `keep_tree_nodes` / `truncate_cache` refuse it in one line.
+Sliding-window layers keep every key here (transformers' own cache drops keys as the window moves,
+so a rejected branch could not be undone past it, and a tree's rows could not see the keys the
+window still shows them): the window is applied by the mask instead, one per layer type
+(`step_masks`), from each row's position. A recurrent layer (SSM, linear attention, convolution)
+keeps one state that a tree's branches would share; it cannot be rolled back, and `keep_tree_nodes`
+/ `truncate_cache` refuse it in one line.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def _text_config(model: Any) -> Any:
 
 
 def new_cache(model: Any) -> Any:
-    """A transformers DynamicCache for `model` whose sliding-window layers keep every key (full layers), so
-    that trees can be verified and rolled back at any length; other layer kinds stay as transformers makes
-    them."""
+    """A transformers DynamicCache for `model` whose sliding-window layers keep every key (full
+    layers), so that trees can be verified and rolled back at any length; other layer kinds stay as
+    transformers makes them."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -48,13 +49,14 @@ def cache_length(cache: Any) -> int:
 
 
 def attention_windows(model: Any) -> dict[str, Optional[int]]:
-    """How far back each layer type attends, for models with sliding-window layers ({} without any: the model
-    builds its own causal mask).
+    """How far back each layer type attends, for models with sliding-window layers ({} without any:
+    the model builds its own causal mask).
 
     Returns:
-        {layer type: window or None (full attention)} where the config names layer types (the model's
-        forward then takes a dict of masks keyed by layer type), or {"": window} where every layer slides over
-        the same window (Mistral-style configs without layer types: one 4-D mask for every layer).
+        {layer type: window or None (full attention)} where the config names layer types (the
+        model's forward then takes a dict of masks keyed by layer type), or {"": window} where every
+        layer slides over the same window (Mistral-style configs without layer types: one 4-D mask
+        for every layer).
     """
     cfg = _text_config(model)
     window = getattr(cfg, "sliding_window", None)
@@ -69,7 +71,8 @@ def attention_windows(model: Any) -> dict[str, Optional[int]]:
 
 
 def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An additive 4-D mask [1, 1, n, K] from a boolean [n, K]: 0 where visible, else the dtype's minimum."""
+    """An additive 4-D mask [1, 1, n, K] from a boolean [n, K]: 0 where visible, else the dtype's
+    minimum."""
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return bias.masked_fill_(~visible, torch.finfo(dtype).min).view(1, 1, *visible.shape)
 
@@ -85,17 +88,21 @@ def step_masks(
 
     Args:
         windows: `attention_windows(model)`, not empty.
-        prefix: the keys already cached; query_pos [n]: each new row's position (prefix + depth in a tree).
+        prefix: the keys already cached; query_pos [n]: each new row's position (prefix + depth in a
+            tree).
         visible [n, n]: which of the step's own rows each row sees (causal, or its tree ancestors).
         dtype: the mask's dtype (the model's).
     Returns:
-        One additive 4-D mask [1, 1, n, prefix + n] where every layer shares a window, else a dict of them
-        keyed by layer type; a sliding layer's hides every key more than window - 1 positions behind the row.
+        One additive 4-D mask [1, 1, n, prefix + n] where every layer shares a window, else a dict
+        of them keyed by layer type; a sliding layer's hides every key more than window - 1
+        positions behind the row.
     """
     device = query_pos.device
     n = query_pos.shape[0]
     key_pos = torch.cat([torch.arange(prefix, device=device), query_pos])
-    seen = torch.cat([torch.ones(n, prefix, dtype=torch.bool, device=device), visible.to(device)], dim=1)
+    seen = torch.cat(
+        [torch.ones(n, prefix, dtype=torch.bool, device=device), visible.to(device)], dim=1
+    )
     behind = query_pos[:, None] - key_pos[None, :]
     masks = {
         kind: _bias(seen if window is None else seen & (behind < window), dtype)
@@ -105,7 +112,8 @@ def step_masks(
 
 
 def _refuse_recurrent(layer: Any) -> None:
-    """Refuse to edit a recurrent layer's cache: its one state cannot drop a rejected branch or go back."""
+    """Refuse to edit a recurrent layer's cache: its one state cannot drop a rejected branch or go
+    back."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     if isinstance(layer, LinearAttentionCacheLayerMixin) or not hasattr(layer, "keys"):
@@ -117,7 +125,8 @@ def _refuse_recurrent(layer: Any) -> None:
 
 
 def has_recurrent_state(cache: Any) -> bool:
-    """Whether some layer of `cache` keeps a recurrent state (alone or beside its keys and values)."""
+    """Whether some layer of `cache` keeps a recurrent state (alone or beside its keys and
+    values)."""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     return any(
@@ -127,7 +136,8 @@ def has_recurrent_state(cache: Any) -> bool:
 
 
 def keep_tree_nodes(cache: Any, tree_size: int, keep: list[int]) -> None:
-    """Drop the rejected tree nodes: the last `tree_size` cache entries become those at indices `keep`."""
+    """Drop the rejected tree nodes: the last `tree_size` cache entries become those at indices
+    `keep`."""
     for layer in cache.layers:
         _refuse_recurrent(layer)
         k, v = layer.keys, layer.values
@@ -167,10 +177,11 @@ def truncate_cache(cache: Any, length: int) -> None:
 class HFRunner:
     """The model's own forward and a transformers DynamicCache.
 
-    On a model with sliding-window layers the cache keeps every key (`new_cache`) and every forward, plain or
-    tree, passes the masks itself (`step_masks`: one per layer type, the window measured from each row's
-    position), so plain and speculative decoding see the same keys at any length and a rejected branch is
-    dropped like any other. A model with a recurrent layer decodes plainly; a tree on it is refused.
+    On a model with sliding-window layers the cache keeps every key (`new_cache`) and every forward,
+    plain or tree, passes the masks itself (`step_masks`: one per layer type, the window measured
+    from each row's position), so plain and speculative decoding see the same keys at any length and
+    a rejected branch is dropped like any other. A model with a recurrent layer decodes plainly; a
+    tree on it is refused.
     """
 
     accepts_on_device = False  # (Runner protocol: engines/runner.py)
@@ -202,7 +213,9 @@ class HFRunner:
             pos = prefix + tree.depth.to(self.device)
             extra["position_ids"] = pos.view(1, -1)
             if self.windows:
-                extra["attention_mask"] = step_masks(self.windows, prefix, pos, tree.ancestors, self.dtype)
+                extra["attention_mask"] = step_masks(
+                    self.windows, prefix, pos, tree.ancestors, self.dtype
+                )
             else:
                 extra["attention_mask"] = tree_attention_bias(tree, prefix, self.dtype, self.device)
         elif self.windows:

@@ -1,8 +1,10 @@
-"""A target's decoder as Headway's fixed-shape steps run it: its layers (engine_step's math for its family),
-its final norm, its rotary tables for every cache slot, and its lm_head with the final soft-capping.
+"""A target's decoder as Headway's fixed-shape steps run it: its layers (engine_step's math for its
+family), its final norm, its rotary tables for every cache slot, and its lm_head with the final
+soft-capping.
 
-The CUDA backend's speculative runner (engines/cuda/runner.py) and the batched decoder of self-distillation
-(engines/batch.py) share it, so both run the arithmetic that the tests prove against the model's own forward.
+The CUDA backend's speculative runner (engines/cuda/runner.py) and the batched decoder of
+self-distillation (engines/batch.py) share it, so both run the arithmetic that the tests prove
+against the model's own forward.
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ class StepModel:
     """The parts of `model` a step calls.
 
     Args:
-        model: a static-family or Gemma-3 causal LM (engine_cuda.cuda_supported: Qwen3's q/k norms and
-            SmolLM3's NoPE layers included, MoE blocks not); positions: the rotary tables cover positions [0,
-            positions)."""
+        model: a static-family or Gemma-3 causal LM (engine_cuda.cuda_supported: Qwen3's q/k norms
+            and SmolLM3's NoPE layers included, MoE blocks not); positions: the rotary tables cover
+            positions [0, positions)."""
 
     def __init__(self, model: Any, positions: int):
         cfg = text_config(model.config)
-        # the parts, not the model: a runner (and its graphs) must not keep the model it was made for alive
+        # the parts, not the model: a runner (and its graphs) must not keep the model it was made
+        # for alive
         self.base, self.lm_head = model.model, model.lm_head
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -47,8 +50,11 @@ class StepModel:
                 "static engine on a CPU, or hf"
             )
         self.norm = _rms_norm_fn(self.base.norm, lean=True)
-        # each layer's kind (Gemma-3: sliding_attention or full_attention), its rotary tables and mask
-        self.kinds = list(getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers))
+        # each layer's kind (Gemma-3: sliding_attention or full_attention), its rotary tables and
+        # mask
+        self.kinds = list(
+            getattr(cfg, "layer_types", None) or ["full_attention"] * len(self.layers)
+        )
         self.window = getattr(cfg, "sliding_window", None) if self.gemma3 else None
         self.softcap = getattr(cfg, "final_logit_softcapping", None)
         attn = self.layers[0].self_attn
@@ -63,7 +69,8 @@ class StepModel:
         }
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [n] -> rows [n, hidden] (the model's own embedding, Gemma-3's scale included)."""
+        """Token ids [n] -> rows [n, hidden] (the model's own embedding, Gemma-3's scale
+        included)."""
         return self.base.embed_tokens(ids)
 
     def layer(
@@ -80,15 +87,18 @@ class StepModel:
         causal: bool = False,
         attend: Optional[Any] = None,
     ) -> torch.Tensor:
-        """Decoder layer i over rows x [n, hidden] (engine_step's `layer_step` contract: keys and values into
-        cache `slots`, attention over [0, end) under `mask`, or `causal`, or by `attend`)."""
+        """Decoder layer i over rows x [n, hidden] (engine_step's `layer_step` contract: keys and
+        values into cache `slots`, attention over [0, end) under `mask`, or `causal`, or by
+        `attend`)."""
         if self.gemma3:
-            return gemma3_layer_step(self.layers[i], x, cos, sin, k, v, slots, end, mask, causal, attend)
+            return gemma3_layer_step(
+                self.layers[i], x, cos, sin, k, v, slots, end, mask, causal, attend
+            )
         return layer_step(self.plans[i], x, cos, sin, k, v, slots, end, mask, attend, causal=causal)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """The lm_head over normed rows x [n, hidden] in one matmul (then the final soft-capping, where the
-        model has it): [n, vocab]."""
+        """The lm_head over normed rows x [n, hidden] in one matmul (then the final soft-capping,
+        where the model has it): [n, vocab]."""
         logits = self.lm_head(x)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -1,4 +1,5 @@
-"""Draft trees: which candidate tokens are verified together, and the attention that keeps paths apart.
+"""Draft trees: which candidate tokens are verified together, and the attention that keeps paths
+apart.
 
 A tree is given as choices (Medusa's notation): each node is a path of top-k indices, one per depth,
 so (0, 1) is "the best guess at depth 1, then the second-best guess at depth 2". Node 0 is the root,
@@ -41,7 +42,9 @@ class Tree:
 
 def build_tree(choices: list[list[int]] | list[tuple[int, ...]]) -> Tree:
     """A tree from Medusa choices; every prefix of a path must itself be a node."""
-    paths = sorted({tuple(int(x) for x in c) for c in choices if len(c) > 0}, key=lambda p: (len(p), p))
+    paths = sorted(
+        {tuple(int(x) for x in c) for c in choices if len(c) > 0}, key=lambda p: (len(p), p)
+    )
     index = {(): 0}
     for p in paths:
         if p[:-1] not in index:
@@ -84,12 +87,14 @@ def tree_attention_bias(
 
 
 def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int]]:
-    """The `num_nodes` paths with the highest estimated acceptance, as Medusa builds its sparse trees.
+    """The `num_nodes` paths with the highest estimated acceptance, as Medusa builds its sparse
+    trees.
 
     rank_accuracy[d][k] is how often head d's rank-k guess was the right token (measured on held-out
     data). A path's value is the product along it, its chance of being accepted if heads err
-    independently; the expected accepted length is the sum of the values of the chosen nodes, and the
-    top-N paths by value always form a valid tree because a child's value never exceeds its parent's.
+    independently; the expected accepted length is the sum of the values of the chosen nodes, and
+    the top-N paths by value always form a valid tree because a child's value never exceeds its
+    parent's.
     """
     import heapq
 
@@ -109,9 +114,9 @@ def best_tree(rank_accuracy: list[list[float]], num_nodes: int) -> list[list[int
 
 
 def tree_from_parents(parents: list[int]) -> tuple[Tree, list[int]]:
-    """The tree over candidates given by their parent candidate (-1: the root), and which candidate each
-    tree node after the root is. Siblings keep the candidates' order (best first if the caller sorted them);
-    every parent must be a candidate too."""
+    """The tree over candidates given by their parent candidate (-1: the root), and which candidate
+    each tree node after the root is. Siblings keep the candidates' order (best first if the caller
+    sorted them); every parent must be a candidate too."""
     paths: dict[int, tuple[int, ...]] = {}
     taken: dict[int, int] = {}  # parent -> children placed so far
 

@@ -1,8 +1,9 @@
 """`headway tune`: pick the draft tree that is fastest on this machine for this head.
 
 The best tree is a trade: a larger tree accepts more tokens per step, but verifying it costs more,
-and how much more depends on the hardware (on a CPU the cost grows with the tokens verified; on a GPU
-the curve is nearly flat; docs/benchmarks.md). Tune measures the two sides separately and multiplies them out:
+and how much more depends on the hardware (on a CPU the cost grows with the tokens verified; on a
+GPU the curve is nearly flat; docs/benchmarks.md). Tune measures the two sides separately and
+multiplies them out:
 
 - cost: the target's forward time against the number of verified tokens, over a cache of typical
   length, and the drafter's time for each tree setting, all on this machine with these threads;
@@ -48,7 +49,8 @@ log = logging.getLogger("headway")
 
 
 def calibration_prompts(decoder: Any, tc: TuneConfig) -> list[list[int]]:
-    """First-turn prompt ids of the calibration prompts (the user's, or the set shipped with Headway)."""
+    """First-turn prompt ids of the calibration prompts (the user's, or the set shipped with
+    Headway)."""
     path = tc.prompts or str(Path(__file__).parent / "prompts" / "calibration.jsonl")
     convs = load_conversations(PromptConfig(path=path, limit=tc.num_prompts))
     if not convs:
@@ -59,9 +61,9 @@ def calibration_prompts(decoder: Any, tc: TuneConfig) -> list[list[int]]:
 def search(
     decoder: Any, replays: list[Replay], cost: Callable[[int, int], float], tc: TuneConfig
 ) -> list[dict]:
-    """Every candidate tree setting of the head kind's search space with its expected accepted drafts, step
-    time and tokens/s, best first; cost(n, depth) is the verify time of n tokens in a tree that
-    deep (`verify_costs`)."""
+    """Every candidate tree setting of the head kind's search space with its expected accepted
+    drafts, step time and tokens/s, best first; cost(n, depth) is the verify time of n tokens in a
+    tree that deep (`verify_costs`)."""
     num_layers = int(text_config(decoder.target.config).num_hidden_layers)
     space = TREE_SPACES[decoder.heads.kind]
     out = space.candidates(decoder.heads, decoder.drafter, replays, cost, tc, num_layers)
@@ -75,8 +77,8 @@ def compare_drafters(
     neural_settings: dict,
     kinds: list[str],
 ) -> list[dict]:
-    """Each drafter kind replayed along the calibration answers (simulate), best first: the neural tree with
-    the chosen settings, n-gram branches alone, and both in one hybrid tree."""
+    """Each drafter kind replayed along the calibration answers (simulate), best first: the neural
+    tree with the chosen settings, n-gram branches alone, and both in one hybrid tree."""
     inference = dataclasses.replace(decoder.cfg.inference, **neural_settings)
     head, target = decoder.heads, decoder.target
     out = []
@@ -89,11 +91,15 @@ def compare_drafters(
 def tune(head_dir: str | Path, cfg: Any) -> dict:
     """Measure, search, validate and save; returns the saved entry."""
     tc = cfg.tune
-    configured = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, use_tuned=False))
+    configured = dataclasses.replace(
+        cfg, inference=dataclasses.replace(cfg.inference, use_tuned=False)
+    )
     as_configured = SpeculativeDecoder.load(head_dir, configured)
     # the search below scores the head's own trees
     decoder = (
-        as_configured if configured.inference.drafter == "neural" else as_configured.with_drafter("neural")
+        as_configured
+        if configured.inference.drafter == "neural"
+        else as_configured.with_drafter("neural")
     )
     model = decoder.target.model
     prompts = calibration_prompts(decoder, tc)
@@ -120,7 +126,8 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
         "replayed": drafters[0],
     }
     log.info(
-        "replayed drafters (tokens/s): %s", ", ".join(f"{d['drafter']} {d['tok_s']:.1f}" for d in drafters)
+        "replayed drafters (tokens/s): %s",
+        ", ".join(f"{d['drafter']} {d['tok_s']:.1f}" for d in drafters),
     )
     entry = {
         "machine": machine_key(model, cfg.inference.engine),
@@ -150,7 +157,9 @@ def tune(head_dir: str | Path, cfg: Any) -> dict:
     return entry
 
 
-def validate(decoder: Any, cfg: Any, tuned: dict, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def validate(
+    decoder: Any, cfg: Any, tuned: dict, prompts: list[list[int]], max_new_tokens: int
+) -> dict:
     """Plain decoding, the configured tree and the tuned tree on the prompts, in rotating order."""
     tuned_cfg = dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, **tuned))
     tuned_decoder = SpeculativeDecoder(
@@ -168,7 +177,8 @@ def validate(decoder: Any, cfg: Any, tuned: dict, prompts: list[list[int]], max_
     out: dict = {
         n: {
             **pooled(rs),
-            "matches_plain": sum(r.tokens == p.tokens for r, p in zip(rs, results["plain"])) / len(rs),
+            "matches_plain": sum(r.tokens == p.tokens for r, p in zip(rs, results["plain"]))
+            / len(rs),
         }
         for n, rs in results.items()
     }

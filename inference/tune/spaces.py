@@ -1,5 +1,6 @@
-"""The trees `headway tune` searches, one space per drafter family, each scored by replaying the head along
-the target's answers (`replay`) and priced with this machine's verify cost (`cost_model`)."""
+"""The trees `headway tune` searches, one space per drafter family, each scored by replaying the
+head along the target's answers (`replay`) and priced with this machine's verify cost
+(`cost_model`)."""
 
 from __future__ import annotations
 
@@ -34,37 +35,55 @@ def candidate(settings: dict, nodes: int, accepted: float, verify_s: float, draf
 
 
 class StaticTrees:
-    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.static_nodes, the nodes
-    (paths of per-position ranks) that matched the target's next tokens most often."""
+    """Static trees (Medusa's heads, DFlash's block slots): for each size in tune.static_nodes, the
+    nodes (paths of per-position ranks) that matched the target's next tokens most often."""
 
     def verify_sizes(self, tc: TuneConfig) -> list[int]:
         return [n + 1 for n in tc.static_nodes]
 
     def candidates(
-        self, heads: Any, drafter: Any, replays: list[Replay], cost: Cost, tc: TuneConfig, num_layers: int
+        self,
+        heads: Any,
+        drafter: Any,
+        replays: list[Replay],
+        cost: Cost,
+        tc: TuneConfig,
+        num_layers: int,
     ) -> list[dict]:
-        """Every tree size's best tree, scored; `drafter` (the decoder's own) gives the drafter class."""
+        """Every tree size's best tree, scored; `drafter` (the decoder's own) gives the drafter
+        class."""
         deep = type(drafter)(heads, build_tree(chain_choices(heads.draft_depth)), num_layers)
-        trees = best_static_trees(static_node_rates(deep, replays, tc.static_top_k), tc.static_nodes)
+        trees = best_static_trees(
+            static_node_rates(deep, replays, tc.static_top_k), tc.static_nodes
+        )
         out = []
         for n, (choices, acc) in trees.items():
             d_cost = draft_cost(type(drafter)(heads, build_tree(choices), num_layers), replays[0])
             depth = max((len(c) for c in choices), default=0)
-            out.append(candidate({"tree": choices, "tree_nodes": 0}, n, acc, cost(n + 1, depth), d_cost))
+            out.append(
+                candidate({"tree": choices, "tree_nodes": 0}, n, acc, cost(n + 1, depth), d_cost)
+            )
         return out
 
 
 class EagleTrees:
-    """EAGLE-2 dynamic trees: every (depth, top_k, total_tokens) of the tune section; one expansion per top_k
-    at the deepest depth scores every depth and size."""
+    """EAGLE-2 dynamic trees: every (depth, top_k, total_tokens) of the tune section; one expansion
+    per top_k at the deepest depth scores every depth and size."""
 
     def verify_sizes(self, tc: TuneConfig) -> list[int]:
         return [n + 1 for n in tc.total_tokens]
 
     def candidates(
-        self, heads: Any, drafter: Any, replays: list[Replay], cost: Cost, tc: TuneConfig, num_layers: int
+        self,
+        heads: Any,
+        drafter: Any,
+        replays: list[Replay],
+        cost: Cost,
+        tc: TuneConfig,
+        num_layers: int,
     ) -> list[dict]:
-        """Every setting, scored; `drafter` is the decoder's EAGLE drafter, replayed for the acceptance."""
+        """Every setting, scored; `drafter` is the decoder's EAGLE drafter, replayed for the
+        acceptance."""
         top_ks = [k for k in tc.top_ks if k <= heads.draft_vocab_size]
         acc = eagle_acceptance(drafter, replays, tc.depths, top_ks, tc.total_tokens)
         d_costs = {}
@@ -74,7 +93,11 @@ class EagleTrees:
                 d_costs[d, k] = draft_cost(EagleDrafter(heads, num_layers, d, k, n_max), replays[0])
         return [
             candidate(
-                {"depth": d, "top_k": k, "total_tokens": n}, n, a, cost(n + 1, min(d, n)), d_costs[d, k]
+                {"depth": d, "top_k": k, "total_tokens": n},
+                n,
+                a,
+                cost(n + 1, min(d, n)),
+                d_costs[d, k],
             )
             for (d, k, n), a in acc.items()
         ]
@@ -98,7 +121,8 @@ class TreeSpace(Protocol):
         """Every candidate tree setting, scored (`candidate`)."""
 
 
-# kind -> its search space (every kind of kinds/registry.py has one; tests/headway/test_structure.py checks)
+# kind -> its search space (every kind of kinds/registry.py has one; tests/headway/test_structure.py
+# checks)
 TREE_SPACES: dict[str, TreeSpace] = {
     "medusa": StaticTrees(),
     "eagle": EagleTrees(),

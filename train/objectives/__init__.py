@@ -1,6 +1,6 @@
-"""What each head kind learns from the frozen target's features on one batch: one module per kind (medusa,
-eagle, eagle3, dflash), each an `Objective` (common.py), named by the kind in `OBJECTIVES` (every kind of
-kinds/registry.py has one; tests/headway/test_structure.py checks).
+"""What each head kind learns from the frozen target's features on one batch: one module per kind
+(medusa, eagle, eagle3, dflash), each an `Objective` (common.py), named by the kind in `OBJECTIVES`
+(every kind of kinds/registry.py has one; tests/headway/test_structure.py checks).
 
 The shared parts are importable from here: `Features` (the target's side of a batch) and the
 `Objective` interface.

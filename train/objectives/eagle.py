@@ -1,5 +1,5 @@
-"""EAGLE-1's training objective: from (feature t + noise, token t+1) the drafter predicts feature t+1 and the
-target's next-token distribution there."""
+"""EAGLE-1's training objective: from (feature t + noise, token t+1) the drafter predicts feature
+t+1 and the target's next-token distribution there."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from headway.train.ttt import causal_allowed, shifted, ttt_unroll
 
 class EagleObjective(Objective):
     """EAGLE-1: from (feature t + noise, token t+1) predict feature t+1 (smooth-L1) and the target's
-    distribution there (cross-entropy), on positions whose next-next token is an answer token (the plan's
-    `rows`, `cols` [n])."""
+    distribution there (cross-entropy), on positions whose next-next token is an answer token (the
+    plan's `rows`, `cols` [n])."""
 
     plan_keys = ("rows", "cols")
 
@@ -28,8 +28,8 @@ class EagleObjective(Objective):
         return {"rows": rows, "cols": cols}
 
     def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
-        """fc over (embedding, feature) (no input gradient), the draft layer at every position, the target's
-        frozen lm_head at the loss rows (its input gradient only)."""
+        """fc over (embedding, feature) (no input gradient), the draft layer at every position, the
+        target's frozen lm_head at the loss rows (its input gradient only)."""
         B, T = plan["input_ids"].shape
         h, draft, n = target.hidden, Dims.of(heads.layer_config), plan["rows"].shape[0]
         layer = layer_linears(B * T, draft) + attention(B, T, T, draft)
@@ -48,7 +48,9 @@ class EagleObjective(Objective):
         f_in = f + (torch.rand_like(f) - 0.5) * ec.feature_noise if noisy else f
         positions, doc = batch.get("positions"), batch.get("doc")
         if self.ttt_attention == "structured":
-            pos = torch.arange(T, device=ids.device).unsqueeze(0) if positions is None else positions
+            pos = (
+                torch.arange(T, device=ids.device).unsqueeze(0) if positions is None else positions
+            )
             allowed = causal_allowed(attn, doc)
             out = heads(shifted(ids, 1), f_in, pos, drafter_mask(allowed, heads.fc.weight.dtype))
         else:  # flex or recompute: no [T, T] mask, no scores kept (train/ttt.py; one step)
@@ -64,7 +66,9 @@ class EagleObjective(Objective):
                 buckets=self.flex_buckets,
             ).outputs[0]
         valid = answer_ahead(batch, 2)
-        vloss = masked_mean(F.smooth_l1_loss(wide(out), shifted(f, 1), reduction="none").mean(-1), valid)
+        vloss = masked_mean(
+            F.smooth_l1_loss(wide(out), shifted(f, 1), reduction="none").mean(-1), valid
+        )
         # the full-vocabulary read-out only where a loss is taken
         teacher = feats.logits.detach()[rows, cols + 1]
         n = teacher.shape[0]  # host-known: the plan's

@@ -1,5 +1,5 @@
-"""EAGLE-3's training objective: the drafter unrolled on its own outputs (training-time test, train/ttt.py),
-each step learning the target's distribution over the draft vocabulary."""
+"""EAGLE-3's training objective: the drafter unrolled on its own outputs (training-time test,
+train/ttt.py), each step learning the target's distribution over the draft vocabulary."""
 
 from __future__ import annotations
 
@@ -16,19 +16,24 @@ from headway.train.ttt_flex import bucket, pad_to
 
 
 class Eagle3Objective(Objective):
-    """EAGLE-3: step j of the unrolled drafter at t learns the target's distribution at t+1+j restricted
-    to the draft vocabulary, weighted ttt_decay^j; positions whose target argmax is outside the draft
-    vocabulary are skipped, as is everything that is not an answer token.
+    """EAGLE-3: step j of the unrolled drafter at t learns the target's distribution at t+1+j
+    restricted to the draft vocabulary, weighted ttt_decay^j; positions whose target argmax is
+    outside the draft vocabulary are skipped, as is everything that is not an answer token.
 
-    The plan (host side) holds the positions steps j >= 1 run at (`ttt_index`, `ttt_kept` [B, N]: where
-    some later step takes a loss on an answer token) and each step's loss rows (`rows{j}`, `cols{j}` [n_j]
-    into step j's output, `at{j}` [n_j] the sequence position t); the device masks out rows whose target
-    token is outside the draft vocabulary by weight, not by indexing."""
+    The plan (host side) holds the positions steps j >= 1 run at (`ttt_index`, `ttt_kept` [B, N]:
+    where some later step takes a loss on an answer token) and each step's loss rows (`rows{j}`,
+    `cols{j}` [n_j] into step j's output, `at{j}` [n_j] the sequence position t); the device masks
+    out rows whose target token is outside the draft vocabulary by weight, not by indexing."""
 
     def __init__(self, cfg: Any, **train: Any) -> None:
         super().__init__(cfg, **train)
-        self.plan_keys = ("ttt_index", "ttt_kept", *(f"{k}{j}" for j in range(cfg.ttt_steps) for k in "rca"))
-        self.needs_logits = False  # the target's draft-vocabulary rows from its hidden state, and its argmax
+        self.plan_keys = (
+            "ttt_index",
+            "ttt_kept",
+            *(f"{k}{j}" for j in range(cfg.ttt_steps) for k in "rca"),
+        )
+        # the target's draft-vocabulary rows from its hidden state, and its argmax
+        self.needs_logits = False
 
     def plan(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         steps = self.cfg.ttt_steps
@@ -36,8 +41,12 @@ class Eagle3Objective(Objective):
         if steps > 1:
             index, kept = kept_positions(torch.stack(answer[1:]).any(0))
         else:
-            index, kept = torch.zeros(answer[0].shape[0], 1, dtype=torch.long), answer[0][:, :1] & False
-        if self.flex_buckets:  # flex compiles once per bucket: N padded up to one (its rows not kept)
+            index, kept = (
+                torch.zeros(answer[0].shape[0], 1, dtype=torch.long),
+                answer[0][:, :1] & False,
+            )
+        # flex compiles once per bucket: N padded up to one (its rows not kept)
+        if self.flex_buckets:
             N = bucket(index.shape[1], self.flex_buckets)
             index, kept = pad_to(index, N), pad_to(kept, N, False)
         out = {"ttt_index": index, "ttt_kept": kept}
@@ -53,9 +62,9 @@ class Eagle3Objective(Objective):
         return out
 
     def flops(self, heads: Any, plan: dict[str, torch.Tensor], target: Dims) -> float:
-        """The teacher's draft-vocabulary rows at every position, the fused projection (no input gradient),
-        step 0 at every position, steps j >= 1 at the plan's N kept positions (attending to T + j keys),
-        the lm_head at each step's loss rows."""
+        """The teacher's draft-vocabulary rows at every position, the fused projection (no input
+        gradient), step 0 at every position, steps j >= 1 at the plan's N kept positions (attending
+        to T + j keys), the lm_head at each step's loss rows."""
         B, T = plan["input_ids"].shape
         h, draft = target.hidden, Dims.of(heads.layer_config)
         vocab = len(heads.d2t) if heads.d2t is not None else target.vocab
@@ -74,7 +83,9 @@ class Eagle3Objective(Objective):
         ids = batch["input_ids"]
         # the target's distribution is taken (softmax) only at the positions a loss reads
         target_logits_d = feats.draft_logits(heads.d2t.to(ids.device)).detach()
-        in_draft = (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
+        in_draft = (
+            (t2d[feats.argmax] >= 0) if t2d is not None else torch.ones_like(ids, dtype=torch.bool)
+        )
         unrolled = ttt_unroll(
             heads,
             ids,
@@ -92,12 +103,13 @@ class Eagle3Objective(Objective):
         correct = []
         T = ids.shape[1]
         for j, out in enumerate(unrolled.outputs):
-            # every step has at least one planned row (a host-known shape); a row added to an empty plan is
-            # weighted out here, so every step's loss and metrics exist whatever the micro-batch holds
+            # every step has at least one planned row (a host-known shape); a row added to an empty
+            # plan is weighted out here, so every step's loss and metrics exist whatever the
+            # micro-batch holds
             rows, cols, at = batch[f"r{j}"], batch[f"c{j}"], batch[f"a{j}"]
             ahead = (at + 1 + j).clamp(max=T - 1)
-            # step j at t learns the target's distribution at t+1+j, and the draft lm_head runs only where a
-            # loss may be taken: most of a step's cost
+            # step j at t learns the target's distribution at t+1+j, and the draft lm_head runs only
+            # where a loss may be taken: most of a step's cost
             teacher = target_logits_d[rows, ahead]
             weight = in_draft[rows, ahead] & answer_ahead(batch, 2 + j)[rows, at]
             if self.loss_chunk:

@@ -1,10 +1,11 @@
-"""Tree bookkeeping on the device, for the CUDA backend's step: a tree's ancestors and depths from its parent
-array, and greedy acceptance, with static shapes and no host read.
+"""Tree bookkeeping on the device, for the CUDA backend's step: a tree's ancestors and depths from
+its parent array, and greedy acceptance, with static shapes and no host read.
 
-A tree arrives as parent indices [M] (-1: the root, and every pad row past the tree's `n` nodes), nodes in
-an order where a parent comes before its children and siblings are in rank order (what `build_tree` and the
-drafters give). Greedy acceptance here picks exactly the path `sampling.accept_greedy` walks: at each node
-the first child (lowest index) whose token is the target's argmax there.
+A tree arrives as parent indices [M] (-1: the root, and every pad row past the tree's `n` nodes),
+nodes in an order where a parent comes before its children and siblings are in rank order (what
+`build_tree` and the drafters give). Greedy acceptance here picks exactly the path
+`sampling.accept_greedy` walks: at each node the first child (lowest index) whose token is the
+target's argmax there.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import torch
 
 
 def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:
-    """[M, M] bool: node i may attend to node j (j is i or one of its ancestors), by repeated squaring of
-    the parent relation (ceil(log2 M) products of 0/1 matrices, exact in float32: no sum exceeds M).
+    """[M, M] bool: node i may attend to node j (j is i or one of its ancestors), by repeated
+    squaring of the parent relation (ceil(log2 M) products of 0/1 matrices, exact in float32: no sum
+    exceeds M).
 
     Args:
         parent: [M] int64, -1 for roots (pad rows are roots of their own).
@@ -32,17 +34,24 @@ def tree_ancestors(parent: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_accept(
-    tokens: torch.Tensor, parent: torch.Tensor, ancestors: torch.Tensor, argmax: torch.Tensor, n: torch.Tensor
+    tokens: torch.Tensor,
+    parent: torch.Tensor,
+    ancestors: torch.Tensor,
+    argmax: torch.Tensor,
+    n: torch.Tensor,
 ) -> torch.Tensor:
     """The greedy walk of a verified tree, on the device.
 
     Args:
-        tokens: [M] node token ids (root first); parent: [M] (-1: root and pads); ancestors: `tree_ancestors`;
-        argmax: [M] the target's first-max token after each node; n: 0-d, the real node count (rows >= n are
+        tokens: [M] node token ids (root first); parent: [M] (-1: root and pads); ancestors:
+            `tree_ancestors`;
+        argmax: [M] the target's first-max token after each node; n: 0-d, the real node count (rows
+            >= n are
         padding).
     Returns:
-        [2 + M] int64: the accepted draft count a, the bonus token (the argmax after the path), then the
-        path's node indices by depth (root first; entries past a + 1 are other nodes, to be ignored)."""
+        [2 + M] int64: the accepted draft count a, the bonus token (the argmax after the path), then
+        the path's node indices by depth (root first; entries past a + 1 are other nodes, to be
+        ignored)."""
     m = tokens.shape[0]
     r = torch.arange(m, device=tokens.device)
     real = r < n
@@ -71,19 +80,21 @@ def sample_accept(
     uniforms: torch.Tensor,
     n: torch.Tensor,
 ) -> torch.Tensor:
-    """Tree rejection sampling on the device (`sampling.accept_exact`'s rule, lossless), with its uniforms
-    drawn ahead of the step.
+    """Tree rejection sampling on the device (`sampling.accept_exact`'s rule, lossless), with its
+    uniforms drawn ahead of the step.
 
-    At a node, the children are tried in order: child c is accepted with probability p(x_c) / (1 - S_c), its
-    parent's target probability of its token over the mass its earlier siblings' (distinct) tokens left; a
-    token an earlier sibling already tried is never accepted. Each node's test uses its own uniform, so the
-    first accepted child has the host's sequential distribution; the walk follows first accepted children,
-    and where it ends the next token is sampled from that node's residual (its children's tokens removed).
+    At a node, the children are tried in order: child c is accepted with probability p(x_c) / (1 -
+    S_c), its parent's target probability of its token over the mass its earlier siblings'
+    (distinct) tokens left; a token an earlier sibling already tried is never accepted. Each node's
+    test uses its own uniform, so the first accepted child has the host's sequential distribution;
+    the walk follows first accepted children, and where it ends the next token is sampled from that
+    node's residual (its children's tokens removed).
 
     Args:
-        tokens, parent, ancestors, n: as `greedy_accept`; probs: [M, V] the target's distribution after each
-        node (`distribution.target_distribution`); uniforms: [M + 1] in [0, 1): one per node, then the last one
-        for the bonus token.
+        tokens, parent, ancestors, n: as `greedy_accept`; probs: [M, V] the target's distribution
+            after each
+        node (`distribution.target_distribution`); uniforms: [M + 1] in [0, 1): one per node, then
+        the last one for the bonus token.
     Returns:
         [2 + M] int64, as `greedy_accept`'s."""
     m = tokens.shape[0]

@@ -1,12 +1,13 @@
-"""Greedy speculative decoding on the CUDA backend: the drafter proposes on the device, the runner verifies
-and accepts on the device, and each step reads the host once.
+"""Greedy speculative decoding on the CUDA backend: the drafter proposes on the device, the runner
+verifies and accepts on the device, and each step reads the host once.
 
-A step: the drafter's `draft_tensors(root)` gives the tree's node ids and parent indices as device tensors
-(the static trees of Medusa and DFlash, the EAGLE expansion); `CudaRunner.step` verifies them and runs greedy
-acceptance on the device; `CudaRunner.read` brings back the verdict (accepted count, bonus token, path, the
-path's tokens): the step's one device-to-host read; the cache keeps the path by one gather-copy, the drafter
-reads the accepted tokens with the target's features (gathered on the device), and the bonus token, still on
-the device, roots the next tree. The tokens are exactly plain greedy decoding's on the same engine.
+A step: the drafter's `draft_tensors(root)` gives the tree's node ids and parent indices as device
+tensors (the static trees of Medusa and DFlash, the EAGLE expansion); `CudaRunner.step` verifies
+them and runs greedy acceptance on the device; `CudaRunner.read` brings back the verdict (accepted
+count, bonus token, path, the path's tokens): the step's one device-to-host read; the cache keeps
+the path by one gather-copy, the drafter reads the accepted tokens with the target's features
+(gathered on the device), and the bonus token, still on the device, roots the next tree. The tokens
+are exactly plain greedy decoding's on the same engine.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from headway.inference.engines.distribution import target_distribution
 
 
 def device_features(states: list, layers: list[int], rows: torch.Tensor) -> torch.Tensor:
-    """The drafter's features [k, F] at step rows `rows` [k] (device), from the step's hidden states (each
-    [m, H], transformers' output_hidden_states order)."""
+    """The drafter's features [k, F] at step rows `rows` [k] (device), from the step's hidden states
+    (each [m, H], transformers' output_hidden_states order)."""
     if not layers:
         return torch.empty(0, 0)
     return torch.cat([states[i].index_select(0, rows) for i in layers], dim=-1)
@@ -35,13 +36,15 @@ class DeviceDrafter(Protocol):
     feature_layers: list[int]
 
     def reserve(self, max_len: int, graphs: Optional[bool] = None) -> None:
-        """Size what it keeps on the device for sequences of up to `max_len` tokens, once, before `begin`."""
+        """Size what it keeps on the device for sequences of up to `max_len` tokens, once, before
+        `begin`."""
 
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         """A new sequence (generate.Drafter.begin)."""
 
     def draft_tensors(self, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """root [1] (a device tensor) -> the tree's node ids [n] and parent indices [n] (-1: the root)."""
+        """root [1] (a device tensor) -> the tree's node ids [n] and parent indices [n] (-1: the
+        root)."""
 
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
         """The verified step (generate.Drafter.accept)."""
@@ -57,13 +60,16 @@ def device_loop(
     result: Any,
     sampling: Optional[SamplingConfig] = None,
 ) -> Any:
-    """The loop (see the module docstring): `finish` cuts the new tokens at a stop token or the budget
-    (generate._finish), `result` builds the GenerationResult; `sampling` at temperature > 0: tree rejection
-    sampling on the device (accept_device.sample_accept), its uniforms drawn before each step from a device
-    generator seeded with sampling.seed. The drafter's attention runs, like the steps', without cuDNN's SDPA
-    (`pinned_sdpa`, scoped to the loop: the process's own setting is left as it was)."""
+    """The loop (see the module docstring): `finish` cuts the new tokens at a stop token or the
+    budget (generate._finish), `result` builds the GenerationResult; `sampling` at temperature > 0:
+    tree rejection sampling on the device (accept_device.sample_accept), its uniforms drawn before
+    each step from a device generator seeded with sampling.seed. The drafter's attention runs, like
+    the steps', without cuDNN's SDPA (`pinned_sdpa`, scoped to the loop: the process's own setting
+    is left as it was)."""
     with pinned_sdpa():
-        return _device_loop(runner, drafter, prompt, max_new_tokens, stops, finish, result, sampling)
+        return _device_loop(
+            runner, drafter, prompt, max_new_tokens, stops, finish, result, sampling
+        )
 
 
 def _device_loop(
@@ -121,9 +127,12 @@ def _device_loop(
         accepted_counts.append(a)
         t3 = time.perf_counter()
         drafter.accept(new, device_features(states, layers, path))
-        root_dev = verdict[1:2].clone()  # the verdict is the step graph's memory, rewritten next step
+        # the verdict is the step graph's memory, rewritten next step
+        root_dev = verdict[1:2].clone()
         t_draft += (t1 - t0) + (time.perf_counter() - t3)
         t_verify += t2 - t1
         new, done = finish(new, stops, max_new_tokens - len(out))
         out += new
-    return result(out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify, {})
+    return result(
+        out, forwards, time.perf_counter() - start, accepted_counts, t_draft, t_verify, {}
+    )

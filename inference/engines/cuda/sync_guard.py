@@ -1,10 +1,11 @@
-"""Counting a decoding loop's host reads and its uploads, on any device: the CUDA backend's budget is one
-device-to-host read per speculative step and none inside a captured step.
+"""Counting a decoding loop's host reads and its uploads, on any device: the CUDA backend's budget
+is one device-to-host read per speculative step and none inside a captured step.
 
-`HostReads` is a TorchFunctionMode: it sees every `tolist`, `item`, `int()`, `float()`, `bool()` and `numpy()`
-of a tensor, which a CPU tensor's reads never show to the dispatcher, and `.cpu()` / `.to("cpu")` of a device
-tensor. `Uploads` is a TorchDispatchMode: it sees copies from the host onto another device. Both run under
-`FakeTensorMode` too (fake CUDA), where a read that escapes them raises instead.
+`HostReads` is a TorchFunctionMode: it sees every `tolist`, `item`, `int()`, `float()`, `bool()` and
+`numpy()` of a tensor, which a CPU tensor's reads never show to the dispatcher, and `.cpu()` /
+`.to("cpu")` of a device tensor. `Uploads` is a TorchDispatchMode: it sees copies from the host onto
+another device. Both run under `FakeTensorMode` too (fake CUDA), where a read that escapes them
+raises instead.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class Uploads(TorchDispatchMode):
         if name in ("_to_copy", "copy_") and args and isinstance(args[0], torch.Tensor):
             src = args[1] if name == "copy_" else args[0]
             dst = out if name == "_to_copy" else args[0]
-            if isinstance(src, torch.Tensor) and src.device.type == "cpu" and dst.device.type != "cpu":
+            if (
+                isinstance(src, torch.Tensor)
+                and src.device.type == "cpu"
+                and dst.device.type != "cpu"
+            ):
                 self.count += 1
         return out

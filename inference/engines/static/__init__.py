@@ -1,2 +1,2 @@
-"""The static engine (`inference.engine=static`): preallocated KV cache, row-exact attention, and the C++
-layer loop and row kernels (csrc/) built on first use."""
+"""The static engine (`inference.engine=static`): preallocated KV cache, row-exact attention, and
+the C++ layer loop and row kernels (csrc/) built on first use."""

@@ -1,7 +1,8 @@
 """Greedy's token and a drafter's most likely tokens from logit rows: the extension's kernels
-(csrc/row_select.cpp) for CPU rows in float32 or bf16 where this process has built it, torch's reductions
-elsewhere. ATen's max along a dimension and its topk scan a row one element at a time on CPUs (~100 us for
-a 49,152-token bf16 row); the kernels skip a 16-value block after one vector compare."""
+(csrc/row_select.cpp) for CPU rows in float32 or bf16 where this process has built it, torch's
+reductions elsewhere. ATen's max along a dimension and its topk scan a row one element at a time on
+CPUs (~100 us for a 49,152-token bf16 row); the kernels skip a 16-value block after one vector
+compare."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def _kernels(logits: torch.Tensor):
 
 
 def first_max(logits: torch.Tensor) -> torch.Tensor:
-    """The first index of each row's largest logit, argmax's token (the first NaN where a row has one).
+    """The first index of each row's largest logit, argmax's token (the first NaN where a row has
+    one).
 
     Args:
         logits: [n, V] or [V].
@@ -28,15 +30,15 @@ def first_max(logits: torch.Tensor) -> torch.Tensor:
         int64 indices [n] (a 0-d tensor for a [V] row)."""
     rows = logits.reshape(-1, logits.shape[-1])
     ext = _kernels(logits)
-    # argmax, not max(-1).indices: only argmax promises the first of tied maxima on every device (the CUDA
-    # backend's step picks greedy tokens with it, and plain decoding must pick the same)
+    # argmax, not max(-1).indices: only argmax promises the first of tied maxima on every device
+    # (the CUDA backend's step picks greedy tokens with it, and plain decoding must pick the same)
     picked = ext.first_max(rows) if ext is not None else rows.argmax(-1)
     return picked.reshape(logits.shape[:-1])
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k most likely tokens: log_softmax(logits).topk(k), largest first (ties: lower index first
-    with the kernel), the log probabilities within float rounding of torch's.
+    """Each row's k most likely tokens: log_softmax(logits).topk(k), largest first (ties: lower
+    index first with the kernel), the log probabilities within float rounding of torch's.
 
     Args:
         logits: [n, V] with 1 <= k <= V.
