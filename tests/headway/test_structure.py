@@ -272,6 +272,14 @@ def test_imports_run_one_way_between_layers():
     assert not upward, upward
 
 
+def test_the_layers_picture_matches_the_layers():
+    """docs/layout.md draws LAYERS top down, one name per line of its picture."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    picture = text.split("```text\n", 1)[1].split("```", 1)[0]
+    drawn = [line[:20].strip() for line in picture.splitlines() if line.strip()]
+    assert drawn == [name for name, _ in reversed(LAYERS)]
+
+
 # where the engine lives: nothing there sets an attribute of another object behind its back
 _NO_OBJECT_SETATTR = ("headway.inference", "headway.target")
 # headway_* attributes that are no setting of a model or head
