@@ -21,6 +21,9 @@ import torch
 from headway.errors import HeadwayError
 from headway.train.data import Sample, Stream
 
+# A packed row's sequence: (row, start, end), its tokens row[start:end].
+Segment = tuple[int, int, int]
+
 
 def pack_at(
     samples: list[Sample],
@@ -89,3 +92,26 @@ def collate_packed(rows: list[list[Sample]], length: int, pad_id: int) -> dict[s
         "doc": doc,
         "positions": pos,
     }
+
+
+def doc_segments(doc: torch.Tensor) -> list[Segment]:
+    """Each sequence of a packed batch as (row, start, end), in row order, from `doc` [R, L] (each
+    token's sequence id, -1 on padding, as `collate_packed` makes it); the padding is no sequence.
+    It reads `doc`'s values: run it on the host's batch when planning the step, which then hands
+    them to the target's forward (train/target_features.py: each sequence attends alone).
+
+    Raises:
+        HeadwayError: a sequence's tokens are not contiguous in their row.
+    """
+    out: list[Segment] = []
+    for r, row in enumerate(doc.cpu()):
+        ids, counts = torch.unique_consecutive(row, return_counts=True)
+        ids_, at = ids.tolist(), 0
+        real = [i for i in ids_ if i >= 0]
+        if len(set(real)) != len(real):
+            raise HeadwayError(f"packed row {r}: a sequence's tokens are not contiguous ({ids_})")
+        for i, n in zip(ids_, counts.tolist()):
+            if i >= 0:
+                out.append((r, at, at + n))
+            at += n
+    return out

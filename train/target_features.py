@@ -11,6 +11,18 @@ implementation where that is not plain SDPA math: sliding-window layers narrower
 window applies), and families whose attention SDPA cannot express (gpt-oss's sinks, Gemma-2's logit
 soft-capping: their model classes say `_supports_sdpa = False`, and they load with eager attention).
 
+A packed batch (train/packing.py) given its sequences' bounds on the host (`segments`, from
+`doc_segments` at plan time) runs each sequence alone: `document_causal` makes one SDPA call per
+sequence on its slice of the row, causal with no mask (the flash kernel where the device has one)
+and K/V at the model's own key-value head count (`enable_gqa`, no `repeat_kv`), so the forward costs
+what its sequences need, not a [B, 1, T, T] mask and every cross-sequence block. The padding attends
+nothing (its output is 0) and no token sees it. A sliding window applies within a sequence only: it
+is plain causal attention when no sequence is longer than the window; otherwise, and for the
+families with their own attention, the model's own implementation runs, and transformers finds the
+sequences from the positions (and builds its dense mask). Given only the device's sequence ids
+`doc`, the forward builds the dense document-causal mask [B, 1, T, T] instead: reading the bounds
+back would stall the step.
+
 Only the layers the head reads are kept: forward hooks capture them and the model is asked for no
 `hidden_states` tuple, which would hold every layer's [B, T, h] until the step ends. No KV cache is
 built.
@@ -23,11 +35,19 @@ from typing import Any, Iterator, Optional
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.integrations.sdpa_attention import (
+    repeat_kv,
+    sdpa_attention_forward,
+    use_gqa_in_sdpa,
+)
+
+from headway.errors import HeadwayError
+from headway.train.packing import Segment
 
 ATTENTION = "headway_causal"
-# the running forward's document-causal mask, on a packed batch
-_packed: dict[str, torch.Tensor] = {}
+# the running forward's packed batch: "segments", its sequences' bounds (`doc_segments`), or "mask",
+# the dense document-causal mask made from its sequence ids
+_packed: dict[str, Any] = {}
 
 
 def causal_attention(
@@ -39,12 +59,63 @@ def causal_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention with `is_causal` and no mask (query, key, value: [B, heads, T,
-    D]); on a packed batch, with its document-causal mask."""
+    D]); on a packed batch, `document_causal` over its sequences, or given only its sequence ids,
+    SDPA under their dense document-causal mask."""
     kwargs.pop("is_causal", None)
+    if "segments" in _packed:
+        return document_causal(module, query, key, value, _packed["segments"], **kwargs)
     mask = _packed.get("mask")
     if mask is not None:
         return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
     return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def document_causal(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: list[Segment],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    s_aux: Optional[torch.Tensor] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed sequence alone (query, key, value: [B, heads, T, D];
+    segments: (row, start, end) of each sequence): one SDPA call per sequence, `is_causal` and no
+    mask, K/V not repeated where transformers' own unmasked call would not repeat them either
+    (`use_gqa_in_sdpa`). Returns the output [B, T, heads, D], 0 at the padding, as transformers'
+    implementations return theirs."""
+    if softcap is not None or s_aux is not None:  # `unmasked_causal` keeps these families off
+        raise HeadwayError("document-causal attention has no logit soft-capping and no sinks")
+    longest = max((e - s for _, s, e in segments), default=0)
+    if sliding_window is not None and longest > sliding_window:  # nor these (`_windowed`)
+        raise HeadwayError(f"a {longest}-token sequence is longer than the {sliding_window} window")
+    extra: dict[str, Any] = {}
+    if key.shape[1] != query.shape[1]:
+        if use_gqa_in_sdpa(None, key, value):
+            extra["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    B, H, T, _ = query.shape
+    if any(r >= B or e > T for r, _, e in segments):
+        raise HeadwayError(f"packed sequences {segments} fall outside the [{B}, {T}] batch")
+    out = query.new_zeros(B, T, H, value.shape[-1])
+    for r, s, e in segments:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[r : r + 1, :, s:e],
+            key[r : r + 1, :, s:e],
+            value[r : r + 1, :, s:e],
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=True,
+            **extra,
+        )
+        out[r, s:e] = o[0].transpose(0, 1)
+    return out, None
 
 
 AttentionInterface.register(ATTENTION, causal_attention)
@@ -82,22 +153,34 @@ def _plain_sdpa(model: torch.nn.Module, implementation: Optional[str]) -> bool:
 
 @contextmanager
 def unmasked_causal(
-    model: torch.nn.Module, width: int, doc: Optional[torch.Tensor] = None
+    model: torch.nn.Module,
+    width: int,
+    doc: Optional[torch.Tensor] = None,
+    segments: Optional[list[Segment]] = None,
 ) -> Iterator[None]:
     """Run `model` under `causal_attention` inside the block (its own implementation where that is
     not SDPA's math, `_plain_sdpa`, or where a sliding window is narrower than `width`, the batch's
-    length: transformers then finds a packed batch's sequences from its positions itself). `doc` [B,
-        T]: a packed batch's sequence
-    ids."""
+    length, or given `segments` the longest sequence: transformers then finds a packed batch's
+    sequences from its positions itself).
+
+    Args:
+        doc: [B, T] a packed batch's sequence ids (on the device): the dense document-causal mask.
+        segments: its sequences' bounds on the host (`doc_segments`), in place of `doc`: each
+            sequence attends alone (`document_causal`), no mask.
+    """
     configs = _configs(model)
     saved = [cfg._attn_implementation for cfg in configs]
+    if segments is not None:  # a window applies within a sequence
+        width = max((e - s for _, s, e in segments), default=0)
     if _windowed(configs, width) or not all(_plain_sdpa(model, s) for s in saved):
         yield
         return
     for cfg in configs:
         cfg._attn_implementation = ATTENTION
-    # query t sees key s <= t of its own sequence: [B, 1, T, T], no gradient through it
-    if doc is not None:
+    if segments is not None:
+        _packed["segments"] = segments
+    elif doc is not None:
+        # query t sees key s <= t of its own sequence: [B, 1, T, T], no gradient through it
         T = doc.shape[1]
         causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
         _packed["mask"] = (causal & (doc.unsqueeze(-1) == doc.unsqueeze(1))).unsqueeze(1)
@@ -126,6 +209,7 @@ def target_features(
     positions: Optional[torch.Tensor] = None,
     doc: Optional[torch.Tensor] = None,
     logits: bool = True,
+    segments: Optional[list[Segment]] = None,
 ) -> tuple[dict[int, torch.Tensor], Optional[torch.Tensor]]:
     """The target's forward on a right-padded or packed batch.
 
@@ -137,13 +221,16 @@ def target_features(
             i: after decoder layer i, the last: after the final norm).
         positions, doc: [B, T] a packed batch's positions and sequence ids (None: right-padded).
         logits: run the lm_head; False: the decoder stack only, and logits None.
+        segments: a packed batch's sequences as (row, start, end), read on the host
+            (`doc_segments` of its doc at plan time): each attends alone with no mask, and `doc`
+            is not needed; None: `doc`'s dense document-causal mask.
     Returns:
         (hidden, logits): index -> [B, T, h] for each of `layers`, and the logits [B, T, V] (or
         None).
     """
     decoder = _decoder(model)
     where = {} if positions is None else {"position_ids": positions}
-    with unmasked_causal(model, ids.shape[1], doc):
+    with unmasked_causal(model, ids.shape[1], doc, segments):
         if decoder is None:
             out = model(input_ids=ids, output_hidden_states=True, use_cache=False, **where)
             return {i: out.hidden_states[i] for i in layers}, out.logits
@@ -178,9 +265,10 @@ def target_logits(
     ids: torch.Tensor,
     positions: Optional[torch.Tensor] = None,
     doc: Optional[torch.Tensor] = None,
+    segments: Optional[list[Segment]] = None,
 ) -> torch.Tensor:
     """The target's logits [B, T, V] on a right-padded or packed batch [B, T] (as
     `target_features`)."""
     where = {} if positions is None else {"position_ids": positions}
-    with unmasked_causal(model, ids.shape[1], doc):
+    with unmasked_causal(model, ids.shape[1], doc, segments):
         return model(input_ids=ids, use_cache=False, **where).logits
