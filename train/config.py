@@ -121,6 +121,13 @@ class TrainConfig:
     # are made and dropped at once, so no [rows, vocabulary] tensor is kept for backward; 0 = one
     # pass; -1 = auto (one pass on CPUs, 4096 on CUDA).
     loss_chunk: int = -1
+    # Activation checkpointing of the target's decoder layers while Medusa-2 trains its LoRA
+    # adapters (the adapted target runs with gradients through every layer): layers = each decoder
+    # layer keeps only its [B, T, hidden] input for backward and runs again there (about a third
+    # more target compute); none = every layer keeps all its activations; auto = layers on CUDA,
+    # none on CPUs. The frozen target without adapters runs with no gradients and keeps nothing
+    # either way.
+    target_checkpointing: str = "auto"
     # Attention of EAGLE-3's training-time test: structured (additive masks; its scores are kept for
     # backward, memory growing with the square of the length), flex (torch's flex attention with
     # block masks: output and log-sum-exp kept only; CUDA), recompute (the scores recomputed in
@@ -160,6 +167,9 @@ class TrainConfig:
         )
         check_choice("train", "finite_check", self.finite_check, ["auto", "step", "lagged"])
         check_choice("train", "target_argmax", self.target_argmax, ["auto", "logits", "data"])
+        check_choice(
+            "train", "target_checkpointing", self.target_checkpointing, ["auto", "layers", "none"]
+        )
         check_choice(
             "train",
             "ttt_attention",

@@ -91,13 +91,22 @@ class Parallel:
         return t
 
     def all_reduce_grads(self, params: list[torch.Tensor]) -> None:
-        """Average gradients of parameters outside the wrapped module (Medusa-2's LoRA adapters)."""
+        """Average gradients of parameters outside the wrapped module (Medusa-2's LoRA adapters):
+        flattened into one buffer per dtype (one, for adapters of one dtype), so that a step makes
+        one all-reduce rather than one per parameter (hundreds, for LoRA on every projection of
+        every layer), then copied back. The same sums over ranks divided by the world size."""
         if not self.active:
             return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
             if p.grad is not None:
-                dist.all_reduce(p.grad)
-                p.grad /= self.world_size
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view(g.shape))
 
     def gather_objects(self, obj: Any) -> list:
         if not self.active:

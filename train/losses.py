@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,16 +107,88 @@ def medusa_loss(
     return total, metrics
 
 
+# Rows per chunk of Medusa-2's distillation loss: a chunk's float32 [rows, V] tensors at a 128k
+# vocabulary are 512 MB each, where the whole [B, T, V] pair at B=4, T=2k would be 4 GB each.
+DISTILL_CHUNK = 1024
+
+
+class _DistillKL(torch.autograd.Function):
+    """`distill_kl` a chunk of rows at a time: each chunk's log-softmaxes are made in float32 and
+    dropped at once, its gradient with respect to the adapted logits (softmax(z) * sum(q) - q, over
+    the real tokens' count) kept in the logits' own dtype, the only [B, T, V] tensor kept for
+    backward (as train/chunked_loss.py does for the heads' loss)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        adapted: torch.Tensor,
+        frozen: torch.Tensor,
+        mask: torch.Tensor,
+        chunk: int,
+        grads: bool,
+    ) -> torch.Tensor:
+        V = adapted.shape[-1]
+        z_all, q_all = adapted.reshape(-1, V), frozen.reshape(-1, V)
+        n = z_all.shape[0]
+        acc = torch.promote_types(adapted.dtype, torch.float32)
+        m = mask.reshape(-1).to(acc)
+        count = m.sum().clamp(min=1)
+        share = m / count  # each real token's share of the mean
+        want = grads and ctx.needs_input_grad[0]
+        grad = torch.empty(
+            z_all.shape if want else (0,), dtype=adapted.dtype, device=adapted.device
+        )
+        total = torch.zeros((), dtype=acc, device=adapted.device)
+        for start in range(0, n, chunk if chunk > 0 else max(n, 1)):
+            end = min(n, start + chunk) if chunk > 0 else n
+            logp = F.log_softmax(z_all[start:end].to(acc), -1)
+            logq = F.log_softmax(q_all[start:end].to(acc), -1)
+            q = logq.exp()
+            total = total + ((q * (logq - logp)).sum(-1) * m[start:end]).sum()
+            if want:
+                dz = logp.exp_() * q.sum(-1, keepdim=True) - q
+                grad[start:end] = dz * share[start:end].unsqueeze(-1)
+        ctx.save_for_backward(grad)
+        ctx.shape, ctx.want, ctx.chunk = adapted.shape, want, chunk if chunk > 0 else max(n, 1)
+        return total / count
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        if not (ctx.want and ctx.needs_input_grad[0]):
+            return None, None, None, None, None
+        (grad,) = ctx.saved_tensors
+        # scaled in place, a chunk at a time in float32 (no [B, T, V] float32 tensor in backward
+        # either); a second backward through it would find it modified and raise
+        g = g.to(torch.promote_types(grad.dtype, torch.float32))
+        for start in range(0, grad.shape[0], ctx.chunk):
+            part = grad[start : start + ctx.chunk]
+            part.copy_(part.to(g.dtype) * g)
+        return grad.view(ctx.shape), None, None, None, None
+
+
 def distill_kl(
-    adapted_logits: torch.Tensor, frozen_logits: torch.Tensor, attention_mask: torch.Tensor
+    adapted_logits: torch.Tensor,
+    frozen_logits: torch.Tensor,
+    attention_mask: torch.Tensor,
+    chunk: int = DISTILL_CHUNK,
 ) -> torch.Tensor:
     """Mean over real tokens of KL(frozen target || adapted target): keeps Medusa-2's target
-    itself."""
-    logp = F.log_softmax(adapted_logits.float(), -1)
-    logq = F.log_softmax(frozen_logits.float(), -1)
-    kl = (logq.exp() * (logq - logp)).sum(-1)
-    mask = attention_mask.to(kl.dtype)
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+    itself.
+
+    Computed `chunk` rows at a time (`_DistillKL`; 0: one pass), in float32 at least: no float32
+    [B, T, V] tensor is made, and the one tensor kept for backward is the gradient with respect to
+    `adapted_logits`, in their dtype.
+
+    Args:
+        adapted_logits: [B, T, V] the LoRA-adapted target's logits, with gradient.
+        frozen_logits: [B, T, V] the frozen target's logits (no gradient; any dtype).
+        attention_mask: [B, T] the real tokens (1) and the padding (0).
+        chunk: rows (tokens) per chunk.
+    Returns:
+        The 0-dim mean KL (float32, float64 for float64 logits).
+    """
+    grads = torch.is_grad_enabled()  # forward runs with grad mode off: read it here
+    return _DistillKL.apply(adapted_logits, frozen_logits.detach(), attention_mask, chunk, grads)
 
 
 def wide(t: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,19 @@ device has long finished them, so that the host never waits on the device inside
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from headway.errors import HeadwayError
 from headway.runtime import autocast_dtype
+from headway.train import target_features as _target_features
 from headway.train.checkpointing import latest_checkpoint
 from headway.train.data import Sample, Stream, collate
 from headway.train.distributed import Parallel
@@ -32,6 +37,8 @@ from headway.train.objectives import Features
 from headway.train.packing import collate_packed, pack_at
 from headway.train.target_features import target_features, target_logits
 from headway.train.ttt import shifted
+
+log = logging.getLogger("headway")
 
 
 def upload(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -61,6 +68,7 @@ def step_loss(
     planned: dict[str, torch.Tensor],
     samples: list[Sample],
     adapt: bool = False,
+    checkpoint_target: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Head loss on one micro-batch, and its metrics (0-dim device tensors), with no host read.
 
@@ -70,6 +78,8 @@ def step_loss(
         samples: its sequences (their keys name them in the offline feature cache).
         adapt: Medusa-2 past its heads-only warm-up: the LoRA-adapted target runs with gradients and
             a distillation loss keeps it close to the frozen target.
+        checkpoint_target: with `adapt`, the adapted target's decoder layers run under activation
+            checkpointing (`checkpointed_layers`; train.target_checkpointing resolved).
     Returns:
         (loss, metrics): a 0-dim loss to backpropagate and name -> 0-dim tensor, on the device.
     """
@@ -94,7 +104,8 @@ def step_loss(
             )
         feats = Features(hidden, model=target.model, argmax=shifted(ids, 1))
     else:
-        with torch.set_grad_enabled(adapt), autocast:
+        checkpointed = checkpointed_layers(target.model, adapt and checkpoint_target)
+        with torch.set_grad_enabled(adapt), autocast, checkpointed:
             hidden, logits = target_features(
                 target.model, ids, run.layers, batch.get("positions"), batch.get("doc")
             )
@@ -108,6 +119,102 @@ def step_loss(
         metrics["loss/distill"] = kl.detach()
         loss = loss + run.distill_weight * kl
     return loss, metrics
+
+
+def decoder_layers(model: torch.nn.Module) -> Optional[torch.nn.ModuleList]:
+    """The decoder layers of a causal LM (model.model.layers), also under a PEFT wrapper; None when
+    the model is laid out otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) else None
+
+
+def target_checkpointing(setting: str, device: torch.device, model: Any) -> bool:
+    """train.target_checkpointing resolved for Medusa-2's adapted target: auto checkpoints its
+    decoder layers on CUDA, where their activations at a large target are most of a step's memory,
+    and not on CPUs (no recomputation). A target with no model.layers cannot be checkpointed: an
+    error when asked for, skipped under auto."""
+    wanted = setting == "layers" or (setting == "auto" and device.type == "cuda")
+    if wanted and decoder_layers(model) is None:
+        if setting == "layers":
+            raise HeadwayError(
+                f"train.target_checkpointing=layers: {type(model).__name__} has no model.layers to "
+                "checkpoint; set train.target_checkpointing=none"
+            )
+        log.warning("target: no model.layers, so its decoder layers run without checkpointing")
+        return False
+    return wanted
+
+
+def _attention_configs(layer: torch.nn.Module) -> list[Any]:
+    """The config objects `layer`'s modules read their attention implementation from."""
+    seen: dict[int, Any] = {}
+    for m in layer.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            seen.setdefault(id(cfg), cfg)
+    return list(seen.values())
+
+
+@contextmanager
+def _attention_state(configs: list[Any], packed: dict, implementations: list[Any]) -> Iterator:
+    """The attention set-up a layer's forward ran under (train/target_features.py's
+    `unmasked_causal`: the configs' attention implementation and its `_packed` state, a packed
+    batch's sequences), back in place while its recomputation runs in backward, after that block
+    has ended: without it a packed batch's layers would recompute with plain causal attention
+    across its sequences."""
+    was_packed, was = dict(_target_features._packed), [c._attn_implementation for c in configs]
+    _target_features._packed.clear()
+    _target_features._packed.update(packed)
+    for cfg, impl in zip(configs, implementations):
+        cfg._attn_implementation = impl
+    try:
+        yield
+    finally:
+        _target_features._packed.clear()
+        _target_features._packed.update(was_packed)
+        for cfg, impl in zip(configs, was):
+            cfg._attn_implementation = impl
+
+
+def _checkpointed(forward: Callable, configs: list[Any]) -> Callable:
+    """`forward` (a decoder layer's) under non-reentrant activation checkpointing while gradients
+    are on: only its inputs are kept, and it runs again in backward (with the same RNG, autocast
+    and attention set-up) to make its activations then."""
+
+    def contexts() -> tuple[Any, Any]:
+        state = dict(_target_features._packed), [c._attn_implementation for c in configs]
+        return contextlib.nullcontext(), _attention_state(configs, *state)
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    return run
+
+
+@contextmanager
+def checkpointed_layers(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Inside the block, each decoder layer of `model` runs under activation checkpointing
+    (`_checkpointed`): Medusa-2's adapted target keeps one [B, T, h] input per layer for backward
+    instead of every layer's activations. The gradients are the unchecked run's. A no-op when not
+    `enabled` or when the model has no `decoder_layers`."""
+    layers = decoder_layers(model) if enabled else None
+    if layers is None:
+        yield
+        return
+    own = [layer.__dict__.get("forward") for layer in layers]
+    for layer in layers:
+        layer.forward = _checkpointed(layer.forward, _attention_configs(layer))
+    try:
+        yield
+    finally:
+        for layer, forward in zip(layers, own):
+            if forward is None:
+                del layer.forward
+            else:
+                layer.forward = forward
 
 
 @dataclass
@@ -243,7 +350,8 @@ class TrainStep:
         stepper: TorchStep or DeepSpeedStep (backward, the update, no_sync).
         train_set: the training sequences; a step reads the global micro-batches after `consumed` of
             them (`Stream.take`), each rank its share.
-        tc: the train config (micro_batch_size, grad_accum, seed, length_window).
+        tc: the train config (micro_batch_size, grad_accum, seed, length_window,
+            target_checkpointing).
         par: the ranks.
         finite: the run's finite-loss check.
         count_flops: this rank's model FLOPs of a planned micro-batch (train/flops.py), from its
@@ -268,6 +376,10 @@ class TrainStep:
         # each epoch's order computed once
         self.stream = Stream(train_set, tc.seed, tc.length_window)
         self.pad_id = run.target.tokenizer.pad_token_id or 0
+        # Medusa-2: its adapted target's decoder layers checkpointed (train.target_checkpointing)
+        self.checkpoint_target = lora_warmup is not None and target_checkpointing(
+            tc.target_checkpointing, run.device, run.target.model
+        )
 
     def __call__(self, step: int, consumed: int) -> StepOutcome:
         """Step `step` (1-based), its data after `consumed` sequences of the stream."""
@@ -326,7 +438,9 @@ class TrainStep:
         loss_sum, metrics_sum, finite = None, MetricSums(), []
         for k, (planned, batch) in enumerate(plan.micro):
             with self.stepper.accumulating(self.run.objective, last=k == accum - 1):
-                loss, metrics = step_loss(self.run, planned, batch, plan.adapt)
+                loss, metrics = step_loss(
+                    self.run, planned, batch, plan.adapt, self.checkpoint_target
+                )
                 self.stepper.backward(loss)
             loss = loss.detach()
             finite.append(torch.isfinite(loss))
