@@ -33,18 +33,30 @@ from headway.run_config import RunConfig
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--heads", nargs="+", required=True, help="NAME=HEAD_DIR, two or more")
-    ap.add_argument("--prompts", required=True, help="a prompt file (jsonl; first turns are decoded)")
+    ap.add_argument(
+        "--prompts", required=True, help="a prompt file (jsonl; first turns are decoded)"
+    )
     ap.add_argument("--per-category", type=int, default=2, help="prompts per category (0: all)")
-    ap.add_argument("--drafters", default="hybrid,neural", help="comma-separated inference.drafter values")
+    ap.add_argument(
+        "--drafters", default="hybrid,neural", help="comma-separated inference.drafter values"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--config", default="configs/eagle3_smollm2.yaml")
     ap.add_argument(
-        "--set", action="append", default=[], metavar="NAME:KEY=VALUE", help="an override for one head only"
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE",
+        help="an override for one head only",
     )
     ap.add_argument(
-        "--plain", action="store_true", help="decode each prompt plainly too, in turn with the heads"
+        "--plain",
+        action="store_true",
+        help="decode each prompt plainly too, in turn with the heads",
     )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -63,7 +75,9 @@ def main() -> None:
     for item in args.set:
         name, _, override = item.partition(":")
         if name not in own or "=" not in override:
-            raise SystemExit(f"--set {item}: give NAME:KEY=VALUE with NAME one of {', '.join(heads)}")
+            raise SystemExit(
+                f"--set {item}: give NAME:KEY=VALUE with NAME one of {', '.join(heads)}"
+            )
         own[name].append(override)
     drafters = args.drafters.split(",")
     decoders = {}

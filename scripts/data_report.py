@@ -16,7 +16,9 @@ from headway.train.dedup import answer_tokens, duplicates
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("datasets", nargs="+")
-    p.add_argument("--threshold", type=float, default=0.8, help="train.dedup_threshold for the near rule")
+    p.add_argument(
+        "--threshold", type=float, default=0.8, help="train.dedup_threshold for the near rule"
+    )
     args = p.parse_args()
     rows, every = [], []
     for path in args.datasets:
@@ -36,7 +38,9 @@ def main() -> None:
             )
         )
     exact, near = sum(duplicates(every, "exact")), sum(duplicates(every, "near", args.threshold))
-    print("| dataset | samples | distinct prompts | answer tokens | hit the cap | exact dup | near dup |")
+    print(
+        "| dataset | samples | distinct prompts | answer tokens | hit the cap | exact dup | near dup |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path, n, prompts, tokens, cap, ex, nr in rows:
         print(

@@ -61,7 +61,7 @@ for T in $THREADS_LIST; do
         --per-category "$PER_CATEGORY" --out "$OUT/headway-$D-$W-$T.json" target.dtype="$D" target.linear_weights="$W" \
         target.num_threads="$T" inference.max_new_tokens="$MAX_TOKENS" inference.engine=static "bench.baselines=[]" \
         "bench.drafters=[neural,ngram]" bench.plot=false "$@"
-      OMP_NUM_THREADS=$T taskset -c "$CORES" python scripts/step_profile.py --steps 16 --prompt-tokens "$PREFILL" \
+      OMP_NUM_THREADS=$T taskset -c "$CORES" python tools/step_profile.py --steps 16 --prompt-tokens "$PREFILL" \
         target.dtype="$D" target.linear_weights="$W" target.num_threads="$T" inference.engine=static \
         2>/dev/null | grep "prefill of" | sed "s/^/  Headway $D $W: /" | tee "$OUT/prefill-$D-$W-$T.txt"
     done

@@ -19,7 +19,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from vllm_spec_run import prompt_ids  # (scripts/: the same prompts, formatted the same, as the vLLM check)
+from vllm_spec_run import (
+    prompt_ids,
+)  # (scripts/: the same prompts, formatted the same, as the vLLM check)
 
 from headway.io import atomic_write_json
 
@@ -32,7 +34,9 @@ def _free_port() -> int:
 
 def _post(port: int, path: str, body: dict) -> dict:
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        f"http://127.0.0.1:{port}{path}",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
@@ -53,11 +57,15 @@ def serve(args: argparse.Namespace, extra: list[str]) -> tuple[subprocess.Popen,
         str(args.threads),
     ]
     cmd += ["-c", "4096", "-np", "1", "--no-webui", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(f"{args.out}.{len(extra)}.log", "w"))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=open(f"{args.out}.{len(extra)}.log", "w")
+    )
     for _ in range(600):
         time.sleep(0.5)
         if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited ({proc.returncode}): see {args.out}.{len(extra)}.log")
+            raise SystemExit(
+                f"llama-server exited ({proc.returncode}): see {args.out}.{len(extra)}.log"
+            )
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                 if r.status == 200:
@@ -74,13 +82,22 @@ def run(mode: str, args: argparse.Namespace, ids: list[list[int]], stops: list[i
         "plain": [],
         "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-m", str(args.k)],
         # a full chain of K every step, as `headway bench`'s chain drafts it (p-min 0: no early stop)
-        "head": ["-md", str(args.draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(args.k)]
+        "head": [
+            "-md",
+            str(args.draft),
+            "--spec-type",
+            "draft-eagle3",
+            "--spec-draft-n-max",
+            str(args.k),
+        ]
         + ["--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(args.threads)],
     }[mode]
     proc, port = serve(args, extra)
     outs, tokens, seconds, accepted = [], 0, 0.0, 0
     try:
-        _post(port, "/completion", {"prompt": ids[0], "n_predict": 4, "temperature": 0.0})  # warm-up
+        _post(
+            port, "/completion", {"prompt": ids[0], "n_predict": 4, "temperature": 0.0}
+        )  # warm-up
         for p in ids:
             body = {
                 "prompt": p,
@@ -104,7 +121,9 @@ def run(mode: str, args: argparse.Namespace, ids: list[list[int]], stops: list[i
     finally:
         proc.terminate()
         proc.wait(30)
-    steps = max(tokens - accepted, 1)  # each target step emits its accepted drafts and one token of its own
+    steps = max(
+        tokens - accepted, 1
+    )  # each target step emits its accepted drafts and one token of its own
     return {
         "mode": mode,
         "tok_s": tokens / seconds,

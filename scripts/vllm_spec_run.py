@@ -84,7 +84,9 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         max_tokens=args.max_tokens, temperature=0.0, stop_token_ids=stops, detokenize=False
     )
     llm.generate(
-        [{"prompt_token_ids": ids[0]}], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False
+        [{"prompt_token_ids": ids[0]}],
+        SamplingParams(max_tokens=4, temperature=0.0),
+        use_tqdm=False,
     )  # warm-up
     before = spec_stats(llm)
     tokens, seconds, outputs = 0, 0.0, []
@@ -103,7 +105,9 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
             prompt = [gen.randrange(1000, 20000) for _ in range(args.prefill)]
             start = time.perf_counter()
             llm.generate(
-                [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False
+                [{"prompt_token_ids": prompt}],
+                SamplingParams(max_tokens=1, temperature=0.0),
+                use_tqdm=False,
             )
             times.append(time.perf_counter() - start)
         prefill = {"prefill_tokens": args.prefill, "prefill_ms": 1e3 * min(times)}
@@ -112,9 +116,9 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
     stats = spec_stats(llm)
     if before and stats:  # leave out the warm-up's drafts
         d = stats["drafts"] - before["drafts"]
-        acc = (stats["acceptance_length"] - 1) * stats["drafts"] - (before["acceptance_length"] - 1) * before[
-            "drafts"
-        ]
+        acc = (stats["acceptance_length"] - 1) * stats["drafts"] - (
+            before["acceptance_length"] - 1
+        ) * before["drafts"]
         stats = {
             "drafts": d,
             "acceptance_length": 1 + acc / d if d else None,
@@ -152,7 +156,9 @@ def main() -> None:
     p.add_argument(
         "--prefill", type=int, default=0, help="also time a prefill of this many tokens (plain run)"
     )
-    p.add_argument("--speculators", help="also run this speculators-format export with no speculative config")
+    p.add_argument(
+        "--speculators", help="also run this speculators-format export with no speculative config"
+    )
     p.add_argument(
         "--mode",
         choices=["plain", "ngram", "head", "speculators"],
@@ -160,7 +166,9 @@ def main() -> None:
     )
     args = p.parse_args()
     ids, stops = prompt_ids(args.target, args.prompts, args.limit, args.per_category)
-    if args.mode:  # vLLM does not start a second engine cleanly in one process: one process per mode
+    if (
+        args.mode
+    ):  # vLLM does not start a second engine cleanly in one process: one process per mode
         with open(f"{args.out}.{args.mode}", "w") as f:
             json.dump(run(args.mode, args, ids, stops), f)
         return

@@ -1,8 +1,8 @@
 """Record what a head decodes, to prove a change kept behaviour: the tokens and target forwards of each
 drafter on a prompt set (greedy), beside plain decoding; `--compare` sets two records side by side.
 
-    python scripts/decode_record.py --head HEAD_DIR --prompts eval.jsonl --out before.json [key=value ...]
-    python scripts/decode_record.py --compare before.json after.json
+    python tools/decode_record.py --head HEAD_DIR --prompts eval.jsonl --out before.json [key=value ...]
+    python tools/decode_record.py --compare before.json after.json
 
 Prompts are first turns: the first `--per-category` of each category, then `--limit` in all. Overrides are run
 config keys (target.dtype=bfloat16 target.num_threads=1 ...); `--drafters` picks which drafters to record.
@@ -32,7 +32,9 @@ def record(args: argparse.Namespace) -> None:
     A run that stops resumes from the record at `--out` when it holds the same prompts and drafters.
     """
     cfg = load_config(RunConfig, args.config, args.overrides)
-    convs = per_category(load_conversations(PromptConfig(path=args.prompts)), args.per_category)[: args.limit]
+    convs = per_category(load_conversations(PromptConfig(path=args.prompts)), args.per_category)[
+        : args.limit
+    ]
     decoder = SpeculativeDecoder.load(args.head, cfg)
     prompts = [decoder.fmt.first_turn(c.turns[0], c.system) for c in convs]
     out: dict = {"prompts": [c.id for c in convs], "plain": [], **{k: [] for k in args.drafters}}
@@ -52,7 +54,10 @@ def record(args: argparse.Namespace) -> None:
             out[kind] = out[kind][:i] + [{**row, "seconds": r.seconds}]
         atomic_write_json(path, out)
         equal = " ".join(f"{k}={out[k][i]['tokens'] == out['plain'][i]}" for k in drafters)
-        print(f"prompt {i + 1}/{len(prompts)} {out['prompts'][i]}: equal to plain: {equal}", flush=True)
+        print(
+            f"prompt {i + 1}/{len(prompts)} {out['prompts'][i]}: equal to plain: {equal}",
+            flush=True,
+        )
     for kind in drafters:
         runs = out[kind]
         tokens = sum(len(r["tokens"]) - 1 for r in runs)

@@ -2,7 +2,7 @@
 `generate`) beside the static engine (Headway's batched decoder with refilled slots), same prompts, batch,
 dtype and threads; and how many answers the two share.
 
-    python scripts/distill_throughput.py --prompts alpaca_eval_instructions.json --limit 32 --batch 16 \
+    python tools/distill_throughput.py --prompts alpaca_eval_instructions.json --limit 32 --batch 16 \
         --max-new-tokens 128 --dtype bfloat16 --threads 2
 """
 
@@ -38,7 +38,9 @@ def main() -> None:
     ids = [fmt.first_turn(c.turns[0], c.system) for c in convs]
     settings = SamplingSettings(max_new_tokens=args.max_new_tokens)
     engines = {
-        "hf": lambda: HFEngine(t.model, t.tokenizer.pad_token_id, fmt.stop_ids, args.batch, "dynamic"),
+        "hf": lambda: HFEngine(
+            t.model, t.tokenizer.pad_token_id, fmt.stop_ids, args.batch, "dynamic"
+        ),
         "static": lambda: StaticEngine(
             t.model, fmt.stop_ids, args.batch, max(map(len, ids)) + args.max_new_tokens + 1
         ),

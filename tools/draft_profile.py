@@ -2,7 +2,7 @@
 checked equal), with wall-clock timers around the drafter's parts and the target's lm_head, so that the
 drafting cost a step pays is seen beside its verification.
 
-    OMP_NUM_THREADS=2 taskset -c 0,1 python scripts/draft_profile.py --prompts eval.jsonl --per-category 1 \\
+    OMP_NUM_THREADS=2 taskset -c 0,1 python tools/draft_profile.py --prompts eval.jsonl --per-category 1 \\
         target.dtype=bfloat16 target.linear_weights=stream target.num_threads=2 inference.engine=static
 
 Prints tok/s, speedup and tau (tokens per target forward), seconds in drafting and in verification, and per
@@ -47,8 +47,12 @@ def timed(owner, name: str, label: str) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", required=True, help="a prompt file (jsonl; first turns are decoded)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--prompts", required=True, help="a prompt file (jsonl; first turns are decoded)"
+    )
     ap.add_argument("--per-category", type=int, default=1, help="prompts per category (0: all)")
     ap.add_argument("--head", default="heads/reference/smollm2-135m-instruct-eagle3")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -56,8 +60,12 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="run config keys (target.*, inference.*)")
     args = ap.parse_args()
     convs = load_conversations(PromptConfig(path=args.prompts))
-    prompts = [c.turns[0] for c in (per_category(convs, args.per_category) if args.per_category else convs)]
-    decoder = SpeculativeDecoder.load(args.head, load_config(RunConfig, args.config, args.overrides))
+    prompts = [
+        c.turns[0] for c in (per_category(convs, args.per_category) if args.per_category else convs)
+    ]
+    decoder = SpeculativeDecoder.load(
+        args.head, load_config(RunConfig, args.config, args.overrides)
+    )
 
     for owner, name, label in (
         (draft_hybrid.HybridDrafter, "draft", "hybrid draft (all below)"),
@@ -98,7 +106,9 @@ def main() -> None:
     )
     for label in sorted(SECONDS, key=lambda k: -SECONDS[k]):
         mean = 1e6 * SECONDS[label] / CALLS[label]
-        print(f"  {label:28s} {1e3 * SECONDS[label]:8.1f} ms {CALLS[label]:6d} calls {mean:8.1f} us a call")
+        print(
+            f"  {label:28s} {1e3 * SECONDS[label]:8.1f} ms {CALLS[label]:6d} calls {mean:8.1f} us a call"
+        )
 
 
 if __name__ == "__main__":

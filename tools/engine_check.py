@@ -4,12 +4,12 @@ Speculative output must equal plain greedy output on the same engine (exit 1 oth
 agree with each other is reported (near-ties may differ between them). Prints tok/s, tau and ms per
 verification and draft step, and writes them as JSON.
 
-    python scripts/engine_check.py [--head DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--threads 1]
+    python tools/engine_check.py [--head DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--threads 1]
                                    [--max-new-tokens 128] [--prompts FILE.jsonl] [--out FILE.json]
                                    [overrides...]
 
 On a GPU machine this is the one-command check:
-`python scripts/engine_check.py --device cuda --dtype bfloat16`.
+`python tools/engine_check.py --device cuda --dtype bfloat16`.
 """
 
 from __future__ import annotations
@@ -41,13 +41,17 @@ PROMPTS = [
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head", default=None, help="head directory (default: the shipped reference head)")
+    ap.add_argument(
+        "--head", default=None, help="head directory (default: the shipped reference head)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument(
-        "--prompts", default=None, help="a prompt file (first turns are used); default: 5 built-in prompts"
+        "--prompts",
+        default=None,
+        help="a prompt file (first turns are used); default: 5 built-in prompts",
     )
     ap.add_argument("--out", default="outputs/engine_check.json")
     args, overrides = ap.parse_known_args()
@@ -64,7 +68,9 @@ def main() -> int:
     decoder = SpeculativeDecoder.load(args.head or reference_head(), cfg)
     model, stops, n = decoder.target.model, decoder.fmt.stop_ids, args.max_new_tokens
     texts = (
-        [c.turns[0] for c in load_conversations(PromptConfig(path=args.prompts))] if args.prompts else PROMPTS
+        [c.turns[0] for c in load_conversations(PromptConfig(path=args.prompts))]
+        if args.prompts
+        else PROMPTS
     )
     engines = ["hf"] + (["static", "compiled"] if engine_name(model) == "static" else [])
     runners = {}
@@ -89,7 +95,9 @@ def main() -> int:
             engines_differ += r.tokens != out["plain/hf"].tokens
     base = pooled(results["plain/hf"])["tok_s"]
     rows = {}
-    print(f"{'method':14s} {'tok/s':>7s} {'vs plain/hf':>11s} {'tau':>5s} {'verify ms':>9s} {'draft ms':>8s}")
+    print(
+        f"{'method':14s} {'tok/s':>7s} {'vs plain/hf':>11s} {'tau':>5s} {'verify ms':>9s} {'draft ms':>8s}"
+    )
     for k, rs in results.items():
         p, fw = pooled(rs), max(1, sum(r.target_forwards for r in rs))
         rows[k] = {

@@ -1,7 +1,7 @@
 """Plain decoding speed of one target on the static engine against the hf engine (the model's own forward), in
 float32 and bf16, on a pinned thread count: what running a family on the static engine buys.
 
-    python scripts/family_speed.py [--target DIR | --family qwen3] [--dtypes float32,bfloat16] [--threads 1]
+    python tools/family_speed.py [--target DIR | --family qwen3] [--dtypes float32,bfloat16] [--threads 1]
                                    [--linear-weights native] [--tokens 128] [--repeats 3]
 
 Without --target it builds the tiny random model of --family (tests/helpers/tiny_models.py) in a temporary
@@ -30,17 +30,23 @@ PROMPT = "Write a short story about a lighthouse keeper."
 
 def tiny_target(family: str, root: Path) -> Path:
     """The tiny random model of `family` (tests/helpers/tiny_models.py), saved under `root`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
     from tiny_models import make_tiny_model
 
     return make_tiny_model(family, root / family)
 
 
-def measure(target: Path, dtype: str, threads: int, fmt: str, tokens: int, repeats: int) -> dict[str, float]:
+def measure(
+    target: Path, dtype: str, threads: int, fmt: str, tokens: int, repeats: int
+) -> dict[str, float]:
     """tok/s of plain greedy decoding on the static and hf engines (the fastest of `repeats` each)."""
     t = load_target(
         TargetConfig(
-            name_or_path=str(target), device="cpu", num_threads=threads, dtype=dtype, linear_weights=fmt
+            name_or_path=str(target),
+            device="cpu",
+            num_threads=threads,
+            dtype=dtype,
+            linear_weights=fmt,
         )
     )
     if engine_name(t.model, "auto") != "static":
@@ -64,18 +70,26 @@ def measure(target: Path, dtype: str, threads: int, fmt: str, tokens: int, repea
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default=None, help="a model directory (default: the tiny --family model)")
-    ap.add_argument("--family", default="qwen3", help="tiny model id of tests/helpers/tiny_models.py")
+    ap.add_argument(
+        "--target", default=None, help="a model directory (default: the tiny --family model)"
+    )
+    ap.add_argument(
+        "--family", default="qwen3", help="tiny model id of tests/helpers/tiny_models.py"
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--linear-weights", default="native", help="target.linear_weights for both engines")
+    ap.add_argument(
+        "--linear-weights", default="native", help="target.linear_weights for both engines"
+    )
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(args.target) if args.target else tiny_target(args.family, Path(tmp))
         for dtype in args.dtypes.split(","):
-            best = measure(target, dtype, args.threads, args.linear_weights, args.tokens, args.repeats)
+            best = measure(
+                target, dtype, args.threads, args.linear_weights, args.tokens, args.repeats
+            )
             print(
                 f"{target.name} {dtype} ({args.linear_weights} weights, {args.threads} thread(s)): static "
                 f"{best['static']:.0f} tok/s, hf {best['hf']:.0f} tok/s, {best['static'] / best['hf']:.2f}x"

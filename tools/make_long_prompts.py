@@ -11,8 +11,8 @@ Training prompts (`--source stdlib`) are built the same way from another corpus,
 standard library as pydoc renders it on this machine, so they share no text with the evaluation set; the
 target answers them in `headway distill` (docs/training.md, "Long prompts").
 
-    python scripts/make_long_prompts.py [--out inference/bench/prompts/long_eval.jsonl] [--seed 0]
-    python scripts/make_long_prompts.py --source stdlib --out long_train.jsonl --per-kind 48,48,32 --seed 1
+    python tools/make_long_prompts.py [--out inference/bench/prompts/long_eval.jsonl] [--seed 0]
+    python tools/make_long_prompts.py --source stdlib --out long_train.jsonl --per-kind 48,48,32 --seed 1
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ SOURCES = [
     *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
 ]
 MIN_TOKENS, MAX_TOKENS = 1000, 3000
-PER_KIND = {"long_summarization": 16, "long_rag": 16, "long_multiturn": 12}  # the first that fit, per kind
+PER_KIND = {
+    "long_summarization": 16,
+    "long_rag": 16,
+    "long_multiturn": 12,
+}  # the first that fit, per kind
 SUMMARISE = [
     "Summarize the following documentation in one paragraph for a new engineer.",
     "Read the following text and list its five most important points, one sentence each.",
@@ -95,7 +99,9 @@ def sections(source: str = "docs") -> list[tuple[str, str, str]]:
     return out
 
 
-def packed(chunks: list[tuple[str, str, str]], start: int, chars: int) -> list[tuple[str, str, str]]:
+def packed(
+    chunks: list[tuple[str, str, str]], start: int, chars: int
+) -> list[tuple[str, str, str]]:
     """Consecutive chunks from `start` until about `chars` characters."""
     picked, total = [], 0
     for chunk in chunks[start:]:
@@ -106,27 +112,40 @@ def packed(chunks: list[tuple[str, str, str]], start: int, chars: int) -> list[t
     return picked
 
 
-def build(seed: int, source: str = "docs", candidates: tuple[int, int, int] = (30, 30, 12)) -> list[dict]:
+def build(
+    seed: int, source: str = "docs", candidates: tuple[int, int, int] = (30, 30, 12)
+) -> list[dict]:
     """Candidate records per kind (summarisation, RAG, multi-turn); `main` keeps those that fit the window.
 
     The default counts are the ones the committed evaluation set was drawn with, so a rerun on the same docs
     writes the same file."""
     rng = random.Random(seed)
     chunks = sections(source)
-    what = "part of a project's documentation" if source == "docs" else "part of a library's documentation"
+    what = (
+        "part of a project's documentation"
+        if source == "docs"
+        else "part of a library's documentation"
+    )
     records: list[dict] = []
     for i in range(candidates[0]):  # summarisation: a stretch of one file
         start = rng.randrange(len(chunks) - 6)
         body = "\n\n".join(c[2] for c in packed(chunks, start, rng.randint(3000, 7000)))
         records.append(
-            {"category": "long_summarization", "prompt": f"{SUMMARISE[i % len(SUMMARISE)]}\n\n{body}"}
+            {
+                "category": "long_summarization",
+                "prompt": f"{SUMMARISE[i % len(SUMMARISE)]}\n\n{body}",
+            }
         )
-    for _ in range(candidates[1]):  # RAG: numbered documents from anywhere, a question about one of them
+    for _ in range(
+        candidates[1]
+    ):  # RAG: numbered documents from anywhere, a question about one of them
         docs = rng.sample(chunks, rng.randint(2, 4))
         while sum(len(d[2]) for d in docs) < 3500:
             docs.append(rng.choice(chunks))
         asked = rng.choice(docs)
-        body = "\n\n".join(f"[Document {k + 1}] ({d[0]}, {d[1]})\n{d[2]}" for k, d in enumerate(docs))
+        body = "\n\n".join(
+            f"[Document {k + 1}] ({d[0]}, {d[1]})\n{d[2]}" for k, d in enumerate(docs)
+        )
         question = (
             f'Using only the documents above, explain what they say about "{asked[1]}", and name the '
             "document numbers you used."
@@ -145,10 +164,15 @@ def build(seed: int, source: str = "docs", candidates: tuple[int, int, int] = (3
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "inference" / "bench" / "prompts" / "long_eval.jsonl"))
+    ap.add_argument(
+        "--out", default=str(ROOT / "inference" / "bench" / "prompts" / "long_eval.jsonl")
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--source", choices=("docs", "stdlib"), default="docs", help="docs: evaluation; stdlib: training"
+        "--source",
+        choices=("docs", "stdlib"),
+        default="docs",
+        help="docs: evaluation; stdlib: training",
     )
     ap.add_argument(
         "--per-kind",
@@ -163,7 +187,9 @@ def main() -> int:
     for r in build(args.seed, args.source, candidates):
         first = r.get("prompt") or r["turns"][0]
         n = len(
-            tok(tok.apply_chat_template([{"role": "user", "content": first}], tokenize=False))["input_ids"]
+            tok(tok.apply_chat_template([{"role": "user", "content": first}], tokenize=False))[
+                "input_ids"
+            ]
         )
         if (
             MIN_TOKENS <= n <= MAX_TOKENS
@@ -173,12 +199,18 @@ def main() -> int:
     if (
         args.source != "docs"
     ):  # a training prompt file: one field for every record, as `headway distill` reads
-        kept = [{"category": r["category"], "turns": r.get("turns") or [r["prompt"]], **r} for r in kept]
+        kept = [
+            {"category": r["category"], "turns": r.get("turns") or [r["prompt"]], **r} for r in kept
+        ]
         kept = [{k: v for k, v in r.items() if k != "prompt"} for r in kept]
     Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in kept))
-    counts = {c: sum(r["category"] == c for r in kept) for c in sorted({r["category"] for r in kept})}
+    counts = {
+        c: sum(r["category"] == c for r in kept) for c in sorted({r["category"] for r in kept})
+    }
     lengths = sorted(r["prompt_tokens"] for r in kept)
-    print(f"wrote {len(kept)} prompts to {args.out}: {counts}; first-turn tokens {lengths[0]}..{lengths[-1]}")
+    print(
+        f"wrote {len(kept)} prompts to {args.out}: {counts}; first-turn tokens {lengths[0]}..{lengths[-1]}"
+    )
     return 0
 
 

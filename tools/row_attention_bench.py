@@ -4,7 +4,7 @@ A tree of `rows` rows (each row: the prefix, then itself and one ancestor) over 
 key/value heads of 64, after a prefix of `--prefix` tokens; the median per layer call, and times 30 for the
 default target's layers. The kernel's build (avx512, avx2, base) is printed first.
 
-    taskset -c 0,1 python scripts/row_attention_bench.py --threads 2 --prefix 256
+    taskset -c 0,1 python tools/row_attention_bench.py --threads 2 --prefix 256
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kernel = row_kernel("cpp")
-    print(f"build {extension().row_attention_build()}, {args.threads} thread(s), prefix {args.prefix}")
+    print(
+        f"build {extension().row_attention_build()}, {args.threads} thread(s), prefix {args.prefix}"
+    )
     gen = torch.Generator().manual_seed(0)
     length = args.prefix + 64
     k_cache = torch.randn(KV_HEADS, length, HEAD_DIM, generator=gen)
@@ -48,7 +50,9 @@ def main() -> None:
             attend(q, k_cache, v_cache, HEAD_DIM**-0.5)
             times.append(time.perf_counter() - t0)
         ms = statistics.median(times) * 1e3
-        print(f"rows {rows:2d}: {ms:.3f} ms per layer, {ms * LAYERS:.2f} ms per step of {LAYERS} layers")
+        print(
+            f"rows {rows:2d}: {ms:.3f} ms per layer, {ms * LAYERS:.2f} ms per step of {LAYERS} layers"
+        )
 
 
 if __name__ == "__main__":

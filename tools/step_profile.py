@@ -3,7 +3,7 @@ time by kind of kernel (linears, attention, the cache writes, norms and elementw
 share outside any kernel (Python and dispatch), beside the wall time per step and the rate it reads its
 weights at against the memory's; and the time of one prefill of a long prompt, with the same breakdown.
 
-    python scripts/step_profile.py [--steps 64] [--prompt-tokens 1000] [target.dtype=bfloat16 ...]
+    python tools/step_profile.py [--steps 64] [--prompt-tokens 1000] [target.dtype=bfloat16 ...]
 
 Overrides are run config keys (target.dtype, target.linear_weights, target.num_threads, inference.engine). Run
 it pinned (`taskset`), with the thread count set, on a quiet machine.
@@ -83,14 +83,20 @@ def report(prof: profile, calls: int, wall: float) -> None:
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
     print("top kernels (ms per call, count per call):")
     for e in top:
-        print(f"  {e.key[:60]:60s} {e.self_cpu_time_total / 1e3 / calls:7.3f}  {e.count / calls:6.1f}")
+        print(
+            f"  {e.key[:60]:60s} {e.self_cpu_time_total / 1e3 / calls:7.3f}  {e.count / calls:6.1f}"
+        )
 
 
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=64, help="one-token steps to profile (after 16 of warm-up)")
-    p.add_argument("--prompt-tokens", type=int, default=1000, help="length of the prefill timed (0: none)")
+    p.add_argument(
+        "--steps", type=int, default=64, help="one-token steps to profile (after 16 of warm-up)"
+    )
+    p.add_argument(
+        "--prompt-tokens", type=int, default=1000, help="length of the prefill timed (0: none)"
+    )
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     cfg = load_config(RunConfig, None, args.overrides)
@@ -99,7 +105,9 @@ def main() -> None:
     ids = torch.randint(
         1000, 20000, (max(args.prompt_tokens, 64),), generator=torch.Generator().manual_seed(0)
     )
-    runner = make_runner(model, 32 + 16 + 2 * args.steps, engine)  # prompt, warm-up, timed and profiled steps
+    runner = make_runner(
+        model, 32 + 16 + 2 * args.steps, engine
+    )  # prompt, warm-up, timed and profiled steps
     runner.forward(ids[:32])
     token = ids[32:33]
     for _ in range(16):
@@ -120,7 +128,9 @@ def main() -> None:
         f"{cfg.target.dtype}, linear_weights={cfg.target.linear_weights}, {cfg.target.num_threads} "
         f"thread(s), engine={engine}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
     )
-    print(f"one-token step: {real * 1e3:.2f} ms wall ({1 / real:.1f} tok/s); profiled: {wall * 1e3:.2f} ms")
+    print(
+        f"one-token step: {real * 1e3:.2f} ms wall ({1 / real:.1f} tok/s); profiled: {wall * 1e3:.2f} ms"
+    )
     nbytes = weight_bytes(model)
     print(
         f"  its linear weights: {nbytes / 1e6:.0f} MB, {nbytes / real / 1e9:.1f} "

@@ -7,7 +7,7 @@ rows): StreamLinear (its AVX512-BF16 or AVX2 build) against Float16Linear (fbgem
 their kernels run here, as a bf16 target's decoding calls them, and the float32 streaming kernel over the same
 weights in float32.
 
-    taskset -c 0,1 python scripts/stream_linear_bench.py --threads 2 [--isa avx2] [--dtype bfloat16]
+    taskset -c 0,1 python tools/stream_linear_bench.py --threads 2 [--isa avx2] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -42,9 +42,14 @@ def best_ms(run, passes: int = 5) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2, help="torch threads for both kernels")
-    ap.add_argument("--isa", default="auto", help="the streaming kernel's build: auto, avx512 or avx2")
     ap.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' and rows' dtype"
+        "--isa", default="auto", help="the streaming kernel's build: auto, avx512 or avx2"
+    )
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the weights' and rows' dtype",
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -61,7 +66,9 @@ def main() -> None:
         xs = {k: torch.randn(rows, k) for k in {k for _, k in SHAPES}}
         isa = "avx512" if args.isa == "auto" and _runs(ext, "avx512") else args.isa
         isa = "avx2" if isa == "auto" else isa
-        stream = best_ms(lambda: [ext.stream_linear_isa(xs[w.shape[1]], w, None, isa) for w in weights])
+        stream = best_ms(
+            lambda: [ext.stream_linear_isa(xs[w.shape[1]], w, None, isa) for w in weights]
+        )
         onednn = best_ms(lambda: [p(xs[p.in_features]) for p in packed])
         print(
             f"rows {rows:2d}: stream ({isa}) {stream:6.1f} ms ({mb / stream:.1f} GB/s), "
@@ -84,13 +91,17 @@ def bf16(threads: int) -> None:
     for rows in (1, 2, 4, 8, 16):
         xs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
         ms = {
-            name: best_ms(lambda m=mods: [p(xs[p.in_features]) for p in m]) for name, mods in formats.items()
+            name: best_ms(lambda m=mods: [p(xs[p.in_features]) for p in m])
+            for name, mods in formats.items()
         }
         x32 = {k: v.float() for k, v in xs.items()}
         ms["float32 stream"] = best_ms(
             lambda: [torch.ops.headway_kernels.stream_linear(x32[w.shape[1]], w, None) for w in f32]
         )
-        print(f"rows {rows:2d}: " + ", ".join(f"{name} {t:6.1f} ({mb / t:.1f})" for name, t in ms.items()))
+        print(
+            f"rows {rows:2d}: "
+            + ", ".join(f"{name} {t:6.1f} ({mb / t:.1f})" for name, t in ms.items())
+        )
 
 
 def _runs(ext, isa: str) -> bool:

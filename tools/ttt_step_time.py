@@ -4,7 +4,7 @@ The target's features are random (a step's cost does not depend on their values)
 head alone, as offline training (a feature cache) runs it. Batches are either synthetic (a prompt of
 `--prompt` tokens then an answer of `--answer`) or read from a self-distilled dataset (`--data`).
 
-    python scripts/ttt_step_time.py --dtype float32 --threads 1 [--data DIR] [--steps 7]
+    python tools/ttt_step_time.py --dtype float32 --threads 1 [--data DIR] [--steps 7]
 """
 
 from __future__ import annotations
@@ -47,14 +47,23 @@ def batches(args: argparse.Namespace, target, vocab: int) -> list[list[Sample]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="autocast dtype of the step"
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="autocast dtype of the step",
     )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--steps", type=int, default=7, help="head.eagle3.ttt_steps")
     p.add_argument("--batch", type=int, default=4, help="sequences per micro-step")
-    p.add_argument("--prompt", type=int, default=128, help="synthetic batches: prompt tokens per row")
-    p.add_argument("--answer", type=int, default=128, help="synthetic batches: answer tokens per row")
-    p.add_argument("--data", default=None, help="a self-distilled dataset to draw real batches from")
+    p.add_argument(
+        "--prompt", type=int, default=128, help="synthetic batches: prompt tokens per row"
+    )
+    p.add_argument(
+        "--answer", type=int, default=128, help="synthetic batches: answer tokens per row"
+    )
+    p.add_argument(
+        "--data", default=None, help="a self-distilled dataset to draw real batches from"
+    )
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=6, help="timed micro-steps (after one warm-up)")
     args = p.parse_args()
@@ -83,7 +92,9 @@ def main() -> None:
     for k, samples in enumerate([data[0]] + data):
         batch = collate(samples, target.tokenizer.pad_token_id or 0)
         B, T = batch["input_ids"].shape
-        feats = Features({i: torch.randn(B, T, h, dtype=torch.bfloat16) for i in layers}, model=target.model)
+        feats = Features(
+            {i: torch.randn(B, T, h, dtype=torch.bfloat16) for i in layers}, model=target.model
+        )
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=compute, enabled=compute != torch.float32):
             loss, _ = objective(heads, batch, feats, t2d)

@@ -1,9 +1,10 @@
-"""The steps of the prepared GPU check (scripts/gpu_check.sh), each appending JSON lines to one results file.
+"""The steps of the prepared GPU check (scripts/gpu/gpu_check.sh), each appending JSON lines to one
+results file.
 
 Every figure is written as soon as it is measured, so a run killed at its time limit still leaves what it
 measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the script cannot rot).
 
-    python scripts/gpu_check.py env|cudnn|backend|exact|decode|profile|distill --results FILE [--dry-run]
+    python scripts/gpu/gpu_check.py env|cudnn|backend|exact|decode|profile|distill --results FILE [--dry-run]
         [--prompts FILE.jsonl]
 
 - env: the GPU, torch, CUDA and transformers versions, the commit.
@@ -42,8 +43,8 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # the tiny random models the test suite builds
+ROOT = Path(__file__).resolve().parents[2]  # the repository (this file: scripts/gpu/gpu_check.py)
+sys.path.insert(0, str(ROOT / "tests" / "helpers"))  # the tiny random models the test suite builds
 
 from decode_helpers import chat_ids  # noqa: E402
 from fake_cuda import fake_cuda, to_fake_cuda  # noqa: E402
@@ -126,7 +127,12 @@ class Results:
         `done`."""
         if not self.deadline or time.time() - self.start < self.deadline:
             return False
-        self.write(stopped_at_deadline=True, deadline_s=self.deadline, units_done=done, units_planned=planned)
+        self.write(
+            stopped_at_deadline=True,
+            deadline_s=self.deadline,
+            units_done=done,
+            units_planned=planned,
+        )
         return True
 
     def write(self, **record: Any) -> None:
@@ -160,7 +166,9 @@ def step_env(res: Results, dry: bool) -> None:
     res.write(
         dry_run=dry,
         gpu=gpu,
-        gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if gpu else None,
+        gpu_memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        if gpu
+        else None,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         transformers=transformers.__version__,
@@ -177,7 +185,9 @@ def _prompt_texts(path: str | None, n: int) -> list[str]:
     if path:
         for c in load_conversations(PromptConfig(path=path)):
             first.setdefault(str(c.meta.get("category", c.id)), c.turns[0])
-    copy = load_conversations(PromptConfig(path=str(ROOT / "inference" / "bench" / "prompts" / "copy.jsonl")))
+    copy = load_conversations(
+        PromptConfig(path=str(ROOT / "inference" / "bench" / "prompts" / "copy.jsonl"))
+    )
     texts = list(first.values()) or BUILT_IN
     return (texts[: max(1, n - len(copy))] + [c.turns[0] for c in copy])[:n]
 
@@ -195,7 +205,9 @@ def _exactness(
     for ids in prompt_ids:
         ref = plain_generate(model, ids, n, stop, engine=engine)
         spec = speculative_generate(model, drafter, ids, n, stop, engine=engine)
-        firsts.append(None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens))
+        firsts.append(
+            None if spec.tokens == ref.tokens else _first_difference(spec.tokens, ref.tokens)
+        )
     return {"prompts": len(prompt_ids), "equal": firsts.count(None), "first_difference": firsts}
 
 
@@ -212,7 +224,9 @@ def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
         ids = [chat_ids(t, text) for text in texts]
         engines = ["hf"] + (["static"] if static_supported(t.model) else [])
         for engine in engines + (["cuda"] if cuda_supported(t.model) else []):
-            got = _exactness(t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine)
+            got = _exactness(
+                t.model, drafter, ids, budget["tiny_tokens"], [t.tokenizer.eos_token_id], engine
+            )
             res.write(model=f"tiny-{arch}", dtype=dtype, engine=engine, device=device, **got)
     for j, dtype in enumerate(("float32", "bfloat16")):
         if res.out_of_time(len(ARCHS) * 2 + j, planned):
@@ -220,7 +234,9 @@ def step_exact(res: Results, dry: bool, prompts: str | None) -> None:
         d = _decoder(device, dtype, dry)
         ids = [d.fmt.first_turn(text) for text in _prompt_texts(prompts, budget["prompts"])]
         for engine in ("hf", "static", "cuda"):
-            got = _exactness(d.target.model, d.drafter, ids, budget["tokens"], d.fmt.stop_ids, engine)
+            got = _exactness(
+                d.target.model, d.drafter, ids, budget["tokens"], d.fmt.stop_ids, engine
+            )
             res.write(model="default-target", dtype=dtype, engine=engine, device=device, **got)
 
 
@@ -268,7 +284,9 @@ def step_decode(res: Results, dry: bool, prompts: str | None) -> None:
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
     texts, n = _prompt_texts(prompts, budget["prompts"]), budget["tokens"]
     planned = len(PAIRS["dry" if dry else "gpu"]) * len(texts)
-    for p_i, (dtype, engine, decoder) in enumerate(_decoders(device, dry)):  # (loads a target per dtype)
+    for p_i, (dtype, engine, decoder) in enumerate(
+        _decoders(device, dry)
+    ):  # (loads a target per dtype)
         if res.out_of_time(p_i * len(texts), planned):
             return
         start = time.time()
@@ -278,7 +296,9 @@ def step_decode(res: Results, dry: bool, prompts: str | None) -> None:
         )  # (the target's kernels, caches and cost curves; the timed drafters below warm too)
         runners: dict[str, Callable[[list[int]], Any]] = {
             "plain": lambda ids: decoder.generate_plain(ids, n),
-            "hf_generate": lambda ids: hf_generate(model, ids, n, stops, decoder.cfg.inference.sampling),
+            "hf_generate": lambda ids: hf_generate(
+                model, ids, n, stops, decoder.cfg.inference.sampling
+            ),
             "hf_prompt_lookup": lambda ids: hf_generate(
                 model, ids, n, stops, decoder.cfg.inference.sampling, 10, 2
             ),
@@ -327,7 +347,9 @@ def _kernels(prof: Any, device: str) -> int:
     """Kernels launched (CUDA) or operators run (CPU, where there are no kernels to count)."""
     events = prof.events()
     if device.startswith("cuda"):
-        return sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+        return sum(
+            1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+        )
     return sum(1 for e in events if e.name.startswith("aten::"))
 
 
@@ -362,7 +384,8 @@ def step_profile(res: Results, dry: bool, prompts: str | None) -> None:
                 draft_ms_per_forward=round(1e3 * r.draft_seconds / forwards, 3),
                 other_ms_per_forward=round(1e3 * rest / forwards, 3),
                 top_kernels=[
-                    (e.key, e.count) for e in sorted(prof.key_averages(), key=lambda e: -e.count)[:8]
+                    (e.key, e.count)
+                    for e in sorted(prof.key_averages(), key=lambda e: -e.count)[:8]
                 ],
             )
 
@@ -404,7 +427,9 @@ def step_cudnn(res: Results, dry: bool, prompts: str | None) -> None:
         plain_ms_per_step=round(1e3 * plain.seconds / max(1, len(plain.tokens)), 3),
         verify16_ms_first=round(1e3 * times[0], 3),
         verify16_ms_median=round(1e3 * statistics.median(times[1:]), 3),
-        hf_generate_ms_per_token=round(1e3 * (time.perf_counter() - t0) / max(1, len(hf.tokens)), 3),
+        hf_generate_ms_per_token=round(
+            1e3 * (time.perf_counter() - t0) / max(1, len(hf.tokens)), 3
+        ),
     )
 
 
@@ -481,16 +506,21 @@ def _tiny_eagle(device: str, dtype: str, arch: str = "llama") -> tuple[Any, Any]
 
 
 def _fake_cuda_loop(res: Results) -> None:
-    """The CUDA backend's real loop with every tensor on a fake CUDA device (tests/helpers/fake_cuda.py): a device
-    mismatch or any host read but the loop's own raises there; the loop's reads (`CudaRunner.read`) are
-    counted and answered (0, 1, 2 accepted in turn), and the host reads and uploads inside each step
-    counted."""
+    """The CUDA backend's real loop with every tensor on a fake CUDA device
+    (tests/helpers/fake_cuda.py): a device mismatch or any host read but the loop's own raises there; the
+    loop's reads (`CudaRunner.read`) are counted and answered (0, 1, 2 accepted in turn), and the host reads
+    and uploads inside each step counted."""
     t, heads = _tiny_eagle("cpu", "float32")
     drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8)
     ids = chat_ids(t, "What is two plus three?")
-    no_graphs = EngineOptions(engine="cuda", cuda_graphs=False)  # fake tensors have no graphs to capture
+    no_graphs = EngineOptions(
+        engine="cuda", cuda_graphs=False
+    )  # fake tensors have no graphs to capture
     reads, inside, turn = [], [], iter(range(10**6))
-    real_read, real_step = CudaRunner.__dict__["read"], CudaRunner._step  # (read: the staticmethod itself)
+    real_read, real_step = (
+        CudaRunner.__dict__["read"],
+        CudaRunner._step,
+    )  # (read: the staticmethod itself)
 
     def read(verdict: torch.Tensor) -> list[int]:
         reads.append(1)
@@ -537,8 +567,12 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
         model = d.target.model
         # (a runner of its own, one bucket per row count timed; the decoder's runner keeps its one bucket)
         context = int(getattr(d.target.config, "max_position_embeddings", 0) or 2**31)
-        prefixes = (REPLAY_PREFIX,) if dry else tuple(p for p in REPLAY_PREFIXES if p + 128 <= context)
-        runner = CudaRunner(model, max(prefixes) + max(REPLAY_ROWS) + 1, REPLAY_ROWS, d.options.cuda_graphs)
+        prefixes = (
+            (REPLAY_PREFIX,) if dry else tuple(p for p in REPLAY_PREFIXES if p + 128 <= context)
+        )
+        runner = CudaRunner(
+            model, max(prefixes) + max(REPLAY_ROWS) + 1, REPLAY_ROWS, d.options.cuda_graphs
+        )
         for prefix in prefixes:  # (one runner: its graphs read the cache length from memory)
             runner.truncate(0)
             runner.forward(torch.randint(100, 1000, (prefix,)))
@@ -560,8 +594,12 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
                     failed_captures=runner.graphs.failures,
                     reads_inside_steps=guard.reads,
                 )
-                if guard.reads:  # the sync check fails the step: a step that reads the host cannot be a graph
-                    raise RuntimeError(f"the {rows}-row step read the host {guard.reads} times inside a step")
+                if (
+                    guard.reads
+                ):  # the sync check fails the step: a step that reads the host cannot be a graph
+                    raise RuntimeError(
+                        f"the {rows}-row step read the host {guard.reads} times inside a step"
+                    )
         texts = _prompt_texts(prompts, 1 if dry else 4)
         d.warm_up(4)
         for text in texts:
@@ -578,7 +616,9 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
                 tree=d.drafter.settings(),
                 steps=spec.target_forwards,
                 host_reads=reads.count,
-                host_reads_per_step=round((reads.count - 1) / steps, 3),  # less the prompt's first token
+                host_reads_per_step=round(
+                    (reads.count - 1) / steps, 3
+                ),  # less the prompt's first token
                 reads_inside_captured=guard.reads,
                 captured_regions=guard.regions,
                 tau=round(spec.tau, 3),
@@ -587,7 +627,9 @@ def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
                 equal_to_plain=spec.tokens == plain.tokens,
             )
             if guard.reads:
-                raise RuntimeError(f"the device loop read the host {guard.reads} times inside its steps")
+                raise RuntimeError(
+                    f"the device loop read the host {guard.reads} times inside its steps"
+                )
 
 
 # distill: (dtype, cache, batch size), most telling first (a run cut at its limit keeps those)
@@ -611,13 +653,19 @@ def step_distill(res: Results, dry: bool, prompts: str | None) -> None:
     for dtype, cache, batch in DISTILL["dry" if dry else "gpu"]:
         if dtype not in loaded:
             loaded = {
-                dtype: load_target(TargetConfig(device=device, dtype=dtype, num_threads=1 if dry else 0))
+                dtype: load_target(
+                    TargetConfig(device=device, dtype=dtype, num_threads=1 if dry else 0)
+                )
             }
         t = loaded[dtype]
         fmt = ChatFormat(t.tokenizer, None, t.generation_config)
         ids = [fmt.first_turn(texts[i % len(texts)]) for i in range(batch)]
-        engine = HFEngine(t.model, t.tokenizer.pad_token_id, fmt.stop_ids, batch_size=batch, cache=cache)
-        engine.generate(ids[: min(batch, 8)], SamplingSettings(max_new_tokens=4), 0)  # warm-up (and compiles)
+        engine = HFEngine(
+            t.model, t.tokenizer.pad_token_id, fmt.stop_ids, batch_size=batch, cache=cache
+        )
+        engine.generate(
+            ids[: min(batch, 8)], SamplingSettings(max_new_tokens=4), 0
+        )  # warm-up (and compiles)
         _sync(device)
         start = time.time()
         out = engine.generate(ids, SamplingSettings(max_new_tokens=n), 0)
@@ -638,11 +686,17 @@ def step_distill(res: Results, dry: bool, prompts: str | None) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["env", "cudnn", "backend", "exact", "decode", "profile", "distill"])
-    ap.add_argument("--results", required=True, help="the JSON-lines file every figure is appended to")
+    ap.add_argument(
+        "step", choices=["env", "cudnn", "backend", "exact", "decode", "profile", "distill"]
+    )
+    ap.add_argument(
+        "--results", required=True, help="the JSON-lines file every figure is appended to"
+    )
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, with tiny budgets")
     ap.add_argument(
-        "--prompts", default=None, help="prompt file (MT-bench questions); default: built-in prompts"
+        "--prompts",
+        default=None,
+        help="prompt file (MT-bench questions); default: built-in prompts",
     )
     ap.add_argument(
         "--deadline",

@@ -1,7 +1,7 @@
-"""The steps of the prepared GPU training run (scripts/gpu_train.sh) that are not Headway commands, each
-appending JSON lines to the run's results file as it goes.
+"""The steps of the prepared GPU training run (scripts/gpu/gpu_train.sh) that are not Headway
+commands, each appending JSON lines to the run's results file as it goes.
 
-    python scripts/gpu_train.py diagnose|prompts|pack --results FILE [--dry-run] [...]
+    python scripts/gpu/gpu_train.py diagnose|prompts|pack --results FILE [--dry-run] [...]
 
 - diagnose: the device's matmul peak (bf16 and float32, TFLOP/s), then Hugging Face `generate` on a plainly
   loaded target (AutoModelForCausalLM, nothing of Headway's) in bf16 and float32, and the static engine
@@ -31,8 +31,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/gpu/, for gpu_check
 
 from gpu_check import BUILT_IN, Results, _device, _sync  # noqa: E402
 
@@ -114,7 +113,9 @@ def step_diagnose(res: Results, dry: bool, static_batch: int) -> None:
         plain = engine = None  # (freed before the next dtype loads)
     t = load_target(TargetConfig(device=device, dtype="bfloat16", num_threads=1 if dry else 0))
     ids = [fmt.first_turn(BUILT_IN[i % len(BUILT_IN)]) for i in range(static_batch)]
-    static = StaticEngine(t.model, fmt.stop_ids, static_batch, max(len(i) for i in ids) + static_new + 1)
+    static = StaticEngine(
+        t.model, fmt.stop_ids, static_batch, max(len(i) for i in ids) + static_new + 1
+    )
     static.generate(ids[:2], SamplingSettings(max_new_tokens=4), 0)  # warm-up (and the graphs)
     settings = SamplingSettings(max_new_tokens=static_new)
     tokens, seconds = _timed_tokens(lambda: static.generate(ids, settings, 0), device)
@@ -132,14 +133,22 @@ def step_diagnose(res: Results, dry: bool, static_batch: int) -> None:
 
 
 def step_prompts(
-    res: Results, prompt_dir: Path, held_out: Path | None, out: Path, budget_s: float, answer: int, plan: Path
+    res: Results,
+    prompt_dir: Path,
+    held_out: Path | None,
+    out: Path,
+    budget_s: float,
+    answer: int,
+    plan: Path,
 ) -> None:
     """Merge every prompt file in prompt_dir (not the held-out one) into `out`, MT-bench questions dropped,
     cut to what the static engine (its diagnose figure) answers in budget_s; the Magpie count into `plan`."""
     held = set()
     if held_out is not None and held_out.is_file():
         held = {
-            turn.strip() for c in load_conversations(PromptConfig(path=str(held_out))) for turn in c.turns
+            turn.strip()
+            for c in load_conversations(PromptConfig(path=str(held_out)))
+            for turn in c.turns
         }
     rows, dropped, files = [], 0, []
     for path in sorted(prompt_dir.iterdir()):
@@ -223,7 +232,10 @@ def step_evals(res: Results, run: Path) -> None:
             res.write(kind="eval", **{"train_step" if k == "step" else k: v for k, v in r.items()})
     steps = [r for r in rows if "loss" in r]
     if steps:
-        res.write(kind="train_last", **{"train_step" if k == "step" else k: v for k, v in steps[-1].items()})
+        res.write(
+            kind="train_last",
+            **{"train_step" if k == "step" else k: v for k, v in steps[-1].items()},
+        )
 
 
 def _parts(blob: bytes, stem: str, out: Path, part: int) -> list[dict]:
@@ -232,7 +244,9 @@ def _parts(blob: bytes, stem: str, out: Path, part: int) -> list[dict]:
         path = out / f"{stem}.part{i // part:02d}"
         chunk = blob[i : i + part]
         path.write_bytes(chunk)
-        written.append({"file": path.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()})
+        written.append(
+            {"file": path.name, "bytes": len(chunk), "sha256": hashlib.sha256(chunk).hexdigest()}
+        )
     return written
 
 
@@ -245,7 +259,13 @@ def _tar(paths: list[Path], compress: bool) -> bytes:
 
 
 def step_pack(
-    res: Results, head: Path, extra: list[Path], data: list[Path], out: Path, part_mib: float, max_files: int
+    res: Results,
+    head: Path,
+    extra: list[Path],
+    data: list[Path],
+    out: Path,
+    part_mib: float,
+    max_files: int,
 ) -> None:
     """The head with `extra` files (a tar, split) and, where the parts fit beside it, the datasets (tar.xz,
     split) into `out`."""
@@ -262,7 +282,14 @@ def step_pack(
     blob = _tar([d for d in data if d.is_dir()], compress=True)
     need = -(-len(blob) // part)
     if need > free:
-        res.write(kind="pack", what="data", skipped=True, bytes=len(blob), parts_needed=need, parts_free=free)
+        res.write(
+            kind="pack",
+            what="data",
+            skipped=True,
+            bytes=len(blob),
+            parts_needed=need,
+            parts_free=free,
+        )
         return
     res.write(
         kind="pack",
@@ -275,28 +302,57 @@ def step_pack(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("step", choices=["diagnose", "prompts", "tokens", "evals", "pack"])
-    ap.add_argument("--results", required=True, help="the JSON-lines file every figure is appended to")
+    ap.add_argument(
+        "--results", required=True, help="the JSON-lines file every figure is appended to"
+    )
     ap.add_argument("--dry-run", action="store_true", help="on the CPU, with tiny budgets")
     ap.add_argument("--batch", type=int, default=256, help="diagnose: the static engine's batch")
     ap.add_argument("--prompt-dir", type=Path, help="prompts: the development prompt files")
-    ap.add_argument("--held-out", type=Path, default=None, help="prompts: the evaluation prompts, left out")
-    ap.add_argument("--budget-s", type=float, default=200.0, help="prompts: seconds of distillation")
-    ap.add_argument("--answer-tokens", type=int, default=300, help="prompts: expected tokens per answer")
-    ap.add_argument("--plan", type=Path, help="prompts: where the Magpie count is written (MAGPIE=N)")
-    ap.add_argument("--out", type=Path, help="prompts: the merged file; pack: the folder that comes back")
+    ap.add_argument(
+        "--held-out", type=Path, default=None, help="prompts: the evaluation prompts, left out"
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=200.0, help="prompts: seconds of distillation"
+    )
+    ap.add_argument(
+        "--answer-tokens", type=int, default=300, help="prompts: expected tokens per answer"
+    )
+    ap.add_argument(
+        "--plan", type=Path, help="prompts: where the Magpie count is written (MAGPIE=N)"
+    )
+    ap.add_argument(
+        "--out", type=Path, help="prompts: the merged file; pack: the folder that comes back"
+    )
     ap.add_argument("--run", type=Path, help="evals: the training run's directory")
     ap.add_argument("--head", type=Path, help="pack: the exported head directory")
-    ap.add_argument("--extra", type=Path, nargs="*", default=[], help="pack: files packed beside the head")
-    ap.add_argument("--data", type=Path, nargs="*", default=[], help="tokens, pack: the distilled datasets")
-    ap.add_argument("--part-mib", type=float, default=15.0, help="pack: the largest part, in MiB")
-    ap.add_argument("--max-files", type=int, default=8, help="pack: the most files that come back")
+    ap.add_argument(
+        "--extra", type=Path, nargs="*", default=[], help="pack: files packed beside the head"
+    )
+    ap.add_argument(
+        "--data", type=Path, nargs="*", default=[], help="tokens, pack: the distilled datasets"
+    )
+    ap.add_argument(
+        "--part-mib", type=float, default=15.0, help="pack: the largest part, in MiB (GPU_PART_MIB)"
+    )
+    ap.add_argument(
+        "--max-files",
+        type=int,
+        default=8,
+        help="pack: the most files that come back (GPU_MAX_FILES)",
+    )
     args = ap.parse_args()
     res = Results(Path(args.results), args.step)
     if args.step == "diagnose":
         step_diagnose(res, args.dry_run, args.batch)
     elif args.step == "prompts":
         step_prompts(
-            res, args.prompt_dir, args.held_out, args.out, args.budget_s, args.answer_tokens, args.plan
+            res,
+            args.prompt_dir,
+            args.held_out,
+            args.out,
+            args.budget_s,
+            args.answer_tokens,
+            args.plan,
         )
     elif args.step == "tokens":
         step_tokens(res, args.data)

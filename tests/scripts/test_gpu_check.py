@@ -1,5 +1,6 @@
-"""The prepared GPU check (scripts/gpu_check.sh) runs its every step on the CPU with tiny budgets (--dry-run),
-so that the script a GPU session runs in its few minutes cannot rot."""
+"""The prepared GPU check (scripts/gpu/gpu_check.sh) runs its every step on the CPU with tiny budgets
+(--dry-run, its limits those of scripts/gpu/limits.env), so that the script a GPU run makes within its
+budget cannot rot."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ ROOT = ROOT_DIR
 def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "GPU_WHEELS": str(tmp_path / "none")}
     done = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run"],
+        ["bash", "scripts/gpu/gpu_check.sh", "--dry-run"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -25,7 +26,16 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     records = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
     runs = {r["name"]: r["rc"] for r in records if r["step"] == "run"}
-    steps = ["setup", "env", "cudnn", "cudnn_deprioritized", "capture_tests", "backend", "exact", "decode"]
+    steps = [
+        "setup",
+        "env",
+        "cudnn",
+        "cudnn_deprioritized",
+        "capture_tests",
+        "backend",
+        "exact",
+        "decode",
+    ]
     assert runs == dict.fromkeys([*steps, "profile", "distill", "bench"], 0), (
         tmp_path / "gpu_check.log"
     ).read_text()[-3000:]
@@ -41,8 +51,12 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     assert fake[0]["host_reads_per_step"] == 1.0 and fake[0]["reads_inside_steps"] == 0, fake
     assert fake[0]["uploads_inside_steps"] == 0, fake
     loops = [r for r in backend if r["kind"] == "loop"]
-    assert loops and all(r["host_reads_per_step"] == 1.0 and r["reads_inside_captured"] == 0 for r in loops)
-    assert all(r["captured_regions"] >= 2 * r["steps"] for r in loops)  # the expansion and the verification
+    assert loops and all(
+        r["host_reads_per_step"] == 1.0 and r["reads_inside_captured"] == 0 for r in loops
+    )
+    assert all(
+        r["captured_regions"] >= 2 * r["steps"] for r in loops
+    )  # the expansion and the verification
     exact = [r for r in records if r["step"] == "exact"]
     assert {r["model"] for r in exact} == {
         "tiny-llama",
@@ -68,12 +82,17 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
         "ngram",
     }
     assert all(
-        r["tok_s"] > 0 and r["equal_to_plain"] == r["prompts"] for r in decode if r["dtype"] == "bfloat16"
+        r["tok_s"] > 0 and r["equal_to_plain"] == r["prompts"]
+        for r in decode
+        if r["dtype"] == "bfloat16"
     )
     profile = [r for r in records if r["step"] == "profile"]
     assert profile and all(r["kernels_per_forward"] > 0 for r in profile)
     distill = [r for r in records if r["step"] == "distill"]
-    assert {(r["dtype"], r["cache"]) for r in distill} == {("bfloat16", "static"), ("float32", "dynamic")}
+    assert {(r["dtype"], r["cache"]) for r in distill} == {
+        ("bfloat16", "static"),
+        ("float32", "dynamic"),
+    }
     assert all(r["generated_tokens"] > 0 and r["tok_s"] > 0 for r in distill)
     assert json.loads((tmp_path / "bench.json").read_text())
 
@@ -86,7 +105,7 @@ def test_a_step_past_its_deadline_stops_between_units_and_says_how_far_it_got(tm
     done = subprocess.run(
         [
             "python",
-            "scripts/gpu_check.py",
+            "scripts/gpu/gpu_check.py",
             "exact",
             "--dry-run",
             "--deadline",

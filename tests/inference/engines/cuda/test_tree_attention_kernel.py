@@ -20,8 +20,8 @@ ROOT = ROOT_DIR
 KV, GROUP, HD, CAP, DEPTH = 2, 3, 32, 96, 6
 
 
-# where the kernels run: the GPU when there is one (scripts/gpu_check.sh reruns these tests there), else CPU
-# tensors (the Triton kernel in its interpreter; tests/conftest.py sets TRITON_INTERPRET=1)
+# where the kernels run: the GPU when there is one (scripts/gpu/gpu_check.sh reruns these tests there),
+# else CPU tensors (the Triton kernel in its interpreter; tests/conftest.py sets TRITON_INTERPRET=1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
