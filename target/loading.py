@@ -239,6 +239,37 @@ def load_tokenizer(path: Path | str, trust_remote_code: bool = False) -> Any:
     return tok
 
 
+def target_files(path: Path | str, trust_remote_code: bool) -> tuple[Any, Any, Any]:
+    """(config, tokenizer, generation config) of the target directory, read without its weights."""
+    from transformers import AutoConfig, GenerationConfig
+
+    config = _from_pretrained(AutoConfig, path, trust_remote_code)
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    try:
+        gen_config = GenerationConfig.from_pretrained(path, local_files_only=True)
+    except OSError:
+        gen_config = GenerationConfig.from_model_config(config)
+    return config, tokenizer, gen_config
+
+
+def staged_placement(device: torch.device) -> dict:
+    """from_pretrained's placement for a target loaded onto `device`: on a CUDA device,
+    device_map={"": device}, so each tensor is read from the checkpoint straight onto the GPU (a
+    whole model is never built in host memory first, on every rank at once); {} elsewhere (CPU
+    loads stay as they were), and where transformers takes no device_map (without accelerate, or
+    under DeepSpeed ZeRO-3's own placement), where the model loads on the CPU and moves after."""
+    if device.type != "cuda":
+        return {}
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.utils import is_accelerate_available
+
+    if not is_accelerate_available() or is_deepspeed_zero3_enabled():
+        return {}
+    if device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return {"device_map": {"": str(device)}}
+
+
 def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     """Load the frozen target (eval mode, no grad) on the configured device, dtype and thread count.
 
@@ -246,7 +277,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     themselves. `auto` dtype and linear weights load as float32 and native (decoding commands
     resolve them first with target/cpu_format.py).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     cfg = cfg.as_loaded()
 
@@ -254,12 +285,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
     device = resolve_device(cfg.device)
     path = resolve_target_dir(cfg)
     trust = cfg.trust_remote_code
-    config = _from_pretrained(AutoConfig, path, trust)
-    tokenizer = load_tokenizer(path, trust)
-    try:
-        gen_config = GenerationConfig.from_pretrained(path, local_files_only=True)
-    except OSError:
-        gen_config = GenerationConfig.from_model_config(config)
+    config, tokenizer, gen_config = target_files(path, trust)
     model = None
     if with_model:
         attn = attention_implementation(cfg.attn_implementation, config)
@@ -286,6 +312,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
                 trust_remote_code=trust,
                 use_safetensors=True,
                 **_experts_implementation(config, cfg.dtype),
+                **staged_placement(device),
             )
         except (OSError, ValueError) as e:
             if "trust_remote_code" in str(e):
@@ -297,7 +324,7 @@ def load_target(cfg: TargetConfig, *, with_model: bool = True) -> Target:
                     "`model.save_pretrained(dir)` in a trusted environment)"
                 ) from None
             raise HeadwayError(f"cannot load target model from {path}: {e}") from None
-        model.to(device)
+        model.to(device)  # (a no-op where staged_placement already put it there)
         model.eval()
         model.requires_grad_(False)
         if cfg.linear_weights != "native":

@@ -19,6 +19,7 @@ import json
 import logging
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -286,6 +287,38 @@ class FeatureCache:
             return t.pin_memory().to(device, non_blocking=True) if pinned else t.to(device)
 
         return {i: up(t).float() for i, t in out.items()}, up(argmax)
+
+
+class CachedTarget:
+    """A target whose forward is answered from the feature cache, for what reads a trained head's
+    outputs over held-out sequences once training ends (Medusa's per-rank accuracy,
+    train/calibration.py) when the run holds only part of the target (target/partial.py): its
+    `model(input_ids=, attention_mask=, output_hidden_states=True)` returns the cached hidden
+    states of those sequences (found by their tokens among `samples`), in the cache's layer order,
+    the last one last."""
+
+    def __init__(self, target: Any, cache: FeatureCache, samples: list):
+        self.tokenizer = target.tokenizer
+        self.config = target.config
+        self.fingerprint = target.fingerprint
+        self.device = target.device
+        self.cache = cache
+        self.keys = {tuple(s.input_ids): s.key for s in samples}
+
+    def model(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **_: Any
+    ) -> SimpleNamespace:
+        lengths = attention_mask.sum(-1).tolist()
+        rows = [row[:n].tolist() for row, n in zip(input_ids.cpu(), lengths)]
+        missing = [i for i, row in enumerate(rows) if tuple(row) not in self.keys]
+        if missing:
+            raise HeadwayError(
+                f"internal: {len(missing)} sequence(s) read back from the feature cache are not the "
+                "held-out ones it was given"
+            )
+        keys = [self.keys[tuple(row)] for row in rows]
+        hidden, _ = self.cache.batch(keys, input_ids.shape[1], self.device)
+        return SimpleNamespace(hidden_states=tuple(hidden[i] for i in sorted(hidden)))
 
 
 def layers_for(features: FeaturesConfig, head: HeadConfig, num_target_layers: int) -> list[int]:

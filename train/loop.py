@@ -27,6 +27,7 @@ from headway.kinds.head_dir import read_head_config
 from headway.run_config import RunConfig
 from headway.runtime import autocast_dtype, resolve_device
 from headway.target.loading import load_target
+from headway.target.partial import load_partial_target
 from headway.train import deepspeed_engine, flops
 from headway.train.checkpointing import latest_checkpoint
 from headway.train.data import Sample, drop_duplicates, load_samples, split_heldout
@@ -39,14 +40,14 @@ from headway.train.distributed import (
     start,
     wrap,
 )
-from headway.train.feature_cache import FeatureCache, training_target_dtype
+from headway.train.feature_cache import CachedTarget, FeatureCache, training_target_dtype
 from headway.train.logging import RunLogger
 from headway.train.losses import target_to_draft
 from headway.train.metrics import Throughput, peak_flops, read
 from headway.train.objectives import OBJECTIVES
 from headway.train.optim import cosine_schedule, make_optimizer
 from headway.train.resume import check_same_run, gather_state, resume_from, write_checkpoint
-from headway.train.setup_heads import add_lora, build_heads, feature_layers
+from headway.train.setup_heads import add_lora, build_heads, copied_target_layers, feature_layers
 from headway.train.step import FiniteCheck, StepContext, TrainStep, evaluate
 from headway.train.ttt_flex import flex_shapes, length_buckets, limit_compiles, warm_flex
 
@@ -113,15 +114,17 @@ def setup_run(cfg: RunConfig) -> Run:
 
 def setup_target(run: Run) -> Any:
     """The frozen target on this rank's device, in train.target_dtype (bfloat16 on CUDA by default);
-    its decoder layers sharded across ranks with train.shard_target."""
+    its decoder layers sharded across ranks with train.shard_target; offline (train.features_dir)
+    only its embedding, final norm and lm_head, all a head reads of it (target/partial.py)."""
     cfg, tc = run.cfg, run.tc
     dtype = training_target_dtype(tc.target_dtype, cfg.target.dtype, run.device)
-    sharded = tc.shard_target and not tc.features_dir
+    if tc.features_dir:
+        offline = replace(cfg.target, device=str(run.device), dtype=dtype)
+        return load_partial_target(offline, copied_target_layers(cfg.head, tc.init_from))
     # a sharded target loads on the CPU and reaches the GPU sharded (never whole on one GPU)
-    device = "cpu" if sharded else str(run.device)
-    target_cfg = replace(cfg.target, device=device, dtype=dtype)
-    target = load_target(target_cfg)
-    if sharded:
+    device = "cpu" if tc.shard_target else str(run.device)
+    target = load_target(replace(cfg.target, device=device, dtype=dtype))
+    if tc.shard_target:
         shard_target(target.model, run.device)
     return target
 
@@ -506,7 +509,7 @@ def finish(run: Run, target: Any, data: Data, model: Model) -> Path:
         run.cfg, target, data.train_set, model.objective, model.heads, model.optimizer, par
     )
     if par.is_main:
-        head_dir = _export(run.cfg, target, final, data.held, model.context.t2d, run.out)
+        head_dir = _export(run.cfg, target, final, data, model.context.t2d, run.out)
     # the wrapped objective (DDP's reducer, FSDP, DeepSpeed) and its optimizer go before the process
     # group: freed only at interpreter exit, work they still hold on gloo can abort the process
     # after the run succeeded
@@ -559,10 +562,10 @@ def _final_heads(
     return final
 
 
-def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: Path) -> Path:
+def _export(cfg: RunConfig, target: Any, heads: Any, data: Data, t2d: Any, out: Path) -> Path:
     """Write the native head (rank 0), with the kind's calibration on the held-out split (Medusa's
-    per-rank accuracy, for the tree builder)."""
-    tc = cfg.train
+    per-rank accuracy, for the tree builder; offline, from their cached features)."""
+    tc, held = cfg.train, data.held
     extra = {"trained_steps": tc.max_steps, "datasets": tc.datasets}
     calibrate = OBJECTIVES[cfg.head.kind].calibrate
     if held and calibrate and tc.shard_target:
@@ -572,7 +575,8 @@ def _export(cfg: RunConfig, target: Any, heads: Any, held: list, t2d: Any, out: 
         )
     elif held and calibrate:
         calib = held[: tc.eval_max_samples]
-        extra["rank_accuracy"] = calibrate(target, heads, calib, tc.micro_batch_size, t2d)
+        source = target if data.cache is None else CachedTarget(target, data.cache, calib)
+        extra["rank_accuracy"] = calibrate(source, heads, calib, tc.micro_batch_size, t2d)
         log.info(
             "measured per-rank accuracy of each head on %d held-out sequences (for the tree builder)",
             len(calib),

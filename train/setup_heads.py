@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -174,6 +174,23 @@ def build_heads(
     heads.init_from_target(target.model)
     heads.attach_target(target.model)
     return heads
+
+
+def copied_target_layers(head: HeadConfig, init_from: Optional[str]) -> Callable[[Any], list[int]]:
+    """The target decoder layers a fresh head copies when built (EAGLE-3's head.eagle3.init_layer),
+    as a function of the target's config: what a target loaded without its layers (training from
+    cached features, target/partial.py) must still hold; none for a head from train.init_from
+    (loaded, not copied)."""
+
+    def layers(config: Any) -> list[int]:
+        if init_from:
+            return []
+        index = getattr(
+            kind_config(head, int(text_config(config).num_hidden_layers)), "init_layer", -1
+        )
+        return [index] if isinstance(index, int) and index >= 0 else []
+
+    return layers
 
 
 def feature_layers(head: HeadConfig, target: Any) -> list[int]:
