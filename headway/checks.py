@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -284,8 +285,25 @@ def bench_prompts(cfg: RunConfig, args: Any) -> PromptConfig:
     return prompts
 
 
+def check_llamacpp(bc: Any) -> None:
+    """bench.llamacpp_*: llama-server runs here, and the GGUF files it is given exist."""
+    if not bc.llamacpp_server:
+        return
+    server = shutil.which(bc.llamacpp_server)
+    if server is None:
+        raise HeadwayError(
+            f"bench.llamacpp_server={bc.llamacpp_server} is not an executable: give the path of "
+            "llama.cpp's llama-server (scripts/check_llamacpp.sh builds one)"
+        )
+    for key in ("llamacpp_target", "llamacpp_draft"):
+        path = getattr(bc, key)
+        if path and not Path(path).expanduser().is_file():
+            raise HeadwayError(f"bench.{key}={path} is not a file: give a GGUF file's path")
+
+
 def before_bench(cfg: RunConfig, args: Any) -> PromptConfig:
     before_decoding(cfg, args.head)
+    check_llamacpp(cfg.bench)
     prompts = bench_prompts(cfg, args)
     check_prompts(prompts, "--prompts")
     args.out = str(bench_output(args.out))

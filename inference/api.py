@@ -189,6 +189,7 @@ class SpeculativeDecoder:
             size themselves with it; measured when absent)."""
         self.target, self.heads, self.cfg = target, heads, cfg
         self.head_config, self.saved_costs = head_config or {}, saved_costs
+        self.head_dir: Optional[Path] = None  # where `load` read the head from (bench exports it)
         # the engine's settings (target.* and inference.*), passed to every runner and drafter it
         # makes
         self.options = EngineOptions.of(target.settings or cfg.target, cfg.inference)
@@ -257,20 +258,24 @@ class SpeculativeDecoder:
         if linear_weights(target.model) != "native":
             pack_head_linear_weights(heads, linear_weights(target.model))
         tuned = tuned_entry(head_dir, target.model, cfg.inference.engine)
-        return cls(
+        decoder = cls(
             target,
             heads,
             apply_tuned(cfg, head_dir, target.model),
             head_config,
             tuned.get("verify_ms") if tuned else None,
         )
+        decoder.head_dir = Path(head_dir)
+        return decoder
 
     def with_drafter(self, kind: str) -> "SpeculativeDecoder":
         """The same target and head decoding with another drafter (neural, ngram or hybrid)."""
         cfg = dataclasses.replace(
             self.cfg, inference=dataclasses.replace(self.cfg.inference, drafter=kind)
         )
-        return SpeculativeDecoder(self.target, self.heads, cfg, self.head_config, self.saved_costs)
+        other = SpeculativeDecoder(self.target, self.heads, cfg, self.head_config, self.saved_costs)
+        other.head_dir = self.head_dir
+        return other
 
     def generate(
         self, prompt_ids: list[int], max_new_tokens: Optional[int] = None

@@ -37,6 +37,8 @@ LABELS = {
     "headway_neural": "Headway neural tree",
     "headway_ngram": "Headway n-gram tree",
     "headway_hybrid": "Headway hybrid tree",
+    "llamacpp": "llama.cpp plain",
+    "llamacpp_head": "llama.cpp + head",
 }
 
 
@@ -255,8 +257,30 @@ class BenchConfig:
     # Prompt-length buckets results are also reported by (their lower edges, in prompt tokens,
     # ascending): long prompts are where drafts drift (summarisation, RAG, multi-turn chat).
     length_buckets: list[int] = field(default_factory=lambda: [0, 256, 1000, 2000, 3000])
+    # llama.cpp beside Headway (inference/bench/llamacpp.py): its llama-server executable; null =
+    # not run. With it, each prompt is also decoded by llama.cpp plainly and with the head.
+    llamacpp_server: Optional[str] = None
+    # The target as a GGUF file for llama-server (llama.cpp's convert_hf_to_gguf.py; docs/export.md).
+    llamacpp_target: Optional[str] = None
+    # The head as llama.cpp loads it (`headway export --format gguf`'s head.gguf); null = the bench's
+    # head exported for it (EAGLE-3; another kind runs llama.cpp plainly only, and says why).
+    llamacpp_draft: Optional[str] = None
+    # Draft tokens per llama.cpp step, a chain drafted in full; 0 = the head's trained unroll.
+    llamacpp_draft_tokens: int = 0
+    # Threads llama-server decodes with; 0 = target.num_threads, else torch's.
+    llamacpp_threads: int = 0
 
     def __post_init__(self) -> None:
+        if self.llamacpp_server and not self.llamacpp_target:
+            raise HeadwayError(
+                "bench.llamacpp_server needs bench.llamacpp_target: the target as a GGUF file "
+                "(llama.cpp's convert_hf_to_gguf.py TARGET_DIR --outtype bf16; docs/export.md)"
+            )
+        if self.llamacpp_draft_tokens < 0 or self.llamacpp_threads < 0:
+            raise HeadwayError(
+                "bench.llamacpp_draft_tokens and bench.llamacpp_threads must be >= 0 (0: the "
+                f"defaults), got {self.llamacpp_draft_tokens} and {self.llamacpp_threads}"
+            )
         for b in self.baselines:
             check_choice("bench", "baselines", b, list(BASELINES))
         for d in self.drafters:

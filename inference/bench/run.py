@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -26,6 +27,7 @@ from tqdm import tqdm
 from headway.data_scripts.config import PromptConfig
 from headway.inference.api import SpeculativeDecoder
 from headway.inference.bench.baselines import hf_generate
+from headway.inference.bench.llamacpp import LLAMACPP, LLAMACPP_HEAD, llamacpp_runners
 from headway.inference.bench.plot import plot_results
 from headway.inference.config import LABELS, PLAIN, SPEC, BenchConfig
 from headway.inference.generate import GenerationResult, alternate
@@ -70,7 +72,8 @@ def _summary(rows: list[dict], methods: list[str], depth: int, greedy: bool) -> 
         },
         # speculative tokens/s over each other method's
         "speedup_over": {m: tok_s[SPEC] / tok_s[m] for m in methods if m != SPEC},
-        # share of outputs equal to Headway's plain greedy decoding (None when sampling)
+        # share of outputs equal to the method's own plain greedy decoding (Headway's, but llama.cpp's
+        # for llama.cpp with the head; None when sampling)
         "matches_plain": {
             m: _rate([r[m]["match"] for r in rows]) if greedy else None
             for m in methods
@@ -169,8 +172,32 @@ def run_bench(
     if bc.per_category > 0:
         convs = per_category(convs, bc.per_category)
     greedy = decoder.cfg.inference.sampling.greedy
-    runners = _runners(decoder, bc, max_new_tokens)
-    methods = [PLAIN, *[m for m in runners if m not in (PLAIN, SPEC)], SPEC]
+    with ExitStack() as stack:  # llama.cpp's servers, while the prompts run
+        runners = _runners(decoder, bc, max_new_tokens)
+        runners.update(llamacpp_runners(decoder, bc, max_new_tokens, stack))
+        rows = _run_prompts(decoder, convs, runners, bc, max_new_tokens, greedy)
+    return _result(decoder, prompts, max_new_tokens, bc, _methods(runners), rows, greedy)
+
+
+def _methods(runners: dict) -> list[str]:
+    """Plain first, the speculative method last, the peers between (the tables' column order)."""
+    return [PLAIN, *[m for m in runners if m not in (PLAIN, SPEC)], SPEC]
+
+
+# the output each method's match is measured against: its own plain greedy decoding
+REFERENCE = {LLAMACPP_HEAD: LLAMACPP}
+
+
+def _run_prompts(
+    decoder: SpeculativeDecoder,
+    convs: list,
+    runners: dict,
+    bc: BenchConfig,
+    max_new_tokens: int,
+    greedy: bool,
+) -> list[dict]:
+    """Every prompt (and later turn) by every method, the methods' order alternating per prompt."""
+    methods = _methods(runners)
     # every method once before anything is timed: Headway's through throwaway copies of their
     # drafters, so the greeting does not steer a hybrid's acceptance estimates; Hugging Face's (no
     # learnt state) as they are
@@ -178,7 +205,7 @@ def run_bench(
     decoder.warm_up(max_new_tokens, [decoder.cfg.inference.drafter, *kinds])
     warm = decoder.fmt.first_turn("Hello")
     for name, run in runners.items():
-        if name.startswith("hf_"):
+        if name.startswith(("hf_", "llamacpp")):
             run(warm)
     work = [
         (c, t)
@@ -204,8 +231,22 @@ def run_bench(
             "category": conv.meta.get("category", "all"),
             "prompt_tokens": len(ids),
         }
-        row.update({m: _record(results[m], None if m == PLAIN else plain, greedy) for m in methods})
+        for m in methods:
+            ref = None if m == PLAIN else results[REFERENCE.get(m, PLAIN)]
+            row[m] = _record(results[m], ref, greedy)
         rows.append(row)
+    return rows
+
+
+def _result(
+    decoder: SpeculativeDecoder,
+    prompts: PromptConfig,
+    max_new_tokens: int,
+    bc: BenchConfig,
+    methods: list[str],
+    rows: list[dict],
+    greedy: bool,
+) -> dict:
     depth = decoder.drafter.max_depth
     categories = sorted({r["category"] for r in rows})
     model = decoder.target.model
@@ -316,7 +357,7 @@ def markdown_table(result: dict) -> str:
     peers = [m for m in others if m != PLAIN]
     if peers and o["matches_plain"][peers[0]] is not None:
         lines.append(
-            "Outputs equal to Headway plain greedy: "
+            "Outputs equal to their own plain greedy (Headway's; llama.cpp's for llama.cpp + head): "
             + ", ".join(f"{LABELS[m]} {_match(o['matches_plain'][m])}" for m in [*peers, SPEC])
             + "."
         )
