@@ -1,16 +1,16 @@
-"""Two or more heads of one target on the same prompts, alternating head by head on every prompt, so that the
-machine's drift between hours (5-10% on small shared CPUs) lands on every head alike. Each head decodes on its
-own copy of the target, with each drafter given; every output must equal the first head's (all are
-exact greedy).
+"""Two or more heads of one target on the same prompts, alternating head by head on every prompt, so
+that the machine's drift between hours (5-10% on small shared CPUs) lands on every head alike. Each
+head decodes on its own copy of the target, with each drafter given; every output must equal the
+first head's (all are exact greedy).
 
     python scripts/compare_heads.py --heads old=heads/reference/smollm2-135m-instruct-eagle3 new=RUN/export \\
         --prompts eval.jsonl --per-category 2 target.dtype=bfloat16 \\
         target.linear_weights=onednn target.num_threads=2
 
-Overrides are run config keys on top of --config; --set NAME:KEY=VALUE gives one head its own (the same head
-twice with two settings compares those settings). --plain also decodes each prompt plainly (on the first
-head's target), in turn with the heads. Prints tok/s and tau (tokens per target forward) per head and drafter,
-and with --plain each one's speedup over plain decoding.
+Overrides are run config keys on top of --config; --set NAME:KEY=VALUE gives one head its own (the
+same head twice with two settings compares those settings). --plain also decodes each prompt plainly
+(on the first head's target), in turn with the heads. Prints tok/s and tau (tokens per target
+forward) per head and drafter, and with --plain each one's speedup over plain decoding.
 
     python scripts/compare_heads.py --heads d1=HEAD d3=HEAD --set d1:inference.depth=1 --plain \\
         --prompts eval.jsonl target.dtype=bfloat16 target.linear_weights=onednn target.num_threads=2

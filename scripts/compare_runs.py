@@ -1,7 +1,7 @@
-"""Training runs side by side from their logs: each evaluation's answer tokens trained on, wall time, held-out
-top-1 at the first unrolled steps and the simulated chain tau (`eval/tau/chain`), so runs are compared at
-equal compute without decoding. Logs written before runs counted answer tokens give `--tokens-per-step` times
-the step.
+"""Training runs side by side from their logs: each evaluation's answer tokens trained on, wall
+time, held-out top-1 at the first unrolled steps and the simulated chain tau (`eval/tau/chain`), so
+runs are compared at equal compute without decoding. Logs written before runs counted answer tokens
+give `--tokens-per-step` times the step.
 
     python scripts/compare_runs.py RUN_DIR [RUN_DIR ...] [--steps 3] [--tokens-per-step 2230]
 """
@@ -14,7 +14,8 @@ from pathlib import Path
 
 
 def evaluations(run: Path) -> list[dict]:
-    """The eval records of a run's log.jsonl, each with the totals of the training record logged before it."""
+    """The eval records of a run's log.jsonl, each with the totals of the training record logged
+    before it."""
     rows, last = [], {}
     for line in (run / "log.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -47,7 +48,8 @@ def main() -> None:
             elif tokens is not None:
                 tokens = f"{tokens:,}"
             wall = "" if r["wall_seconds"] is None else f"{r['wall_seconds'] / 60:.0f}"
-            # EAGLE's unrolled steps 0, 1, ... and DFlash's block slots 1, 2, ... are the same draft positions
+            # EAGLE's unrolled steps 0, 1, ... and DFlash's block slots 1, 2, ... are the same draft
+            # positions
             top = " / ".join(
                 f"{r.get(f'eval/top1/step{i}', r.get(f'eval/top1/slot{i + 1}', float('nan'))):.3f}"
                 for i in range(args.steps)

@@ -1,6 +1,6 @@
-"""What a set of self-distilled datasets holds: per dataset and in all, the samples, distinct prompts, answer
-tokens, the share of answers that hit the token cap, and the exact and near duplicate rates
-(train.dedup's rules).
+"""What a set of self-distilled datasets holds: per dataset and in all, the samples, distinct
+prompts, answer tokens, the share of answers that hit the token cap, and the exact and near
+duplicate rates (train.dedup's rules).
 
     python scripts/data_report.py DATASET_DIR [DATASET_DIR ...] [--threshold 0.8]
 """

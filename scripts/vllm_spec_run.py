@@ -1,6 +1,7 @@
 """Run vLLM on prompts three ways (no draft, n-gram drafting, a Headway export) and print acceptance
 length, per-position acceptance and tokens/s for each. Runs inside the vLLM venv; called by
-scripts/check_vllm.sh. Prompts are formatted by Headway's own chat formatting, as `headway bench` does."""
+scripts/check_vllm.sh. Prompts are formatted by Headway's own chat formatting, as `headway bench`
+does."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ def run(mode: str, args, ids: list[list[int]], stops: list[int]) -> dict:
         }
     elif mode == "head":
         spec = {"method": args.method, "model": args.draft, "num_speculative_tokens": args.k}
-    # speculators: the draft directory alone, as `vllm serve DIR` runs it (target and draft length from
-    # its config)
+    # speculators: the draft directory alone, as `vllm serve DIR` runs it (target and draft length
+    # from its config)
     model = args.speculators if mode == "speculators" else args.target
     llm = LLM(
         model=model,

@@ -11,8 +11,8 @@ import torch
 from tests.helpers.tiny_models import ARCHS, make_tiny_model
 
 torch.set_num_threads(int(os.environ.get("HEADWAY_TEST_THREADS", "1")))
-# Without a GPU, Triton kernels run in its interpreter on CPU tensors; triton reads this when a kernel is
-# defined (on import), so it is set before any test imports one.
+# Without a GPU, Triton kernels run in its interpreter on CPU tensors; triton reads this when a
+# kernel is defined (on import), so it is set before any test imports one.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -30,7 +30,8 @@ def tiny_dir(request, tiny_dirs) -> Path:
 
 @pytest.fixture(scope="session")
 def shared_cache(tmp_path_factory) -> Path:
-    """Where the real default target is cached: HEADWAY_CACHE when set (CI reuses it), else the user cache."""
+    """Where the real default target is cached: HEADWAY_CACHE when set (CI reuses it), else the user
+    cache."""
     return Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
 
 

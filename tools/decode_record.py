@@ -1,12 +1,14 @@
-"""Record what a head decodes, to prove a change kept behaviour: the tokens and target forwards of each
-drafter on a prompt set (greedy), beside plain decoding; `--compare` sets two records side by side.
+"""Record what a head decodes, to prove a change kept behaviour: the tokens and target forwards of
+each drafter on a prompt set (greedy), beside plain decoding; `--compare` sets two records side by
+side.
 
     python tools/decode_record.py --head HEAD_DIR --prompts eval.jsonl --out before.json [key=value ...]
     python tools/decode_record.py --compare before.json after.json
 
-Prompts are first turns: the first `--per-category` of each category, then `--limit` in all. Overrides are run
-config keys (target.dtype=bfloat16 target.num_threads=1 ...); `--drafters` picks which drafters to record.
-Timing-sized trees (hybrid, ngram) may differ in forwards between runs; their tokens may not.
+Prompts are first turns: the first `--per-category` of each category, then `--limit` in all.
+Overrides are run config keys (target.dtype=bfloat16 target.num_threads=1 ...); `--drafters` picks
+which drafters to record. Timing-sized trees (hybrid, ngram) may differ in forwards between runs;
+their tokens may not.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Generated tokens/s of self-distillation's engines on one prompt set: the hf engine (transformers' batched
-`generate`) beside the static engine (Headway's batched decoder with refilled slots), same prompts, batch,
-dtype and threads; and how many answers the two share.
+"""Generated tokens/s of self-distillation's engines on one prompt set: the hf engine (transformers'
+batched `generate`) beside the static engine (Headway's batched decoder with refilled slots), same
+prompts, batch, dtype and threads; and how many answers the two share.
 
     python tools/distill_throughput.py --prompts alpaca_eval_instructions.json --limit 32 --batch 16 \
         --max-new-tokens 128 --dtype bfloat16 --threads 2

@@ -1,13 +1,15 @@
-"""Where a speculative decoding step's time goes: each prompt decoded speculatively and then plainly (outputs
-checked equal), with wall-clock timers around the drafter's parts and the target's lm_head, so that the
-drafting cost a step pays is seen beside its verification.
+"""Where a speculative decoding step's time goes: each prompt decoded speculatively and then plainly
+(outputs checked equal), with wall-clock timers around the drafter's parts and the target's lm_head,
+so that the drafting cost a step pays is seen beside its verification.
 
     OMP_NUM_THREADS=2 taskset -c 0,1 python tools/draft_profile.py --prompts eval.jsonl --per-category 1 \\
-        target.dtype=bfloat16 target.linear_weights=stream target.num_threads=2 inference.engine=static
+        target.dtype=bfloat16 target.linear_weights=stream target.num_threads=2
+        inference.engine=static
 
-Prints tok/s, speedup and tau (tokens per target forward), seconds in drafting and in verification, and per
-timed part its total, its calls and its mean (a part's time includes the parts it calls: the hybrid's draft
-holds the EAGLE drafter's commit and candidates, which hold the drafter layer and its logits).
+Prints tok/s, speedup and tau (tokens per target forward), seconds in drafting and in verification,
+and per timed part its total, its calls and its mean (a part's time includes the parts it calls: the
+hybrid's draft holds the EAGLE drafter's commit and candidates, which hold the drafter layer and its
+logits).
 """
 
 from __future__ import annotations

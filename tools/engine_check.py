@@ -1,8 +1,8 @@
-"""Engines side by side on one machine: plain and speculative decoding with the transformers forward (hf), the
-static engine and the compiled one (torch.compile; the warm-up compiles), the same prompts, in rotating order.
-Speculative output must equal plain greedy output on the same engine (exit 1 otherwise); whether the engines
-agree with each other is reported (near-ties may differ between them). Prints tok/s, tau and ms per
-verification and draft step, and writes them as JSON.
+"""Engines side by side on one machine: plain and speculative decoding with the transformers forward
+(hf), the static engine and the compiled one (torch.compile; the warm-up compiles), the same
+prompts, in rotating order. Speculative output must equal plain greedy output on the same engine
+(exit 1 otherwise); whether the engines agree with each other is reported (near-ties may differ
+between them). Prints tok/s, tau and ms per verification and draft step, and writes them as JSON.
 
     python tools/engine_check.py [--head DIR] [--device cpu|cuda] [--dtype float32|bfloat16] [--threads 1]
                                    [--max-new-tokens 128] [--prompts FILE.jsonl] [--out FILE.json]

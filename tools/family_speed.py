@@ -1,14 +1,16 @@
-"""Plain decoding speed of one target on the static engine against the hf engine (the model's own forward), in
-float32 and bf16, on a pinned thread count: what running a family on the static engine buys.
+"""Plain decoding speed of one target on the static engine against the hf engine (the model's own
+forward), in float32 and bf16, on a pinned thread count: what running a family on the static engine
+buys.
 
     python tools/family_speed.py [--target DIR | --family qwen3] [--dtypes float32,bfloat16] [--threads 1]
                                    [--linear-weights native] [--tokens 128] [--repeats 3]
 
-Without --target it builds the tiny random model of --family (tests/helpers/tiny_models.py) in a temporary
-directory. Both engines decode the same prompt from the same loaded model, alternating, and the fastest of
+Without --target it builds the tiny random model of --family (tests/helpers/tiny_models.py) in a
+temporary directory. Both engines decode the same prompt from the same loaded model, alternating,
+and the fastest of
 --repeats runs of each is printed (tok/s: new tokens over the whole call, the prompt included). The static
-engine's tokens must equal the hf engine's in float32 (exit 1 otherwise; bf16 rounds differently on the two,
-so there only the static engine's figure is meaningful, not a comparison of tokens).
+engine's tokens must equal the hf engine's in float32 (exit 1 otherwise; bf16 rounds differently on
+the two, so there only the static engine's figure is meaningful, not a comparison of tokens).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def tiny_target(family: str, root: Path) -> Path:
 def measure(
     target: Path, dtype: str, threads: int, fmt: str, tokens: int, repeats: int
 ) -> dict[str, float]:
-    """tok/s of plain greedy decoding on the static and hf engines (the fastest of `repeats` each)."""
+    """tok/s of plain greedy decoding on the static and hf engines (the fastest of `repeats`
+    each)."""
     t = load_target(
         TargetConfig(
             name_or_path=str(target),

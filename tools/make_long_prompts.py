@@ -1,15 +1,16 @@
-"""Build long-prompt sets: the evaluation set (inference/bench/prompts/long_eval.jsonl) or a training
-prompt file.
+"""Build long-prompt sets: the evaluation set (inference/bench/prompts/long_eval.jsonl) or a
+training prompt file.
 
-Long prompts are where drafts drift. The set has three kinds, each prompt 1,000-3,000 tokens of the default
-target's tokenizer (first turn): summarisation of a stretch of one document, RAG-style questions over several
-numbered documents, and multi-turn chat that starts from a document and asks follow-ups. The documents are
-Headway's own (docs/*.md, README.md, CHANGELOG.md), so the set can ship with Headway; the choice is seeded,
-and the file was written once and committed (rerunning on later docs gives another set).
+Long prompts are where drafts drift. The set has three kinds, each prompt 1,000-3,000 tokens of the
+default target's tokenizer (first turn): summarisation of a stretch of one document, RAG-style
+questions over several numbered documents, and multi-turn chat that starts from a document and asks
+follow-ups. The documents are Headway's own (docs/*.md, README.md, CHANGELOG.md), so the set can
+ship with Headway; the choice is seeded, and the file was written once and committed (rerunning on
+later docs gives another set).
 
-Training prompts (`--source stdlib`) are built the same way from another corpus, the documentation of Python's
-standard library as pydoc renders it on this machine, so they share no text with the evaluation set; the
-target answers them in `headway distill` (docs/training.md, "Long prompts").
+Training prompts (`--source stdlib`) are built the same way from another corpus, the documentation
+of Python's standard library as pydoc renders it on this machine, so they share no text with the
+evaluation set; the target answers them in `headway distill` (docs/training.md, "Long prompts").
 
     python tools/make_long_prompts.py [--out inference/bench/prompts/long_eval.jsonl] [--seed 0]
     python tools/make_long_prompts.py --source stdlib --out long_train.jsonl --per-kind 48,48,32 --seed 1
@@ -74,7 +75,8 @@ def documents(source: str) -> list[tuple[str, str]]:
     for name in STDLIB:
         page = pydoc.render_doc(importlib.import_module(name), renderer=pydoc.plaintext)
         page = re.sub(r".\x08", "", page)  # pydoc's overstrike bold
-        # pydoc's sections ("CLASSES", "FUNCTIONS") and each class become headings the splitter below knows.
+        # pydoc's sections ("CLASSES", "FUNCTIONS") and each class become headings the splitter
+        # below knows.
         page = re.sub(r"\n([A-Z][A-Z ]+)\n", r"\n## \1\n", page)
         page = re.sub(r"\n {4}class (\w+)", r"\n### class \1", page)
         docs.append((name, page))
@@ -82,7 +84,8 @@ def documents(source: str) -> list[tuple[str, str]]:
 
 
 def sections(source: str = "docs") -> list[tuple[str, str, str]]:
-    """(file, heading, text) for every section of the sources, long sections cut at paragraph boundaries."""
+    """(file, heading, text) for every section of the sources, long sections cut at paragraph
+    boundaries."""
     out = []
     for name, text in documents(source):
         parts = re.split(r"\n(?=#{2,3} )", text)
@@ -115,10 +118,11 @@ def packed(
 def build(
     seed: int, source: str = "docs", candidates: tuple[int, int, int] = (30, 30, 12)
 ) -> list[dict]:
-    """Candidate records per kind (summarisation, RAG, multi-turn); `main` keeps those that fit the window.
+    """Candidate records per kind (summarisation, RAG, multi-turn); `main` keeps those that fit the
+    window.
 
-    The default counts are the ones the committed evaluation set was drawn with, so a rerun on the same docs
-    writes the same file."""
+    The default counts are the ones the committed evaluation set was drawn with, so a rerun on the
+    same docs writes the same file."""
     rng = random.Random(seed)
     chunks = sections(source)
     what = (

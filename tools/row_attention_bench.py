@@ -1,8 +1,8 @@
 """Time the row-exact attention kernel of bf16 decoding steps at the default target's sizes.
 
-A tree of `rows` rows (each row: the prefix, then itself and one ancestor) over 9 query heads sharing 3
-key/value heads of 64, after a prefix of `--prefix` tokens; the median per layer call, and times 30 for the
-default target's layers. The kernel's build (avx512, avx2, base) is printed first.
+A tree of `rows` rows (each row: the prefix, then itself and one ancestor) over 9 query heads
+sharing 3 key/value heads of 64, after a prefix of `--prefix` tokens; the median per layer call, and
+times 30 for the default target's layers. The kernel's build (avx512, avx2, base) is printed first.
 
     taskset -c 0,1 python tools/row_attention_bench.py --threads 2 --prefix 256
 """

@@ -1,12 +1,13 @@
-"""Where a plain decoding step's time goes: the target's one-token steps under torch's profiler, their CPU
-time by kind of kernel (linears, attention, the cache writes, norms and elementwise ops, the rest) and the
-share outside any kernel (Python and dispatch), beside the wall time per step and the rate it reads its
-weights at against the memory's; and the time of one prefill of a long prompt, with the same breakdown.
+"""Where a plain decoding step's time goes: the target's one-token steps under torch's profiler,
+their CPU time by kind of kernel (linears, attention, the cache writes, norms and elementwise ops,
+the rest) and the share outside any kernel (Python and dispatch), beside the wall time per step and
+the rate it reads its weights at against the memory's; and the time of one prefill of a long prompt,
+with the same breakdown.
 
     python tools/step_profile.py [--steps 64] [--prompt-tokens 1000] [target.dtype=bfloat16 ...]
 
-Overrides are run config keys (target.dtype, target.linear_weights, target.num_threads, inference.engine). Run
-it pinned (`taskset`), with the thread count set, on a quiet machine.
+Overrides are run config keys (target.dtype, target.linear_weights, target.num_threads,
+inference.engine). Run it pinned (`taskset`), with the thread count set, on a quiet machine.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def kind_of(name: str) -> str:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the linear weights a one-token step reads (every projection and the lm_head; a stacked q/k/v
-    or gate/up weight once, not its parts)."""
+    """Bytes of the linear weights a one-token step reads (every projection and the lm_head; a
+    stacked q/k/v or gate/up weight once, not its parts)."""
     size = torch.finfo(next(model.parameters()).dtype).bits // 8
     return sum(
         m.in_features * m.out_features * size
@@ -56,8 +57,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def read_rate() -> float:
-    """This machine's rate of reading memory at the thread count set, in GB/s: a float32 sum over 300 MB (far
-    past the caches), best of 3."""
+    """This machine's rate of reading memory at the thread count set, in GB/s: a float32 sum over
+    300 MB (far past the caches), best of 3."""
     big = torch.ones(75_000_000)
     times = []
     for _ in range(3):
@@ -68,14 +69,14 @@ def read_rate() -> float:
 
 
 def report(prof: profile, calls: int, wall: float) -> None:
-    """Print a profiled run's CPU time by kind of kernel and its top kernels, per call of `calls`; wall
-    in seconds."""
+    """Print a profiled run's CPU time by kind of kernel and its top kernels, per call of `calls`;
+    wall in seconds."""
     by_kind: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         if event.self_cpu_time_total > 0:
             by_kind[kind_of(event.key)] += event.self_cpu_time_total / 1e3 / calls
-    # aten ops' self times sum to the time spent inside kernels and their dispatch; the rest of the wall time
-    # is Python
+    # aten ops' self times sum to the time spent inside kernels and their dispatch; the rest of the
+    # wall time is Python
     inside = sum(by_kind.values())
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:28s} {ms:7.2f} ms  {100 * ms / (wall * 1e3):5.1f}%")

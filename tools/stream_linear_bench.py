@@ -1,11 +1,14 @@
-"""Time the streaming linear beside the other packed formats' kernels on the default target's linears.
+"""Time the streaming linear beside the other packed formats' kernels on the default target's
+linears.
 
-target/csrc/stream_linear.cpp against the other formats: each of a SmolLM2-135M step's 121 products (random
-weights of its shapes) once per call count; the best of 5 passes, and the weights' bytes over that time.
-float32 (1, 4 and 16 rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8 and 16
-rows): StreamLinear (its AVX512-BF16 or AVX2 build) against Float16Linear (fbgemm) and OneDNNLinear where
-their kernels run here, as a bf16 target's decoding calls them, and the float32 streaming kernel over the same
-weights in float32.
+target/csrc/stream_linear.cpp against the other formats: each of a SmolLM2-135M step's 121 products
+(random weights of its shapes) once per call count; the best of 5 passes, and the weights' bytes
+over that time.
+float32 (1, 4 and 16 rows): the streaming kernel's build against OneDNNLinear. bfloat16 (1, 2, 4, 8
+    and 16
+rows): StreamLinear (its AVX512-BF16 or AVX2 build) against Float16Linear (fbgemm) and OneDNNLinear
+where their kernels run here, as a bf16 target's decoding calls them, and the float32 streaming
+kernel over the same weights in float32.
 
     taskset -c 0,1 python tools/stream_linear_bench.py --threads 2 [--isa avx2] [--dtype bfloat16]
 """
@@ -25,7 +28,8 @@ from headway.target.packed_stream import StreamLinear
 from headway.target.stream_kernel import bf16_build as stream_bf16_build
 from headway.target.stream_kernel import stream_kernel
 
-# (out, in) of one decoder layer's fused q/k/v, o, fused gate/up and down, 30 layers, then the lm_head
+# (out, in) of one decoder layer's fused q/k/v, o, fused gate/up and down, 30 layers, then the
+# lm_head
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
@@ -77,7 +81,8 @@ def main() -> None:
 
 
 def bf16(threads: int) -> None:
-    """The bf16 formats' modules over the same bf16 weights, as a bf16 target's decoding steps call them."""
+    """The bf16 formats' modules over the same bf16 weights, as a bf16 target's decoding steps call
+    them."""
     linears = [nn.Linear(k, n, bias=False, dtype=torch.bfloat16) for n, k in SHAPES]
     formats = {f"stream ({stream_bf16_build()})": [StreamLinear(lin) for lin in linears]}
     for name, cls in (("float16", Float16Linear), ("onednn", OneDNNLinear)):

@@ -1,4 +1,5 @@
-"""Time one EAGLE-3 training micro-step (objective forward + backward) on the default target's shapes.
+"""Time one EAGLE-3 training micro-step (objective forward + backward) on the default target's
+shapes.
 
 The target's features are random (a step's cost does not depend on their values), so this times the
 head alone, as offline training (a feature cache) runs it. Batches are either synthetic (a prompt of

@@ -1,12 +1,13 @@
 """What verifying a tree of n tokens costs on this machine, against a one-token step: the target's
-verification (the decoding engine's forward with hidden states, the greedy walk and the cache compaction, as
-decoding does them) for chains and flat trees of each size, after a prompt of `--prefix` tokens. The curve the
-hybrid drafter sizes its trees by (inference/cost_model.py).
+verification (the decoding engine's forward with hidden states, the greedy walk and the cache
+compaction, as decoding does them) for chains and flat trees of each size, after a prompt of
+`--prefix` tokens. The curve the hybrid drafter sizes its trees by (inference/cost_model.py).
 
     python tools/verify_cost.py [--prefix 256] [--sizes 1,4,8,16,32,64] [target.dtype=bfloat16 ...]
 
-Overrides are run config keys (target.dtype, target.linear_weights, target.num_threads, target.row_attention,
-inference.engine). Run it pinned (`taskset`), with the thread count set, on a quiet machine.
+Overrides are run config keys (target.dtype, target.linear_weights, target.num_threads,
+target.row_attention, inference.engine). Run it pinned (`taskset`), with the thread count set, on a
+quiet machine.
 """
 
 from __future__ import annotations

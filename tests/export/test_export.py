@@ -1,6 +1,6 @@
-"""Exports for serving engines: every kind in every format it supports round-trips to a head that drafts
-exactly as the original; each layout's tensors and config keys are what the engine reads; broken or
-mismatched checkpoints are refused with the problem named."""
+"""Exports for serving engines: every kind in every format it supports round-trips to a head that
+drafts exactly as the original; each layout's tensors and config keys are what the engine reads;
+broken or mismatched checkpoints are refused with the problem named."""
 
 from __future__ import annotations
 
@@ -51,12 +51,17 @@ def random_head(
     layer_config = draft_layer_config(t.model.config, draft_layer)
     if kind == "eagle3":
         cfg = Eagle3Config(
-            draft_vocab_size=64, ttt_steps=2, draft_layer=draft_layer, feature_layers=list(feature_layers)
+            draft_vocab_size=64,
+            ttt_steps=2,
+            draft_layer=draft_layer,
+            feature_layers=list(feature_layers),
         )
         cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
         heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=layer_config)
     elif kind == "eagle":
-        heads = build_head(kind, EagleConfig(draft_layer=draft_layer), h, V, layer_config=layer_config)
+        heads = build_head(
+            kind, EagleConfig(draft_layer=draft_layer), h, V, layer_config=layer_config
+        )
     elif kind == "dflash":
         cfg = DFlashConfig(
             draft_vocab_size=64,
@@ -106,10 +111,13 @@ def trace(t, heads) -> list:
 
 @pytest.fixture(scope="module")
 def llama(tiny_dirs):
-    return load_target(TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1))
+    return load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1)
+    )
 
 
-# DFlash for SGLang reads out through the target's lm_head (lm_head=target); vLLM takes both read-outs
+# DFlash for SGLang reads out through the target's lm_head (lm_head=target); vLLM takes both
+# read-outs
 CASES = [
     (f, k, "target" if (k, f) == ("dflash", "sglang") else "reduced")
     for k in sorted(KINDS)
@@ -168,7 +176,8 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(
     weights = LAYOUTS[kind][fmt].layout.weights_file if fmt != "native" else "model.safetensors"
     written = load_file(str(tmp_path / "bf16" / weights))
     assert all(
-        v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64) or v.dtype == torch.bool
+        v.dtype == (torch.bfloat16 if v.is_floating_point() else torch.int64)
+        or v.dtype == torch.bool
         for v in written.values()
     )
     load_export(tmp_path / "bf16", t.fingerprint)
@@ -176,7 +185,9 @@ def test_export_round_trips_to_a_head_that_drafts_the_same(
 
 def vllm_export(t, heads, tmp_path: Path) -> tuple[dict, dict]:
     """The head exported for vLLM in float32: its config.json and tensors as written."""
-    export_head(save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32")
+    export_head(
+        save_head(heads, tmp_path / "head", t.fingerprint), "vllm", tmp_path / "v", "float32"
+    )
     config = json.loads((tmp_path / "v" / "config.json").read_text())
     return config, load_file(str(tmp_path / "v" / "model.safetensors"))
 
@@ -188,14 +199,18 @@ def sizes(t) -> tuple[int, int, int, int, int]:
 
 
 def test_dflash_layout_is_what_vllm_reads(llama, tmp_path: Path):
-    """The keys and shapes vLLM's DFlashQwen3ForCausalLM.load_weights reads (no `model.` prefix; embed_tokens
-    comes from the target), and the dflash_config its proposer reads."""
+    """The keys and shapes vLLM's DFlashQwen3ForCausalLM.load_weights reads (no `model.` prefix;
+    embed_tokens comes from the target), and the dflash_config its proposer reads."""
     t = llama
     heads = random_head(t, "dflash")
     config, tensors = vllm_export(t, heads, tmp_path)
     h, n, kv, hd, inter = sizes(t)
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
-    assert config["num_hidden_layers"] == 2 and config["block_size"] == 4 and config["draft_vocab_size"] == 64
+    assert (
+        config["num_hidden_layers"] == 2
+        and config["block_size"] == 4
+        and config["draft_vocab_size"] == 64
+    )
     assert config["dflash_config"] == {
         "mask_token_id": t.config.vocab_size - 1,
         "target_layer_ids": [k - 1 for k in heads.cfg.feature_layers],  # 0-based decoder layers
@@ -230,7 +245,9 @@ def test_eagle3_layout_is_what_vllm_reads(llama, tmp_path: Path):
     heads = random_head(t, "eagle3")
     config, tensors = vllm_export(t, heads, tmp_path)
     h, n, kv, hd, inter = sizes(t)
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert (
+        config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    )
     assert (
         config["eagle_aux_hidden_state_layer_ids"] == heads.cfg.feature_layers
     )  # HF output_hidden_states indices
@@ -255,10 +272,14 @@ def test_eagle3_layout_is_what_vllm_reads(llama, tmp_path: Path):
     }
     # d2t is an offset: target id = draft id + d2t[draft id]; t2d marks those ids
     assert torch.equal(torch.arange(64) + tensors["d2t"], heads.d2t)
-    assert tensors["t2d"].dtype == torch.bool and torch.equal(tensors["t2d"].nonzero().flatten(), heads.d2t)
-    # the embedding norm and the hidden norm land where vLLM applies them (input_layernorm: embeddings)
+    assert tensors["t2d"].dtype == torch.bool and torch.equal(
+        tensors["t2d"].nonzero().flatten(), heads.d2t
+    )
+    # the embedding norm and the hidden norm land where vLLM applies them (input_layernorm:
+    # embeddings)
     assert torch.equal(
-        tensors["midlayer.input_layernorm.weight"], heads.decoder.layers[0].input_layernorm.emb_norm.weight
+        tensors["midlayer.input_layernorm.weight"],
+        heads.decoder.layers[0].input_layernorm.emb_norm.weight,
     )
     export_head(tmp_path / "head", "sglang", tmp_path / "s", "float32")
     sglang = json.loads((tmp_path / "s" / "config.json").read_text())
@@ -279,7 +300,10 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     )
     tensors = load_file(str(tmp_path / "e1v" / "model.safetensors"))
     assert tensors["fc.weight"].shape == (h, 2 * h) and "fc.bias" not in tensors
-    assert not any("input_layernorm" in k for k in tensors) and "layers.0.self_attn.q_proj.weight" in tensors
+    assert (
+        not any("input_layernorm" in k for k in tensors)
+        and "layers.0.self_attn.q_proj.weight" in tensors
+    )
     export_head(tmp_path / "e1", "sglang", tmp_path / "e1s", "float32")
     s = load_file(str(tmp_path / "e1s" / "model.safetensors"))
     assert torch.equal(s["fc.bias"], torch.zeros(h))  # SGLang's fc has a bias: zeros keep it exact
@@ -295,8 +319,14 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     config = json.loads((tmp_path / "mv" / "config.json").read_text())
     tensors = load_file(str(tmp_path / "mv" / "model.safetensors"))
     assert config["medusa_fc_bias"] is True  # without it vLLM silently drops the blocks' biases
-    assert (config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]) == (3, 1, V)
-    assert config["original_lm_head"] is True and torch.equal(tensors["lm_heads.0.weight"], lm_head_of(t))
+    assert (config["num_heads"], config["num_hidden_layers"], config["truncated_vocab_size"]) == (
+        3,
+        1,
+        V,
+    )
+    assert config["original_lm_head"] is True and torch.equal(
+        tensors["lm_heads.0.weight"], lm_head_of(t)
+    )
     assert tensors["blocks.2.layers.0.bias"].shape == (h,) and "lm_heads.1.weight" not in tensors
     assert not any(
         "num" in k for k in config if k not in ("num_heads", "num_hidden_layers")
@@ -305,8 +335,11 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
         export_head(tmp_path / "m", "vllm", tmp_path / "no-lm-head", "float32")
 
     own = random_head(t, "medusa", lm_head="own")
-    export_head(save_head(own, tmp_path / "mo", t.fingerprint), "trtllm", tmp_path / "mt", "float32")
-    # TensorRT-LLM's load_medusa_hf: medusa_lm_head.safetensors, the original Medusa keys without a prefix
+    export_head(
+        save_head(own, tmp_path / "mo", t.fingerprint), "trtllm", tmp_path / "mt", "float32"
+    )
+    # TensorRT-LLM's load_medusa_hf: medusa_lm_head.safetensors, the original Medusa keys without a
+    # prefix
     assert not (tmp_path / "mt" / "model.safetensors").exists()
     tensors = load_file(str(tmp_path / "mt" / "medusa_lm_head.safetensors"))
     assert tensors["0.0.linear.weight"].shape == (h, h) and tensors["1.1.weight"].shape == (V, h)
@@ -315,9 +348,9 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
     assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (3, 1)
     export_head(tmp_path / "mo", "vllm", tmp_path / "mov", "float32")
     config = json.loads((tmp_path / "mov" / "config.json").read_text())
-    assert config["original_lm_head"] is False and load_file(str(tmp_path / "mov" / "model.safetensors"))[
-        "lm_heads.2.weight"
-    ].shape == (V, h)
+    assert config["original_lm_head"] is False and load_file(
+        str(tmp_path / "mov" / "model.safetensors")
+    )["lm_heads.2.weight"].shape == (V, h)
 
 
 @pytest.mark.parametrize(
@@ -326,10 +359,16 @@ def test_eagle1_and_medusa_layouts(llama, tmp_path: Path):
         ("sglang", "medusa", "SGLang serves EAGLE drafts, not Medusa heads"),
         ("trtllm", "eagle", "EAGLE-1 for vLLM and SGLang only"),
         ("trtllm", "medusa", "TensorRT-LLM's Medusa reads heads over the full target vocabulary"),
-        ("vllm", "medusa", "vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary"),
+        (
+            "vllm",
+            "medusa",
+            "vLLM 0.32's Medusa cannot load heads with their own reduced vocabulary",
+        ),
     ],
 )
-def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, kind: str, message: str):
+def test_unsupported_combinations_say_what_is(
+    llama, tmp_path: Path, fmt: str, kind: str, message: str
+):
     head = save_head(random_head(llama, kind), tmp_path / "h", llama.fingerprint)
     with pytest.raises(HeadwayError, match=message):
         export_head(head, fmt, tmp_path / "o")
@@ -337,7 +376,9 @@ def test_unsupported_combinations_say_what_is(llama, tmp_path: Path, fmt: str, k
 
 
 def test_other_families_and_biased_fc_are_refused_by_name(tiny_dirs, llama, tmp_path: Path):
-    qwen = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1))
+    qwen = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1)
+    )
     head = save_head(random_head(qwen, "eagle3"), tmp_path / "q", qwen.fingerprint)
     with pytest.raises(
         HeadwayError,
@@ -361,7 +402,9 @@ def test_other_families_and_biased_fc_are_refused_by_name(tiny_dirs, llama, tmp_
 
 
 def test_a_head_for_another_target_is_refused(tiny_dirs, llama, tmp_path: Path):
-    other = load_target(TargetConfig(name_or_path=str(tiny_dirs["mistral"]), device="cpu"), with_model=False)
+    other = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["mistral"]), device="cpu"), with_model=False
+    )
     head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
     with pytest.raises(HeadwayError, match="was made for target"):
         export_head(head, "vllm", tmp_path / "o", target_fingerprint=other.fingerprint)
@@ -377,7 +420,9 @@ def test_a_head_for_another_target_is_refused(tiny_dirs, llama, tmp_path: Path):
         ("config", r"config key 'draft_vocab_size' is missing"),
     ],
 )
-def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path, damage: str, message: str):
+def test_a_corrupted_export_is_refused_naming_the_problem(
+    llama, tmp_path: Path, damage: str, message: str
+):
     head = save_head(random_head(llama, "eagle3"), tmp_path / "h", llama.fingerprint)
     out = export_head(head, "vllm", tmp_path / "v")
     weights, config_file = out / "model.safetensors", out / "config.json"
@@ -413,7 +458,8 @@ def test_a_corrupted_export_is_refused_naming_the_problem(llama, tmp_path: Path,
 def test_an_eagle3_export_whose_draft_ids_would_map_silently_is_refused(
     llama, tmp_path: Path, fmt: str, damage: str
 ):
-    """vLLM reads a reduced draft vocabulary without d2t (or with all offsets 0) as target ids 0..N-1,
+    """vLLM reads a reduced draft vocabulary without d2t (or with all offsets 0) as target ids
+    0..N-1,
     silently: the draft then accepts almost nothing. Such an export is refused, with that reason, at
     `--check` and
     at export."""
@@ -430,14 +476,17 @@ def test_an_eagle3_export_whose_draft_ids_would_map_silently_is_refused(
         tensors[key] = torch.zeros_like(tensors[key])
         tensors["t2d"] = torch.zeros_like(tensors["t2d"])
         tensors["t2d"][: len(tensors[key])] = True
-        message = "d2t maps the 64 draft ids onto the target's first 64 ids .* accepting almost nothing"
+        message = (
+            "d2t maps the 64 draft ids onto the target's first 64 ids .* accepting almost nothing"
+        )
     save_file(tensors, str(weights))
     config = json.loads(config_file.read_text())
     config["headway"].pop("files", None)
     config_file.write_text(json.dumps(config))
     with pytest.raises(HeadwayError, match=message):
         read_export(out)
-    # a native head whose d2t is the identity (lost, or never built from the data) is refused at export too
+    # a native head whose d2t is the identity (lost, or never built from the data) is refused at
+    # export too
     state = load_file(str(head / "model.safetensors"))
     state["d2t"] = torch.arange(64)
     save_file(state, str(head / "model.safetensors"))
@@ -465,9 +514,10 @@ def test_a_damaged_native_head_is_not_exported(llama, tmp_path: Path):
 
 
 def vllm_eagle3_load(config: dict, tensors: dict) -> tuple[list[int], dict]:
-    """vLLM 0.32's Eagle3LlamaForCausalLM as it reads a checkpoint: the fused layers from the top-level key as
-    written (else eagle_config's, else its default), midlayer.* renamed to layers.0.*, d2t kept as
-    draft_id_to_target_id, t2d dropped, fc as wide as 3 x target_hidden_size."""
+    """vLLM 0.32's Eagle3LlamaForCausalLM as it reads a checkpoint: the fused layers from the
+    top-level key as written (else eagle_config's, else its default), midlayer.* renamed to
+    layers.0.*, d2t kept as draft_id_to_target_id, t2d dropped, fc as wide as 3 x
+    target_hidden_size."""
     layers = config.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_config", {}).get(
         "eagle_aux_hidden_state_layer_ids"
     )
@@ -482,12 +532,14 @@ def vllm_eagle3_load(config: dict, tensors: dict) -> tuple[list[int], dict]:
 
 
 def sglang_eagle3_layers(config: dict) -> list[int]:
-    """SGLang: only eagle_config's list, plus one (it names the layer before whose input it captures)."""
+    """SGLang: only eagle_config's list, plus one (it names the layer before whose input it
+    captures)."""
     return [k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
 
 
 def vllm_speculators_config(config: dict) -> dict:
-    """vLLM's speculators path (update_eagle3, build_vllm_speculative_config): what it makes of the config."""
+    """vLLM's speculators path (update_eagle3, build_vllm_speculative_config): what it makes of the
+    config."""
     spec = config["speculators_config"]
     assert "model_type" not in config and spec["proposal_methods"][0]["speculative_tokens"] >= 1
     return {
@@ -545,16 +597,19 @@ def test_speculators_export_is_self_describing(llama, tmp_path: Path):
         config["architectures"] == ["Eagle3Speculator"]
         and config["transformer_layer_config"]["model_type"] == "llama"
     )
-    assert "layers.0.hidden_norm.weight" in tensors and not any(k.startswith("midlayer.") for k in tensors)
-    assert "vllm serve" in serve_hint("speculators", config, out) and "5 draft tokens" in serve_hint(
-        "speculators", config, out
+    assert "layers.0.hidden_norm.weight" in tensors and not any(
+        k.startswith("midlayer.") for k in tensors
     )
+    assert "vllm serve" in serve_hint(
+        "speculators", config, out
+    ) and "5 draft tokens" in serve_hint("speculators", config, out)
     with pytest.raises(HeadwayError, match="verifier.name_or_path is empty"):
         export_head(tmp_path / "h", "speculators", tmp_path / "no-verifier", "float32")
 
 
 def test_speculators_own_config_classes_accept_the_export(llama, tmp_path: Path):
-    """speculators' Eagle3SpeculatorConfig validates what the exporter writes (a dev-only dependency)."""
+    """speculators' Eagle3SpeculatorConfig validates what the exporter writes (a dev-only
+    dependency)."""
     speculators = pytest.importorskip("speculators")
     from speculators import SpeculatorModelConfig
 
@@ -587,14 +642,17 @@ def test_llama_style_heads_for_other_families_export_and_draft_the_same(
         out = export_head(head, fmt, tmp_path / fmt, "float32")
         config = json.loads((out / "config.json").read_text())
         assert (
-            config["num_key_value_heads"] == t.config.num_key_value_heads and config["hidden_act"] == "silu"
+            config["num_key_value_heads"] == t.config.num_key_value_heads
+            and config["hidden_act"] == "silu"
         )
         again = load_export(out, t.fingerprint)
         assert trace(t, again) == trace(t, heads)
 
 
 def test_gemma3_engine_exports_are_refused_with_the_reason(tiny_dirs, tmp_path: Path):
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs["gemma3"]), device="cpu", num_threads=1))
+    t = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["gemma3"]), device="cpu", num_threads=1)
+    )
     head = save_head(random_head(t, "eagle3", draft_layer="llama"), tmp_path / "h", t.fingerprint)
     for fmt in ("vllm", "sglang", "speculators"):
         with pytest.raises(
@@ -611,7 +669,9 @@ def test_medusa_for_vllm_is_refused_where_vllm_has_dropped_it(llama, tmp_path: P
 
     head = save_head(random_head(llama, "medusa", lm_head="own"), tmp_path / "m", llama.fingerprint)
     monkeypatch.setattr(medusa_layouts, "installed_vllm", lambda: (0, 33))
-    with pytest.raises(HeadwayError, match=r"vLLM 0.33 is installed here, and vLLM 0.33 removed Medusa"):
+    with pytest.raises(
+        HeadwayError, match=r"vLLM 0.33 is installed here, and vLLM 0.33 removed Medusa"
+    ):
         export_head(head, "vllm", tmp_path / "v")
     monkeypatch.setattr(medusa_layouts, "installed_vllm", lambda: (0, 32))
     out = export_head(head, "vllm", tmp_path / "v", "float32")
@@ -622,7 +682,8 @@ def test_medusa_for_vllm_is_refused_where_vllm_has_dropped_it(llama, tmp_path: P
     trt = export_head(head, "trtllm", tmp_path / "t", "float32")
     hint = serve_hint("trtllm", json.loads((trt / "config.json").read_text()), trt)
     assert (
-        "--num_medusa_heads 3 --num_medusa_layers 1" in hint and "--speculative_decoding_mode medusa" in hint
+        "--num_medusa_heads 3 --num_medusa_layers 1" in hint
+        and "--speculative_decoding_mode medusa" in hint
     )
 
 
@@ -644,7 +705,9 @@ def test_the_last_layer_is_refused_for_training(tiny_dirs, tiny_data, tmp_path: 
     from headway.train.loop import train
     from tests.helpers.train_helpers import small_run
 
-    with pytest.raises(HeadwayError, match=r"feature_layers \[4\] outside this 4-layer target's 1..3"):
+    with pytest.raises(
+        HeadwayError, match=r"feature_layers \[4\] outside this 4-layer target's 1..3"
+    ):
         train(
             small_run(
                 tiny_dirs["llama"],
@@ -660,15 +723,22 @@ def test_the_last_layer_is_refused_for_training(tiny_dirs, tiny_data, tmp_path: 
 
 
 def eagle31_head(t, input_norm: str, norm_output: bool):
-    """An EAGLE-3 head with EAGLE-3.1's norms, every weight random (the norms' too, so a lost norm shows)."""
+    """An EAGLE-3 head with EAGLE-3.1's norms, every weight random (the norms' too, so a lost norm
+    shows)."""
     torch.manual_seed(1)
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     cfg = Eagle3Config(
-        draft_vocab_size=64, ttt_steps=2, draft_layer="llama", input_norm=input_norm, norm_output=norm_output
+        draft_vocab_size=64,
+        ttt_steps=2,
+        draft_layer="llama",
+        input_norm=input_norm,
+        norm_output=norm_output,
     )
     cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
     d2t = torch.sort(torch.randperm(V)[:64]).values
-    heads = build_head("eagle3", cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, "llama"))
+    heads = build_head(
+        "eagle3", cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, "llama")
+    )
     heads.init_from_target(t.model)
     with torch.no_grad():
         for p in heads.parameters():
@@ -676,13 +746,15 @@ def eagle31_head(t, input_norm: str, norm_output: bool):
     return heads.eval()
 
 
-@pytest.mark.parametrize("input_norm,norm_output", [("per_layer", True), ("concat", False), ("none", True)])
+@pytest.mark.parametrize(
+    "input_norm,norm_output", [("per_layer", True), ("concat", False), ("none", True)]
+)
 def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
     llama, tmp_path: Path, input_norm: str, norm_output: bool
 ):
-    """speculators' keys for the norms are written (and its own config class accepts them), the weights under
-    its names, and in vLLM's own layout; the re-imported head drafts exactly as the original. Engine layouts
-    without the keys (SGLang's, TensorRT-LLM's) refuse the head."""
+    """speculators' keys for the norms are written (and its own config class accepts them), the
+    weights under its names, and in vLLM's own layout; the re-imported head drafts exactly as the
+    original. Engine layouts without the keys (SGLang's, TensorRT-LLM's) refuse the head."""
     speculators = pytest.importorskip("speculators")
     from speculators import SpeculatorModelConfig
 
@@ -715,14 +787,17 @@ def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
     again = load_export(out, t.fingerprint)
     assert (again.cfg.input_norm, again.cfg.norm_output) == (input_norm, norm_output)
     assert trace(t, again) == trace(t, heads)
-    # vLLM's own layout carries them too (its Eagle3LlamaForCausalLM reads the same keys and weight names)
+    # vLLM's own layout carries them too (its Eagle3LlamaForCausalLM reads the same keys and weight
+    # names)
     vllm = export_head(native, "vllm", tmp_path / "v", "float32")
     vconfig = json.loads((vllm / "config.json").read_text())
     assert {k: vconfig[k] for k in ("norm_before_fc", "fc_norm", "norm_output")} == {
         k: config[k] for k in ("norm_before_fc", "fc_norm", "norm_output")
     }
     assert {
-        k for k in load_file(str(vllm / "model.safetensors")) if k.startswith(("fc_norm.", "input_norm."))
+        k
+        for k in load_file(str(vllm / "model.safetensors"))
+        if k.startswith(("fc_norm.", "input_norm."))
     } == norms
     again = load_export(vllm, t.fingerprint)
     assert (again.cfg.input_norm, again.cfg.norm_output) == (input_norm, norm_output)
@@ -733,7 +808,8 @@ def test_eagle31_heads_export_for_speculators_and_draft_the_same_again(
 
 
 def test_a_head_saved_before_eagle31_keeps_its_meaning(llama, tmp_path: Path):
-    """A head directory without the EAGLE-3.1 settings (written before they existed) loads with both off."""
+    """A head directory without the EAGLE-3.1 settings (written before they existed) loads with both
+    off."""
     from headway.kinds.checkpoint import load_head
 
     heads = random_head(llama, "eagle3")
@@ -750,8 +826,9 @@ def test_a_head_saved_before_eagle31_keeps_its_meaning(llama, tmp_path: Path):
 # ---------------------------------------------------------------- the target's RoPE, as each engine reads it
 
 ENGINE_FORMATS = ("vllm", "sglang", "trtllm", "speculators")
-# The scalings every engine's Llama draft layer computes as transformers does: the tiny llama3 target as
-# built (tests/helpers/tiny_models.py), and linear, yarn and default variants of it (its config.json edited).
+# The scalings every engine's Llama draft layer computes as transformers does: the tiny llama3
+# target as built (tests/helpers/tiny_models.py), and linear, yarn and default variants of it (its
+# config.json edited).
 ROPES = {
     "llama3": None,
     "linear": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0},
@@ -804,25 +881,30 @@ def hf_cos_sin(layer: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vllm_rope(config: dict) -> tuple[dict, dict]:
-    """What vLLM's get_rope receives for the draft layer (speculators: transformer_layer_config goes into
-    the draft's config as it is): with transformers 4, patch_rope_parameters makes `rope_scaling` the
-    rope_parameters and puts the top-level rope_theta in; with transformers 5, the rope_parameters."""
+    """What vLLM's get_rope receives for the draft layer (speculators: transformer_layer_config goes
+    into the draft's config as it is): with transformers 4, patch_rope_parameters makes
+    `rope_scaling` the rope_parameters and puts the top-level rope_theta in; with transformers 5,
+    the rope_parameters."""
     layer = config.get("transformer_layer_config", config)
-    v4 = {**(layer.get("rope_scaling") or {"rope_type": "default"}), "rope_theta": layer["rope_theta"]}
+    v4 = {
+        **(layer.get("rope_scaling") or {"rope_type": "default"}),
+        "rope_theta": layer["rope_theta"],
+    }
     return v4, layer["rope_parameters"]
 
 
 def sglang_rope(config: dict) -> tuple[float, dict | None]:
     """SGLang's LlamaDecoderLayer: (config.rope_theta, config.rope_scaling) with transformers 4; its
-    get_rope reads rope_type (or type), factor, low/high_freq_factor, original_max_position_embeddings,
-    beta_fast, beta_slow, extrapolation_factor, attn_factor and truncate from the dict."""
+    get_rope reads rope_type (or type), factor, low/high_freq_factor,
+    original_max_position_embeddings, beta_fast, beta_slow, extrapolation_factor, attn_factor and
+    truncate from the dict."""
     return config["rope_theta"], config.get("rope_scaling")
 
 
 def trtllm_rope(config: dict) -> dict:
-    """TensorRT-LLM's RopeParams.from_config: the type from rope_scaling's `type` or `rope_type`, its
-    factor, low/high_freq_factor, original_max_position_embeddings (a top-level one first), beta_fast,
-    beta_slow, mscale (1.0) and mscale_all_dim (0.0); theta from rope_theta."""
+    """TensorRT-LLM's RopeParams.from_config: the type from rope_scaling's `type` or `rope_type`,
+    its factor, low/high_freq_factor, original_max_position_embeddings (a top-level one first),
+    beta_fast, beta_slow, mscale (1.0) and mscale_all_dim (0.0); theta from rope_theta."""
     s = config.get("rope_scaling")
     if s is None:
         return {"type": "none", "theta": config["rope_theta"]}
@@ -857,7 +939,9 @@ def engine_cos_sin(rope: dict, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
         wave = 2 * math.pi / inv
         smooth = (old / wave - lo) / (hi - lo)
         inv = torch.where(
-            wave < old / hi, inv, torch.where(wave > old / lo, inv / f, (1 - smooth) * inv / f + smooth * inv)
+            wave < old / hi,
+            inv,
+            torch.where(wave > old / lo, inv / f, (1 - smooth) * inv / f + smooth * inv),
         )
     elif kind == "yarn":
         f, old = rope["factor"], rope["original_max_position_embeddings"]
@@ -867,7 +951,9 @@ def engine_cos_sin(rope: dict, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
 
         low = max(math.floor(dim(rope.get("beta_fast", 32))), 0)
         high = min(math.ceil(dim(rope.get("beta_slow", 1))), head_dim - 1)
-        ramp = ((torch.arange(head_dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)).clamp(0, 1)
+        ramp = (
+            (torch.arange(head_dim // 2, dtype=torch.float) - low) / max(high - low, 0.001)
+        ).clamp(0, 1)
         inv = inv / f * ramp + inv * (1 - ramp)
         mscale = 0.1 * math.log(f) + 1.0
     else:
@@ -877,10 +963,12 @@ def engine_cos_sin(rope: dict, head_dim: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("rope_type", list(ROPES))
-def test_the_targets_rope_scaling_reaches_every_engine_as_trained(llama3_dir, tmp_path: Path, rope_type: str):
-    """A head trained on a llama3 (linear, yarn) RoPE target computes that RoPE's tables; every engine export
-    carries it in the keys each engine reads, the engines' tables from them equal the trained layer's,
-    and a re-imported export restores it."""
+def test_the_targets_rope_scaling_reaches_every_engine_as_trained(
+    llama3_dir, tmp_path: Path, rope_type: str
+):
+    """A head trained on a llama3 (linear, yarn) RoPE target computes that RoPE's tables; every
+    engine export carries it in the keys each engine reads, the engines' tables from them equal the
+    trained layer's, and a re-imported export restores it."""
     speculators = pytest.importorskip("speculators")
     from speculators import SpeculatorModelConfig
 
@@ -892,14 +980,17 @@ def test_the_targets_rope_scaling_reaches_every_engine_as_trained(llama3_dir, tm
     cos, sin = native_cos_sin(heads)
     hd = heads.decoder.config.head_dim
     plain = engine_cos_sin({"rope_type": "default", "rope_theta": trained["rope_theta"]}, hd)
-    assert (rope_type == "default") == torch.allclose(cos, plain[0], atol=1e-4)  # the scaling changes it
+    # the scaling changes it
+    assert (rope_type == "default") == torch.allclose(cos, plain[0], atol=1e-4)
     scaling = {k: v for k, v in trained.items() if k != "rope_theta"}
     head = save_head(heads, tmp_path / "h", t.fingerprint)
     for fmt in ENGINE_FORMATS:
         out = export_head(head, fmt, tmp_path / fmt, "float32", verifier="/models/target")
         config = json.loads((out / "config.json").read_text())
         layer = config.get("transformer_layer_config", config)
-        assert layer["rope_theta"] == trained["rope_theta"] and layer["rope_parameters"] == trained, fmt
+        assert (
+            layer["rope_theta"] == trained["rope_theta"] and layer["rope_parameters"] == trained
+        ), fmt
         assert layer.get("rope_scaling") == (None if rope_type == "default" else scaling), fmt
         assert vllm_rope(config) == (trained, trained), fmt
         if fmt != "speculators":
@@ -907,10 +998,19 @@ def test_the_targets_rope_scaling_reaches_every_engine_as_trained(llama3_dir, tm
             trt = trtllm_rope(config)
             assert trt["type"] == ("none" if rope_type == "default" else rope_type), fmt
             if rope_type == "llama3":
-                assert (trt["scale"], trt["low_freq_factor"], trt["high_freq_factor"]) == (8.0, 1.0, 4.0)
+                assert (trt["scale"], trt["low_freq_factor"], trt["high_freq_factor"]) == (
+                    8.0,
+                    1.0,
+                    4.0,
+                )
                 assert trt["original_max_positions"] == 64
             if rope_type == "yarn":
-                assert (trt["scale"], trt["original_max_positions"], trt["beta_fast"], trt["beta_slow"]) == (
+                assert (
+                    trt["scale"],
+                    trt["original_max_positions"],
+                    trt["beta_fast"],
+                    trt["beta_slow"],
+                ) == (
                     4.0,
                     128,
                     32.0,
@@ -918,17 +1018,23 @@ def test_the_targets_rope_scaling_reaches_every_engine_as_trained(llama3_dir, tm
                 )
                 assert trt["yarn_mscale_ratio"] == pytest.approx(0.1 * math.log(4.0) + 1.0)
         else:
-            parsed = SpeculatorModelConfig.from_dict({k: v for k, v in config.items() if k != "headway"})
+            parsed = SpeculatorModelConfig.from_dict(
+                {k: v for k, v in config.items() if k != "headway"}
+            )
             assert dict(parsed.transformer_layer_config.rope_parameters) == trained and speculators
-        # the tables: what the engine computes from the keys it read, and transformers from config.json
+        # the tables: what the engine computes from the keys it read, and transformers from
+        # config.json
         engine = engine_cos_sin(vllm_rope(config)[0], hd)
-        assert torch.allclose(engine[0], cos, atol=1e-4) and torch.allclose(engine[1], sin, atol=1e-4), fmt
+        assert torch.allclose(engine[0], cos, atol=1e-4) and torch.allclose(
+            engine[1], sin, atol=1e-4
+        ), fmt
         hf = hf_cos_sin(layer)
         assert torch.equal(hf[0], cos) and torch.equal(hf[1], sin), fmt
         again = load_export(out, t.fingerprint)
         assert dict(again.decoder.config.rope_parameters) == trained, fmt
         assert all(torch.equal(a, b) for a, b in zip(native_cos_sin(again), (cos, sin))), fmt
-    if rope_type == "linear":  # an edited config.json: the re-imported head takes the RoPE vLLM serves
+    # an edited config.json: the re-imported head takes the RoPE vLLM serves
+    if rope_type == "linear":
         config = json.loads((tmp_path / "vllm" / "config.json").read_text())
         config["rope_scaling"]["factor"] = 2.0
         (tmp_path / "vllm" / "config.json").write_text(json.dumps(config))
@@ -967,7 +1073,12 @@ def test_the_targets_rope_scaling_reaches_every_engine_as_trained(llama3_dir, tm
             r"not read \(the engines scale cos/sin by 0.1 ln\(factor\) \+ 1 = 1.13863\)",
         ),
         (
-            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "truncate": False},
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "truncate": False,
+            },
             ("trtllm",),
             "rope_type=yarn, which the {fmt} export cannot give {engine} exactly: truncate=false is not read",
         ),

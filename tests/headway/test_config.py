@@ -14,7 +14,9 @@ from tests.helpers import ROOT_DIR
 
 def test_defaults_yaml_and_overrides(tmp_path: Path):
     cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text("distill:\n  max_new_tokens: 99\n  engine: hf\ntarget:\n  dtype: bfloat16\n")
+    cfg_file.write_text(
+        "distill:\n  max_new_tokens: 99\n  engine: hf\ntarget:\n  dtype: bfloat16\n"
+    )
     cfg = load_config(RunConfig, cfg_file, ["distill.max_new_tokens=7", "prompts.limit=3"])
     assert cfg.distill.max_new_tokens == 7  # the command line wins over the file
     assert cfg.distill.engine == "hf"
@@ -96,8 +98,8 @@ def test_overrides_may_follow_options(capsys):
 
 
 def test_recipes_state_only_what_differs_from_the_defaults():
-    """Each default is declared once, in its config class: a recipe (configs/*.yaml) that restated one would
-    drift from it silently. A recipe may still name its target and its head kind."""
+    """Each default is declared once, in its config class: a recipe (configs/*.yaml) that restated
+    one would drift from it silently. A recipe may still name its target and its head kind."""
     from headway.demo_config import DemoConfig
 
     keep = {"head.kind", "target.name_or_path"}

@@ -102,9 +102,10 @@ def test_demo_with_the_shipped_head_on_the_default_target(shared_cache, tmp_path
     )
     result = run_demo(cfg)
     assert result["overall"]["all_equal_plain"] is True
-    assert result["overall"]["tau"] > 1.0  # the shipped head's drafts are accepted on the real target
-    # decoded in bf16 where the CPU has oneDNN's bf16 kernels (oneDNN-packed weights on AMX, float16-packed
-    # ones elsewhere), else float32 through the streaming linear
+    # the shipped head's drafts are accepted on the real target
+    assert result["overall"]["tau"] > 1.0
+    # decoded in bf16 where the CPU has oneDNN's bf16 kernels (oneDNN-packed weights on AMX,
+    # float16-packed ones elsewhere), else float32 through the streaming linear
     assert (result["dtype"], result["linear_weights"]) == fast_format()
 
 
@@ -115,6 +116,8 @@ def test_demo_drafts_one_level_in_float32_and_the_recipe_tree_in_bf16():
     cfg = DemoConfig()
     assert decoding_inference(cfg, TargetConfig(dtype="bfloat16")).depth == cfg.inference.depth == 3
     assert decoding_inference(cfg, TargetConfig(dtype="float32")).depth == 1
-    assert decoding_inference(DemoConfig(float32_depth=None), TargetConfig(dtype="float32")).depth == 3
+    assert (
+        decoding_inference(DemoConfig(float32_depth=None), TargetConfig(dtype="float32")).depth == 3
+    )
     with pytest.raises(HeadwayError, match="float32_depth=0: give a depth >= 1"):
         DemoConfig(float32_depth=0)

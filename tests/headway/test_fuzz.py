@@ -1,5 +1,5 @@
-"""Fuzzing the two readers of user files, the prompt loader and the config loader: whatever the input,
-they return a valid result or raise HeadwayError (one message), never anything else."""
+"""Fuzzing the two readers of user files, the prompt loader and the config loader: whatever the
+input, they return a valid result or raise HeadwayError (one message), never anything else."""
 
 from __future__ import annotations
 
@@ -26,7 +26,9 @@ SETTINGS = settings(
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=12,
 )
 field_names = st.sampled_from(
@@ -72,7 +74,10 @@ def _load(path: Path, **cfg) -> None:
 
 
 @SETTINGS
-@given(data=st.binary(max_size=300), suffix=st.sampled_from([".jsonl", ".json", ".jsonl.gz", ".parquet"]))
+@given(
+    data=st.binary(max_size=300),
+    suffix=st.sampled_from([".jsonl", ".json", ".jsonl.gz", ".parquet"]),
+)
 def test_prompt_files_of_random_bytes(data: bytes, suffix: str):
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"p{suffix}"
@@ -157,7 +162,9 @@ def test_config_overrides_fuzz(pairs: list):
 @SETTINGS
 @given(
     text=st.text(max_size=200)
-    | st.builds(lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", config_keys, config_values)
+    | st.builds(
+        lambda k, v: f"{k.split('.')[0]}:\n  {k.split('.')[-1]}: {v}\n", config_keys, config_values
+    )
 )
 def test_config_files_fuzz(text: str):
     with tempfile.TemporaryDirectory() as d:

@@ -53,17 +53,30 @@ def test_turns_sharegpt_and_openai_messages(tmp_path: Path):
     ]
     (conv,) = load_conversations(PromptConfig(path=str(write_jsonl(tmp_path / "sg.jsonl", share))))
     assert conv.turns == ["q1", "q2"]  # the source's answers are dropped: the target writes its own
-    msgs = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}]
+    msgs = [
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "hi"},
+            ]
+        }
+    ]
     (conv,) = load_conversations(PromptConfig(path=str(write_jsonl(tmp_path / "m.jsonl", msgs))))
     assert conv.turns == ["hi"] and conv.system == "Be brief."
 
 
 def test_explicit_and_dotted_fields_offset_limit(tmp_path: Path):
-    rows = [{"q": {"text": f"question {i}"}, "instances": [{"input": f"ctx {i}"}]} for i in range(5)]
+    rows = [
+        {"q": {"text": f"question {i}"}, "instances": [{"input": f"ctx {i}"}]} for i in range(5)
+    ]
     f = write_jsonl(tmp_path / "n.jsonl", rows)
     convs = load_conversations(
         PromptConfig(
-            path=str(f), instruction_field="q.text", input_field="instances.0.input", offset=1, limit=2
+            path=str(f),
+            instruction_field="q.text",
+            input_field="instances.0.input",
+            offset=1,
+            limit=2,
         )
     )
     assert [c.turns[0] for c in convs] == ["question 1\n\nctx 1", "question 2\n\nctx 2"]

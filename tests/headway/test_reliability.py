@@ -1,6 +1,7 @@
-"""Reliability: runs killed with SIGKILL at named points finish on a rerun with nothing lost or duplicated;
-damaged files are named, not loaded; bad input gets one message; untrusted files run no code; memory stays
-flat over a long prompt set. docs/reliability.md lists each case and the test that tries it."""
+"""Reliability: runs killed with SIGKILL at named points finish on a rerun with nothing lost or
+duplicated; damaged files are named, not loaded; bad input gets one message; untrusted files run no
+code; memory stays flat over a long prompt set. docs/reliability.md lists each case and the test
+that tries it."""
 
 from __future__ import annotations
 
@@ -39,13 +40,19 @@ from tests.kinds.test_eagle import random_head
 EAGLE3 = ("head.kind=eagle3", "head.eagle3.draft_vocab_size=64", "head.eagle3.ttt_steps=2")
 
 
-def headway(*args: str, kill_at: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def headway(
+    *args: str, kill_at: str | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("HEADWAY_KILL_AT", None)
     if kill_at:
         env["HEADWAY_KILL_AT"] = kill_at
     return subprocess.run(
-        [sys.executable, "-m", "headway", *args], env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "headway", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -54,7 +61,8 @@ def killed(res: subprocess.CompletedProcess) -> bool:
 
 
 def leftovers(root: Path) -> list[str]:
-    """Temp files and directories a writer leaves behind (every Headway temp name starts with '.')."""
+    """Temp files and directories a writer leaves behind (every Headway temp name starts with
+    '.')."""
     return sorted(str(p.relative_to(root)) for p in root.rglob(".*"))
 
 
@@ -106,11 +114,16 @@ def test_distill_killed_then_rerun_gives_the_clean_dataset(
     assert not (tmp_path / "d" / "manifest.json").exists()
     assert headway("distill", *args).returncode == 0
     ds, manifest = load_distilled(tmp_path / "d")
-    ref = load_config(RunConfig, None, distill_args(tiny_dirs["llama"], prompts_file, tmp_path / "clean"))
+    ref = load_config(
+        RunConfig, None, distill_args(tiny_dirs["llama"], prompts_file, tmp_path / "clean")
+    )
     clean, _ = load_distilled(distill(ref.target, ref.prompts, ref.distill, ref.magpie))
     assert ds["id"] == list(range(9))  # every prompt once
     assert ds["input_ids"] == clean["input_ids"] and ds["loss_mask"] == clean["loss_mask"]
-    assert set(manifest["files"]) >= {"dataset_info.json", "state.json"} and leftovers(tmp_path / "d") == []
+    assert (
+        set(manifest["files"]) >= {"dataset_info.json", "state.json"}
+        and leftovers(tmp_path / "d") == []
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +153,8 @@ def test_train_killed_at_a_checkpoint_resumes_the_same_curve(
     assert [v for _, v in losses(tmp_path / "run")] == pytest.approx(
         [v for _, v in losses(clean_run)], rel=1e-6
     )
-    # the totals carry over the resume: the same answer tokens at every step, and wall time that only grows
+    # the totals carry over the resume: the same answer tokens at every step, and wall time that
+    # only grows
     resumed, clean = training_rows(tmp_path / "run"), training_rows(clean_run)
     assert [r["answer_tokens"] for r in resumed] == [r["answer_tokens"] for r in clean]
     assert resumed[0]["answer_tokens"] > 0
@@ -178,7 +192,9 @@ def test_train_killed_at_a_random_moment_resumes_the_same_curve(
     assert leftovers(tmp_path / "run") == []
 
 
-def test_cache_features_killed_after_a_shard_writes_the_clean_cache(tiny_dirs, tiny_data, tmp_path: Path):
+def test_cache_features_killed_after_a_shard_writes_the_clean_cache(
+    tiny_dirs, tiny_data, tmp_path: Path
+):
     def args(out: Path) -> list[str]:
         return [
             f"target.name_or_path={tiny_dirs['llama']}",
@@ -196,7 +212,9 @@ def test_cache_features_killed_after_a_shard_writes_the_clean_cache(tiny_dirs, t
     assert len(list((tmp_path / "f" / "shards").glob("*.safetensors"))) == 2
     assert headway("cache-features", *args(tmp_path / "f")).returncode == 0
     assert headway("cache-features", *args(tmp_path / "clean")).returncode == 0
-    cut, clean = (json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "f", tmp_path / "clean"))
+    cut, clean = (
+        json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "f", tmp_path / "clean")
+    )
     assert cut["shards"] == clean["shards"]  # same keys, same bytes (sha256)
     assert leftovers(tmp_path / "f") == []
 
@@ -233,17 +251,22 @@ def test_export_killed_before_the_rename_leaves_the_old_export_whole(
 def test_damaged_head_is_named_not_loaded(clean_run: Path, tmp_path: Path):
     head = shutil.copytree(clean_run / "head", tmp_path / "head")
     flip_byte(head / "model.safetensors")
-    with pytest.raises(HeadwayError, match=r"head .*model.safetensors does not match its recorded sha256"):
+    with pytest.raises(
+        HeadwayError, match=r"head .*model.safetensors does not match its recorded sha256"
+    ):
         load_head(head)
 
 
-def test_damaged_checkpoint_is_skipped_by_auto_and_named_when_asked_for(clean_run: Path, tmp_path: Path):
+def test_damaged_checkpoint_is_skipped_by_auto_and_named_when_asked_for(
+    clean_run: Path, tmp_path: Path
+):
     ckpts = shutil.copytree(clean_run / "checkpoints", tmp_path / "checkpoints")
     assert latest_checkpoint(ckpts).name == "step-00000006"
     flip_byte(ckpts / "step-00000006" / "state.pt")
     assert latest_checkpoint(ckpts).name == "step-00000003"  # the newest whole one
     with pytest.raises(
-        HeadwayError, match=r"checkpoint .*step-00000006: state.pt does not match its recorded sha256"
+        HeadwayError,
+        match=r"checkpoint .*step-00000006: state.pt does not match its recorded sha256",
     ):
         read_checkpoint(ckpts / "step-00000006", None, False)
     (ckpts / "step-00000003" / "heads.safetensors").write_bytes(b"")
@@ -276,7 +299,9 @@ def test_a_damaged_chunk_is_generated_again(tiny_dirs, prompts_file: Path, tmp_p
 
 def test_invalid_utf8_and_empty_prompt_files(tmp_path: Path):
     (tmp_path / "p.jsonl").write_bytes(b'{"instruction": "ok"}\n{"instruction": "caf\xe9"}\n')
-    with pytest.raises(HeadwayError, match=r"p.jsonl line 2 is not valid UTF-8 .*re-save the file as UTF-8"):
+    with pytest.raises(
+        HeadwayError, match=r"p.jsonl line 2 is not valid UTF-8 .*re-save the file as UTF-8"
+    ):
         load_conversations(PromptConfig(path=str(tmp_path / "p.jsonl")))
     (tmp_path / "p.json").write_bytes(b'[{"instruction": "\xff"}]')
     with pytest.raises(HeadwayError, match=r"p.json is not valid UTF-8"):
@@ -292,7 +317,9 @@ def test_invalid_utf8_and_empty_prompt_files(tmp_path: Path):
 def test_config_type_errors_and_unparsable_overrides_are_named():
     with pytest.raises(HeadwayError, match=r"bad value for config key 'target.trust_remote_code'"):
         load_config(RunConfig, None, ["target.trust_remote_code=maybe"])
-    with pytest.raises(HeadwayError, match=r"cannot parse override 'target.dtype=\[' .*quote the value"):
+    with pytest.raises(
+        HeadwayError, match=r"cannot parse override 'target.dtype=\[' .*quote the value"
+    ):
         load_config(RunConfig, None, ["target.dtype=["])
 
 
@@ -336,7 +363,8 @@ def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoi
     def poisoned(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         calls["n"] += args[0].objective.training  # training micro-batches only, not evaluation
-        return (loss * float("nan") if calls["n"] == 9 else loss), metrics  # step 5's first micro-batch
+        # step 5's first micro-batch
+        return (loss * float("nan") if calls["n"] == 9 else loss), metrics
 
     monkeypatch.setattr(step, "step_loss", poisoned)
     with pytest.raises(
@@ -351,8 +379,8 @@ def test_non_finite_loss_stops_naming_step_and_batch_and_keeps_the_last_checkpoi
 def test_a_lagged_finite_check_stops_one_step_late_and_keeps_the_last_checkpoint(
     tiny_dirs, tiny_data, tmp_path: Path, monkeypatch
 ):
-    """train.finite_check=lagged (the CUDA default) reads step 5's losses when step 6 is queued: it names step
-    5, says its update was applied, and step 6's checkpoint is never written."""
+    """train.finite_check=lagged (the CUDA default) reads step 5's losses when step 6 is queued: it
+    names step 5, says its update was applied, and step 6's checkpoint is never written."""
     import headway.train.loop as loop
     import headway.train.step as step
 
@@ -361,7 +389,8 @@ def test_a_lagged_finite_check_stops_one_step_late_and_keeps_the_last_checkpoint
     def poisoned(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         calls["n"] += args[0].objective.training
-        return (loss * float("nan") if calls["n"] == 9 else loss), metrics  # step 5's first micro-batch
+        # step 5's first micro-batch
+        return (loss * float("nan") if calls["n"] == 9 else loss), metrics
 
     monkeypatch.setattr(step, "step_loss", poisoned)
     with pytest.raises(
@@ -371,16 +400,21 @@ def test_a_lagged_finite_check_stops_one_step_late_and_keeps_the_last_checkpoint
         r"checkpoint is .*step-00000003",
     ):
         loop.train(
-            small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", *EAGLE3, "train.finite_check=lagged")
+            small_run(
+                tiny_dirs["llama"], tiny_data, tmp_path / "r", *EAGLE3, "train.finite_check=lagged"
+            )
         )
     assert [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()] == ["step-00000003"]
 
 
 def test_a_changed_run_is_not_resumed_into(tiny_dirs, tiny_data, clean_run: Path, tmp_path: Path):
     run = shutil.copytree(clean_run, tmp_path / "run")
-    res = headway("train", *train_args(tiny_dirs["llama"], tiny_data, run, "head.eagle3.ttt_steps=3"))
+    res = headway(
+        "train", *train_args(tiny_dirs["llama"], tiny_data, run, "head.eagle3.ttt_steps=3")
+    )
     assert (
-        res.returncode == 2 and "holds checkpoints of a run with other settings (head changed)" in res.stderr
+        res.returncode == 2
+        and "holds checkpoints of a run with other settings (head changed)" in res.stderr
     )
 
 
@@ -395,7 +429,8 @@ def test_disk_full_is_named_and_the_old_file_is_intact(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(hio.os, "fsync", full)
     with pytest.raises(
-        HeadwayError, match=r"no space left on the device while writing .*state.json: free some disk"
+        HeadwayError,
+        match=r"no space left on the device while writing .*state.json: free some disk",
     ):
         atomic_write_text(path, "x" * 10000)
     assert json.loads(path.read_text()) == {"old": True} and leftovers(tmp_path) == []
@@ -442,7 +477,9 @@ def test_model_code_and_pickled_weights_are_not_run(tiny_dirs, tmp_path: Path):
     )
     (custom / "config.json").write_text(json.dumps(config))
     (custom / "evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
-    with pytest.raises(HeadwayError, match=r"ships its own Python code .*target.trust_remote_code=true"):
+    with pytest.raises(
+        HeadwayError, match=r"ships its own Python code .*target.trust_remote_code=true"
+    ):
         load_target(TargetConfig(name_or_path=str(custom), device="cpu"))
     assert not marker.exists()
 
@@ -466,7 +503,9 @@ def test_checkpoint_state_with_pickled_code_is_refused(clean_run: Path, tmp_path
     trainer = json.loads((ckpt / "trainer.json").read_text())
     del trainer["files"]  # rewritten by whoever planted it, checksums and all
     (ckpt / "trainer.json").write_text(json.dumps(trainer))
-    with pytest.raises(HeadwayError, match=r"state.pt holds more than tensors and plain containers"):
+    with pytest.raises(
+        HeadwayError, match=r"state.pt holds more than tensors and plain containers"
+    ):
         read_checkpoint(ckpt, None, False)
 
 
@@ -493,16 +532,21 @@ def test_memory_stays_flat_over_a_long_prompt_set(tiny_dirs):
         speculative_generate(t.model, drafter, ids, 24, [t.tokenizer.eos_token_id])
         if i in (20, 55):  # prompts of the same length
             marks[i] = live_tensor_bytes()
-    assert marks[55] <= marks[20] * 1.01 + 4096, marks  # nothing kept per prompt: no cache or history growth
+    # nothing kept per prompt: no cache or history growth
+    assert marks[55] <= marks[20] * 1.01 + 4096, marks
 
 
-def test_a_time_limit_stops_at_a_log_step_with_a_checkpoint_and_a_head(tiny_dirs, tiny_data, tmp_path: Path):
-    """train.max_seconds: the run stops at the first log step past it, evaluated, checkpointed and exported as
-    at max_steps; a rerun without the limit resumes there and finishes."""
+def test_a_time_limit_stops_at_a_log_step_with_a_checkpoint_and_a_head(
+    tiny_dirs, tiny_data, tmp_path: Path
+):
+    """train.max_seconds: the run stops at the first log step past it, evaluated, checkpointed and
+    exported as at max_steps; a rerun without the limit resumes there and finishes."""
     from headway.train.loop import train
 
     out = tmp_path / "run"
-    head = train(small_run(tiny_dirs["llama"], tiny_data, out, "train.max_seconds=1e-9", "train.log_every=2"))
+    head = train(
+        small_run(tiny_dirs["llama"], tiny_data, out, "train.max_seconds=1e-9", "train.log_every=2")
+    )
     assert (head / "config.json").is_file()
     assert [s for s, _ in losses(out)] == [1, 2]
     assert latest_checkpoint(out / "checkpoints").name == "step-00000002"
@@ -522,10 +566,12 @@ def _edited_copy(head: Path, out: Path, **changes) -> Path:
     return copy
 
 
-def test_a_head_config_that_disagrees_with_its_weights_is_refused_in_one_line(tiny_dirs, tmp_path: Path):
-    """Every kind: an edited size in config.json is named with its field (the weights' shapes read from the
-    file's header, the config's built on the meta device); a config sized for another target is named
-    against the target's; the untouched head passes."""
+def test_a_head_config_that_disagrees_with_its_weights_is_refused_in_one_line(
+    tiny_dirs, tmp_path: Path
+):
+    """Every kind: an edited size in config.json is named with its field (the weights' shapes read
+    from the file's header, the config's built on the meta device); a config sized for another
+    target is named against the target's; the untouched head passes."""
     from headway.heads.medusa import MedusaConfig, MedusaHeads
     from headway.kinds.checkpoint import check_head_shapes
     from headway.target.loading import target_sizes
@@ -547,20 +593,24 @@ def test_a_head_config_that_disagrees_with_its_weights_is_refused_in_one_line(ti
         saved = save_head(head, tmp_path / kind, t.fingerprint)
         check_head_shapes(saved, sizes)
         wrong = _edited_copy(saved, tmp_path / f"{kind}-wide", hidden_size=h + 16)
-        with pytest.raises(HeadwayError, match=rf"disagrees with its weights: .*hidden_size={h + 16}"):
+        with pytest.raises(
+            HeadwayError, match=rf"disagrees with its weights: .*hidden_size={h + 16}"
+        ):
             check_head_shapes(wrong, sizes)
         vocab = _edited_copy(
             saved, tmp_path / f"{kind}-vocab", draft_vocab_size=40, head__draft_vocab_size=40
         )
-        # a size the weights decide (a draft vocabulary read from d2t) is refused by name, or harmless: the
-        # head then loads as its weights say
+        # a size the weights decide (a draft vocabulary read from d2t) is refused by name, or
+        # harmless: the head then loads as its weights say
         try:
             check_head_shapes(vocab, sizes)
         except HeadwayError as e:
             assert "draft_vocab_size=40" in str(e), e
         else:
             load_head(vocab, t.fingerprint)
-    with pytest.raises(HeadwayError, match=rf"says vocab_size={v}, but the target has vocab_size={v + 1}"):
+    with pytest.raises(
+        HeadwayError, match=rf"says vocab_size={v}, but the target has vocab_size={v + 1}"
+    ):
         check_head_shapes(tmp_path / "eagle3", {"hidden_size": h, "vocab_size": v + 1})
 
 
@@ -569,11 +619,16 @@ def test_generate_refuses_an_edited_head_before_the_target_loads(tiny_dirs, tmp_
     saved = save_head(random_head(t, "eagle3"), tmp_path / "head", t.fingerprint)
     wrong = _edited_copy(saved, tmp_path / "wrong", hidden_size=t.config.hidden_size * 2)
     res = headway(
-        "generate", "--head", str(wrong), "--prompt", "Hi", f"target.name_or_path={tiny_dirs['llama']}"
+        "generate",
+        "--head",
+        str(wrong),
+        "--prompt",
+        "Hi",
+        f"target.name_or_path={tiny_dirs['llama']}",
     )
     assert res.returncode != 0
     lines = [line for line in res.stderr.splitlines() if line.strip() and "Loading" not in line]
-    assert len(lines) == 1 and "disagrees with its weights" in lines[0] and "hidden_size=" in lines[0], (
-        res.stderr
-    )
+    assert (
+        len(lines) == 1 and "disagrees with its weights" in lines[0] and "hidden_size=" in lines[0]
+    ), res.stderr
     assert "loading target" not in res.stdout + res.stderr

@@ -1,4 +1,5 @@
-"""The code's shape: imports run one way, and head kinds are looked up, never branched on by name."""
+"""The code's shape: imports run one way, and head kinds are looked up, never branched on by
+name."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ TOP = {
 
 
 def _packages() -> dict[Path, str]:
-    """Every Headway package folder (a folder with an __init__.py under a top-level folder) -> its name."""
+    """Every Headway package folder (a folder with an __init__.py under a top-level folder) -> its
+    name."""
     out = {}
     for folder, package in TOP.items():
         for init in sorted((ROOT / folder).rglob("__init__.py")):
@@ -60,8 +62,9 @@ MODULES = _modules()
 
 
 def _imports(tree: ast.Module) -> set[str]:
-    """The Headway modules a module imports anywhere: at the top, inside functions and in TYPE_CHECKING blocks
-    (a type-only import is still an arrow a reader follows, so it may not close a circle either)."""
+    """The Headway modules a module imports anywhere: at the top, inside functions and in
+    TYPE_CHECKING blocks (a type-only import is still an arrow a reader follows, so it may not close
+    a circle either)."""
     found: set[str] = set()
     stack: list[ast.AST] = [tree]
     while stack:
@@ -91,15 +94,16 @@ def test_no_import_cycles():
         visit(name, [])
 
 
-# The command line imports each command's job inside the command's function, after checking its inputs, so
-# that `--help`, `--version` and every argument, config or input error answer before torch and transformers
-# load (test_cli_answers_without_heavy_imports). Its imports still count as arrows in test_no_import_cycles.
+# The command line imports each command's job inside the command's function, after checking its
+# inputs, so that `--help`, `--version` and every argument, config or input error answer before
+# torch and transformers load (test_cli_answers_without_heavy_imports). Its imports still count as
+# arrows in test_no_import_cycles.
 LAZY_IMPORTERS = {"headway.cli"}
 
 
 def test_no_headway_imports_inside_functions():
-    """A function-level import hides an arrow from a reader; every Headway import sits at the top of its
-    module, except the command line's (LAZY_IMPORTERS)."""
+    """A function-level import hides an arrow from a reader; every Headway import sits at the top of
+    its module, except the command line's (LAZY_IMPORTERS)."""
     hidden = []
     for name, tree in MODULES.items():
         if name in LAZY_IMPORTERS:
@@ -107,7 +111,9 @@ def test_no_headway_imports_inside_functions():
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
-                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("headway"):
+                    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                        "headway"
+                    ):
                         hidden.append(f"{name}.{fn.name} imports {node.module}")
     assert not hidden, hidden
 
@@ -122,14 +128,17 @@ def test_no_stage_branches_on_a_kind_name():
             if isinstance(node, ast.Compare):
                 sides = [node.left, *node.comparators]
                 names = [s.value for s in sides if isinstance(s, ast.Constant) and s.value in KINDS]
-                if names and any("kind" in ast.unparse(s) for s in sides if not isinstance(s, ast.Constant)):
+                if names and any(
+                    "kind" in ast.unparse(s) for s in sides if not isinstance(s, ast.Constant)
+                ):
                     branches.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
     assert not branches, branches
 
 
 def test_every_registered_kind_is_complete():
     sections = {f.name for f in fields(HeadConfig)}
-    assert sections - {"kind"} == set(KINDS)  # HeadConfig names each registered kind's section, and no other
+    # HeadConfig names each registered kind's section, and no other
+    assert sections - {"kind"} == set(KINDS)
     for name, spec in KINDS.items():
         assert spec.name == name and name in sections
         assert isinstance(getattr(HeadConfig(), name), spec.config)
@@ -174,15 +183,15 @@ def test_cli_answers_without_heavy_imports(tmp_path):
 
 
 def test_config_modules_are_torch_free():
-    """Every config section (and the run config that holds them) loads without torch: the command line checks
-    a config before anything heavy loads."""
+    """Every config section (and the run config that holds them) loads without torch: the command
+    line checks a config before anything heavy loads."""
     loaded = _modules_loaded_by("import headway.run_config, headway.demo_config, headway.checks")
     assert not [m for m in loaded if m.split(".")[0] in HEAVY]
 
 
 def test_no_module_is_over_600_lines():
-    """Code is split by concern (the engines by device, the drafters one per drafter): no module grows past
-    a screenful of screens."""
+    """Code is split by concern (the engines by device, the drafters one per drafter): no module
+    grows past a screenful of screens."""
     long = {
         str(p.relative_to(ROOT)): n
         for folder in PACKAGES
@@ -192,8 +201,8 @@ def test_no_module_is_over_600_lines():
     assert not long, long
 
 
-# the most modules directly in one package folder, so that a reader can scan it: a larger one splits into
-# sub-packages by what its modules are (inference/ did: engines/, drafters/, bench/, tune/)
+# the most modules directly in one package folder, so that a reader can scan it: a larger one splits
+# into sub-packages by what its modules are (inference/ did: engines/, drafters/, bench/, tune/)
 MAX_MODULES = {"headway.inference": 12, "headway.target": 20, "headway.train": 26}
 DEFAULT_MAX_MODULES = 15
 
@@ -207,9 +216,10 @@ def test_every_folder_is_small_enough_to_scan():
     assert not big, big
 
 
-# The layers, bottom first (docs/layout.md draws them): a module imports from its own layer and the layers below
-# it, never from one above. Every `config` module (a config section's dataclasses, torch-free) and the run
-# configs that gather them are the settings layer, just above the base: every stage reads them.
+# The layers, bottom first (docs/layout.md draws them): a module imports from its own layer and the
+# layers below it, never from one above. Every `config` module (a config section's dataclasses,
+# torch-free) and the run configs that gather them are the settings layer, just above the base:
+# every stage reads them.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "base",
@@ -260,9 +270,10 @@ def _layer(module: str) -> int:
 
 
 def test_imports_run_one_way_between_layers():
-    """No module imports from a layer above its own, so no two folders import each other: the stages look a
-    head kind up in kinds/ (and keep their own part of it), inference reads prompt sets and the chat format
-    from below it, and data_scripts (self-distillation) decodes with inference's engines."""
+    """No module imports from a layer above its own, so no two folders import each other: the stages
+    look a head kind up in kinds/ (and keep their own part of it), inference reads prompt sets and
+    the chat format from below it, and data_scripts (self-distillation) decodes with inference's
+    engines."""
     upward = []
     for name, tree in MODULES.items():
         own = _layer(name)
@@ -283,7 +294,8 @@ def test_the_layers_picture_matches_the_layers():
 # where the engine lives: nothing there sets an attribute of another object behind its back
 _NO_OBJECT_SETATTR = ("headway.inference", "headway.target")
 # headway_* attributes that are no setting of a model or head
-_NOT_SETTINGS = {"_headway_real"}  # train/distributed.py: its wrappers of torch.distributed's collectives
+# train/distributed.py: its wrappers of torch.distributed's collectives
+_NOT_SETTINGS = {"_headway_real"}
 
 
 def _headway_attr(attr: str) -> bool:
@@ -291,10 +303,11 @@ def _headway_attr(attr: str) -> bool:
 
 
 def test_engine_settings_are_passed_never_written_onto_the_model():
-    """Engine settings (engine, CUDA buckets and graphs, the static engine's layer loop and kernels) travel as
-    EngineOptions from the config to the runner: no module writes or reads a `headway_*` attribute (on the
-    HF model, the head or anything else), and the engine's modules never `object.__setattr__` another object
-    (a runner or weight format is kept in a weak table keyed by the model instead)."""
+    """Engine settings (engine, CUDA buckets and graphs, the static engine's layer loop and kernels)
+    travel as EngineOptions from the config to the runner: no module writes or reads a `headway_*`
+    attribute (on the HF model, the head or anything else), and the engine's modules never
+    `object.__setattr__` another object (a runner or weight format is kept in a weak table keyed by
+    the model instead)."""
     found = []
     for name, tree in MODULES.items():
         for node in ast.walk(tree):
@@ -308,8 +321,14 @@ def test_engine_settings_are_passed_never_written_onto_the_model():
                 continue
             fn = node.func
             called = fn.id if isinstance(fn, ast.Name) else ""
-            args = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            if called in ("getattr", "setattr", "hasattr", "delattr") and any(_headway_attr(a) for a in args):
+            args = [
+                a.value
+                for a in node.args
+                if isinstance(a, ast.Constant) and isinstance(a.value, str)
+            ]
+            if called in ("getattr", "setattr", "hasattr", "delattr") and any(
+                _headway_attr(a) for a in args
+            ):
                 found.append(f"{name}:{node.lineno} {called}(..., {args[0]!r})")
             is_object_setattr = (
                 isinstance(fn, ast.Attribute)

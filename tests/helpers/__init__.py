@@ -1,5 +1,5 @@
-"""What many tests share: tiny random models of every family, fake CUDA, the checks several packages' tests
-run, and the repository's root."""
+"""What many tests share: tiny random models of every family, fake CUDA, the checks several
+packages' tests run, and the repository's root."""
 
 from pathlib import Path
 

@@ -1,11 +1,11 @@
-"""Checks that a step can be captured as a CUDA graph, on a CPU: a torch.compile backend that refuses what
-`fullgraph=True` lets through, and an op trace for frozen Python scalars.
+"""Checks that a step can be captured as a CUDA graph, on a CPU: a torch.compile backend that
+refuses what `fullgraph=True` lets through, and an op trace for frozen Python scalars.
 
-torch 2.13's `fullgraph=True` compiles `.item()`, `int(t)`, `nonzero()` and boolean-mask indexing into
-unbacked symbols; on CUDA each is a host sync, illegal in a captured graph. `checking_backend` fails on them,
-and lists the graph inputs mutated in place, which must be the KV cache alone. `op_trace` records a step's
-(op, shapes, non-tensor arguments): two steps of one bucket must record the same trace, or a per-step Python
-number is frozen into what a graph would replay.
+torch 2.13's `fullgraph=True` compiles `.item()`, `int(t)`, `nonzero()` and boolean-mask indexing
+into unbacked symbols; on CUDA each is a host sync, illegal in a captured graph. `checking_backend`
+fails on them, and lists the graph inputs mutated in place, which must be the KV cache alone.
+`op_trace` records a step's (op, shapes, non-tensor arguments): two steps of one bucket must record
+the same trace, or a per-step Python number is frozen into what a graph would replay.
 """
 
 from __future__ import annotations
@@ -17,8 +17,27 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import TorchDispatchMode
 
-FORBIDDEN = {"item", "tolist", "nonzero", "_local_scalar_dense", "numpy", "cpu", "__bool__", "__int__"}
-VIEWS = {"view", "reshape", "transpose", "select", "narrow", "unsqueeze", "squeeze", "expand", "permute"}
+FORBIDDEN = {
+    "item",
+    "tolist",
+    "nonzero",
+    "_local_scalar_dense",
+    "numpy",
+    "cpu",
+    "__bool__",
+    "__int__",
+}
+VIEWS = {
+    "view",
+    "reshape",
+    "transpose",
+    "select",
+    "narrow",
+    "unsqueeze",
+    "squeeze",
+    "expand",
+    "permute",
+}
 
 
 class CaptureRefused(AssertionError):
@@ -46,8 +65,9 @@ def _root_placeholder(node: Any) -> Any:
 
 
 class CheckingBackend:
-    """A torch.compile backend: checks each graph, then runs it as FX code. `graphs` counts the graphs
-    compiled; `mutated` names the graph inputs written in place (their dynamo source names)."""
+    """A torch.compile backend: checks each graph, then runs it as FX code. `graphs` counts the
+    graphs compiled; `mutated` names the graph inputs written in place (their dynamo source
+    names)."""
 
     def __init__(self) -> None:
         self.graphs = 0
@@ -60,7 +80,9 @@ class CheckingBackend:
                 continue
             name = _name(node.target)
             if name in FORBIDDEN:
-                raise CaptureRefused(f"{name} in a captured step (a host sync on CUDA): {node.format_node()}")
+                raise CaptureRefused(
+                    f"{name} in a captured step (a host sync on CUDA): {node.format_node()}"
+                )
             if node.target is operator.getitem and len(node.args) > 1:
                 index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
                 for i in index:
@@ -71,7 +93,9 @@ class CheckingBackend:
                         )
             v = _value(node)
             if v is not None and free_unbacked_symbols(v):
-                raise CaptureRefused(f"a data-dependent size in a captured step: {node.format_node()}")
+                raise CaptureRefused(
+                    f"a data-dependent size in a captured step: {node.format_node()}"
+                )
             if name.endswith("_") and not name.startswith("_") and node.args:
                 root = _root_placeholder(node.args[0])
                 if root is None:
@@ -99,5 +123,7 @@ class OpTrace(TorchDispatchMode):
                 return tuple(sig(x) for x in a)
             return repr(a)
 
-        self.ops.append((str(func), sig(args), tuple(sorted((k, sig(v)) for k, v in kwargs.items()))))
+        self.ops.append(
+            (str(func), sig(args), tuple(sorted((k, sig(v)) for k, v in kwargs.items())))
+        )
         return func(*args, **kwargs)

@@ -1,4 +1,5 @@
-"""Checks shared by the distillation tests: where the loss mask is on, and what greedy decoding writes."""
+"""Checks shared by the distillation tests: where the loss mask is on, and what greedy decoding
+writes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def mask_spans(mask: list[int]) -> list[tuple[int, int]]:
 def greedy_reference(
     model, context: list[int], max_new_tokens: int, stop_ids: list[int], pad_id: int
 ) -> list[int]:
-    """What batch-1 greedy `generate` writes after `context`, up to and including the first stop token."""
+    """What batch-1 greedy `generate` writes after `context`, up to and including the first stop
+    token."""
     out = model.generate(
         torch.tensor([context]),
         max_new_tokens=max_new_tokens,

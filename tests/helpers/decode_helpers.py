@@ -1,4 +1,5 @@
-"""Tiny targets loaded for exactness tests, chat prompts for them, and a run of every kind of engine step."""
+"""Tiny targets loaded for exactness tests, chat prompts for them, and a run of every kind of engine
+step."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from headway.target.loading import load_target
 
 def fast_format() -> tuple[str, str]:
     """(dtype, linear_weights) a decoding command takes on this CPU for a target left at `auto`
-    (target/cpu_format.py; tests/target/test_cpu_format.py pins its choice for every kind of CPU)."""
+    (target/cpu_format.py; tests/target/test_cpu_format.py pins its choice for every kind of
+    CPU)."""
     t, _ = fastest_cpu_format(TargetConfig(device="cpu"))
     return t.dtype, t.linear_weights
 
@@ -33,12 +35,14 @@ def with_threads(n: int, fn):
 
 def load64(path: Path):
     """A tiny target in float64 on one CPU thread: exactness tests compare tokens, not rounding."""
-    return load_target(TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64"))
+    return load_target(
+        TargetConfig(name_or_path=str(path), device="cpu", num_threads=1, dtype="float64")
+    )
 
 
 def float64_run(target_dir: Path, *extra: str) -> RunConfig:
-    """The run config that decodes a trained head on tiny target `target_dir` in float64 on the CPU, with
-    `extra` overrides."""
+    """The run config that decodes a trained head on tiny target `target_dir` in float64 on the CPU,
+    with `extra` overrides."""
     return load_config(
         RunConfig,
         None,
@@ -47,10 +51,15 @@ def float64_run(target_dir: Path, *extra: str) -> RunConfig:
 
 
 def load_packed(path: Path, linear_weights: str = "float16", dtype: str = "float32"):
-    """A tiny target on one CPU thread with its linear weights in a packed CPU format (target/packed_*.py)."""
+    """A tiny target on one CPU thread with its linear weights in a packed CPU format
+    (target/packed_*.py)."""
     return load_target(
         TargetConfig(
-            name_or_path=str(path), device="cpu", num_threads=1, dtype=dtype, linear_weights=linear_weights
+            name_or_path=str(path),
+            device="cpu",
+            num_threads=1,
+            dtype=dtype,
+            linear_weights=linear_weights,
         )
     )
 
@@ -64,8 +73,10 @@ def chat_ids(t, text: str) -> list[int]:
 
 
 def engine_steps(runner, more: int = 0) -> list[torch.Tensor]:
-    """A prompt, one-token steps, tree steps with their compaction, then `more` one-token steps, on a static
-    runner: each step's logits (stacked by row) and hidden states, as one list of tensors to compare bit
+    """A prompt, one-token steps, tree steps with their compaction, then `more` one-token steps, on
+    a static
+    runner: each step's logits (stacked by row) and hidden states, as one list of tensors to compare
+        bit
     for bit."""
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     out = []

@@ -1,10 +1,10 @@
 """A fake CUDA device on a CPU-only torch, to run the real GPU code paths with `device="cuda"`.
 
-Under `FakeTensorMode(allow_non_fake_inputs=True)` a tensor created on "cuda" is a fake tensor: its ops
-run on shapes only, `.item()` raises `DataDependentOutputException`, `nonzero()` raises, and a CPU tensor
-mixed into a CUDA op raises `FakeTensorDeviceMismatchError`. What a CPU-only build lacks is a CUDA device
-guard, which slicing, copies and `.to("cuda")` ask for before they reach the fake tensors; a no-op guard
-(one C++ registration, built once per machine in about 20 s) fills that gap.
+Under `FakeTensorMode(allow_non_fake_inputs=True)` a tensor created on "cuda" is a fake tensor: its
+ops run on shapes only, `.item()` raises `DataDependentOutputException`, `nonzero()` raises, and a
+CPU tensor mixed into a CUDA op raises `FakeTensorDeviceMismatchError`. What a CPU-only build lacks
+is a CUDA device guard, which slicing, copies and `.to("cuda")` ask for before they reach the fake
+tensors; a no-op guard (one C++ registration, built once per machine in about 20 s) fills that gap.
 """
 
 from __future__ import annotations
@@ -47,18 +47,24 @@ def install_guard() -> None:
         return
     from torch.utils.cpp_extension import load_inline
 
-    build = Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway")) / "fake_cuda_guard"
+    build = (
+        Path(os.environ.get("HEADWAY_CACHE", Path.home() / ".cache" / "headway"))
+        / "fake_cuda_guard"
+    )
     build.mkdir(parents=True, exist_ok=True)
     load_inline(
-        "headway_fake_cuda_guard", cpp_sources=_GUARD, functions=["registered"], build_directory=str(build)
+        "headway_fake_cuda_guard",
+        cpp_sources=_GUARD,
+        functions=["registered"],
+        build_directory=str(build),
     )
     _loaded = True
 
 
 def to_fake_cuda(*modules: torch.nn.Module) -> None:
-    """Move `modules` onto the fake CUDA device (inside `fake_cuda()`), in place: each parameter, buffer and
-    plain tensor attribute (a head's reference to the target's embedding, say) becomes a fake CUDA tensor;
-    a tensor shared within or across the modules stays shared."""
+    """Move `modules` onto the fake CUDA device (inside `fake_cuda()`), in place: each parameter,
+    buffer and plain tensor attribute (a head's reference to the target's embedding, say) becomes a
+    fake CUDA tensor; a tensor shared within or across the modules stays shared."""
     cuda = torch.device("cuda", 0)
     made: dict[int, torch.Tensor] = {}
 
@@ -66,7 +72,9 @@ def to_fake_cuda(*modules: torch.nn.Module) -> None:
         if id(t) not in made:
             moved = t.detach().to(cuda)
             made[id(t)] = (
-                torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
+                torch.nn.Parameter(moved, t.requires_grad)
+                if isinstance(t, torch.nn.Parameter)
+                else moved
             )
         return made[id(t)]
 
@@ -83,13 +91,14 @@ def to_fake_cuda(*modules: torch.nn.Module) -> None:
 
 @contextmanager
 def fake_cuda() -> Iterator[torch._subclasses.fake_tensor.FakeTensorMode]:
-    """Inside the block, tensors made on or moved to "cuda" are fake CUDA tensors (`to_fake_cuda` moves a
-    module)."""
+    """Inside the block, tensors made on or moved to "cuda" are fake CUDA tensors (`to_fake_cuda`
+    moves a module)."""
     from torch._subclasses import fake_tensor
 
     install_guard()
-    # a one-element constant made inside the block (torch.tensor([[token]])) is otherwise kept as a real
-    # constant, whose ops run for real: its move to "cuda" would reach the CPU build's missing CUDA kernels
+    # a one-element constant made inside the block (torch.tensor([[token]])) is otherwise kept as a
+    # real constant, whose ops run for real: its move to "cuda" would reach the CPU build's missing
+    # CUDA kernels
     limit, fake_tensor.CONSTANT_NUMEL_LIMIT = fake_tensor.CONSTANT_NUMEL_LIMIT, 0
     try:
         with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:

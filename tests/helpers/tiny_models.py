@@ -1,5 +1,5 @@
-"""Tiny random causal LMs of every family Headway claims (FAMILIES; ARCHS: the four most tests run on), with a
-tiny tokenizer and chat template.
+"""Tiny random causal LMs of every family Headway claims (FAMILIES; ARCHS: the four most tests run
+on), with a tiny tokenizer and chat template.
 
 Each is saved as a plain HF directory in a temp folder, so tests exercise the same loading code as
 real targets, in seconds.
@@ -35,9 +35,10 @@ GEMMA = (
 )
 SPECIALS = ["<pad>", "<bos>", "<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>"]
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")
-# Every family of the CI matrix (tests/target/test_families.py): the ids make_config builds. llama3: Llama with
-# Llama-3's rope scaling; mistral_swa: Mistral with a sliding window shorter than a decoded conversation;
-# falcon_h1, qwen3_next and lfm2: hybrid recurrent families (refused for speculative decoding).
+# Every family of the CI matrix (tests/target/test_families.py): the ids make_config builds. llama3:
+# Llama with Llama-3's rope scaling; mistral_swa: Mistral with a sliding window shorter than a
+# decoded conversation; falcon_h1, qwen3_next and lfm2: hybrid recurrent families (refused for
+# speculative decoding).
 FAMILIES = (
     "llama",
     "llama3",
@@ -87,7 +88,8 @@ def make_tokenizer(arch: str):
 
 
 def make_config(arch: str, vocab_size: int, tokenizer):
-    """A tiny random config of family `arch` (a FAMILIES id): 4 layers of width 64 where the family allows."""
+    """A tiny random config of family `arch` (a FAMILIES id): 4 layers of width 64 where the family
+    allows."""
     import transformers as T
 
     common = dict(
@@ -186,7 +188,8 @@ def make_config(arch: str, vocab_size: int, tokenizer):
 
 
 def make_tiny_model(arch: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build and save a tiny random `arch` model with tokenizer and chat template; returns its directory."""
+    """Build and save a tiny random `arch` model with tokenizer and chat template; returns its
+    directory."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     tokenizer = make_tokenizer(arch)

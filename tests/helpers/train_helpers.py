@@ -10,8 +10,9 @@ from headway.run_config import RunConfig
 
 
 def small_run_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[str]:
-    """small_run's settings as key=value overrides (for load_config or the command line): 6 steps of 2 x 2
-    sequences, eval and checkpoint every 3, float32; `extra` overrides (head.* etc.) come last."""
+    """small_run's settings as key=value overrides (for load_config or the command line): 6 steps of
+    2 x 2 sequences, eval and checkpoint every 3, float32; `extra` overrides (head.* etc.) come
+    last."""
     return [
         "head.kind=medusa",  # the smallest head; `extra` may name another
         f"target.name_or_path={model_dir}",
@@ -34,7 +35,8 @@ def small_run_args(model_dir: Path, data: Path, out: Path, *extra: str) -> list[
 
 
 def small_run(model_dir: Path, data: Path, out: Path, *extra: str) -> RunConfig:
-    """6 steps of 2 x 2 sequences, eval and checkpoint every 3, float32; `extra` overrides (head.* etc.)."""
+    """6 steps of 2 x 2 sequences, eval and checkpoint every 3, float32; `extra` overrides (head.*
+    etc.)."""
     return load_config(RunConfig, None, small_run_args(model_dir, data, out, *extra))
 
 
@@ -44,8 +46,8 @@ def losses(run: Path) -> list[tuple[int, float]]:
 
 
 def loss_and_grads(module, loss_fn) -> tuple:
-    """(loss, extra, grads) of one backward: `loss_fn()` gives a loss or (loss, extra); grads by parameter
-    name, of the parameters that got one."""
+    """(loss, extra, grads) of one backward: `loss_fn()` gives a loss or (loss, extra); grads by
+    parameter name, of the parameters that got one."""
     module.zero_grad()
     out = loss_fn()
     loss, extra = out if isinstance(out, tuple) else (out, None)
@@ -63,7 +65,9 @@ def assert_same_training(reference: tuple, other: tuple) -> None:
     torch.testing.assert_close(loss_b, loss_a, rtol=1e-10, atol=1e-12)
     assert (metrics_a or {}).keys() == (metrics_b or {}).keys()
     for k in metrics_a or {}:
-        torch.testing.assert_close(metrics_b[k].double(), metrics_a[k].double(), rtol=1e-9, atol=1e-12, msg=k)
+        torch.testing.assert_close(
+            metrics_b[k].double(), metrics_a[k].double(), rtol=1e-9, atol=1e-12, msg=k
+        )
     assert grads_a.keys() == grads_b.keys()
     for k in grads_a:
         torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-8, atol=1e-12, msg=k)

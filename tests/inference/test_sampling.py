@@ -1,9 +1,9 @@
 """Lossless sampling: speculative decoding at temperature > 0 has exactly the target's distribution.
 
-A tiny random Llama with a 5-token vocabulary: the exact probability of every 3-token continuation is
-enumerated from the target itself, and thousands of seeded speculative samples (Medusa and EAGLE trees)
-are compared with it by chi-square tests. Deliberately wrong acceptance rules, and Medusa's lossy
-typical acceptance, fail the same test: it has teeth.
+A tiny random Llama with a 5-token vocabulary: the exact probability of every 3-token continuation
+is enumerated from the target itself, and thousands of seeded speculative samples (Medusa and EAGLE
+trees) are compared with it by chi-square tests. Deliberately wrong acceptance rules, and Medusa's
+lossy typical acceptance, fail the same test: it has teeth.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]
 
 @pytest.fixture(scope="module")
 def model():
-    """A tiny random Llama, float64, whose next-token distributions vary strongly with the context."""
+    """A tiny random Llama, float64, whose next-token distributions vary strongly with the
+    context."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
@@ -101,7 +102,11 @@ def dflash_drafter(m):
     one forward."""
     torch.manual_seed(3)
     cfg = DFlashConfig(draft_vocab_size=4, block_size=4)
-    cfg.feature_layers = [0, 1, 2]  # too shallow a target for the engines' rule: set past the config's check
+    cfg.feature_layers = [
+        0,
+        1,
+        2,
+    ]  # too shallow a target for the engines' rule: set past the config's check
     heads = build_head(
         "dflash",
         cfg,
@@ -116,7 +121,8 @@ def dflash_drafter(m):
 
 
 def exact_probabilities(m, cfg: SamplingConfig) -> dict[tuple, float]:
-    """P(first N_TOKENS tokens) under the target with `cfg`'s temperature, top-k and top-p, by enumeration."""
+    """P(first N_TOKENS tokens) under the target with `cfg`'s temperature, top-k and top-p, by
+    enumeration."""
     probs: dict[tuple, float] = {}
     with torch.no_grad():
         for prefix in itertools.chain.from_iterable(
@@ -160,8 +166,8 @@ def sample(generate, cfg: SamplingConfig) -> Counter:
 
 
 def p_value(counts: Counter, expected: dict[tuple, float]) -> float:
-    """The test: chi-square on the first two tokens and on all three (the first catches errors at the
-    root's children with more power, the second errors further down a path); Bonferroni, so the
+    """The test: chi-square on the first two tokens and on all three (the first catches errors at
+    the root's children with more power, the second errors further down a path); Bonferroni, so the
     smaller p-value is doubled."""
     p = []
     for k in (2, N_TOKENS):
@@ -175,7 +181,9 @@ def p_value(counts: Counter, expected: dict[tuple, float]) -> float:
     return min(1.0, 2 * min(p))
 
 
-def spec_p_value(m, drafter, cfg: SamplingConfig, rule=None, engine: str = "auto") -> tuple[float, float]:
+def spec_p_value(
+    m, drafter, cfg: SamplingConfig, rule=None, engine: str = "auto"
+) -> tuple[float, float]:
     """The test's p-value for speculative samples against the exact distribution, and their
     mean acceptance."""
     accepted: list[int] = []
@@ -190,7 +198,8 @@ def spec_p_value(m, drafter, cfg: SamplingConfig, rule=None, engine: str = "auto
 
 
 def test_target_distribution_is_hugging_faces(model):
-    """Temperature, top-k and top-p as Hugging Face's sampling applies them (one function for both loops)."""
+    """Temperature, top-k and top-p as Hugging Face's sampling applies them (one function for both
+    loops)."""
     from transformers.generation.logits_process import (
         TemperatureLogitsWarper,
         TopKLogitsWarper,
@@ -206,7 +215,8 @@ def test_target_distribution_is_hugging_faces(model):
         if p < 1:
             scores = TopPLogitsWarper(p)(None, scores)
         torch.testing.assert_close(
-            target_distribution(logits, SamplingConfig(temperature=t, top_k=k, top_p=p)), scores.softmax(-1)
+            target_distribution(logits, SamplingConfig(temperature=t, top_k=k, top_p=p)),
+            scores.softmax(-1),
         )
 
 
@@ -234,7 +244,9 @@ def test_speculative_sampling_is_lossless(model, kind: str, cfg: SamplingConfig)
         "ngram",
     ):  # n-gram branches (and EAGLE-3's) in one tree, sized per step (node_cost 0: large)
         neural = eagle_drafter(model, "eagle3") if kind == "hybrid" else None
-        hc = HybridConfig(node_cost=0.0, max_tokens=3, min_ngram=1)  # 5-token vocabulary: 1-grams match often
+        hc = HybridConfig(
+            node_cost=0.0, max_tokens=3, min_ngram=1
+        )  # 5-token vocabulary: 1-grams match often
         drafter = HybridDrafter(neural, hc, lambda n, depth: 1.0, timed=False)
     else:
         makers = {"medusa": medusa_drafter, "dflash": dflash_drafter}
@@ -262,18 +274,23 @@ def accept_without_renormalising(tree, node_ids, logits, sampler):
 
 
 def accept_then_sample_from_target(tree, node_ids, logits, sampler):
-    """WRONG: when every draft is rejected, sample from the target's full distribution, not the residual."""
+    """WRONG: when every draft is rejected, sample from the target's full distribution, not the
+    residual."""
     path, cur = [0], 0
     while True:
         p = target_distribution(logits[cur], sampler.cfg).cpu()
-        nxt = next((c for c in tree.children[cur] if sampler.uniform() < float(p[node_ids[c]])), None)
+        nxt = next(
+            (c for c in tree.children[cur] if sampler.uniform() < float(p[node_ids[c]])), None
+        )
         if nxt is None:
             return path, sampler.sample(p)
         path.append(nxt)
         cur = nxt
 
 
-@pytest.mark.parametrize("rule", [accept_without_renormalising, accept_then_sample_from_target, "typical"])
+@pytest.mark.parametrize(
+    "rule", [accept_without_renormalising, accept_then_sample_from_target, "typical"]
+)
 def test_wrong_or_lossy_acceptance_fails_the_same_test(model, rule):
     cfg = SamplingConfig(temperature=1.0)
     if rule == "typical":
@@ -286,20 +303,26 @@ def test_wrong_or_lossy_acceptance_fails_the_same_test(model, rule):
 def test_a_seed_reproduces_a_run(model):
     drafter = eagle_drafter(model, "eagle3")
     runs = [
-        speculative_generate(model, drafter, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens
+        speculative_generate(
+            model, drafter, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)
+        ).tokens
         for s in (7, 7, 8)
     ]
     assert runs[0] == runs[1] and runs[0] != runs[2]
     plain = [
-        plain_generate(model, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens for s in (7, 7)
+        plain_generate(model, PROMPT, 20, [], SamplingConfig(temperature=1.0, seed=s)).tokens
+        for s in (7, 7)
     ]
     assert plain[0] == plain[1]
 
 
 def test_exact_rule_is_exact_on_a_single_node():
-    """The residual rule by hand: drafts [0, 1] under one root give P(0)=0.5, P(1)=0.3 and P(2)=0.2."""
+    """The residual rule by hand: drafts [0, 1] under one root give P(0)=0.5, P(1)=0.3 and
+    P(2)=0.2."""
     tree = build_tree([[0], [1]])
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64))
+    logits = torch.log(
+        torch.tensor([[0.5, 0.3, 0.2], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    )
     counts: Counter = Counter()
     n = 20000
     sampler = Sampler(SamplingConfig(temperature=1.0))
@@ -358,7 +381,8 @@ def test_a_wrong_rule_on_the_device_fails_the_same_test(model, monkeypatch):
     real = accept_device.sample_accept
 
     def without_renormalising(tokens, parent, ancestors, probs, uniforms, n):
-        # the real rule accepts child c when u < p / (1 - S); given u * ... / (1 - S) it accepts when u < p
+        # the real rule accepts child c when u < p / (1 - S); given u * ... / (1 - S) it accepts
+        # when u < p
         m = tokens.shape[0]
         r = torch.arange(m)
         earlier = (parent[None, :] == parent[:, None]) & (r[None, :] < r[:, None])

@@ -1,4 +1,5 @@
-"""Greedy speculative decoding writes exactly what plain greedy decoding writes (float64, 4 archs)."""
+"""Greedy speculative decoding writes exactly what plain greedy decoding writes (float64, 4
+archs)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ WIDE_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [0, 0,
 def prompts_for(tok) -> list[list[int]]:
     texts = ["What is two plus three?", "Write a short poem about the sea.", "def add(a, b):"]
     return [
-        tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
+        tok.apply_chat_template(
+            [{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True
+        )
         for t in texts
     ]
 
 
 class OracleDrafter:
-    """Knows the greedy continuation; puts it on some branches and noise on others, so accepted paths
-    have every length, through every branch: the cache compaction is exercised for real."""
+    """Knows the greedy continuation; puts it on some branches and noise on others, so accepted
+    paths have every length, through every branch: the cache compaction is exercised for real."""
 
     feature_layers = [0]
     max_depth = 4
@@ -52,9 +55,19 @@ class OracleDrafter:
         correct = {0: True}
         for i, path in enumerate(self.tree.paths[1:], start=1):
             parent = self.tree.parent[i]
-            want = self.ref[self.pos + len(path) - 1] if self.pos + len(path) - 1 < len(self.ref) else 0
-            right = correct[parent] and self.rng.random() < 0.6 and (path[-1] == 0 or self.rng.random() < 0.5)
-            tokens.append(want if right else (want + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+            want = (
+                self.ref[self.pos + len(path) - 1]
+                if self.pos + len(path) - 1 < len(self.ref)
+                else 0
+            )
+            right = (
+                correct[parent]
+                and self.rng.random() < 0.6
+                and (path[-1] == 0 or self.rng.random() < 0.5)
+            )
+            tokens.append(
+                want if right else (want + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            )
             correct[i] = right and tokens[-1] == want
         return torch.tensor(tokens), self.tree
 
@@ -98,7 +111,9 @@ def test_accepted_paths_of_every_length_keep_output_exact(tiny_dirs, arch: str):
         oracle = OracleDrafter(tree, ref, t.config.vocab_size, seed)
         res = speculative_generate(t.model, oracle, ids, 48, [])
         assert res.tokens == ref
-        assert max(res.accepted) >= 3 and min(res.accepted) == 0, res.accepted  # long and empty acceptances
+        assert max(res.accepted) >= 3 and min(res.accepted) == 0, (
+            res.accepted
+        )  # long and empty acceptances
         assert res.tau > 1.5
 
 
@@ -106,14 +121,19 @@ def test_chain_and_bad_trees():
     assert build_tree(chain_choices(3)).paths == [(), (0,), (0, 0), (0, 0, 0)]
     tree = build_tree(WIDE_TREE)
     assert tree.size == 10 and tree.max_depth == 4 and tree.topk_per_depth() == [3, 2, 1, 1]
-    assert tree.ancestors[7].nonzero().flatten().tolist() == [0, 1, 4, 7]  # (0,0,0) sees (0,0), (0), root
+    assert tree.ancestors[7].nonzero().flatten().tolist() == [
+        0,
+        1,
+        4,
+        7,
+    ]  # (0,0,0) sees (0,0), (0), root
     with pytest.raises(HeadwayError, match=r"tree choice \[0, 1\] has no parent \[0\]"):
         build_tree([[0, 1]])
 
 
 def test_trees_verify_exactly_past_a_sliding_window(tiny_dirs):
-    """A sequence that passes Gemma-3's 128-token window: the hf runner keeps every key and masks each layer
-    type by position, so a tree verified past the window gives plain greedy's tokens."""
+    """A sequence that passes Gemma-3's 128-token window: the hf runner keeps every key and masks
+    each layer type by position, so a tree verified past the window gives plain greedy's tokens."""
     t = load64(tiny_dirs["gemma3"])
     heads = MedusaHeads(
         MedusaConfig(num_heads=2, lm_head="own"), t.config.hidden_size, t.config.vocab_size
@@ -127,8 +147,8 @@ def test_trees_verify_exactly_past_a_sliding_window(tiny_dirs):
 def test_best_tree_picks_the_most_likely_paths():
     acc = [[0.6, 0.2, 0.1], [0.5, 0.1, 0.05]]
     tree = best_tree(acc, 4)
-    # values: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.06 (2)=.1 (1,0)=.1 -> top 4: (0), (0,0), (1), then (2) or (1,0)
-    # at 0.1
+    # values: (0)=.6 (0,0)=.3 (1)=.2 (0,1)=.06 (2)=.1 (1,0)=.1 -> top 4: (0), (0,0), (1), then (2)
+    # or (1,0) at 0.1
     assert tree[:3] == [[0], [0, 0], [1]] and tree[3] in ([2], [1, 0])
     built = build_tree(tree)  # always a valid tree
     assert built.size == 5

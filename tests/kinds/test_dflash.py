@@ -1,5 +1,6 @@
-"""DFlash: exact decoding from block drafts, a context cache that matches a fresh pass, training blocks that
-see what inference sees, the loss against a slot-by-slot computation, training, export and round trip."""
+"""DFlash: exact decoding from block drafts, a context cache that matches a fresh pass, training
+blocks that see what inference sees, the loss against a slot-by-slot computation, training, export
+and round trip."""
 
 from __future__ import annotations
 
@@ -35,7 +36,9 @@ def random_head(t, seed: int = 0, **settings) -> DFlashHead:
     cfg = DFlashConfig(draft_vocab_size=96, block_size=5, **settings)
     cfg.feature_layers = DFlashHead.feature_layers(cfg, L)
     d2t = torch.sort(torch.randperm(V)[:96]).values
-    heads = build_head("dflash", cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, "llama"))
+    heads = build_head(
+        "dflash", cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, "llama")
+    )
     heads.init_from_target(t.model)
     heads.attach_target(t.model)
     return heads.double().eval()
@@ -59,12 +62,15 @@ def test_untrained_dflash_heads_are_exact(tiny_dirs, arch: str):
     )
     ids = chat_ids(t, "Tell me a story about a fox.")
     ref = greedy_generate(t.model, ids, 40, [t.tokenizer.eos_token_id])
-    assert speculative_generate(t.model, hybrid, ids, 40, [t.tokenizer.eos_token_id]).tokens == ref.tokens
+    assert (
+        speculative_generate(t.model, hybrid, ids, 40, [t.tokenizer.eos_token_id]).tokens
+        == ref.tokens
+    )
 
 
 def train_dflash(tiny_dirs, tiny_data, out: Path, *extra: str) -> Path:
-    """A DFlash head (a block of 4) trained 12 small_run steps on the tiny Llama, with `extra` overrides
-    (head.dflash.*); its head directory."""
+    """A DFlash head (a block of 4) trained 12 small_run steps on the tiny Llama, with `extra`
+    overrides (head.dflash.*); its head directory."""
     from headway.train.loop import train
 
     return train(
@@ -81,7 +87,8 @@ def train_dflash(tiny_dirs, tiny_data, out: Path, *extra: str) -> Path:
 
 
 def _fresh_context(t, heads: DFlashHead, tokens: list[int]):
-    """The target's features for `tokens` and the head's context keys/values over them, in one pass."""
+    """The target's features for `tokens` and the head's context keys/values over them, in one
+    pass."""
     with torch.no_grad():
         o = t.model(torch.tensor([tokens]), output_hidden_states=True)
         feats = features_at(o.hidden_states, heads.cfg.feature_layers, slice(None))
@@ -89,11 +96,14 @@ def _fresh_context(t, heads: DFlashHead, tokens: list[int]):
 
 
 def test_drafter_context_matches_the_accepted_text(tiny_dirs):
-    """After decoding, the drafter's cached context equals one fresh pass over everything it was told: every
-    verified position has the target's real feature, and no draft left anything behind."""
+    """After decoding, the drafter's cached context equals one fresh pass over everything it was
+    told: every verified position has the target's real feature, and no draft left anything
+        behind."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t)
-    drafter = DFlashDrafter(heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]), t.config.num_hidden_layers)
+    drafter = DFlashDrafter(
+        heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]), t.config.num_hidden_layers
+    )
     told: list[int] = []
     begin, accept = drafter.begin, drafter.accept
     drafter.begin = lambda prompt, root, f: (told.extend(prompt + [root]), begin(prompt, root, f))
@@ -107,8 +117,8 @@ def test_drafter_context_matches_the_accepted_text(tiny_dirs):
 
 
 def test_training_blocks_see_what_inference_sees(tiny_dirs):
-    """The objective's blocks, all anchors of a sequence in one masked forward, give each block the logits the
-    drafter computes for it alone after the context before its anchor."""
+    """The objective's blocks, all anchors of a sequence in one masked forward, give each block the
+    logits the drafter computes for it alone after the context before its anchor."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, num_layers=2)
     ids = chat_ids(t, "Write a short poem about the sea and the sky, please.")
@@ -132,8 +142,8 @@ def test_training_blocks_see_what_inference_sees(tiny_dirs):
 
 
 def test_dflash_loss_is_the_weighted_sum_of_its_slots(tiny_dirs):
-    """The objective equals its definition computed slot by slot: for each anchor a and slot j, the block's
-    logits against the target's distribution at a + j - 1, averaged per slot and
+    """The objective equals its definition computed slot by slot: for each anchor a and slot j, the
+    block's logits against the target's distribution at a + j - 1, averaged per slot and
     weighted exp(-(j-1)/gamma)."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, loss_gamma=2.0)
@@ -144,10 +154,16 @@ def test_dflash_loss_is_the_weighted_sum_of_its_slots(tiny_dirs):
     hidden = dict(enumerate(o.hidden_states))
     mask = torch.zeros(1, T, dtype=torch.long)
     mask[0, T // 3 :] = 1  # the answer: only its tokens are learned
-    batch = {"input_ids": torch.tensor([ids]), "loss_mask": mask, "attention_mask": torch.ones(1, T)}
+    batch = {
+        "input_ids": torch.tensor([ids]),
+        "loss_mask": mask,
+        "attention_mask": torch.ones(1, T),
+    }
     seed = 3  # train.seed: the anchors are drawn with it
     with torch.no_grad():
-        total, metrics = DFlashObjective(heads.cfg, seed=seed)(heads, batch, Features(hidden, o.logits), None)
+        total, metrics = DFlashObjective(heads.cfg, seed=seed)(
+            heads, batch, Features(hidden, o.logits), None
+        )
         anchors, ok = dflash_anchors(batch, heads.cfg.anchors, heads.cfg.block_size, seed)
         feats = torch.cat([hidden[i][0] for i in heads.cfg.feature_layers], -1)
         context = heads.context(feats.unsqueeze(0), torch.arange(T).unsqueeze(0))
@@ -157,16 +173,20 @@ def test_dflash_loss_is_the_weighted_sum_of_its_slots(tiny_dirs):
             rows, want = [], []
             for a in anchors[0][ok[0]].tolist():
                 if a + j < T and mask[0, a + j]:
-                    logits = heads.draft_logits([(k[:, :, :a], v[:, :, :a]) for k, v in context], ids[a], a)
+                    logits = heads.draft_logits(
+                        [(k[:, :, :a], v[:, :, :a]) for k, v in context], ids[a], a
+                    )
                     rows.append(logits[j - 1].float())
                     want.append(target_p[a + j - 1])
             if rows:
                 expected += math.exp(-(j - 1) / 2.0) * float(
                     draft_loss("soft_ce", torch.stack(rows), torch.stack(want))
                 )
-    assert float(total) == pytest.approx(expected, rel=1e-6)  # float32 losses, batched against one by one
+    # float32 losses, batched against one by one
+    assert float(total) == pytest.approx(expected, rel=1e-6)
     assert 1.0 <= metrics["tau/chain"] <= heads.cfg.block_size
-    assert all(bool(mask[0, a + 1]) for a in anchors[0][ok[0]].tolist())  # anchors precede answer tokens
+    # anchors precede answer tokens
+    assert all(bool(mask[0, a + 1]) for a in anchors[0][ok[0]].tolist())
 
 
 def test_dflash_settings_are_checked():
@@ -185,7 +205,9 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
 ):
     from headway.inference.api import SpeculativeDecoder
 
-    head_dir = train_dflash(tiny_dirs, tiny_data, tmp_path / "run", "head.dflash.draft_vocab_size=64")
+    head_dir = train_dflash(
+        tiny_dirs, tiny_data, tmp_path / "run", "head.dflash.draft_vocab_size=64"
+    )
     curve = losses(tmp_path / "run")
     assert curve[-1][1] < curve[0][1]  # it learns
     config = json.loads((head_dir / "config.json").read_text())
@@ -199,14 +221,18 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
 
     out = export_head(head_dir, "vllm", tmp_path / "vllm")
     fmt, engine_cfg, tensors = read_export(out)
-    assert engine_cfg["architectures"] == ["DFlashDraftModel"] and engine_cfg["model_type"] == "qwen3"
+    assert (
+        engine_cfg["architectures"] == ["DFlashDraftModel"] and engine_cfg["model_type"] == "qwen3"
+    )
     assert engine_cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]  # 0-based decoder layers
     assert engine_cfg["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
     assert "causal" not in engine_cfg["dflash_config"]  # bidirectional within the block, as trained
     assert engine_cfg["num_hidden_layers"] == 1 and engine_cfg["draft_vocab_size"] == 64
     h = config["hidden_size"]
     assert tensors["fc.weight"].shape == (h, 3 * h) and tensors["lm_head.weight"].shape == (64, h)
-    assert {"hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight", "d2t"} <= set(tensors)
+    assert {"hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_norm.weight", "d2t"} <= set(
+        tensors
+    )
     assert not any(
         k.startswith(("embed_tokens", "model.")) for k in tensors
     )  # the target's embedding is shared
@@ -227,9 +253,9 @@ def test_trained_dflash_head_learns_decodes_exactly_exports_and_round_trips(
 
 
 def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp_path: Path):
-    """lm_head=target: the head drafts over the whole vocabulary through the target's frozen lm_head, saves
-    neither, decodes exactly, and exports for SGLang and vLLM with no lm_head or d2t (both engines then read
-    out through the target's), round-tripping."""
+    """lm_head=target: the head drafts over the whole vocabulary through the target's frozen
+    lm_head, saves neither, decodes exactly, and exports for SGLang and vLLM with no lm_head or d2t
+    (both engines then read out through the target's), round-tripping."""
     from headway.inference.api import SpeculativeDecoder
 
     t = load64(tiny_dirs["qwen2"])
@@ -241,13 +267,18 @@ def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp
     drafter = DFlashDrafter(heads, build_tree(chain_choices(4)), t.config.num_hidden_layers)
     ids = chat_ids(t, "What is two plus three?")
     ref = greedy_generate(t.model, ids, 32, [t.tokenizer.eos_token_id])
-    assert speculative_generate(t.model, drafter, ids, 32, [t.tokenizer.eos_token_id]).tokens == ref.tokens
+    assert (
+        speculative_generate(t.model, drafter, ids, 32, [t.tokenizer.eos_token_id]).tokens
+        == ref.tokens
+    )
 
     head_dir = train_dflash(tiny_dirs, tiny_data, tmp_path / "run", "head.dflash.lm_head=target")
     curve = losses(tmp_path / "run")
     assert curve[-1][1] < curve[0][1]  # it learns through the frozen read-out
     config = json.loads((head_dir / "config.json").read_text())
-    assert config["head"]["lm_head"] == "target" and config["draft_vocab_size"] == config["vocab_size"]
+    assert (
+        config["head"]["lm_head"] == "target" and config["draft_vocab_size"] == config["vocab_size"]
+    )
     cfg = float64_run(tiny_dirs["llama"])
     decoder = SpeculativeDecoder.load(head_dir, cfg).with_drafter("neural")
     result = decoder.chat("Question 3: what is 3 plus 4?", 24)
@@ -258,16 +289,19 @@ def test_dflash_reading_out_through_the_target_lm_head(tiny_dirs, tiny_data, tmp
         out = export_head(head_dir, fmt, tmp_path / fmt)
         _, engine_cfg, tensors = read_export(out)
         assert engine_cfg["architectures"] == ["DFlashDraftModel"]
-        assert "draft_vocab_size" not in engine_cfg  # both engines then take the target's vocabulary
+        # both engines then take the target's vocabulary
+        assert "draft_vocab_size" not in engine_cfg
         assert not {"lm_head.weight", "d2t", "t2d"} & set(tensors)
         assert engine_cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]
         assert engine_cfg["block_size"] == 4
         back = load_export(out)
         assert back.cfg.lm_head == "target" and set(back.state_dict()) == set(native)
-    assert engine_cfg["dflash_config"].get("num_target_layers") is None  # vLLM's export: its own keys only
+    # vLLM's export: its own keys only
+    assert engine_cfg["dflash_config"].get("num_target_layers") is None
     _, sglang_cfg, _ = read_export(tmp_path / "sglang")
     assert (
-        sglang_cfg["dflash_config"]["num_target_layers"] == config["target_fingerprint"]["num_hidden_layers"]
+        sglang_cfg["dflash_config"]["num_target_layers"]
+        == config["target_fingerprint"]["num_hidden_layers"]
     )
     hint = serve_hint("sglang", sglang_cfg, tmp_path / "sglang")
     assert "--speculative-algorithm DFLASH" in hint and "--speculative-num-draft-tokens 4" in hint

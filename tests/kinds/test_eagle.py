@@ -1,5 +1,5 @@
-"""EAGLE-1 and EAGLE-3: exact decoding over dynamic trees, a drafter cache that matches the accepted text,
-training-time test with the inference-time attention, training and round trip."""
+"""EAGLE-1 and EAGLE-3: exact decoding over dynamic trees, a drafter cache that matches the accepted
+text, training-time test with the inference-time attention, training and round trip."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
 
 def random_head(t, kind: str, seed: int = 0, draft_layer: str = "target"):
-    """An untrained head of `kind` for target `t`, float64, with random (not zero) weights; its draft layer is
-    the target's own class unless draft_layer=llama."""
+    """An untrained head of `kind` for target `t`, float64, with random (not zero) weights; its
+    draft layer is the target's own class unless draft_layer=llama."""
     torch.manual_seed(seed)
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     if kind == "eagle3":
@@ -37,7 +37,9 @@ def random_head(t, kind: str, seed: int = 0, draft_layer: str = "target"):
         d2t = torch.sort(torch.randperm(V)[:96]).values
     else:
         cfg, d2t = EagleConfig(draft_layer=draft_layer), None
-    heads = build_head(kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, draft_layer))
+    heads = build_head(
+        kind, cfg, h, V, d2t=d2t, layer_config=draft_layer_config(t.model.config, draft_layer)
+    )
     heads.init_from_target(t.model)
     heads.attach_target(t.model)
     return heads.double().eval()
@@ -61,7 +63,8 @@ def test_untrained_eagle_heads_are_exact(tiny_dirs, arch: str, kind: str):
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
     """After decoding, the drafter's state equals one fresh causal pass over everything it was told:
-    the tree expansions left nothing behind and every accepted position has the target's real feature."""
+    the tree expansions left nothing behind and every accepted position has the target's real
+    feature."""
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, kind)
     drafter = EagleDrafter(heads, t.config.num_hidden_layers, 4, 4, 12)
@@ -77,7 +80,10 @@ def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
         n = len(told) - 1
         mask = drafter_mask(torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64)
         fresh = heads(
-            torch.tensor([told[1:]]), heads.project(feats.unsqueeze(0)), torch.arange(n).unsqueeze(0), mask
+            torch.tensor([told[1:]]),
+            heads.project(feats.unsqueeze(0)),
+            torch.arange(n).unsqueeze(0),
+            mask,
         )
     assert drafter.committed == n
     torch.testing.assert_close(drafter.last_out, fresh[0, -1], rtol=1e-9, atol=1e-9)
@@ -85,10 +91,12 @@ def test_drafter_cache_matches_the_accepted_text(tiny_dirs, kind: str):
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, arch: str, kind: str):
-    """The drafter layer's preallocated cache (llama-style families; others keep transformers' cache) proposes
-    the same candidates with the same scores at every step as transformers' DynamicCache, through growth past
-    its first buffer and the truncation after every expansion."""
+def test_static_drafter_cache_drafts_what_transformers_cache_drafts(
+    tiny_dirs, arch: str, kind: str
+):
+    """The drafter layer's preallocated cache (llama-style families; others keep transformers'
+    cache) proposes the same candidates with the same scores at every step as transformers'
+    DynamicCache, through growth past its first buffer and the truncation after every expansion."""
     from headway.inference.engines.static.runner import StaticLayerCache
 
     t = load64(tiny_dirs[arch])
@@ -96,7 +104,8 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
     runs = {}
     for static in (True, False):
         drafter = EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8, static=static)
-        if static and arch != "gemma3":  # a small first buffer: the prompt and the expansions must grow it
+        # a small first buffer: the prompt and the expansions must grow it
+        if static and arch != "gemma3":
             drafter._new_cache = lambda: StaticLayerCache(heads.decoder, capacity=8)
         seen: list = []
         draft = drafter.draft
@@ -104,7 +113,9 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
         ids = chat_ids(t, "Tell me a story about a fox and a crow.")
         out = speculative_generate(t.model, drafter, ids, 48, [])
         runs[static] = (out.tokens, seen)
-        assert isinstance(EagleDrafter._new_cache(drafter), StaticLayerCache) == (static and arch != "gemma3")
+        assert isinstance(EagleDrafter._new_cache(drafter), StaticLayerCache) == (
+            static and arch != "gemma3"
+        )
     assert runs[True][0] == runs[False][0]
     assert len(runs[True][1]) == len(runs[False][1])
     for (tok_s, sc_s, par_s, _), (tok_d, sc_d, par_d, _) in zip(runs[True][1], runs[False][1]):
@@ -114,8 +125,9 @@ def test_static_drafter_cache_drafts_what_transformers_cache_drafts(tiny_dirs, a
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: str):
-    """The EAGLE-3 draft layer as one C++ layer-loop call gives the Python step's bits (float64), and with the
-    fused bf16 kernels stays within bf16 rounding of it, over a prompt and a tree expansion after it."""
+    """The EAGLE-3 draft layer as one C++ layer-loop call gives the Python step's bits (float64),
+    and with the fused bf16 kernels stays within bf16 rounding of it, over a prompt and a tree
+    expansion after it."""
     from headway.inference.engines.static.runner import StaticLayerCache
 
     t = load64(tiny_dirs[arch])
@@ -124,11 +136,19 @@ def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: st
     for dtype in (torch.float64, torch.bfloat16):
         heads = random_head(t, "eagle3").to(dtype)
         torch.manual_seed(3)
-        prompt, hidden = torch.randint(0, 96, (1, 6)), torch.randn(1, 6, h, dtype=torch.float64).to(dtype)
-        tree, tree_hidden = torch.randint(0, 96, (1, 3)), torch.randn(1, 3, h, dtype=torch.float64).to(dtype)
+        prompt, hidden = (
+            torch.randint(0, 96, (1, 6)),
+            torch.randn(1, 6, h, dtype=torch.float64).to(dtype),
+        )
+        tree, tree_hidden = (
+            torch.randint(0, 96, (1, 3)),
+            torch.randn(1, 3, h, dtype=torch.float64).to(dtype),
+        )
         causal = torch.ones(6, 6, dtype=torch.bool).tril().unsqueeze(0)
         # three rows at position 6, each seeing the prompt and itself
-        allowed = torch.cat([torch.ones(1, 3, 6, dtype=torch.bool), torch.eye(3, dtype=torch.bool)[None]], -1)
+        allowed = torch.cat(
+            [torch.ones(1, 3, 6, dtype=torch.bool), torch.eye(3, dtype=torch.bool)[None]], -1
+        )
         for path in ("python", "cpp"):
             cache = StaticLayerCache(heads.decoder, capacity=4)  # the prompt grows it
             if cache.loop is None:
@@ -137,10 +157,18 @@ def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: st
                 cache.loop = None
             with torch.no_grad():
                 first = heads(
-                    heads.d2t[prompt], hidden, torch.arange(6)[None], drafter_mask(causal, dtype), cache
+                    heads.d2t[prompt],
+                    hidden,
+                    torch.arange(6)[None],
+                    drafter_mask(causal, dtype),
+                    cache,
                 )
                 second = heads(
-                    heads.d2t[tree], tree_hidden, torch.full((1, 3), 6), drafter_mask(allowed, dtype), cache
+                    heads.d2t[tree],
+                    tree_hidden,
+                    torch.full((1, 3), 6),
+                    drafter_mask(allowed, dtype),
+                    cache,
                 )
             outs[dtype, path] = torch.cat([first, second], 1)
     assert torch.equal(outs[torch.float64, "cpp"], outs[torch.float64, "python"])
@@ -151,8 +179,8 @@ def test_draft_layer_in_the_cpp_loop_runs_as_the_python_step(tiny_dirs, arch: st
 
 
 def test_training_time_test_sees_what_inference_sees(tiny_dirs):
-    """Step j of the unrolled drafter at position t equals drafting a chain j steps past t at inference,
-    and depends on nothing later: tokens up to t+1+j and features up to t."""
+    """Step j of the unrolled drafter at position t equals drafting a chain j steps past t at
+    inference, and depends on nothing later: tokens up to t+1+j and features up to t."""
     from transformers import DynamicCache
 
     t = load64(tiny_dirs["llama"])
@@ -171,15 +199,27 @@ def test_training_time_test_sees_what_inference_sees(tiny_dirs):
         ):  # inference: commit 0..pos with real features, then extend a chain of true tokens
             cache = DynamicCache(config=heads.decoder.config)
             n = pos + 1
-            causal = drafter_mask(torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64)
+            causal = drafter_mask(
+                torch.ones(n, n, dtype=torch.bool).tril().unsqueeze(0), torch.float64
+            )
             out = heads(
-                ids[:, 1 : n + 1], heads.project(feats[:, :n]), torch.arange(n).unsqueeze(0), causal, cache
+                ids[:, 1 : n + 1],
+                heads.project(feats[:, :n]),
+                torch.arange(n).unsqueeze(0),
+                causal,
+                cache,
             )
             hidden = out[:, -1:]
             torch.testing.assert_close(hidden[0, 0], outs[0][0, pos])
             for j in range(1, steps):
                 mask = drafter_mask(torch.ones(1, 1, n + j, dtype=torch.bool), torch.float64)
-                out = heads(ids[:, pos + 1 + j : pos + 2 + j], hidden, torch.tensor([[pos + j]]), mask, cache)
+                out = heads(
+                    ids[:, pos + 1 + j : pos + 2 + j],
+                    hidden,
+                    torch.tensor([[pos + j]]),
+                    mask,
+                    cache,
+                )
                 torch.testing.assert_close(out[0, 0], outs[j][0, pos])
                 hidden = out
         later_ids, later_feats = ids.clone(), feats.clone()
@@ -191,7 +231,8 @@ def test_training_time_test_sees_what_inference_sees(tiny_dirs):
         torch.testing.assert_close(
             moved_ids[j][0, : 9 - 1 - j], outs[j][0, : 9 - 1 - j]
         )  # tokens <= t+1+j < 9
-        assert not torch.allclose(moved_ids[j][0, 8 - j], outs[j][0, 8 - j])  # reads token 9 at t = 8 - j
+        # reads token 9 at t = 8 - j
+        assert not torch.allclose(moved_ids[j][0, 8 - j], outs[j][0, 8 - j])
         torch.testing.assert_close(moved_feats[j][0, :9], outs[j][0, :9])  # features <= t < 9
 
 
@@ -236,11 +277,14 @@ def test_trained_eagle_head_learns_round_trips_and_decodes_exactly(
     cfg = float64_run(tiny_dirs["llama"], "inference.max_new_tokens=24")
     decoder = SpeculativeDecoder.load(head_dir, cfg)
     decoder.warm_up()
-    assert not decoder.drafter.calibration.rates  # the warm-up decoded through a throwaway copy of the hybrid
+    # the warm-up decoded through a throwaway copy of the hybrid
+    assert not decoder.drafter.calibration.rates
     result = decoder.chat("Question 3: what is 3 plus 4?")
     assert result.spec.tokens == result.plain.tokens
     assert result.spec.tau > 1.0  # the tiny target repeats itself; a trained drafter sees it
-    other = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False)
+    other = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False
+    )
     with pytest.raises(HeadwayError, match="was made for target"):
         load_head(head_dir, other.fingerprint)
 
@@ -288,7 +332,11 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
     train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "online", *extra))
     train(
         small_run(
-            tiny_dirs["llama"], tiny_data, tmp_path / "offline", *extra, f"train.features_dir=[{feats}]"
+            tiny_dirs["llama"],
+            tiny_data,
+            tmp_path / "offline",
+            *extra,
+            f"train.features_dir=[{feats}]",
         )
     )
     online, offline = losses(tmp_path / "online"), losses(tmp_path / "offline")
@@ -313,14 +361,18 @@ def test_offline_features_give_the_online_loss(tiny_dirs, tiny_data, tmp_path: P
     with pytest.raises(HeadwayError, match=rf"feature shard .*{shard.name} is missing or damaged"):
         train(
             small_run(
-                tiny_dirs["llama"], tiny_data, tmp_path / "again", *extra, f"train.features_dir=[{feats}]"
+                tiny_dirs["llama"],
+                tiny_data,
+                tmp_path / "again",
+                *extra,
+                f"train.features_dir=[{feats}]",
             )
         )
 
 
 def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
-    """Data cached in groups (one cache per dataset) trains as one cache would; a dataset no cache holds
-    is named."""
+    """Data cached in groups (one cache per dataset) trains as one cache would; a dataset no cache
+    holds is named."""
     import shutil
 
     from headway.config import load_config
@@ -370,20 +422,27 @@ def test_features_from_several_caches(tiny_dirs, tiny_data, tmp_path: Path):
     with pytest.raises(HeadwayError, match=rf"not from \['{second}'\]"):
         train(
             small_run(
-                tiny_dirs["llama"], tiny_data, tmp_path / "x", *extra, f"train.features_dir=[{caches[0]}]"
+                tiny_dirs["llama"],
+                tiny_data,
+                tmp_path / "x",
+                *extra,
+                f"train.features_dir=[{caches[0]}]",
             )
         )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_eagle31_heads_are_exact(tiny_dirs, arch: str):
-    """EAGLE-3.1's norms (input norms before fc, the normed output fed back) draft through the same tree code:
-    greedy output equals plain decoding, float64, on each architecture, with the norms' weights random."""
+    """EAGLE-3.1's norms (input norms before fc, the normed output fed back) draft through the same
+    tree code: greedy output equals plain decoding, float64, on each architecture, with the norms'
+    weights random."""
     t = load64(tiny_dirs[arch])
     L, h, V = t.config.num_hidden_layers, t.config.hidden_size, t.config.vocab_size
     for input_norm, norm_output in (("per_layer", True), ("concat", False)):
         torch.manual_seed(0)
-        cfg = Eagle3Config(draft_vocab_size=96, ttt_steps=3, input_norm=input_norm, norm_output=norm_output)
+        cfg = Eagle3Config(
+            draft_vocab_size=96, ttt_steps=3, input_norm=input_norm, norm_output=norm_output
+        )
         cfg.feature_layers = Eagle3Head.feature_layers(cfg, L)
         d2t = torch.sort(torch.randperm(V)[:96]).values
         heads = build_head(
@@ -404,9 +463,11 @@ def test_eagle31_heads_are_exact(tiny_dirs, arch: str):
             assert spec.tokens == ref.tokens, (arch, input_norm, norm_output)
 
 
-def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_data, tmp_path: Path, caplog):
-    """train.init_from a plain EAGLE-3 head with EAGLE-3.1's norms turned on: every weight starts as the
-    head's, the added norms at ones; it trains, resumes, and its directory records the norms."""
+def test_an_eagle3_head_continues_as_eagle31_from_its_weights(
+    tiny_dirs, tiny_data, tmp_path: Path, caplog
+):
+    """train.init_from a plain EAGLE-3 head with EAGLE-3.1's norms turned on: every weight starts as
+    the head's, the added norms at ones; it trains, resumes, and its directory records the norms."""
     from headway.train.loop import train
     from headway.train.setup_heads import heads_from
 
@@ -427,11 +488,16 @@ def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_da
     target = load_target(cfg.target)
     with caplog.at_level("INFO", logger="headway"):
         grown = heads_from(cfg.head, cfg.train.init_from, target)
-    assert "head.eagle3.input_norm, head.eagle3.norm_output start at their initial weights" in caplog.text
+    assert (
+        "head.eagle3.input_norm, head.eagle3.norm_output start at their initial weights"
+        in caplog.text
+    )
     old = load_head(first, target.fingerprint)
     for k, v in old.state_dict().items():
         assert torch.equal(grown.state_dict()[k], v), k
-    assert all(bool((p == 1).all()) for n, p in grown.named_parameters() if n.startswith("fc_norm."))
+    assert all(
+        bool((p == 1).all()) for n, p in grown.named_parameters() if n.startswith("fc_norm.")
+    )
     head = train(cfg)
     assert json.loads((head / "config.json").read_text())["head"]["input_norm"] == "per_layer"
     assert all(v == v for _, v in losses(tmp_path / "v31"))  # finite
@@ -441,5 +507,6 @@ def test_an_eagle3_head_continues_as_eagle31_from_its_weights(tiny_dirs, tiny_da
     smaller = small_run(
         tiny_dirs["llama"], tiny_data, tmp_path / "x", *more, "head.eagle3.draft_vocab_size=32"
     )
-    with pytest.raises(HeadwayError, match="draft_vocab_size=64"):  # a shape-defining change is still refused
+    # a shape-defining change is still refused
+    with pytest.raises(HeadwayError, match="draft_vocab_size=64"):
         heads_from(smaller.head, smaller.train.init_from, target)

@@ -1,4 +1,5 @@
-"""Medusa training: label alignment, the loss against hand-computed values, resume equivalence, round trip."""
+"""Medusa training: label alignment, the loss against hand-computed values, resume equivalence,
+round trip."""
 
 from __future__ import annotations
 
@@ -98,8 +99,11 @@ def test_resumed_run_continues_the_same_curve(
     with pytest.raises(KeyboardInterrupt):
         loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", *extra))
     monkeypatch.setattr(resume, "save_checkpoint", real_save)
-    loop.train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", "train.resume_from=auto", *extra))
-    assert losses(tmp_path / "cut") == ref  # steps 1-3 before the crash, 4-6 after the resume: identical
+    loop.train(
+        train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "cut", "train.resume_from=auto", *extra)
+    )
+    # steps 1-3 before the crash, 4-6 after the resume: identical
+    assert losses(tmp_path / "cut") == ref
     a = load_head(full, None)
     b = load_head(tmp_path / "cut" / "head", None)
     for k, v in a.state_dict().items():
@@ -109,17 +113,23 @@ def test_resumed_run_continues_the_same_curve(
 
         lora_a = load_file(str(full / "lora" / "adapter_model.safetensors"))
         lora_b = load_file(str(tmp_path / "cut" / "head" / "lora" / "adapter_model.safetensors"))
-        assert lora_a.keys() == lora_b.keys() and all(torch.equal(lora_a[k], lora_b[k]) for k in lora_a)
-        assert any("lora_B" in k and lora_a[k].abs().sum() > 0 for k in lora_a)  # the adapters did train
+        assert lora_a.keys() == lora_b.keys() and all(
+            torch.equal(lora_a[k], lora_b[k]) for k in lora_a
+        )
+        # the adapters did train
+        assert any("lora_B" in k and lora_a[k].abs().sum() > 0 for k in lora_a)
 
 
 def test_medusa2_decodes_the_adapted_target_exactly(tiny_dirs, tiny_data, tmp_path: Path):
     from headway.inference.api import SpeculativeDecoder
     from headway.train.loop import train
 
-    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "m2", *MEDUSA2, "train.max_steps=4"))
+    head_dir = train(
+        train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "m2", *MEDUSA2, "train.max_steps=4")
+    )
     rows = [json.loads(line) for line in (tmp_path / "m2" / "log.jsonl").read_text().splitlines()]
-    assert "loss/distill" not in rows[0] and "loss/distill" in rows[-2]  # heads alone first, then adapters
+    # heads alone first, then adapters
+    assert "loss/distill" not in rows[0] and "loss/distill" in rows[-2]
     assert json.loads((head_dir / "config.json").read_text())["adapted_target"] == "lora"
     cfg = float64_run(
         tiny_dirs["llama"], "inference.max_new_tokens=16", "inference.tree=[[0],[1],[0,0],[0,0,0]]"
@@ -144,16 +154,24 @@ def test_medusa2_decodes_the_adapted_target_exactly(tiny_dirs, tiny_data, tmp_pa
 def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_path: Path):
     from headway.train.loop import train
 
-    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=4"))
+    head_dir = train(
+        train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=4")
+    )
     config = json.loads((head_dir / "config.json").read_text())
     assert (
-        config["kind"] == "medusa" and config["draft_vocab_size"] == 64 and config["head"]["num_heads"] == 3
+        config["kind"] == "medusa"
+        and config["draft_vocab_size"] == 64
+        and config["head"]["num_heads"] == 3
     )
     target = load_target(
-        TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64")
+        TargetConfig(
+            name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, dtype="float64"
+        )
     )
     heads = load_head(head_dir, target.fingerprint, dtype=torch.float64)
-    drafter = MedusaDrafter(heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]), target.config.num_hidden_layers)
+    drafter = MedusaDrafter(
+        heads, build_tree([[0], [1], [0, 0], [0, 0, 0]]), target.config.num_hidden_layers
+    )
     ids = target.tokenizer(
         "<|im_start|>user\nQuestion 3: what is 3 plus 4?<|im_end|>\n<|im_start|>assistant\n",
         add_special_tokens=False,
@@ -163,7 +181,9 @@ def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_
         speculative_generate(target.model, drafter, ids, 30, stop).tokens
         == greedy_generate(target.model, ids, 30, stop).tokens
     )
-    other = load_target(TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False)
+    other = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu"), with_model=False
+    )
     with pytest.raises(
         HeadwayError,
         match=rf"was made for target {target.fingerprint['id']} but the loaded target is "
@@ -173,8 +193,9 @@ def test_trained_head_round_trips_and_decodes_exactly(tiny_dirs, tiny_data, tmp_
 
 
 def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_path: Path, caplog):
-    """train.loss, train.decay and train.lora (before issue 54) are read as head.medusa.*, from a file or the
-    command line, with a warning naming the new key; the config saved from it uses the new keys."""
+    """train.loss, train.decay and train.lora (before issue 54) are read as head.medusa.*, from a
+    file or the command line, with a warning naming the new key; the config saved from it uses the
+    new keys."""
     old = tmp_path / "old.yaml"
     old.write_text(
         "head:\n  kind: medusa\n"
@@ -202,20 +223,24 @@ def test_medusa_settings_under_their_old_train_keys_load_into_head_medusa(tmp_pa
         HeadwayError, match=r"\(head.medusa.lora.enabled\): its LoRA target must run in every step"
     ):
         load_config(
-            RunConfig, None, ["head.kind=medusa", "train.lora.enabled=true", "train.features_dir=[x]"]
+            RunConfig,
+            None,
+            ["head.kind=medusa", "train.lora.enabled=true", "train.features_dir=[x]"],
         )
 
 
 def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path):
-    """A run whose config.yaml was saved with train.loss, train.decay and train.lora resumes under the same
-    settings as head.medusa.*; a changed LoRA setting is refused, a changed loss or decay is allowed (as
-    it was)."""
+    """A run whose config.yaml was saved with train.loss, train.decay and train.lora resumes under
+    the same settings as head.medusa.*; a changed LoRA setting is refused, a changed loss or decay
+    is allowed (as it was)."""
     from headway.train.resume import check_same_run
 
     cfg = load_config(RunConfig, None, [*MEDUSA2, "head.medusa.loss=kl"])
     saved = OmegaConf.to_container(OmegaConf.structured(cfg))
     medusa = saved["head"]["medusa"]
-    saved["train"].update(loss=medusa.pop("loss"), decay=medusa.pop("decay"), lora=medusa.pop("lora"))
+    saved["train"].update(
+        loss=medusa.pop("loss"), decay=medusa.pop("decay"), lora=medusa.pop("lora")
+    )
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(saved))
     check_same_run(tmp_path / "config.yaml", cfg)
     check_same_run(
@@ -223,27 +248,34 @@ def test_a_resumed_run_reads_its_saved_config_under_the_old_keys(tmp_path: Path)
     )
     with pytest.raises(HeadwayError, match=r"\(head changed\)"):
         check_same_run(
-            tmp_path / "config.yaml", load_config(RunConfig, None, [*MEDUSA2, "head.medusa.lora.r=8"])
+            tmp_path / "config.yaml",
+            load_config(RunConfig, None, [*MEDUSA2, "head.medusa.lora.r=8"]),
         )
 
 
 @pytest.mark.parametrize("medusa2", [False, True])
-def test_a_medusa_head_saved_before_its_training_settings_moved_loads(tmp_path: Path, medusa2: bool):
-    """A head directory written before head.medusa held loss, decay and lora (its config.json has none of
-    them; a Medusa-2 one says adapted_target) loads with the defaults, LoRA on for Medusa-2; a new one keeps
-    its own."""
+def test_a_medusa_head_saved_before_its_training_settings_moved_loads(
+    tmp_path: Path, medusa2: bool
+):
+    """A head directory written before head.medusa held loss, decay and lora (its config.json has
+    none of them; a Medusa-2 one says adapted_target) loads with the defaults, LoRA on for Medusa-2;
+    a new one keeps its own."""
     from headway.heads.config import LoraConfig, MedusaConfig
     from headway.kinds.checkpoint import save_head
     from headway.kinds.registry import build_head
 
     lora = LoraConfig(enabled=medusa2, r=4, target_modules=["q_proj"])
-    cfg = MedusaConfig(num_heads=2, lm_head="reduced", draft_vocab_size=16, loss="kl", decay=0.5, lora=lora)
+    cfg = MedusaConfig(
+        num_heads=2, lm_head="reduced", draft_vocab_size=16, loss="kl", decay=0.5, lora=lora
+    )
     torch.manual_seed(0)
     heads = build_head("medusa", cfg, 8, 32)
     for p in heads.parameters():
         torch.nn.init.normal_(p)
     fingerprint = {"id": "tiny"}
-    new = save_head(heads, tmp_path / "new", fingerprint, {"adapted_target": "lora"} if medusa2 else {})
+    new = save_head(
+        heads, tmp_path / "new", fingerprint, {"adapted_target": "lora"} if medusa2 else {}
+    )
     assert load_head(new, fingerprint).cfg == cfg  # saved with the head: config.json holds them
     config = json.loads((new / "config.json").read_text())
     for key in ("loss", "decay", "lora"):
@@ -253,7 +285,11 @@ def test_a_medusa_head_saved_before_its_training_settings_moved_loads(tmp_path: 
     (old / "config.json").write_text(json.dumps(config))
     (old / "model.safetensors").write_bytes((new / "model.safetensors").read_bytes())
     again = load_head(old, fingerprint)
-    assert (again.cfg.loss, again.cfg.decay, again.cfg.lora) == ("ce", 0.8, LoraConfig(enabled=medusa2))
+    assert (again.cfg.loss, again.cfg.decay, again.cfg.lora) == (
+        "ce",
+        0.8,
+        LoraConfig(enabled=medusa2),
+    )
     for k, v in heads.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v, rtol=0, atol=0)
 
@@ -261,11 +297,15 @@ def test_a_medusa_head_saved_before_its_training_settings_moved_loads(tmp_path: 
 def test_dataset_from_another_target_is_refused(tiny_dirs, tiny_data, tmp_path: Path):
     from headway.train.loop import train
 
-    with pytest.raises(HeadwayError, match=r"dataset .* was made by target .* not the configured target"):
+    with pytest.raises(
+        HeadwayError, match=r"dataset .* was made by target .* not the configured target"
+    ):
         train(train_cfg(tiny_dirs["mistral"], tiny_data, tmp_path / "run"))
     with pytest.raises(HeadwayError, match="no training data"):
         train(
-            load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"])
+            load_config(
+                RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "target.device=cpu"]
+            )
         )
 
 
@@ -273,13 +313,16 @@ def test_training_measures_rank_accuracy_for_the_tree_builder(tiny_dirs, tiny_da
     from headway.inference.api import SpeculativeDecoder
     from headway.train.loop import train
 
-    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2"))
+    head_dir = train(
+        train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2")
+    )
     acc = json.loads((head_dir / "config.json").read_text())["rank_accuracy"]
     assert len(acc) == 3 and len(acc[0]) == 8 and all(0 <= a <= 1 for row in acc for a in row)
     assert all(sum(row) <= 1 + 1e-6 for row in acc)  # at most one rank can be right
     cfg = float64_run(tiny_dirs["llama"], "inference.tree_nodes=6", "inference.max_new_tokens=12")
     decoder = SpeculativeDecoder.load(head_dir, cfg)
-    assert decoder.drafter.neural.tree.size == 7  # the hybrid drafter's neural half is the tree built from it
+    # the hybrid drafter's neural half is the tree built from it
+    assert decoder.drafter.neural.tree.size == 7
     result = decoder.chat("Question 1: what is 1 plus 2?")
     assert result.spec.tokens == result.plain.tokens
 
@@ -290,7 +333,9 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
 
     from headway.train.loop import train
 
-    head_dir = train(train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2"))
+    head_dir = train(
+        train_cfg(tiny_dirs["llama"], tiny_data, tmp_path / "run", "train.max_steps=2")
+    )
     prompts = tmp_path / "mt.jsonl"
     prompts.write_text(
         "".join(
@@ -334,14 +379,19 @@ def test_bench_command_reports_and_writes(tiny_dirs, tiny_data, tmp_path: Path):
         > result["per_prompt"][0]["prompt_tokens"] + result["per_prompt"][0]["plain"]["tokens"]
     )
     others = ["headway_neural", "headway_ngram", "hf_generate", "hf_prompt_lookup"]
-    assert result["methods"] == ["plain", *others, "speculative"]  # speculative: the default hybrid drafter
-    assert result["settings"]["drafter"]["drafter"] == "hybrid" and result["settings"]["drafter"]["tree"] == [
+    # speculative: the default hybrid drafter
+    assert result["methods"] == ["plain", *others, "speculative"]
+    assert result["settings"]["drafter"]["drafter"] == "hybrid" and result["settings"]["drafter"][
+        "tree"
+    ] == [
         [0],
         [1],
         [0, 0],
     ]
     # float64: every method writes exactly plain greedy's tokens
-    assert o["match_rate"] == 1.0 and o["matches_plain"] == {m: 1.0 for m in [*others, "speculative"]}
+    assert o["match_rate"] == 1.0 and o["matches_plain"] == {
+        m: 1.0 for m in [*others, "speculative"]
+    }
     assert set(o["speedup_over"]) == {"plain", *others}
     # tau of every Headway method that verifies drafts (HF's decoders report no target forwards)
     assert set(o["tau_by_method"]) == {"headway_neural", "headway_ngram", "speculative"}

@@ -1,6 +1,6 @@
-"""The prepared GPU check (scripts/gpu/gpu_check.sh) runs its every step on the CPU with tiny budgets
-(--dry-run, its limits those of scripts/gpu/limits.env), so that the script a GPU run makes within its
-budget cannot rot."""
+"""The prepared GPU check (scripts/gpu/gpu_check.sh) runs its every step on the CPU with tiny
+budgets (--dry-run, its limits those of scripts/gpu/limits.env), so that the script a GPU run makes
+within its budget cannot rot."""
 
 from __future__ import annotations
 
@@ -42,8 +42,9 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     cudnn = [r for r in records if r["step"] == "cudnn"]
     assert [r["cudnn_sdpa_deprioritized"] for r in cudnn] == ["", "1"]
     assert all(r["plain_ms_per_step"] > 0 and r["verify16_ms_median"] > 0 for r in cudnn)
-    # the CUDA backend: a replay time per row count, and its device loop's host reads: one per speculative
-    # step, none inside a captured region (what the fake-CUDA run counts, here on CPU tensors)
+    # the CUDA backend: a replay time per row count, and its device loop's host reads: one per
+    # speculative step, none inside a captured region (what the fake-CUDA run counts, here on CPU
+    # tensors)
     backend = [r for r in records if r["step"] == "backend"]
     assert [r["rows"] for r in backend if r["kind"] == "replay"] == [1, 16, 48, 64]
     fake = [r for r in backend if r["kind"] == "fake_cuda"]
@@ -68,7 +69,8 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
     assert {(r["dtype"], r["engine"]) for r in exact if r["model"] == "default-target"} == {
         (d, e) for d in ("float32", "bfloat16") for e in ("hf", "static", "cuda")
     }
-    # on a CPU, bf16 verification on the static engine is row-exact: every output equals plain greedy decoding
+    # on a CPU, bf16 verification on the static engine is row-exact: every output equals plain
+    # greedy decoding
     for r in exact:
         if r["dtype"] == "bfloat16" and r["engine"] == "static":
             assert r["equal"] == r["prompts"], r
@@ -98,9 +100,9 @@ def test_gpu_check_dry_run_writes_every_steps_figures(tmp_path):
 
 
 def test_a_step_past_its_deadline_stops_between_units_and_says_how_far_it_got(tmp_path):
-    """A GPU step whose limit is too small for the machine's speed ends itself at a unit boundary, with a row
-    saying how many of its planned units it did, instead of being killed mid-unit by its shell limit (a unit
-    started before the deadline runs whole)."""
+    """A GPU step whose limit is too small for the machine's speed ends itself at a unit boundary,
+    with a row saying how many of its planned units it did, instead of being killed mid-unit by its
+    shell limit (a unit started before the deadline runs whole)."""
     results = tmp_path / "r.jsonl"
     done = subprocess.run(
         [
@@ -120,7 +122,8 @@ def test_a_step_past_its_deadline_stops_between_units_and_says_how_far_it_got(tm
     )
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    # the first unit (the tiny Llama in float32, on each engine) runs whole; the step stops before the second
+    # the first unit (the tiny Llama in float32, on each engine) runs whole; the step stops before
+    # the second
     *first, stop = rows
     assert first and all((r["model"], r["dtype"]) == ("tiny-llama", "float32") for r in first), rows
     assert stop == {**stop, "stopped_at_deadline": True, "units_done": 1, "units_planned": 10}

@@ -1,5 +1,6 @@
 """The prepared GPU training run (scripts/gpu/gpu_train.sh) runs its every step on the CPU with tiny
-budgets (--dry-run): a head made from the shipped one and brought back in parts no larger, and no more, than
+budgets (--dry-run): a head made from the shipped one and brought back in parts no larger, and no
+    more, than
 scripts/gpu/limits.env allows, so the script a GPU run makes within its budget cannot rot."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ ROOT = ROOT_DIR
 
 
 def _limits(env: dict[str, str], *names: str) -> list[str]:
-    """The values of `names` in scripts/gpu/limits.env, as the run saw them (with `env`'s overrides)."""
+    """The values of `names` in scripts/gpu/limits.env, as the run saw them (with `env`'s
+    overrides)."""
     script = "source scripts/gpu/limits.env; " + "; ".join(f'echo "${n}"' for n in names)
     done = subprocess.run(
         ["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, check=True
@@ -70,8 +72,8 @@ def test_gpu_train_dry_run_makes_a_head_and_brings_it_back_in_parts(tmp_path):
         and sets["dev"]["engine"] == "static"
     )
     assert any(r.get("kind") == "eval" and "eval/tau/chain" in r for r in records)
-    # the head comes back in parts of at most GPU_PART_MIB, in at most GPU_MAX_FILES files (limits.env), which
-    # join into the exported head and its run's record
+    # the head comes back in parts of at most GPU_PART_MIB, in at most GPU_MAX_FILES files
+    # (limits.env), which join into the exported head and its run's record
     part_mib, max_files = _limits(env, "GPU_PART_MIB", "GPU_MAX_FILES")
     parts = sorted(out.glob("head.tar.part*"))
     assert parts and all(p.stat().st_size <= float(part_mib) * 2**20 for p in parts)

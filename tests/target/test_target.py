@@ -7,7 +7,12 @@ import torch
 
 from headway.errors import HeadwayError
 from headway.target.config import TargetConfig
-from headway.target.loading import compute_fingerprint, export_target, fingerprint_mismatch, load_target
+from headway.target.loading import (
+    compute_fingerprint,
+    export_target,
+    fingerprint_mismatch,
+    load_target,
+)
 
 
 def cfg_for(path: Path, **kw) -> TargetConfig:
@@ -25,10 +30,14 @@ def test_load_tiny_targets_of_every_arch(tiny_dirs):
             and fp["num_hidden_layers"] == 4
             and fp["vocab_size"] == t.config.vocab_size >= len(t.tokenizer)
         )
-        assert fp == load_target(cfg_for(path), with_model=False).fingerprint  # same with or without weights
+        # same with or without weights
+        assert fp == load_target(cfg_for(path), with_model=False).fingerprint
         fps[arch] = fp
     assert len({fp["id"] for fp in fps.values()}) == len(fps)
-    assert fps["llama"]["architecture"] == "LlamaForCausalLM" and fps["gemma3"]["model_type"] == "gemma3_text"
+    assert (
+        fps["llama"]["architecture"] == "LlamaForCausalLM"
+        and fps["gemma3"]["model_type"] == "gemma3_text"
+    )
 
 
 def test_fingerprint_mismatch_names_fields(tiny_dirs):
@@ -53,7 +62,9 @@ def test_export_round_trip(tiny_dirs, tmp_path: Path):
     assert again.fingerprint == t.fingerprint
     ids = torch.tensor([[1, 5, 9, 30]])
     torch.testing.assert_close(again.model(ids).logits, t.model(ids).logits, rtol=0, atol=0)
-    bf16 = load_target(cfg_for(export_target(t, tmp_path / "bf16", dtype="bfloat16"), dtype="bfloat16"))
+    bf16 = load_target(
+        cfg_for(export_target(t, tmp_path / "bf16", dtype="bfloat16"), dtype="bfloat16")
+    )
     assert next(bf16.model.parameters()).dtype == torch.bfloat16
 
 

@@ -85,12 +85,17 @@ def test_an_unknown_kind_is_named():
 def test_a_head_trains_the_same_with_the_memory_settings(
     tiny_dirs, tiny_data, tmp_path, kind, attention, extra
 ):
-    """One micro-batch of each kind in float64: the chunked loss (and for EAGLE-1 and EAGLE-3 the recomputed
-    attention) gives the one-pass, structured loss, metrics and every head gradient."""
+    """One micro-batch of each kind in float64: the chunked loss (and for EAGLE-1 and EAGLE-3 the
+    recomputed attention) gives the one-pass, structured loss, metrics and every head gradient."""
     from dataclasses import replace
 
     from headway.train.step import plan_batch, step_loss
-    from tests.helpers.train_helpers import assert_same_training, loss_and_grads, recipe_parts, small_run
+    from tests.helpers.train_helpers import (
+        assert_same_training,
+        loss_and_grads,
+        recipe_parts,
+        small_run,
+    )
 
     cfg = small_run(
         tiny_dirs["llama"],
@@ -109,7 +114,9 @@ def test_a_head_trains_the_same_with_the_memory_settings(
         objective = OBJECTIVES[kind](model.heads.cfg, seed=0, loss_chunk=chunk, ttt_attention=how)
         from headway.train.distributed import HeadObjective
 
-        context = replace(model.context, objective=HeadObjective(model.heads, objective), plan=objective)
+        context = replace(
+            model.context, objective=HeadObjective(model.heads, objective), plan=objective
+        )
         planned = plan_batch(batch, 0, objective)
         results.append(loss_and_grads(model.heads, lambda: step_loss(context, planned, batch)))
     assert_same_training(*results)

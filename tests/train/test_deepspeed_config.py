@@ -1,5 +1,5 @@
-"""DeepSpeed configs: the shipped files are the presets, "auto" fields come from train.*, and a config that
-contradicts the run is refused by name (no DeepSpeed needed)."""
+"""DeepSpeed configs: the shipped files are the presets, "auto" fields come from train.*, and a
+config that contradicts the run is refused by name (no DeepSpeed needed)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ def test_auto_fields_come_from_the_run():
         ({"optimizer": {"type": "Adam"}}, r"remove its \"optimizer\" section"),
         ({"scheduler": {"type": "WarmupLR"}}, r"remove its \"scheduler\" section"),
         ({"fp16": {"enabled": True}}, r"fp16 is not supported"),
-        ({"bf16": {"enabled": True}}, r"bf16.enabled=True but train.autocast_dtype resolves to float32"),
+        (
+            {"bf16": {"enabled": True}},
+            r"bf16.enabled=True but train.autocast_dtype resolves to float32",
+        ),
     ],
 )
 def test_a_contradicting_config_is_refused_by_name(tmp_path: Path, edit: dict, message: str):
@@ -56,7 +59,8 @@ def test_a_contradicting_config_is_refused_by_name(tmp_path: Path, edit: dict, m
 
 def test_missing_or_broken_file_is_named(tmp_path: Path):
     with pytest.raises(
-        HeadwayError, match=r"nope.json does not exist; use a file such as configs/deepspeed/zero2.json"
+        HeadwayError,
+        match=r"nope.json does not exist; use a file such as configs/deepspeed/zero2.json",
     ):
         resolve_config(str(tmp_path / "nope.json"), TrainConfig(), 1, False)
     (tmp_path / "bad.json").write_text("{stage: 2")
@@ -72,9 +76,13 @@ def test_lora_with_deepspeed_is_refused():
         HeadwayError, match=r"head.medusa.lora.enabled.*train Medusa-2 with train.backend=ddp"
     ):
         load_config(
-            RunConfig, None, ["train.backend=deepspeed", "head.kind=medusa", "head.medusa.lora.enabled=true"]
+            RunConfig,
+            None,
+            ["train.backend=deepspeed", "head.kind=medusa", "head.medusa.lora.enabled=true"],
         )
     # the setting is Medusa's: another kind trains no adapters, whatever its section says
     load_config(
-        RunConfig, None, ["train.backend=deepspeed", "head.medusa.lora.enabled=true", "head.kind=eagle3"]
+        RunConfig,
+        None,
+        ["train.backend=deepspeed", "head.medusa.lora.enabled=true", "head.kind=eagle3"],
     )

@@ -1,8 +1,10 @@
-"""The analytic FLOP count behind throughput and MFU (train/flops.py) against torch's FlopCounterMode.
+"""The analytic FLOP count behind throughput and MFU (train/flops.py) against torch's
+FlopCounterMode.
 
-At the default target's real shapes (SmolLM2-135M: hidden 576, 30 layers, 9 query and 3 key/value heads, MLP
-1536, vocabulary 49152), on the meta device, so nothing is computed: a micro-batch's target forward plus
-each head kind's forward and backward, counted by FlopCounterMode, and by the count the run logs.
+At the default target's real shapes (SmolLM2-135M: hidden 576, 30 layers, 9 query and 3 key/value
+heads, MLP 1536, vocabulary 49152), on the meta device, so nothing is computed: a micro-batch's
+target forward plus each head kind's forward and backward, counted by FlopCounterMode, and by the
+count the run logs.
 """
 
 from __future__ import annotations
@@ -45,9 +47,9 @@ KINDS = {
 
 
 def target_on(device: str) -> SimpleNamespace:
-    """The default target's architecture as `build_heads` reads a target: on the meta device (no weights),
-    or on the CPU with its memory left uninitialised (a head copies weights from it; their values do not
-    matter here)."""
+    """The default target's architecture as `build_heads` reads a target: on the meta device (no
+    weights), or on the CPU with its memory left uninitialised (a head copies weights from it; their
+    values do not matter here)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(**SMOLLM2, attn_implementation="sdpa")
@@ -72,7 +74,9 @@ def samples(n: int, width: int, vocab: int) -> list[Sample]:
 
 
 @pytest.mark.parametrize("kind,lm_head", [(k, True) for k in sorted(KINDS)] + [("eagle3", False)])
-def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind: str, lm_head: bool):
+def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(
+    kind: str, lm_head: bool
+):
     """(lm_head False: train.target_argmax=data, the target's full lm_head skipped.)"""
     cfg = load_config(RunConfig, None, [f"head.kind={kind}", *KINDS[kind]])
     batch = samples(2, 512, SMOLLM2["vocab_size"])
@@ -94,12 +98,18 @@ def test_the_logged_flops_match_torchs_count_at_the_default_targets_shapes(kind:
     with FlopCounterMode(display=False) as flops:
         with torch.no_grad():
             layers = feature_layers(cfg.head, target)
-            hidden, logits = target_features(target.model, meta["input_ids"], layers, logits=lm_head)
+            hidden, logits = target_features(
+                target.model, meta["input_ids"], layers, logits=lm_head
+            )
         argmax = None if lm_head else meta["input_ids"]
         feats = Features(hidden, logits, model=target.model, argmax=argmax)
         loss, _ = HeadObjective(heads, objective)(meta, feats, t2d)
         loss.backward()
     measured = flops.get_total_flops()
     assert measured > 0
-    print(f"{kind}: analytic {analytic:.5g}, FlopCounterMode {measured:.5g}, ratio {analytic / measured:.4f}")
-    assert analytic == pytest.approx(measured, rel=0.05), f"analytic {analytic:.4g} vs counted {measured:.4g}"
+    print(
+        f"{kind}: analytic {analytic:.5g}, FlopCounterMode {measured:.5g}, ratio {analytic / measured:.4f}"
+    )
+    assert analytic == pytest.approx(measured, rel=0.05), (
+        f"analytic {analytic:.4g} vs counted {measured:.4g}"
+    )

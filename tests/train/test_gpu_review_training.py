@@ -1,6 +1,6 @@
-"""The GPU training review's findings (docs/gpu-review-training.md), each caught on the CPU: a micro-batch
-with no loss row, the flex attention's compiles, one compute dtype through the head, the host's plan time, a
-target that really shards."""
+"""The GPU training review's findings (docs/gpu-review-training.md), each caught on the CPU: a
+micro-batch with no loss row, the flex attention's compiles, one compute dtype through the head, the
+host's plan time, a target that really shards."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from tests.train.test_ttt import padded_batch
 
 
 def test_answerless_prompts_are_dropped_at_load_and_counted(tiny_dirs, tmp_path, caplog):
-    """Finding 3, as a new user meets it: 8 prompts longer than train.max_length among 8 short ones, no dedup.
-    Their truncated samples have no answer token; they were clustered by the length windows into micro-batches
-    with no loss row, whose backward raised at step 3."""
+    """Finding 3, as a new user meets it: 8 prompts longer than train.max_length among 8 short ones,
+    no dedup. Their truncated samples have no answer token; they were clustered by the length
+    windows into micro-batches with no loss row, whose backward raised at step 3."""
     from headway.config import load_config
     from headway.data_scripts.distill import distill
     from headway.run_config import RunConfig
@@ -56,9 +56,15 @@ def test_answerless_prompts_are_dropped_at_load_and_counted(tiny_dirs, tmp_path,
     data = distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie)
     extra = ("head.kind=eagle3", "train.max_length=48", "train.dedup=none", "train.eval_every=0")
     with caplog.at_level(logging.INFO):
-        train(small_run(llama, data, tmp_path / "run", *extra, "train.save_every=0", "train.max_steps=4"))
+        train(
+            small_run(
+                llama, data, tmp_path / "run", *extra, "train.save_every=0", "train.max_steps=4"
+            )
+        )
     assert "dropped 8 sequences with no answer token within train.max_length=48" in caplog.text
-    logged = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    logged = [
+        json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in logged if "loss" in r] == [1, 2, 3, 4]
 
 
@@ -69,10 +75,13 @@ def _medusa(t) -> MedusaHeads:
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa", "medusa-chunked"])
-def test_a_micro_batch_with_no_loss_row_backpropagates_with_the_same_metric_keys(tiny_dirs, kind: str):
-    """Finding 3: an objective on a micro-batch whose loss mask is all zero gives a loss with a graph (its
-    backward reaches the read-out: every rank reduces the same parameters), zero metrics, and exactly the
-    metric keys of a micro-batch with answers (the ranks' all-reduce of them has one length)."""
+def test_a_micro_batch_with_no_loss_row_backpropagates_with_the_same_metric_keys(
+    tiny_dirs, kind: str
+):
+    """Finding 3: an objective on a micro-batch whose loss mask is all zero gives a loss with a
+    graph (its backward reaches the read-out: every rank reduces the same parameters), zero metrics,
+    and exactly the metric keys of a micro-batch with answers (the ranks' all-reduce of them has one
+    length)."""
     t = load64(tiny_dirs["llama"])
     batch, feats = padded_batch(t)
     empty = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
@@ -99,21 +108,25 @@ def test_a_micro_batch_with_no_loss_row_backpropagates_with_the_same_metric_keys
 
 
 def test_metrics_average_as_sums_over_counts():
-    """A micro-batch's metric weighs by its row count: one with no row adds nothing to the mean; a value with
-    no count (the loss) is a plain mean over micro-batches."""
+    """A micro-batch's metric weighs by its row count: one with no row adds nothing to the mean; a
+    value with no count (the loss) is a plain mean over micro-batches."""
     sums = MetricSums()
-    sums.add({"top1": torch.tensor(0.0), "top1" + COUNT: torch.tensor(0.0), "loss": torch.tensor(1.0)})
-    sums.add({"top1": torch.tensor(0.5), "top1" + COUNT: torch.tensor(4.0), "loss": torch.tensor(3.0)})
+    sums.add(
+        {"top1": torch.tensor(0.0), "top1" + COUNT: torch.tensor(0.0), "loss": torch.tensor(1.0)}
+    )
+    sums.add(
+        {"top1": torch.tensor(0.5), "top1" + COUNT: torch.tensor(4.0), "loss": torch.tensor(3.0)}
+    )
     assert read(sums.values(), Parallel()) == {"loss": 2.0, "top1": 0.5}
 
 
 def count_flex_compiles(
     t, batches: int, buckets: tuple[int, ...], micro: int = 4, seed: int = 0, longest: int = 250
 ) -> list:
-    """The (Q, K) shapes Dynamo compiles flex attention at (backend "eager", static shapes, as on CUDA) over
-    `batches` planned EAGLE-3 micro-batches of `micro` stub sequences of 20 to `longest` tokens (a third
-    prompt, the rest answer) in the training stream's length windows, forward without gradients on the tiny
-    target `t`'s head."""
+    """The (Q, K) shapes Dynamo compiles flex attention at (backend "eager", static shapes, as on
+    CUDA) over `batches` planned EAGLE-3 micro-batches of `micro` stub sequences of 20 to `longest`
+    tokens (a third prompt, the rest answer) in the training stream's length windows, forward
+    without gradients on the tiny target `t`'s head."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from headway.train import ttt_flex
@@ -123,9 +136,11 @@ def count_flex_compiles(
     compiled: list = []
 
     def backend(gm: torch.fx.GraphModule, inputs: list) -> object:
-        q, k = [x for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 4][
-            :2
-        ]
+        q, k = [
+            x
+            for x in inputs
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dim() == 4
+        ][:2]
         compiled.append((q.shape[2], k.shape[2]))
         return gm.forward
 
@@ -143,7 +158,9 @@ def count_flex_compiles(
             for k in range(batches):
                 batch = collate(batch_at(samples, k * micro, micro, seed=1, window=64), 0)
                 plan = objective.plan(batch)
-                hidden = torch.randn(*batch["input_ids"].shape, heads.fc.weight.shape[0], dtype=torch.float64)
+                hidden = torch.randn(
+                    *batch["input_ids"].shape, heads.fc.weight.shape[0], dtype=torch.float64
+                )
                 kept = (plan["ttt_index"], plan["ttt_kept"])
                 ttt_unroll(
                     heads,
@@ -162,9 +179,10 @@ def count_flex_compiles(
 
 
 def test_flex_attention_compiles_once_per_bucket_shape_and_a_limit_hit_raises(tiny_dirs):
-    """Finding 1: with the head's length and kept count padded to buckets, 10 planned micro-batches compile
-    flex at no shape outside `flex_shapes`, no more often than it counts; unbucketed, every new length is a
-    new compile, and past the recompile limit `limit_compiles` makes Dynamo raise (it used to run flex
+    """Finding 1: with the head's length and kept count padded to buckets, 10 planned micro-batches
+    compile flex at no shape outside `flex_shapes`, no more often than it counts; unbucketed, every
+    new length is a new compile, and past the recompile limit `limit_compiles` makes Dynamo raise
+    (it used to run flex
     eagerly: dense fp32 scores, silently)."""
     from headway.train.ttt_flex import flex_shapes, limit_compiles
 
@@ -176,7 +194,9 @@ def test_flex_attention_compiles_once_per_bucket_shape_and_a_limit_hit_raises(ti
     try:
         limit_compiles(len(allowed))
         shapes = count_flex_compiles(t, 10, buckets)
-        assert set(shapes) <= {(n, t + j * n) for t, n, j in allowed} and 3 <= len(shapes) <= len(allowed)
+        assert set(shapes) <= {(n, t + j * n) for t, n, j in allowed} and 3 <= len(shapes) <= len(
+            allowed
+        )
         config.recompile_limit = 3
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
             count_flex_compiles(t, 10, ())
@@ -204,10 +224,11 @@ def test_flex_attention_padded_to_buckets_gives_the_unpadded_loss(tiny_dirs):
 
 
 def plan_steps(n: int, steps: int, micro: int = 4, world: int = 8) -> tuple[list, list, list]:
-    """The host plans of `steps` optimizer steps (2 micro-batches of `micro` x `world` sequences: rank 0's
-    share) over `n` stub sequences of 20-1,000 tokens, with a plan-nothing objective, and the seconds per
-    micro-batch each step took (the first includes the epoch's order): the host's work per micro-batch at
-    that corpus size. Returns (samples, plans, seconds per micro-batch of each step)."""
+    """The host plans of `steps` optimizer steps (2 micro-batches of `micro` x `world` sequences:
+    rank 0's share) over `n` stub sequences of 20-1,000 tokens, with a plan-nothing objective, and
+    the seconds per micro-batch each step took (the first includes the epoch's order): the host's
+    work per micro-batch at that corpus size. Returns (samples, plans, seconds per micro-batch of
+    each step)."""
     import time
     from types import SimpleNamespace
 
@@ -225,9 +246,13 @@ def plan_steps(n: int, steps: int, micro: int = 4, world: int = 8) -> tuple[list
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(20, 1000, (n,), generator=g).tolist()
     samples = [Sample([5] * k, [0] * (k // 2) + [1] * (k - k // 2)) for k in lengths]
-    tc = SimpleNamespace(micro_batch_size=micro, grad_accum=2, seed=0, length_window=128, packing=False)
+    tc = SimpleNamespace(
+        micro_batch_size=micro, grad_accum=2, seed=0, length_window=128, packing=False
+    )
     par = Parallel(world_size=world)
-    run = SimpleNamespace(target=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)), plan=Stub(None))
+    run = SimpleNamespace(
+        target=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)), plan=Stub(None)
+    )
     step = TrainStep(run, None, samples, tc, par, None)
     plans, seconds, consumed = [], [], 0
     for k in range(steps):
@@ -239,8 +264,9 @@ def plan_steps(n: int, steps: int, micro: int = 4, world: int = 8) -> tuple[list
 
 
 def test_the_host_plans_a_micro_batch_without_reading_the_whole_dataset(monkeypatch):
-    """Finding 4: each epoch's order is computed once, not once per sequence read (it used to rebuild and
-    hash a tuple of every length per sequence: O(dataset) per micro-batch); the stream is unchanged."""
+    """Finding 4: each epoch's order is computed once, not once per sequence read (it used to
+    rebuild and hash a tuple of every length per sequence: O(dataset) per micro-batch); the stream
+    is unchanged."""
     from headway.train import data
 
     calls = []
@@ -256,18 +282,19 @@ def test_the_host_plans_a_micro_batch_without_reading_the_whole_dataset(monkeypa
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"])
 def test_flex_attention_gets_one_dtype_on_every_backend(tiny_dirs, backend: str, monkeypatch):
-    """Finding 2, under bf16 autocast (the CPU's: a CPU-only torch turns CUDA autocast off, so a fake CUDA
-    device cannot show it; flex's forward runs on CPUs): DDP keeps float32 parameters, and the head's rotary
-    embedding then promotes q and k past a bf16 v (flex raised, or ran in float32, on GPUs); FSDP2's
-    mixed-precision policy and DeepSpeed's bf16 gather them in bf16. At every flex kernel call q, k and v
-    are one dtype, the autocast's."""
+    """Finding 2, under bf16 autocast (the CPU's: a CPU-only torch turns CUDA autocast off, so a
+    fake CUDA device cannot show it; flex's forward runs on CPUs): DDP keeps float32 parameters, and
+    the head's rotary embedding then promotes q and k past a bf16 v (flex raised, or ran in float32,
+    on GPUs); FSDP2's mixed-precision policy and DeepSpeed's bf16 gather them in bf16. At every flex
+    kernel call q, k and v are one dtype, the autocast's."""
     from headway.train import ttt_flex
     from headway.train.objectives import Features
 
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, "eagle3").float().train()
     t.model.float()
-    if backend != "ddp":  # MixedPrecisionPolicy(param_dtype=bf16) / DeepSpeed bf16: the forward's parameters
+    # MixedPrecisionPolicy(param_dtype=bf16) / DeepSpeed bf16: the forward's parameters
+    if backend != "ddp":
         heads.to(torch.bfloat16)
     seen = []
 
@@ -290,13 +317,16 @@ def test_flex_attention_gets_one_dtype_on_every_backend(tiny_dirs, backend: str,
 
 
 def _recompute_inputs(seed: int = 0):
-    """A recompute attention call's inputs: 2 query groups, 6 queries at kept positions, 8 real keys, one
-    earlier step; float32, requiring gradients."""
+    """A recompute attention call's inputs: 2 query groups, 6 queries at kept positions, 8 real
+    keys, one earlier step; float32, requiring gradients."""
     g = torch.Generator().manual_seed(seed)
     B, Hkv, G, N, T, D = 1, 2, 2, 6, 8, 16
     q = torch.randn(B, Hkv, G, N, D, generator=g)
     k0, v0 = torch.randn(B, Hkv, T, D, generator=g) * 2, torch.randn(B, Hkv, T, D, generator=g)
-    kd, vd = torch.randn(B, Hkv, 1, N, D, generator=g) * 2, torch.randn(B, Hkv, 1, N, D, generator=g)
+    kd, vd = (
+        torch.randn(B, Hkv, 1, N, D, generator=g) * 2,
+        torch.randn(B, Hkv, 1, N, D, generator=g),
+    )
     index = torch.tensor([[1, 2, 3, 4, 6, 7]])
     real = torch.ones(B, T, dtype=torch.bool)
     tensors = [x.requires_grad_() for x in (q, k0, v0, kd, vd)]
@@ -305,8 +335,9 @@ def _recompute_inputs(seed: int = 0):
 
 def test_recomputed_attention_runs_its_backward_in_the_forward_autocast_dtype():
     """Finding 6: train.ttt_attention=recompute's backward (called outside the objective's autocast)
-    recomputed the scores in float32 against a log-sum-exp of the forward's bf16 scores. Every matmul of its
-    backward now runs in the forward's autocast dtype (torch.amp.custom_bwd's rule), as the forward's did."""
+    recomputed the scores in float32 against a log-sum-exp of the forward's bf16 scores. Every
+    matmul of its backward now runs in the forward's autocast dtype (torch.amp.custom_bwd's rule),
+    as the forward's did."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from headway.train.ttt_recompute import _Attention
@@ -332,10 +363,13 @@ def test_recomputed_attention_runs_its_backward_in_the_forward_autocast_dtype():
     assert all(x.grad is not None and x.grad.isfinite().all() for x in (q, k0, v0, kd, vd))
 
 
-def test_cache_features_loads_the_target_in_the_dtype_training_does(monkeypatch, tiny_dirs, tmp_path):
+def test_cache_features_loads_the_target_in_the_dtype_training_does(
+    monkeypatch, tiny_dirs, tmp_path
+):
     """Finding 7: `cache-features` loaded the target in target.dtype (float32 by auto) where online
-    training on CUDA runs it in bfloat16, so a GPU's cache held other features than its online run. Both
-    resolve train.target_dtype with one rule now; cache-features' load is checked with the device faked."""
+    training on CUDA runs it in bfloat16, so a GPU's cache held other features than its online run.
+    Both resolve train.target_dtype with one rule now; cache-features' load is checked with the
+    device faked."""
     from headway.config import load_config
     from headway.run_config import RunConfig
     from headway.train import feature_cache
@@ -354,15 +388,18 @@ def test_cache_features_loads_the_target_in_the_dtype_training_does(monkeypatch,
 
     monkeypatch.setattr(feature_cache, "resolve_device", lambda name: cuda)
     monkeypatch.setattr(feature_cache, "load_target", load)
-    cfg = load_config(RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "head.kind=eagle3"])
+    cfg = load_config(
+        RunConfig, None, [f"target.name_or_path={tiny_dirs['llama']}", "head.kind=eagle3"]
+    )
     with pytest.raises(Loaded, match="bfloat16"):
         run_cache_features(cfg.target, cfg.head, cfg.features, ["unused"], 64)
 
 
 def test_the_final_head_reuses_the_trained_vocabulary_map(tiny_dirs, monkeypatch):
-    """Finding 9: under FSDP and DeepSpeed, rank 0 rebuilt the final head from scratch, counting every
-    training sample's tokens (`token_frequencies`) while the other ranks waited in a barrier, only for the
-    trained state to overwrite d2t. It takes the trained d2t now: no count after setup."""
+    """Finding 9: under FSDP and DeepSpeed, rank 0 rebuilt the final head from scratch, counting
+    every training sample's tokens (`token_frequencies`) while the other ranks waited in a barrier,
+    only for the trained state to overwrite d2t. It takes the trained d2t now: no count after
+    setup."""
     from types import SimpleNamespace
 
     from headway.config import load_config
@@ -374,10 +411,14 @@ def test_the_final_head_reuses_the_trained_vocabulary_map(tiny_dirs, monkeypatch
     state = {k: v.clone() for k, v in heads.state_dict().items()}
     state["d2t"] = torch.sort(torch.randperm(t.config.vocab_size)[:96]).values
     counted = []
-    monkeypatch.setattr(setup_heads, "token_frequencies", lambda *a: counted.append(1) or torch.ones(999))
+    monkeypatch.setattr(
+        setup_heads, "token_frequencies", lambda *a: counted.append(1) or torch.ones(999)
+    )
     monkeypatch.setattr(loop, "gather_state", lambda *a: (state, None, None))
     cfg = load_config(
-        RunConfig, None, ["head.kind=eagle3", "head.eagle3.draft_vocab_size=96", "head.eagle3.ttt_steps=3"]
+        RunConfig,
+        None,
+        ["head.kind=eagle3", "head.eagle3.draft_vocab_size=96", "head.eagle3.ttt_steps=3"],
     )
     par = SimpleNamespace(backend="fsdp", is_main=True)
     final = loop._final_heads(cfg, t, [], None, heads, None, par)
@@ -386,8 +427,9 @@ def test_the_final_head_reuses_the_trained_vocabulary_map(tiny_dirs, monkeypatch
 
 
 def test_the_chunked_loss_casts_the_weight_once_and_computes_no_gradient_in_evaluation():
-    """Finding 10: the chunked vocabulary loss cast the lm_head weight in each chunk (autocast's casts in
-    both of a chunk's matmuls: 2 per chunk), and under no_grad (evaluation) still formed grad_h and grad_w.
+    """Finding 10: the chunked vocabulary loss cast the lm_head weight in each chunk (autocast's
+    casts in both of a chunk's matmuls: 2 per chunk), and under no_grad (evaluation) still formed
+    grad_h and grad_w.
     Now: one cast per call, and only the forward's matmul per chunk under no_grad."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -424,8 +466,9 @@ def test_the_chunked_loss_casts_the_weight_once_and_computes_no_gradient_in_eval
 
 
 def test_an_explicit_gpu_index_under_torchrun_is_refused(monkeypatch):
-    """Finding 15: target.device=cuda:0 under torchrun put every rank on GPU 0 (NCCL's duplicate GPU, or
-    OOM). A rank whose index is not its local rank's is refused; auto (cuda:LOCAL_RANK) passes."""
+    """Finding 15: target.device=cuda:0 under torchrun put every rank on GPU 0 (NCCL's duplicate
+    GPU, or OOM). A rank whose index is not its local rank's is refused; auto (cuda:LOCAL_RANK)
+    passes."""
     from headway.errors import HeadwayError
     from headway.train.distributed import rank_device
 
@@ -437,8 +480,8 @@ def test_an_explicit_gpu_index_under_torchrun_is_refused(monkeypatch):
 
 
 def test_the_process_group_waits_train_dist_timeout_min(monkeypatch):
-    """Finding 9: the process group had torch's 10-minute timeout, with no setting, while rank 0 alone
-    exports and checkpoints; it is train.dist_timeout_min now."""
+    """Finding 9: the process group had torch's 10-minute timeout, with no setting, while rank 0
+    alone exports and checkpoints; it is train.dist_timeout_min now."""
     import datetime
 
     from headway.train import distributed
@@ -461,9 +504,10 @@ def test_the_process_group_waits_train_dist_timeout_min(monkeypatch):
 
 
 def test_start_up_passes_over_the_data_run_on_rank_0_only(tiny_dirs, monkeypatch):
-    """Finding 16: train.dedup's MinHash pass (pure Python over every answer; set by the shipped recipe) and
-    the draft vocabulary's token count ran on every rank. Rank 0 makes them and broadcasts the result: a
-    rank 1 keeps the broadcast samples and builds its head with the broadcast d2t, counting nothing."""
+    """Finding 16: train.dedup's MinHash pass (pure Python over every answer; set by the shipped
+    recipe) and the draft vocabulary's token count ran on every rank. Rank 0 makes them and
+    broadcasts the result: a rank 1 keeps the broadcast samples and builds its head with the
+    broadcast d2t, counting nothing."""
     from types import SimpleNamespace
 
     from headway.config import load_config

@@ -31,8 +31,8 @@ from tests.kinds.test_train_medusa import MEDUSA2, train_cfg
 
 
 def medusa2(tiny_dirs, tiny_data, out: Path, *extra: str):
-    """A Medusa-2 run's model on the tiny Llama (float32, CPU), its LoRA adapters made non-zero (fresh
-    ones have B = 0, so that A's gradient would be 0 whatever the backward did)."""
+    """A Medusa-2 run's model on the tiny Llama (float32, CPU), its LoRA adapters made non-zero
+    (fresh ones have B = 0, so that A's gradient would be 0 whatever the backward did)."""
     cfg = train_cfg(tiny_dirs["llama"], tiny_data, out, *MEDUSA2, *extra)
     run = loop.setup_run(cfg)
     target = loop.setup_target(run)

@@ -1,11 +1,13 @@
-"""A micro-batch's saved-for-backward memory grows linearly with its length, at the default target's shapes.
+"""A micro-batch's saved-for-backward memory grows linearly with its length, at the default target's
+shapes.
 
-On the meta device (nothing computed), every tensor autograd keeps for backward is counted while a head's
-loss is built on one sequence of 512 to 8,192 tokens. With the memory settings (train.ttt_attention=
-recompute, train.loss_chunk) the bytes each added token costs stay the same from short to long batches; the
-weight-sized tensors a batch keeps whatever its length (the chunked loss's lm_head gradient) are the
-difference between two lengths' totals, so the per-token figure is that difference over the added tokens.
-The structured attention, which keeps its scores, is shown growing with the length as the contrast.
+On the meta device (nothing computed), every tensor autograd keeps for backward is counted while a
+head's loss is built on one sequence of 512 to 8,192 tokens. With the memory settings
+(train.ttt_attention= recompute, train.loss_chunk) the bytes each added token costs stay the same
+from short to long batches; the weight-sized tensors a batch keeps whatever its length (the chunked
+loss's lm_head gradient) are the difference between two lengths' totals, so the per-token figure is
+that difference over the added tokens. The structured attention, which keeps its scores, is shown
+growing with the length as the contrast.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def cpu_target():
 
 
 def saved_bytes(kind: str, width: int, attention: str, chunk: int, cpu_target) -> int:
-    """Bytes autograd keeps for backward (parameters excluded) for one sequence of `width` tokens."""
+    """Bytes autograd keeps for backward (parameters excluded) for one sequence of `width`
+    tokens."""
     cfg = load_config(RunConfig, None, [f"head.kind={kind}", *KINDS[kind]])
     batch = samples(1, width, SMOLLM2["vocab_size"])
     torch.manual_seed(0)
@@ -46,8 +49,11 @@ def saved_bytes(kind: str, width: int, attention: str, chunk: int, cpu_target) -
         t2d[heads.d2t] = torch.arange(len(heads.d2t))
         t2d = t2d.to("meta")
     with torch.no_grad():
-        hidden, logits = target_features(target.model, meta["input_ids"], feature_layers(cfg.head, target))
-    # by object, each held here until counted: an id alone could be reused by a tensor made after one is freed
+        hidden, logits = target_features(
+            target.model, meta["input_ids"], feature_layers(cfg.head, target)
+        )
+    # by object, each held here until counted: an id alone could be reused by a tensor made after
+    # one is freed
     kept: dict[int, tuple[torch.Tensor, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,16 @@
 """A training step reads nothing back to the host, and keeps every tensor on the training device.
 
-Two checks of the same step code (train/step.py, `TrainStep.run_planned`: forward, backward and the update
-of grad_accum micro-batches), for every head kind:
-- on a fake CUDA device (tests/helpers/fake_cuda.py), where `.item()` and `nonzero()` raise and a CPU tensor mixed
-  into a CUDA op raises `FakeTensorDeviceMismatchError`; a dispatch mode counts the host reads and uploads
-  that remain. The CPU build's autograd engine cannot run a backward on CUDA tensors (it asks for a CUDA
-  accelerator), so here the backward is replaced by zero gradients and the optimizer step (fused AdamW, as on
-  CUDA) runs on them;
-- on the CPU with real tensors, backward included, where function and dispatch modes see every `item`,
-  `tolist`, `bool()`, `nonzero` and boolean-mask index.
-The host's part of a step (reading the stream, collating, the objectives' index plans) runs before, in
-`TrainStep.plan`, on host tensors.
+Two checks of the same step code (train/step.py, `TrainStep.run_planned`: forward, backward and the
+update of grad_accum micro-batches), for every head kind:
+- on a fake CUDA device (tests/helpers/fake_cuda.py), where `.item()` and `nonzero()` raise and a
+  CPU tensor mixed into a CUDA op raises `FakeTensorDeviceMismatchError`; a dispatch mode counts the
+  host reads and uploads that remain. The CPU build's autograd engine cannot run a backward on CUDA
+  tensors (it asks for a CUDA accelerator), so here the backward is replaced by zero gradients and
+  the optimizer step (fused AdamW, as on CUDA) runs on them;
+- on the CPU with real tensors, backward included, where function and dispatch modes see every
+  `item`, `tolist`, `bool()`, `nonzero` and boolean-mask index.
+The host's part of a step (reading the stream, collating, the objectives' index plans) runs before,
+in `TrainStep.plan`, on host tensors.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ HOST_CALLS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "cp
 
 
 class DeviceTraffic(TorchDispatchMode):
-    """Counts the ops that read tensor values on the host, boolean-mask indexing, and host<->device copies.
+    """Counts the ops that read tensor values on the host, boolean-mask indexing, and host<->device
+    copies.
 
-    `skip`: ids of tensors whose reads are not the step's (torch's non-fused Adam keeps its step counters on
-    the host by design: reading them waits on nothing)."""
+    `skip`: ids of tensors whose reads are not the step's (torch's non-fused Adam keeps its step
+    counters on the host by design: reading them waits on nothing)."""
 
     def __init__(self, skip: frozenset = frozenset()):
         super().__init__()
@@ -59,7 +60,8 @@ class DeviceTraffic(TorchDispatchMode):
         if name == "_to_copy" and isinstance(first, torch.Tensor):
             to = torch.device(kwargs.get("device") or first.device)
             if first.device.type == "cpu" and to.type == "cuda" and first.numel():
-                self.uploads += 1  # (transformers' DynamicCache starts from an empty upload: no bytes)
+                # (transformers' DynamicCache starts from an empty upload: no bytes)
+                self.uploads += 1
             if first.device.type == "cuda" and to.type == "cpu":
                 self.reads["device-to-host copy"] += 1
         return func(*args, **kwargs)
@@ -109,7 +111,9 @@ SETTINGS = {
 def test_a_cpu_training_step_reads_nothing_back(
     tiny_dirs, tiny_data, tmp_path: Path, kind: str, settings: str
 ):
-    *_, model, step = parts(tiny_dirs["llama"], tiny_data, tmp_path / "r", kind, *SETTINGS[settings])
+    *_, model, step = parts(
+        tiny_dirs["llama"], tiny_data, tmp_path / "r", kind, *SETTINGS[settings]
+    )
     step(1, 0)  # the optimizer's state exists from here on
     counters = frozenset(id(s["step"]) for s in model.optimizer.state.values() if "step" in s)
     plan = step.plan(2, step.plan(1, 0).end)
@@ -136,8 +140,8 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         tiny_dirs["llama"], tiny_data, tmp_path / "r", kind, "train.autocast_dtype=bfloat16"
     )
     tc = cfg.train
-    # flex attention runs as one kernel, outside the counting mode (torch refuses to run it under a user
-    # dispatch mode); its block masks are built inside it
+    # flex attention runs as one kernel, outside the counting mode (torch refuses to run it under a
+    # user dispatch mode); its block masks are built inside it
     from torch.utils._python_dispatch import _pop_mode_temporarily
 
     from headway.train import ttt_flex
@@ -170,7 +174,13 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         optimizer = make_optimizer([{"params": params, "lr": tc.lr}], tc, cuda)
         assert optimizer.defaults["fused"]
         stepper = TorchStep(
-            optimizer, cosine_schedule(optimizer, 2, 6, 0.1), params, [], tc.grad_clip, tc.grad_accum, par
+            optimizer,
+            cosine_schedule(optimizer, 2, 6, 0.1),
+            params,
+            [],
+            tc.grad_clip,
+            tc.grad_accum,
+            par,
         )
         t2d = model.context.t2d
         context = replace(
@@ -181,7 +191,9 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
             argmax_from_data=argmax_from_data(tc.target_argmax, cuda, data.greedy),
             t2d=None if t2d is None else t2d.to(cuda),
         )
-        step = TrainStep(context, stepper, data.train_set, tc, par, FiniteCheck("lagged", run.out, par))
+        step = TrainStep(
+            context, stepper, data.train_set, tc, par, FiniteCheck("lagged", run.out, par)
+        )
         losses = []
 
         def backward(loss: torch.Tensor) -> None:
@@ -193,8 +205,9 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
         with unset_fake_temporarily():
             plan = step.plan(1, 0)
         traffic = DeviceTraffic()
-        # flex attention traces its backward graph on the query's device as it runs, which a CPU-only torch
-        # cannot do for CUDA tensors: EAGLE-1's and EAGLE-3's flex path runs its forward here without autograd
+        # flex attention traces its backward graph on the query's device as it runs, which a
+        # CPU-only torch cannot do for CUDA tensors: EAGLE-1's and EAGLE-3's flex path runs its
+        # forward here without autograd
         flex = kind in ("eagle", "eagle3")  # the kinds with a draft attention layer
         with traffic, torch.set_grad_enabled(not flex):
             outcome = step.run_planned(plan)
@@ -209,8 +222,9 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_training_forward_keeps_the_models_own_values(tmp_path: Path, arch: str):
-    """The mask-free causal forward with hooked layers gives transformers' own hidden states and logits,
-    bit for bit (Gemma-3 also wider than its sliding window, where its own attention applies the window)."""
+    """The mask-free causal forward with hooked layers gives transformers' own hidden states and
+    logits, bit for bit (Gemma-3 also wider than its sliding window, where its own attention applies
+    the window)."""
     from transformers import AutoModelForCausalLM
 
     from headway.train.target_features import target_features
@@ -228,22 +242,26 @@ def test_the_training_forward_keeps_the_models_own_values(tmp_path: Path, arch: 
 
 
 def test_collectives_get_device_tensors_and_a_cpu_tensor_is_named(monkeypatch):
-    """On a (fake) CUDA run of 2 ranks, the loss and metric averages reach all_reduce as CUDA tensors and
-    stay there; HEADWAY_CHECK_COLLECTIVES refuses the CPU tensor Parallel.mean used to all-reduce."""
+    """On a (fake) CUDA run of 2 ranks, the loss and metric averages reach all_reduce as CUDA
+    tensors and stay there; HEADWAY_CHECK_COLLECTIVES refuses the CPU tensor Parallel.mean used to
+    all-reduce."""
     import torch.distributed as dist
 
     from headway.errors import HeadwayError
     from headway.train import distributed
 
     seen = []
-    for name in distributed._COLLECTIVES:  # in-place no-ops standing in for NCCL; restored after the test
+    # in-place no-ops standing in for NCCL; restored after the test
+    for name in distributed._COLLECTIVES:
         monkeypatch.setattr(dist, name, lambda t, *a, **k: seen.append(t.device))
     monkeypatch.setattr(distributed, "CHECKED", {})
     with fake_cuda():
         cuda = torch.device("cuda", 0)
         distributed.check_collectives(cuda)
         par = distributed.Parallel("ddp", 0, 2, cuda)
-        means = par.mean({"loss": torch.ones((), device=cuda), "top1": torch.zeros((), device=cuda), "n": 3})
+        means = par.mean(
+            {"loss": torch.ones((), device=cuda), "top1": torch.zeros((), device=cuda), "n": 3}
+        )
         assert all(v.device == cuda for v in means.values())
         with pytest.raises(
             HeadwayError, match=r"torch.distributed.all_reduce was given a tensor on cpu, but the "

@@ -182,8 +182,8 @@ def test_offline_training_loads_no_decoder_layer_and_trains_the_same_curve(
 ):
     """With train.features_dir the run's target holds the embedding, final norm and lm_head only
     (the whole model is never built: from_pretrained fails here), and the run gives the losses, to
-    the bit, of the same offline run on the whole target; Medusa's per-rank accuracy, measured on the
-    held-out sequences' cached features, matches the one the whole target measures."""
+    the bit, of the same offline run on the whole target; Medusa's per-rank accuracy, measured on
+    the held-out sequences' cached features, matches the one the whole target measures."""
     import transformers
 
     from headway.train import loop

@@ -53,7 +53,8 @@ def _dense_mask(doc: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_forward(model: Any, batch: dict[str, torch.Tensor]) -> Any:
-    """transformers' SDPA forward under the dense document-causal mask (a 4-D mask goes in as is)."""
+    """transformers' SDPA forward under the dense document-causal mask (a 4-D mask goes in as
+    is)."""
     return model(
         input_ids=batch["input_ids"],
         attention_mask=_dense_mask(batch["doc"]),

@@ -1,5 +1,5 @@
-"""Run logs: every record in log.jsonl; wandb gets the same records when configured, and its absence or
-failure never stops training (one warning)."""
+"""Run logs: every record in log.jsonl; wandb gets the same records when configured, and its absence
+or failure never stops training (one warning)."""
 
 from __future__ import annotations
 
@@ -32,14 +32,19 @@ def test_wandb_gets_every_record_with_its_step(tmp_path: Path, monkeypatch):
     fake.init = lambda **kw: runs.append(FakeRun(**kw)) or runs[-1]
     monkeypatch.setitem(sys.modules, "wandb", fake)
     logger = RunLogger(
-        tmp_path / "log.jsonl", LoggingConfig(wandb_project="p", wandb_run_name="r"), {"train": {"lr": 1}}
+        tmp_path / "log.jsonl",
+        LoggingConfig(wandb_project="p", wandb_run_name="r"),
+        {"train": {"lr": 1}},
     )
     logger.log({"step": 1, "loss": 2.5})
     logger.log({"step": 2, "eval/loss": 2.0})
     logger.close()
     (run,) = runs
     assert run.init == {"project": "p", "name": "r", "config": {"train": {"lr": 1}}}
-    assert run.logged == [({"step": 1, "loss": 2.5}, 1), ({"step": 2, "eval/loss": 2.0}, 2)] and run.finished
+    assert (
+        run.logged == [({"step": 1, "loss": 2.5}, 1), ({"step": 2, "eval/loss": 2.0}, 2)]
+        and run.finished
+    )
     assert [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()] == [
         r for r, _ in run.logged
     ]
@@ -69,4 +74,6 @@ def test_wandb_that_cannot_start_is_reported_once(tmp_path: Path, monkeypatch, c
         logger.log({"step": 1, "loss": 1.0})
         logger.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "no network" in warnings[0] and "WANDB_MODE=offline" in warnings[0]
+    assert (
+        len(warnings) == 1 and "no network" in warnings[0] and "WANDB_MODE=offline" in warnings[0]
+    )

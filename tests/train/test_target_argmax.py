@@ -1,6 +1,6 @@
-"""train.target_argmax=data: on greedy self-distilled data the token after t is the target's argmax at t, so
-the kinds that need only that argmax (EAGLE-3, DFlash; Medusa with CE) train the same without the target's
-full lm_head."""
+"""train.target_argmax=data: on greedy self-distilled data the token after t is the target's argmax
+at t, so the kinds that need only that argmax (EAGLE-3, DFlash; Medusa with CE) train the same
+without the target's full lm_head."""
 
 from __future__ import annotations
 
@@ -23,14 +23,17 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_datas_next_token_trains_as_the_targets_argmax(tiny_dirs, tiny_data, tmp_path: Path, case: str):
+def test_the_datas_next_token_trains_as_the_targets_argmax(
+    tiny_dirs, tiny_data, tmp_path: Path, case: str
+):
     cfg = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "r", *CASES[case])
     run, target, data, model = recipe_parts(cfg)
     assert data.greedy  # the fixture's data was distilled at temperature 0
     assert not model.context.plan.needs_logits
     samples = data.train_set[:4]
     planned = plan_batch(samples, 0, model.context.plan)
-    # the fixture's target wrote these answers greedily: its argmax at each answer's previous token is it
+    # the fixture's target wrote these answers greedily: its argmax at each answer's previous token
+    # is it
     with torch.no_grad():
         argmax = target.model(input_ids=planned["input_ids"]).logits.argmax(-1)
     answer = planned["loss_mask"][:, 1:].bool()

@@ -1,5 +1,5 @@
-"""The training stream's order: a seeded shuffle, in length-sorted windows that pad micro-batches less, the
-same for a resumed run and for any split of the batches."""
+"""The training stream's order: a seeded shuffle, in length-sorted windows that pad micro-batches
+less, the same for a resumed run and for any split of the batches."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_length_windows_reorder_within_each_window_and_cut_padding():
     plain = sample_order(len(samples), 7, 0)
     grouped = sample_order(len(samples), 7, 0, lengths, 64)
     assert sorted(grouped) == list(range(300))  # every sample once per epoch
-    for start in range(0, 300, 64):  # each window holds the shuffle's samples, sorted one way or the other
+    # each window holds the shuffle's samples, sorted one way or the other
+    for start in range(0, 300, 64):
         window = grouped[start : start + 64]
         assert sorted(window) == sorted(plain[start : start + 64])
         ks = [lengths[i] for i in window]
@@ -39,8 +40,13 @@ def test_length_windows_reorder_within_each_window_and_cut_padding():
 
 
 def test_the_stream_is_the_same_however_it_is_read():
-    """A run resumed at any sequence, or reading micro-batches of another size, sees the same sequences."""
+    """A run resumed at any sequence, or reading micro-batches of another size, sees the same
+    sequences."""
     samples = _samples(50)
     whole = batch_at(samples, 0, 120, seed=3, window=16)  # past one epoch
-    pieces = [s for consumed in range(0, 120, 6) for s in batch_at(samples, consumed, 6, seed=3, window=16)]
+    pieces = [
+        s
+        for consumed in range(0, 120, 6)
+        for s in batch_at(samples, consumed, 6, seed=3, window=16)
+    ]
     assert [id(s) for s in pieces] == [id(s) for s in whole]

@@ -34,7 +34,9 @@ def dense_eagle3_loss(heads, batch: dict, feats: Features, t2d: torch.Tensor) ->
     for j in range(ec.ttt_steps):
         allowed = torch.cat([base] + [eye] * j, dim=-1)
         pos = (torch.arange(T) + j).unsqueeze(0)
-        out = heads(shifted(ids, 1 + j), hidden, pos, drafter_mask(allowed, heads.fc.weight.dtype), cache)
+        out = heads(
+            shifted(ids, 1 + j), hidden, pos, drafter_mask(allowed, heads.fc.weight.dtype), cache
+        )
         hidden = heads.next_hidden(out)
         valid = shifted(batch["loss_mask"], 2 + j).bool() & shifted(in_draft, 1 + j, False)
         if valid.any():
@@ -45,7 +47,8 @@ def dense_eagle3_loss(heads, batch: dict, feats: Features, t2d: torch.Tensor) ->
 
 
 def padded_batch(t, seed: int = 3) -> tuple[dict, Features]:
-    """Three rows of different lengths (right-padded), each a prompt then an answer, with random features."""
+    """Three rows of different lengths (right-padded), each a prompt then an answer, with random
+    features."""
     torch.manual_seed(seed)
     B, T, V = 3, 16, t.config.vocab_size
     lengths, prompts = [16, 11, 7], [5, 6, 2]
@@ -68,7 +71,8 @@ def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str, 
     t = load64(tiny_dirs[arch])
     heads = random_head(t, "eagle3").train()
     heads.cfg.ttt_steps = 4
-    heads.cfg.norm_output = norm_output  # EAGLE-3.1: each step reads the previous one's normed output
+    # EAGLE-3.1: each step reads the previous one's normed output
+    heads.cfg.norm_output = norm_output
     batch, feats = padded_batch(t)
     t2d = target_to_draft(heads.d2t, heads.vocab_size, torch.device("cpu"))
 
@@ -77,7 +81,9 @@ def test_sparse_unroll_gives_the_dense_loss_and_gradients(tiny_dirs, arch: str, 
         return loss, got
 
     dense_loss, dense_grads = grads(lambda: dense_eagle3_loss(heads, batch, feats, t2d))
-    sparse_loss, sparse_grads = grads(lambda: Eagle3Objective(heads.cfg)(heads, batch, feats, t2d)[0])
+    sparse_loss, sparse_grads = grads(
+        lambda: Eagle3Objective(heads.cfg)(heads, batch, feats, t2d)[0]
+    )
     torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-10, atol=1e-12)
     assert dense_grads.keys() == sparse_grads.keys() and len(dense_grads) > 5
     for name, g in dense_grads.items():
@@ -117,7 +123,8 @@ def test_draft_losses_match_hand_computed_values():
         - (0.5 * q1[0].log() + 0.5 * q1[1].log())
     ) / 2
     tv = (0.5 * (0.25 + 0.25) + 0.5 * (abs(q1[0] - 0.5) + abs(q1[1] - 0.5))) / 2
-    argmax = (-torch.log(torch.tensor(0.5)) - q1[0].log()) / 2  # both rows' target argmax is token 0
+    # both rows' target argmax is token 0
+    argmax = (-torch.log(torch.tensor(0.5)) - q1[0].log()) / 2
     assert float(draft_loss("soft_ce", logits, p)) == pytest.approx(float(soft))
     assert float(draft_loss("tv", logits, p)) == pytest.approx(float(tv))
     assert float(draft_loss("soft_ce+tv", logits, p)) == pytest.approx(float(soft + tv))
@@ -166,15 +173,18 @@ def test_draft_layer_can_start_as_a_target_layer(tiny_dirs):
     assert not own.self_attn.q_proj.weight[:, :h].any()
     torch.testing.assert_close(own.input_layernorm.hidden_norm.weight, src.input_layernorm.weight)
     heads.cfg.init_layer = 9
-    with pytest.raises(Exception, match=r"init_layer=9 is not a layer of this 4-layer target: use 0..3"):
+    with pytest.raises(
+        Exception, match=r"init_layer=9 is not a layer of this 4-layer target: use 0..3"
+    ):
         heads.init_from_target(t.model)
     with pytest.raises(Exception, match="head.eagle3.loss='kl' is not allowed"):
         Eagle3Config(loss="kl")
 
 
 def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
-    """train.init_from: the first run's head is where the second starts (weights and draft vocabulary); a head
-    of another kind or another shape is refused before training, naming the fix."""
+    """train.init_from: the first run's head is where the second starts (weights and draft
+    vocabulary); a head of another kind or another shape is refused before training, naming the
+    fix."""
     from headway.errors import HeadwayError
     from headway.kinds.checkpoint import load_head
     from headway.target.config import TargetConfig
@@ -206,7 +216,9 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
     saved = load_head(first)
     assert started.cfg.ttt_steps == 3 and started.cfg.loss == "tv"
     for name, value in saved.state_dict().items():
-        torch.testing.assert_close(started.state_dict()[name], value.to(started.state_dict()[name].dtype))
+        torch.testing.assert_close(
+            started.state_dict()[name], value.to(started.state_dict()[name].dtype)
+        )
     assert train(cfg).is_dir()
     wrong = small_run(
         tiny_dirs["llama"],
@@ -217,14 +229,23 @@ def test_a_new_run_starts_from_a_heads_weights(tiny_dirs, tiny_data, tmp_path):
         "head.eagle3.draft_vocab_size=32",
     )
     with pytest.raises(
-        HeadwayError, match=r"was trained with head.eagle3: draft_vocab_size=64, which this run sets"
+        HeadwayError,
+        match=r"was trained with head.eagle3: draft_vocab_size=64, which this run sets",
     ):
         build_heads(wrong.head, wrong.train.init_from, t, [])
-    medusa = small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fourth", f"train.init_from={first}")
-    with pytest.raises(HeadwayError, match=r"holds a 'eagle3' head, but this run trains head.kind=medusa"):
+    medusa = small_run(
+        tiny_dirs["llama"], tiny_data, tmp_path / "fourth", f"train.init_from={first}"
+    )
+    with pytest.raises(
+        HeadwayError, match=r"holds a 'eagle3' head, but this run trains head.kind=medusa"
+    ):
         build_heads(medusa.head, medusa.train.init_from, t, [])
     with pytest.raises(HeadwayError, match="is not a head directory"):
-        train(small_run(tiny_dirs["llama"], tiny_data, tmp_path / "fifth", f"train.init_from={tmp_path}"))
+        train(
+            small_run(
+                tiny_dirs["llama"], tiny_data, tmp_path / "fifth", f"train.init_from={tmp_path}"
+            )
+        )
 
 
 def test_duplicate_answers_are_dropped_by_the_configured_rule():
@@ -238,7 +259,9 @@ def test_duplicate_answers_are_dropped_by_the_configured_rule():
     assert duplicates(answers, "exact") == [False, False, True, False, False]
     assert duplicates(answers, "near", 0.8) == [False, True, True, False, False]
     assert duplicates(answers, "near", 1.0) == [False, False, True, False, False]
-    with pytest.raises(Exception, match=r"train.dedup='fuzzy' is not allowed: use one of none, exact, near"):
+    with pytest.raises(
+        Exception, match=r"train.dedup='fuzzy' is not allowed: use one of none, exact, near"
+    ):
         from headway.train.config import TrainConfig
 
         TrainConfig(dedup="fuzzy")
@@ -261,7 +284,13 @@ def test_evaluation_can_read_datasets_never_trained_on(tiny_dirs, tiny_data, tmp
         "train.save_every=0",
     )
     train(
-        small_run(tiny_dirs["llama"], tiny_data, tmp_path / "run", *base, f"train.eval_datasets=[{evalset}]")
+        small_run(
+            tiny_dirs["llama"],
+            tiny_data,
+            tmp_path / "run",
+            *base,
+            f"train.eval_datasets=[{evalset}]",
+        )
     )
     rows = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     evals = [r for r in rows if "eval/tau/chain" in r]
@@ -269,16 +298,20 @@ def test_evaluation_can_read_datasets_never_trained_on(tiny_dirs, tiny_data, tmp
     with pytest.raises(HeadwayError, match=r"are also train.datasets"):
         train(
             small_run(
-                tiny_dirs["llama"], tiny_data, tmp_path / "bad", *base, f"train.eval_datasets=[{tiny_data}]"
+                tiny_dirs["llama"],
+                tiny_data,
+                tmp_path / "bad",
+                *base,
+                f"train.eval_datasets=[{tiny_data}]",
             )
         )
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_flex_attention_gives_the_dense_unrolls_loss(tiny_dirs, arch: str):
-    """The CUDA path's block masks (train/ttt_flex.py) are the dense unroll's masks: the same loss in float64.
-    Torch runs flex attention's backward on CUDA only, so here it runs forward; its gradients are torch's
-    own through the same masks."""
+    """The CUDA path's block masks (train/ttt_flex.py) are the dense unroll's masks: the same loss
+    in float64. Torch runs flex attention's backward on CUDA only, so here it runs forward; its
+    gradients are torch's own through the same masks."""
     t = load64(tiny_dirs[arch])
     heads = random_head(t, "eagle3").eval()
     heads.cfg.ttt_steps = 4
@@ -308,7 +341,9 @@ def test_flex_attention_off_cuda_is_refused_before_the_target_loads(tmp_path):
             f"train.output_dir={tmp_path}",
         ],
     )
-    with pytest.raises(HeadwayError, match=r"train.ttt_attention=flex needs a CUDA device .* on cpu: use "):
+    with pytest.raises(
+        HeadwayError, match=r"train.ttt_attention=flex needs a CUDA device .* on cpu: use "
+    ):
         setup_run(cfg)
 
 
@@ -317,8 +352,8 @@ def test_flex_attention_off_cuda_is_refused_before_the_target_loads(tmp_path):
 def test_recomputed_attention_gives_the_dense_loss_and_gradients(
     tiny_dirs, arch: str, norm_output: bool, monkeypatch
 ):
-    """train.ttt_attention=recompute (scores recomputed in backward, in chunks of 5 queries here) gives the
-    dense unroll's loss and gradients."""
+    """train.ttt_attention=recompute (scores recomputed in backward, in chunks of 5 queries here)
+    gives the dense unroll's loss and gradients."""
     from headway.train import ttt_recompute
 
     monkeypatch.setattr(ttt_recompute, "CHUNK", 5)

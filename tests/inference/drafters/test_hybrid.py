@@ -10,7 +10,13 @@ from headway.errors import HeadwayError
 from headway.heads.medusa import MedusaConfig, MedusaHeads
 from headway.inference.cost_model import tree_cost, verify_costs
 from headway.inference.drafters.eagle import EagleDrafter
-from headway.inference.drafters.hybrid import Candidate, HybridConfig, HybridDrafter, Rate, _most_likely
+from headway.inference.drafters.hybrid import (
+    Candidate,
+    HybridConfig,
+    HybridDrafter,
+    Rate,
+    _most_likely,
+)
 from headway.inference.drafters.medusa import MedusaDrafter
 from headway.inference.drafters.ngram import Continuation, NgramIndex
 from headway.inference.engines.tree import build_tree, tree_from_parents
@@ -25,14 +31,16 @@ def linear_cost(per_node: float):
 
 
 def ngram_only(per_node: float = 0.0, **kw) -> HybridDrafter:
-    return HybridDrafter(None, HybridConfig(node_cost=per_node, **kw), linear_cost(per_node), timed=False)
+    return HybridDrafter(
+        None, HybridConfig(node_cost=per_node, **kw), linear_cost(per_node), timed=False
+    )
 
 
 def test_ngram_lookup_takes_the_longest_match_most_recent_first():
     index = NgramIndex(1, 2)
     index.reset([1, 2, 3, 4, 1, 2, 5, 1])
-    # the suffix (1, 2) (with the extra token 2) was followed by 5 (most recent) and by 3; the 1-gram (2,)
-    # adds nothing new
+    # the suffix (1, 2) (with the extra token 2) was followed by 5 (most recent) and by 3; the
+    # 1-gram (2,) adds nothing new
     assert index.lookup([2], 3, 3) == [Continuation([5, 1, 2], 2), Continuation([3, 4, 1], 2)]
     assert index.lookup([2], 3, 1) == [Continuation([5, 1, 2], 2)]
     # only the 1-gram (1,) matches the suffix 1 -> 9
@@ -51,8 +59,8 @@ def test_tree_from_parents_keeps_sibling_order():
 
 
 def test_neural_proposals_are_cut_to_the_most_likely_paths_with_their_parents():
-    # root -> a (0.6), b (0.3), c (0.1); a -> d (0.9), e (0.1); b -> f (0.5); d -> g (1.0000001: rounding
-    # above 1)
+    # root -> a (0.6), b (0.3), c (0.1); a -> d (0.9), e (0.1); b -> f (0.5); d -> g (1.0000001:
+    # rounding above 1)
     ids = [10, 11, 12, 13, 14, 15, 16]
     probs = [0.6, 0.3, 0.1, 0.9, 0.1, 0.5, 1.0000001]
     parents = [-1, -1, -1, 0, 0, 1, 3]
@@ -86,7 +94,8 @@ def test_acceptance_estimates_forget_at_the_configured_rate():
         kept.add(hit)
         recent.add(hit)
     assert kept.value == pytest.approx((1 + 2) / 5)  # prior 1 of 2, then 2 of 3
-    # weights 0.125 (prior), 0.25, 0.5, 1 (the miss): (0.125 * 1 + 0.25 + 0.5) / (0.125 * 2 + 0.25 + 0.5 + 1)
+    # weights 0.125 (prior), 0.25, 0.5, 1 (the miss): (0.125 * 1 + 0.25 + 0.5) / (0.125 * 2 + 0.25 +
+    # 0.5 + 1)
     assert recent.value == pytest.approx(0.875 / 2.0)
 
 
@@ -95,12 +104,15 @@ def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
     flat = {1: 10.0, 2: 12.0, 5: 14.0, 9: 16.0}
     assert tree_cost(chain, flat, 1, 0) == 10.0 and tree_cost(chain, flat, 2, 1) == 12.0
     assert tree_cost(chain, flat, 5, 1) == 14.0 and tree_cost(chain, flat, 5, 4) == 20.0
-    assert tree_cost(chain, flat, 5, 2) == pytest.approx(16.0)  # one level of three above the flat tree
+    assert tree_cost(chain, flat, 5, 2) == pytest.approx(
+        16.0
+    )  # one level of three above the flat tree
     assert tree_cost(chain, flat, 7, 6) == pytest.approx(30.0) and tree_cost(
         chain, flat, 7, 1
     ) == pytest.approx(15.0)
     assert (
-        verify_costs(chain, flat)(5, 2) == tree_cost(chain, flat, 5, 2) and verify_costs(chain)(5, 1) == 20.0
+        verify_costs(chain, flat)(5, 2) == tree_cost(chain, flat, 5, 2)
+        and verify_costs(chain)(5, 1) == 20.0
     )
     assert (
         tree_cost(chain, {**flat, 5: 25.0}, 5, 1) == 20.0
@@ -108,9 +120,9 @@ def test_tree_cost_prices_depth_between_the_flat_tree_and_the_chain():
 
 
 def test_a_tree_stops_growing_where_its_depth_costs_more_than_it_brings():
-    """Three siblings and a chain below the first, every edge 0.8 likely: where each level costs as much as
-    the row-exact engine's extra attention call, the siblings alone pay; where depth is free, the whole
-    tree does."""
+    """Three siblings and a chain below the first, every edge 0.8 likely: where each level costs as
+    much as the row-exact engine's extra attention call, the siblings alone pay; where depth is
+    free, the whole tree does."""
     cands = [
         Candidate(10, -1, 1, [("k",)], {"ngram"}),
         Candidate(11, 0, 2, [("k",)], {"ngram"}),
@@ -139,7 +151,9 @@ def test_budget_follows_confidence():
     assert tree.size > 1 and nodes.tolist()[1:3] == [6, 7]  # optimistic at first: the copy is tried
     for _ in range(12):
         nodes, tree = refused.draft(5)
-        refused.accept([42], torch.empty(0, 0))  # the target wrote something else after 5, every time
+        refused.accept(
+            [42], torch.empty(0, 0)
+        )  # the target wrote something else after 5, every time
     assert tree.size == 1  # now a plain step: the copy no longer pays for the larger verification
 
     taken = ngram_only(per_node=0.3, max_tokens=12)
@@ -161,7 +175,9 @@ def test_budget_follows_confidence():
     )  # grows as the copy keeps being accepted
     steep = ngram_only(per_node=50.0)
     steep.begin(prompt, 5, torch.empty(0, 0))
-    assert steep.draft(5)[1].size == 1  # nothing is worth a verification that costs 50x more per token
+    assert (
+        steep.draft(5)[1].size == 1
+    )  # nothing is worth a verification that costs 50x more per token
 
 
 class FixedNeural:
@@ -186,11 +202,11 @@ class FixedNeural:
 
 
 def test_the_neural_drafter_runs_only_while_it_pays():
-    """Scored on what the target really wrote: a neural drafter whose token is always right runs every step;
-    one that is always wrong (its node makes each verification cost 30% more for nothing) stops after a few
-    steps, but for probes ever further apart; one that turns right is noticed at a probe and runs every step
-    again. Its own time here is microseconds against the modelled 10 ms steps, so timing noise cannot move
-    the outcome."""
+    """Scored on what the target really wrote: a neural drafter whose token is always right runs
+    every step; one that is always wrong (its node makes each verification cost 30% more for
+    nothing) stops after a few steps, but for probes ever further apart; one that turns right is
+    noticed at a probe and runs every step again. Its own time here is microseconds against the
+    modelled 10 ms steps, so timing noise cannot move the outcome."""
     hc = HybridConfig()
     for script, steps in (("right", 48), ("wrong", 48), ("turns", 130)):
         neural = FixedNeural(7)
@@ -198,7 +214,9 @@ def test_the_neural_drafter_runs_only_while_it_pays():
         drafter.calibration.estimate = lambda keys: (
             0.9
         )  # the tree always takes the neural node: the gate decides
-        drafter.begin(list(range(100, 140)), 1, torch.empty(0, 0))  # nothing repeats: no n-gram candidates
+        drafter.begin(
+            list(range(100, 140)), 1, torch.empty(0, 0)
+        )  # nothing repeats: no n-gram candidates
         ran = []
         for i in range(steps):
             before = neural.runs
@@ -225,9 +243,9 @@ class FakeClock:
 
 
 class LevelledNeural:
-    """A stand-in EAGLE drafter: one token per level (a chain 7, 8, 9, draft probabilities 0.95, 0.5, 0.5),
-    each level costing `level_cost` seconds of the fake clock and reported in level_seconds, as
-    EagleDrafter's are."""
+    """A stand-in EAGLE drafter: one token per level (a chain 7, 8, 9, draft probabilities 0.95,
+    0.5, 0.5), each level costing `level_cost` seconds of the fake clock and reported in
+    level_seconds, as EagleDrafter's are."""
 
     feature_layers: list = []
     max_depth = 3
@@ -257,11 +275,14 @@ class LevelledNeural:
     [(1e-4, True, 3), (0.02, True, 1), (0.002, True, 3), (0.002, False, 1)],
     ids=["cheap-levels", "costly-levels", "deep-levels-right", "deep-levels-wrong"],
 )
-def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(monkeypatch, level_cost, deep_right, best):
-    """Steps cost 10 ms + 1 ms a node and each level of the stand-in drafter `level_cost`, on a fake clock:
-    where the deeper levels' tokens are right and cost less than they bring, the drafter expands all three
-    levels; where they cost more (20 ms a level against ~16 ms of a step per token) or are wrong, it expands
-    one, but for its probes."""
+def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(
+    monkeypatch, level_cost, deep_right, best
+):
+    """Steps cost 10 ms + 1 ms a node and each level of the stand-in drafter `level_cost`, on a fake
+    clock: where the deeper levels' tokens are right and cost less than they bring, the drafter
+        expands all three
+    levels; where they cost more (20 ms a level against ~16 ms of a step per token) or are wrong, it
+    expands one, but for its probes."""
     from types import SimpleNamespace
 
     from headway.inference.drafters import hybrid as draft_hybrid
@@ -273,7 +294,9 @@ def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(monkeypatch, level
     )  # the neural drafter always runs: depth is under test
     neural = LevelledNeural(clock, level_cost)
     drafter = HybridDrafter(neural, hc, lambda n, depth: 0.010 + 0.001 * (n - 1))
-    drafter.begin(list(range(100, 140)), 1, torch.empty(0, 0))  # nothing repeats: no n-gram candidates
+    drafter.begin(
+        list(range(100, 140)), 1, torch.empty(0, 0)
+    )  # nothing repeats: no n-gram candidates
     for i in range(48):
         nodes, tree = drafter.draft(200 + i)
         ids, node, accepted = nodes.tolist(), 0, []
@@ -291,7 +314,8 @@ def test_the_neural_drafter_expands_as_deep_as_its_levels_pay(monkeypatch, level
 
 
 def test_drafting_depth_is_fixed_where_drafting_time_does_not_count(tiny_dirs):
-    """Untimed hybrids (node_cost >= 0, tune's replays) and depth_probe_every=0 keep inference.depth."""
+    """Untimed hybrids (node_cost >= 0, tune's replays) and depth_probe_every=0 keep
+    inference.depth."""
     t = load64(tiny_dirs["llama"])
     neural = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 3, 3, 8)
     assert HybridDrafter(neural, HybridConfig(), linear_cost(0.1), timed=False).depths is None
@@ -302,7 +326,8 @@ def test_drafting_depth_is_fixed_where_drafting_time_does_not_count(tiny_dirs):
 def repetitive_ids(t) -> list[list[int]]:
     return [
         chat_ids(
-            t, "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat."
+            t,
+            "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat sat on the mat.",
         ),
         chat_ids(t, "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"),
     ]
@@ -339,7 +364,10 @@ def test_hybrid_and_ngram_trees_are_exact(tiny_dirs, arch: str):
                 assert spec.tokens == ref.tokens, (arch, name, per_node)
                 for k, v in spec.sources.items():
                     sources[k] = sources.get(k, 0) + v
-            assert sum(sources.values()) > 0, (arch, name)  # drafts were accepted, so the trees were used
+            assert sum(sources.values()) > 0, (
+                arch,
+                name,
+            )  # drafts were accepted, so the trees were used
             assert set(sources) <= ({"ngram"} if name == "ngram" else {"ngram", "neural", "both"})
 
 
@@ -354,7 +382,10 @@ def test_simulation_equals_real_decoding(tiny_dirs):
     for make in (
         lambda: ngram_only(0.1),
         lambda: HybridDrafter(
-            EagleDrafter(heads, L, 2, 3, 6), HybridConfig(node_cost=0.1), linear_cost(0.1), timed=False
+            EagleDrafter(heads, L, 2, 3, 6),
+            HybridConfig(node_cost=0.1),
+            linear_cost(0.1),
+            timed=False,
         ),
     ):
         for ids in repetitive_ids(t):
@@ -362,16 +393,19 @@ def test_simulation_equals_real_decoding(tiny_dirs):
             seq = torch.tensor([ids + real.tokens[:-1]])
             hidden = t.model(seq, output_hidden_states=True).hidden_states
             drafter = make()
-            replay = Replay(ids, real.tokens, features_at(hidden, drafter.feature_layers, slice(None)))
+            replay = Replay(
+                ids, real.tokens, features_at(hidden, drafter.feature_layers, slice(None))
+            )
             sim = simulate(drafter, [replay], lambda n, depth: 1.0)
             assert sim["steps"] == real.target_forwards
             assert sim["tau"] == pytest.approx(real.tau)
 
 
 def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkeypatch):
-    """bf16 on the static engine verifies row by row (one attention call per depth level): there the drafter
-    measures a flat tree besides the chain and prices depth; elsewhere a tree's cost is its size's. The curves
-    are stand-ins (a tiny model's timings are noise), so only the choice of curves is under test."""
+    """bf16 on the static engine verifies row by row (one attention call per depth level): there the
+    drafter measures a flat tree besides the chain and prices depth; elsewhere a tree's cost is its
+    size's. The curves are stand-ins (a tiny model's timings are noise), so only the choice of
+    curves is under test."""
     from headway.inference import api
     from headway.inference.engines.runner import depth_matters
     from headway.run_config import RunConfig
@@ -382,11 +416,15 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkey
 
     def curve(model, engine, most, saved=None, shape="chain"):
         asked.append(shape)
-        return {n: (1.0 + 0.1 * n if shape == "chain" else 1.0 + 0.05 * n) for n in range(1, most + 1)}
+        return {
+            n: (1.0 + 0.1 * n if shape == "chain" else 1.0 + 0.05 * n) for n in range(1, most + 1)
+        }
 
     monkeypatch.setattr(api, "verify_cost_curve", curve)
     path = str(tiny_dirs["llama"])
-    bf16 = load_target(TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="bfloat16"))
+    bf16 = load_target(
+        TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="bfloat16")
+    )
     f32 = load_target(TargetConfig(name_or_path=path, device="cpu", num_threads=1, dtype="float32"))
     assert depth_matters(bf16.model, "static") and depth_matters(bf16.model, "auto")
     assert not depth_matters(bf16.model, "hf") and not depth_matters(f32.model, "static")
@@ -394,7 +432,11 @@ def test_hybrid_prices_tree_depth_only_on_the_row_exact_engine(tiny_dirs, monkey
     cfg.inference.hybrid.max_nodes = 5
     drafter = api.make_hybrid(None, cfg.inference, bf16.model)
     assert sorted(asked) == ["chain", "flat"]
-    assert drafter.verify_cost(6, 5) == pytest.approx(1.6) and drafter.verify_cost(6, 1) == pytest.approx(1.3)
+    assert drafter.verify_cost(6, 5) == pytest.approx(1.6) and drafter.verify_cost(
+        6, 1
+    ) == pytest.approx(1.3)
     asked.clear()
     drafter = api.make_hybrid(None, cfg.inference, f32.model)
-    assert asked == ["chain"] and drafter.verify_cost(6, 5) == drafter.verify_cost(6, 1) == pytest.approx(1.6)
+    assert asked == ["chain"] and drafter.verify_cost(6, 5) == drafter.verify_cost(
+        6, 1
+    ) == pytest.approx(1.6)

@@ -1,7 +1,8 @@
-"""The static engine (distill.engine=static, inference/engines/batch.py): batched slots on one static KV cache,
-refilled as answers end. Its greedy answers equal Hugging Face `generate`'s at batch 1 for every prompt, in
-float64 on the four tiny architectures, whatever the batch size and refill order; its sampling draws the
-target's distribution; on fake CUDA its decode step reads nothing from the host and mixes no device."""
+"""The static engine (distill.engine=static, inference/engines/batch.py): batched slots on one
+static KV cache, refilled as answers end. Its greedy answers equal Hugging Face `generate`'s at
+batch 1 for every prompt, in float64 on the four tiny architectures, whatever the batch size and
+refill order; its sampling draws the target's distribution; on fake CUDA its decode step reads
+nothing from the host and mixes no device."""
 
 from __future__ import annotations
 
@@ -59,12 +60,16 @@ def test_greedy_answers_equal_hf_generate_whatever_the_batch_and_refill_order(ti
     ref = _reference(t, prompts, stops, 16)
     lengths = {len(g.token_ids) for g in ref}
     # (the tiny llama repeats one token per prompt: its answers end at once or run to the cap)
-    assert len(lengths) >= 2 and any(g.finished for g in ref) and not all(g.finished for g in ref), lengths
+    assert (
+        len(lengths) >= 2 and any(g.finished for g in ref) and not all(g.finished for g in ref)
+    ), lengths
     s = SamplingSettings(max_new_tokens=16)
     for batch in (1, 3, 8):
         engine = StaticEngine(t.model, stops, batch, 192, check_every=3, span_block=16)
         got = engine.generate(prompts, s, 0)
-        assert [(g.token_ids, g.finished) for g in got] == [(g.token_ids, g.finished) for g in ref], batch
+        assert [(g.token_ids, g.finished) for g in got] == [
+            (g.token_ids, g.finished) for g in ref
+        ], batch
         # another refill order: the same answer for each prompt
         order = list(range(len(prompts)))
         random.Random(batch).shuffle(order)
@@ -74,8 +79,8 @@ def test_greedy_answers_equal_hf_generate_whatever_the_batch_and_refill_order(ti
 
 
 def test_sample_rows_draws_the_distribution():
-    """Inverse-CDF sampling from uniforms: chi-square against the probabilities (a draw that ignores the
-    row's own distribution, taking the first row's for every row, fails)."""
+    """Inverse-CDF sampling from uniforms: chi-square against the probabilities (a draw that ignores
+    the row's own distribution, taking the first row's for every row, fails)."""
     from collections import Counter
 
     from tests.inference.test_sampling import chi_square_p
@@ -93,7 +98,9 @@ def test_sample_rows_draws_the_distribution():
         draws = sample_rows(probs[row].expand(n, -1), u)
         assert (draws != 2).all() if row == 0 else True  # a token of probability 0 is never drawn
         assert p_value(draws, row) > 1e-3
-    assert p_value(sample_rows(probs[0].expand(n, -1), u), 1) < 1e-6  # row 0's draws against row 1's law
+    assert (
+        p_value(sample_rows(probs[0].expand(n, -1), u), 1) < 1e-6
+    )  # row 0's draws against row 1's law
 
 
 def test_sampling_is_seeded_and_keeps_the_stop_rule(tiny_dirs):
@@ -113,8 +120,8 @@ def test_sampling_is_seeded_and_keeps_the_stop_rule(tiny_dirs):
 
 
 def test_fake_cuda_decode_step_reads_nothing_and_mixes_no_device(tiny_dirs, monkeypatch):
-    """The decode step with every tensor on "cuda" (FakeTensorMode): no device mismatch, and no host read or
-    upload inside a step; the loop reads the host only at its finished checks."""
+    """The decode step with every tensor on "cuda" (FakeTensorMode): no device mismatch, and no host
+    read or upload inside a step; the loop reads the host only at its finished checks."""
     t = load64(tiny_dirs["llama"])
     t.model.float()
     reads, traffic = [], []
@@ -141,17 +148,26 @@ def test_fake_cuda_decode_step_reads_nothing_and_mixes_no_device(tiny_dirs, monk
         answers = decoder.generate([[5, 6, 7], [8, 9], [10], [11, 12, 13, 14], [15, 16]], 8)
     assert answers == [[1, 1]] * 5
     assert len(traffic) == 6 and set(traffic) == {(0, 0)}  # two rounds of 3 steps
-    assert reads == [(4,), (4, 65), (4,), (1, 65)]  # each round: the check, then the finished answers
+    assert reads == [
+        (4,),
+        (4, 65),
+        (4,),
+        (1, 65),
+    ]  # each round: the check, then the finished answers
 
 
 def test_static_distill_writes_the_targets_greedy_answers(tiny_dirs, tmp_path: Path):
-    """`headway distill` with distill.engine=static: multi-turn answers, each span the target's greedy
-    continuation at batch 1; the manifest names the engine and its batch."""
+    """`headway distill` with distill.engine=static: multi-turn answers, each span the target's
+    greedy continuation at batch 1; the manifest names the engine and its batch."""
     from tests.helpers.dataset_checks import greedy_reference
 
     model_dir = tiny_dirs["mistral"]
     prompts = write_prompts_file(tmp_path / "p.jsonl")
-    out = run(run_cfg(model_dir, prompts, tmp_path / "ds", "distill.engine=static", "distill.chunk_size=0"))
+    out = run(
+        run_cfg(
+            model_dir, prompts, tmp_path / "ds", "distill.engine=static", "distill.chunk_size=0"
+        )
+    )
     ds, manifest = load_distilled(out)
     assert manifest["engine"] == "static" and manifest["engine_batch_size"] == 3
     t = load64(model_dir)

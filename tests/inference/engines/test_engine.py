@@ -1,6 +1,6 @@
-"""The static engine and its compiled form: the same logits and hidden states as the model's own forward
-(prefill, tree, compaction), the same tokens in plain and speculative decoding, and a clear refusal where
-it does
+"""The static engine and its compiled form: the same logits and hidden states as the model's own
+forward (prefill, tree, compaction), the same tokens in plain and speculative decoding, and a clear
+refusal where it does
 not apply."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def test_static_runner_matches_the_model_forward(tiny_dirs, arch: str, compiled:
     t = load64(tiny_dirs[arch])
     assert static_supported(t.model)
     hf, static = HFRunner(t.model), StaticRunner(t.model, 64, compiled=compiled)
-    # transformers' RMSNorm rounds to float32 inside; compiled code fuses the norm and skips that rounding
+    # transformers' RMSNorm rounds to float32 inside; compiled code fuses the norm and skips that
+    # rounding
     atol = 1e-6 if compiled else 1e-10
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     steps = [
@@ -39,7 +40,11 @@ def test_static_runner_matches_the_model_forward(tiny_dirs, arch: str, compiled:
         (torch.tensor([5, 6, 7, 8, 9, 10]), tree, [0, 1, 3]),
         (torch.tensor([11]), None, None),
         (torch.tensor([3, 4, 5, 6, 7, 8]), tree, [0, 2, 4, 5]),
-        (torch.tensor([12, 13, 14, 15, 16, 17]), tree, [0, 1]),  # a path already in place: nothing moves
+        (
+            torch.tensor([12, 13, 14, 15, 16, 17]),
+            tree,
+            [0, 1],
+        ),  # a path already in place: nothing moves
         (torch.tensor([18, 19, 20, 21, 22, 23]), tree, [0]),
         (torch.tensor([24]), None, None),
     ]
@@ -65,14 +70,17 @@ def test_static_and_dynamic_paths_give_the_same_tokens(tiny_dirs, arch: str):
         ref = greedy_generate(t.model, ids, 32, stop, engine="hf")
         assert greedy_generate(t.model, ids, 32, stop, engine="static").tokens == ref.tokens
         for engine in ("hf", "static"):
-            assert speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens == ref.tokens
+            assert (
+                speculative_generate(t.model, drafter, ids, 32, stop, engine=engine).tokens
+                == ref.tokens
+            )
 
 
 def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny_dirs):
-    """Speculative decoding on the compiled engine equals plain decoding on it (and on hf: float64 leaves no
-    near-ties), and one graph serves every tree size and cache length: only the single-token and the
-    many-token case compile (2 graphs), not one per size, with or without hidden states, and for a tree that
-    is only
+    """Speculative decoding on the compiled engine equals plain decoding on it (and on hf: float64
+    leaves no near-ties), and one graph serves every tree size and cache length: only the
+    single-token and the many-token case compile (2 graphs), not one per size, with or without
+    hidden states, and for a tree that is only
     its root."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -89,7 +97,9 @@ def test_compiled_engine_gives_plain_decodings_tokens_and_reuses_its_graphs(tiny
     with torch.inference_mode():  # as the decoding loops run it
         runner = make_runner(t.model, 64, "compiled")
         runner.forward(torch.tensor(ids[:5]))
-        runner.forward(torch.tensor([7]), build_tree([]), hidden=True)  # a hybrid step that drafted nothing
+        runner.forward(
+            torch.tensor([7]), build_tree([]), hidden=True
+        )  # a hybrid step that drafted nothing
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
@@ -103,10 +113,13 @@ ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkld
     + ([("llama", "onednn")] if ONEDNN_BF16 else []),
 )
 @torch.inference_mode()
-def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(tiny_dirs, arch: str, fmt: str, attention: str):
-    """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that token after
-    its ancestors: what makes greedy speculative decoding equal plain decoding in bf16 (RowAttention by either
-    `target.row_attention`, and the padding of few-row steps: `fewest_rows`, ONEDNN_PAD_ROWS)."""
+def test_bf16_tree_rows_are_bit_identical_to_one_token_steps(
+    tiny_dirs, arch: str, fmt: str, attention: str
+):
+    """In bf16 on a CPU every row of a tree step equals, bit for bit, the one-token step of that
+    token after its ancestors: what makes greedy speculative decoding equal plain decoding in bf16
+    (RowAttention by either `target.row_attention`, and the padding of few-row steps: `fewest_rows`,
+    ONEDNN_PAD_ROWS)."""
     if attention == "cpp" and layer_loop.extension() is None:
         pytest.skip("the C++ extension does not build here")
     t = load_packed(tiny_dirs[arch], fmt, "bfloat16")
@@ -145,36 +158,53 @@ def _row_kernel(attention: str) -> Any:
 )
 @torch.inference_mode()
 def test_row_attention_gives_a_row_the_same_bits_alone_or_among_others(attention: str, dtype):
-    """RowAttention at the default target's sizes (9 query heads over 3 key/value heads of 64, ~150 visible
-    slots): a row computed in a group of rows of the same length, or among rows of other lengths, equals that
-    row computed alone, bit for bit. (Batched matmuls fail this: their result depends on the batch count.)"""
+    """RowAttention at the default target's sizes (9 query heads over 3 key/value heads of 64, ~150
+    visible slots): a row computed in a group of rows of the same length, or among rows of other
+    lengths, equals that row computed alone, bit for bit. (Batched matmuls fail this: their result
+    depends on the batch count.)"""
     kernel = _row_kernel(attention)
-    cache_dtype = torch.float32 if kernel else dtype  # the runner keeps a row-exact cache in float32
+    cache_dtype = (
+        torch.float32 if kernel else dtype
+    )  # the runner keeps a row-exact cache in float32
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(3, 200, 64, generator=g).to(dtype).to(cache_dtype)
     v_cache = torch.randn(3, 200, 64, generator=g).to(dtype).to(cache_dtype)
     q = torch.randn(6, 9, 64, generator=g).to(dtype)  # [rows, heads, head_dim]
-    tails = [[150], [151], [152], [150, 153], [151, 154], [150, 153, 155]]  # each after the first 150 slots
+    tails = [
+        [150],
+        [151],
+        [152],
+        [150, 153],
+        [151, 154],
+        [150, 153, 155],
+    ]  # each after the first 150 slots
     together = RowAttention(150, tails, q.device, kernel)(q, k_cache, v_cache, 0.125)
     for i, tail in enumerate(tails):
         alone = RowAttention(150, [tail], q.device, kernel)(q[i : i + 1], k_cache, v_cache, 0.125)
         assert torch.equal(together[i : i + 1], alone), i
-    # rows that see the cache's first slots in order (plain decoding's, a chain's): the same bits as the same
-    # keys gathered from elsewhere (the SDPA path reads the first in place)
+    # rows that see the cache's first slots in order (plain decoding's, a chain's): the same bits as
+    # the same keys gathered from elsewhere (the SDPA path reads the first in place)
     chain = RowAttention(150, [[150], [150, 151], [150, 151, 152]], q.device, kernel)
     if kernel is None:
         assert chain.slots is None and RowAttention(150, [[150, 152]], q.device).slots is not None
     moved_k, moved_v = k_cache.clone(), v_cache.clone()
     moved_k[:, 160:163], moved_v[:, 160:163] = k_cache[:, 150:153], v_cache[:, 150:153]
     gathered = RowAttention(150, [[160], [160, 161], [160, 161, 162]], q.device, kernel)
-    assert torch.equal(chain(q[:3], k_cache, v_cache, 0.125), gathered(q[:3], moved_k, moved_v, 0.125))
+    assert torch.equal(
+        chain(q[:3], k_cache, v_cache, 0.125), gathered(q[:3], moved_k, moved_v, 0.125)
+    )
 
 
 def _attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, tail: list[int], scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: int,
+    tail: list[int],
+    scale: float,
 ) -> torch.Tensor:
-    """One row's attention (q [heads, dim]) over the cache's first `start` slots, then `tail`, by torch:
-    [heads * dim]."""
+    """One row's attention (q [heads, dim]) over the cache's first `start` slots, then `tail`, by
+    torch: [heads * dim]."""
     slots = torch.tensor(list(range(start)) + tail)
     out = F.scaled_dot_product_attention(
         q[:, None], k_cache[:, slots], v_cache[:, slots], scale=scale, enable_gqa=True
@@ -185,8 +215,9 @@ def _attention(
 def _tail_moved_to_prefix(
     k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, tail: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Copies of the caches with the tail's keys and values written right after the prefix, and the last of
-    those slots: the same sequence as plain decoding sees it (all prefix, the row itself last)."""
+    """Copies of the caches with the tail's keys and values written right after the prefix, and the
+    last of those slots: the same sequence as plain decoding sees it (all prefix, the row itself
+    last)."""
     moved_k, moved_v = k_cache.clone(), v_cache.clone()
     moved_k[:, start : start + len(tail)] = k_cache[:, tail]
     moved_v[:, start : start + len(tail)] = v_cache[:, tail]
@@ -197,10 +228,12 @@ def _tail_moved_to_prefix(
     "heads,kv_heads,head_dim", [(9, 3, 64), (4, 2, 16), (4, 4, 8), (2, 1, 128), (6, 2, 24)]
 )
 @torch.inference_mode()
-def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_heads: int, head_dim: int):
+def test_the_row_attention_kernel_is_attention_and_fixed_per_row(
+    heads: int, kv_heads: int, head_dim: int
+):
     """The C++ row kernel computes softmax(q k^T * scale) v over each row's prefix and tail (float32
-    rounding), and a row's bits do not depend on the prefix/tail split, the other rows, the padding rows
-    or the
+    rounding), and a row's bits do not depend on the prefix/tail split, the other rows, the padding
+    rows or the
     thread count."""
     kernel = _row_kernel("cpp")
     g = torch.Generator().manual_seed(1)
@@ -213,9 +246,12 @@ def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_
         torch.testing.assert_close(
             out[i], _attention(q[i], k_cache, v_cache, start, tail, scale), rtol=1e-5, atol=1e-5
         )
-        # the same sequence with a longer prefix and a shorter tail (plain decoding's split): the same bits
+        # the same sequence with a longer prefix and a shorter tail (plain decoding's split): the
+        # same bits
         moved_k, moved_v, last = _tail_moved_to_prefix(k_cache, v_cache, start, tail)
-        alone = RowAttention(last, [[last]], q.device, kernel)(q[i : i + 1], moved_k, moved_v, scale)
+        alone = RowAttention(last, [[last]], q.device, kernel)(
+            q[i : i + 1], moved_k, moved_v, scale
+        )
         assert torch.equal(out[i : i + 1], alone), i
     # a one-token step padded to 3 rows: every row is the first
     padded = RowAttention(start, [[37]] * 3, q.device, kernel)
@@ -237,10 +273,10 @@ def test_the_row_attention_kernel_is_attention_and_fixed_per_row(heads: int, kv_
 def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
     heads: int, kv_heads: int, head_dim: int
 ):
-    """Each build of the row kernel this CPU runs (AVX-512 and AVX2 with fused multiply-adds, the baseline
-    without): attention within float32 rounding, and a row's bits whatever its prefix/tail split, the other
-    rows or how many queries share a key head; the two FMA builds give the same bits (the lanes compute
-    the same
+    """Each build of the row kernel this CPU runs (AVX-512 and AVX2 with fused multiply-adds, the
+    baseline without): attention within float32 rounding, and a row's bits whatever its prefix/tail
+    split, the other rows or how many queries share a key head; the two FMA builds give the same
+    bits (the lanes compute the same
     fused operations)."""
     ext = layer_loop.extension()
     if ext is None:
@@ -267,7 +303,14 @@ def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
             )
             moved_k, moved_v, last = _tail_moved_to_prefix(k_cache, v_cache, start, tail)
             alone = ext.row_attention_isa(
-                q[i : i + 1], moved_k, moved_v, last, torch.tensor([[last]]), torch.tensor([1]), scale, isa
+                q[i : i + 1],
+                moved_k,
+                moved_v,
+                last,
+                torch.tensor([[last]]),
+                torch.tensor([1]),
+                scale,
+                isa,
             )
             assert torch.equal(out[i : i + 1], alone), (isa, i)
     assert "base" in outs
@@ -280,9 +323,9 @@ def test_every_row_attention_build_here_is_attention_and_fixed_per_row(
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
 def test_the_kernels_transposed_keys_change_no_bit(tiny_dirs, arch: str):
-    """The row kernel's transposed key blocks, kept across steps and made stale by compaction and truncation,
-    give the bits of transposing the prefix afresh at every step: logits of a prompt, one-token steps and
-    trees with their compaction, then a truncation and new steps."""
+    """The row kernel's transposed key blocks, kept across steps and made stale by compaction and
+    truncation, give the bits of transposing the prefix afresh at every step: logits of a prompt,
+    one-token steps and trees with their compaction, then a truncation and new steps."""
     _row_kernel("cpp")
     t = load_packed(tiny_dirs[arch], "native", "bfloat16")
     runs = []

@@ -1,11 +1,13 @@
 """Targets of many families on the hf engine (the model's own forward through transformers).
 
-Sliding-window families (Mistral with a window, Gemma-2, Gemma-3, gpt-oss) verify trees exactly at any
-length: the runner's cache keeps every key and each layer type gets its own mask, so greedy speculative
-decoding equals plain greedy decoding, which equals the model's own `generate`, across the window. The
-attention each family loads with (`target.attn_implementation=auto`), the training forward's hidden states
-against the model's own, gpt-oss through distillation, training and decoding, and the one-line refusals
-(explicit sdpa on a family without it; trees on recurrent caches).
+Sliding-window families (Mistral with a window, Gemma-2, Gemma-3, gpt-oss) verify trees exactly at
+any
+length: the runner's cache keeps every key and each layer type gets its own mask, so greedy
+    speculative
+decoding equals plain greedy decoding, which equals the model's own `generate`, across the window.
+The attention each family loads with (`target.attn_implementation=auto`), the training forward's
+hidden states against the model's own, gpt-oss through distillation, training and decoding, and the
+one-line refusals (explicit sdpa on a family without it; trees on recurrent caches).
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ def _window(model) -> int:
 
 
 class OracleDrafter:
-    """Knows the greedy continuation and puts it on some branches, noise on others: accepted paths of every
-    length and through every branch are kept, rejected ones dropped (the compaction runs for real)."""
+    """Knows the greedy continuation and puts it on some branches, noise on others: accepted paths
+    of every length and through every branch are kept, rejected ones dropped (the compaction runs
+    for real)."""
 
     feature_layers = [0]
     max_depth = 4
@@ -73,15 +76,18 @@ class OracleDrafter:
             at = self.pos + len(path) - 1
             want = self.ref[at] if at < len(self.ref) else 0
             ok = right[self.tree.parent[i]] and self.rng.random() < 0.6
-            tokens.append(want if ok else (want + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab)
+            tokens.append(
+                want if ok else (want + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+            )
             right[i] = ok
         return torch.tensor(tokens), self.tree
 
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_trees_verify_exactly_across_the_sliding_window(family_dirs, family: str):
-    """float64: plain greedy through the runner equals the model's own generate, and speculative greedy equals
-    plain, for a prompt shorter than the window that decodes past it and for one longer than the window."""
+    """float64: plain greedy through the runner equals the model's own generate, and speculative
+    greedy equals plain, for a prompt shorter than the window that decodes past it and for one
+    longer than the window."""
     t = load64(family_dirs[family])
     window = _window(t.model)
     vocab = t.config.get_text_config().vocab_size
@@ -93,15 +99,21 @@ def test_trees_verify_exactly_across_the_sliding_window(family_dirs, family: str
         )[0, prompt_len:]
         assert plain.tokens == own.tolist(), (family, prompt_len)
         spec = speculative_generate(
-            t.model, OracleDrafter(build_tree(TREE), plain.tokens, vocab, 1), prompt, new, [], engine="hf"
+            t.model,
+            OracleDrafter(build_tree(TREE), plain.tokens, vocab, 1),
+            prompt,
+            new,
+            [],
+            engine="hf",
         )
         assert spec.tokens == plain.tokens, (family, prompt_len)
         assert spec.target_forwards < plain.target_forwards  # trees were accepted past the window
 
 
 def test_the_runner_keeps_every_key_and_masks_the_window(family_dirs):
-    """The cache of a sliding layer holds every position; a tree node's sliding mask hides the keys more
-    than window - 1 positions behind the node's own position (prefix + depth), the full layers' none."""
+    """The cache of a sliding layer holds every position; a tree node's sliding mask hides the keys
+    more than window - 1 positions behind the node's own position (prefix + depth), the full layers'
+    none."""
     t = load64(family_dirs["gemma2"])
     runner = HFRunner(t.model)
     runner.forward(torch.arange(10, 70))  # 60 > the window of 48
@@ -121,16 +133,20 @@ def test_the_runner_keeps_every_key_and_masks_the_window(family_dirs):
 
 
 def test_verify_cost_measures_past_the_window(family_dirs):
-    """The hybrid drafter's cost curve measures after a 256-token prefix: longer than every window here."""
+    """The hybrid drafter's cost curve measures after a 256-token prefix: longer than every window
+    here."""
     for family in ("gemma3", "gpt_oss"):
-        t = load_target(TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", num_threads=1))
+        t = load_target(
+            TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", num_threads=1)
+        )
         costs = verify_cost(t.model, [1, 4, 16], prefix_len=256, repeats=1, engine="hf")
         assert sorted(costs) == [1, 4, 16] and all(c > 0 for c in costs.values())
 
 
 def test_attention_auto_per_family(family_dirs, monkeypatch):
-    """auto: the family table's attention, else sdpa where the model class has it, else eager; an explicit
-    sdpa on a family without it, and flex_attention on a CPU, are refused in one line before weights load."""
+    """auto: the family table's attention, else sdpa where the model class has it, else eager; an
+    explicit sdpa on a family without it, and flex_attention on a CPU, are refused in one line
+    before weights load."""
     from transformers import AutoConfig, BloomConfig
 
     assert TargetConfig().attn_implementation == "auto"
@@ -138,13 +154,17 @@ def test_attention_auto_per_family(family_dirs, monkeypatch):
     for family, attn in expect.items():
         config = AutoConfig.from_pretrained(family_dirs[family])
         assert attention_implementation("auto", config) == attn, family
-    assert attention_implementation("auto", BloomConfig()) == "eager"  # not in the table, no SDPA class
+    assert (
+        attention_implementation("auto", BloomConfig()) == "eager"
+    )  # not in the table, no SDPA class
     with pytest.raises(HeadwayError, match="BloomForCausalLM has no SDPA") as e:
         attention_implementation("sdpa", BloomConfig())
     assert "\n" not in str(e.value)
 
     for family in ("gemma2", "gpt_oss"):  # auto loads them (sdpa did not)
-        t = load_target(TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", num_threads=1))
+        t = load_target(
+            TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", num_threads=1)
+        )
         assert t.model.config._attn_implementation == "eager"
 
     from transformers import AutoModelForCausalLM
@@ -154,7 +174,9 @@ def test_attention_auto_per_family(family_dirs, monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
     for family, name in (("gemma2", "Gemma-2"), ("gpt_oss", "gpt-oss")):
-        cfg = TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", attn_implementation="sdpa")
+        cfg = TargetConfig(
+            name_or_path=str(family_dirs[family]), device="cpu", attn_implementation="sdpa"
+        )
         with pytest.raises(HeadwayError, match=f"this {name} target") as e:
             load_target(cfg)
         assert "\n" not in str(e.value) and "auto or eager" in str(e.value)
@@ -169,8 +191,9 @@ def test_attention_auto_per_family(family_dirs, monkeypatch):
 
 @pytest.mark.parametrize("family", WINDOWED)
 def test_training_forward_equals_the_models_own(family_dirs, family: str):
-    """The training forward (train/target_features.py, which may swap in its own attention) gives the model's
-    own hidden states and logits, bit for bit, on batches shorter and longer than the window."""
+    """The training forward (train/target_features.py, which may swap in its own attention) gives
+    the model's own hidden states and logits, bit for bit, on batches shorter and longer than the
+    window."""
     t = load64(family_dirs[family])
     n = t.config.get_text_config().num_hidden_layers
     for width in (40, _window(t.model) + 20):
@@ -184,9 +207,11 @@ def test_training_forward_equals_the_models_own(family_dirs, family: str):
 
 @pytest.mark.parametrize("family", RECURRENT)
 def test_recurrent_caches_refuse_trees_in_one_line(family_dirs, family: str):
-    """A recurrent layer's state cannot drop a rejected branch: plain decoding runs, a tree, a compaction or a
-    rollback is one HeadwayError (never an AttributeError)."""
-    t = load_target(TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", num_threads=1))
+    """A recurrent layer's state cannot drop a rejected branch: plain decoding runs, a tree, a
+    compaction or a rollback is one HeadwayError (never an AttributeError)."""
+    t = load_target(
+        TargetConfig(name_or_path=str(family_dirs[family]), device="cpu", num_threads=1)
+    )
     prompt = list(range(10, 30))
     plain = plain_generate(t.model, prompt, 4, [], engine="hf")
     assert len(plain.tokens) == 4
@@ -207,8 +232,9 @@ def test_recurrent_caches_refuse_trees_in_one_line(family_dirs, family: str):
 
 
 def test_gpt_oss_distils_trains_and_decodes_exactly(family_dirs, tmp_path: Path):
-    """gpt-oss (attention sinks, sliding windows on alternate layers, MoE): distilled on the hf engine,
-    EAGLE-3 trained 2 steps, decoded on the hf engine past its window, equal to plain greedy (float64)."""
+    """gpt-oss (attention sinks, sliding windows on alternate layers, MoE): distilled on the hf
+    engine, EAGLE-3 trained 2 steps, decoded on the hf engine past its window, equal to plain greedy
+    (float64)."""
     from headway.config import load_config
     from headway.data_scripts.distill import distill
     from headway.inference.api import SpeculativeDecoder
@@ -235,13 +261,19 @@ def test_gpt_oss_distils_trains_and_decodes_exactly(family_dirs, tmp_path: Path)
     data = distill(cfg.target, cfg.prompts, cfg.distill, cfg.magpie)
     head_dir = train(
         small_run(
-            target, data, tmp_path / "run", "head.kind=eagle3", "train.max_steps=2", "train.save_every=2"
+            target,
+            data,
+            tmp_path / "run",
+            "head.kind=eagle3",
+            "train.max_steps=2",
+            "train.save_every=2",
         )
     )
     assert json.loads((head_dir / "config.json").read_text())["kind"] == "eagle3"
     decoder = SpeculativeDecoder.load(
         head_dir,
-        # a fixed node cost sizes the hybrid's trees (test_verify_cost_measures_past_the_window measures)
+        # a fixed node cost sizes the hybrid's trees (test_verify_cost_measures_past_the_window
+        # measures)
         float64_run(
             target,
             "target.num_threads=1",

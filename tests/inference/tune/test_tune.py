@@ -1,5 +1,5 @@
-"""`headway tune`: the replayed acceptance equals real verification step by step, the cost model and the
-search, and the saved choice is what generate and bench then use (on this machine only)."""
+"""`headway tune`: the replayed acceptance equals real verification step by step, the cost model and
+the search, and the saved choice is what generate and bench then use (on this machine only)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ from headway.run_config import RunConfig
 from tests.helpers.decode_helpers import float64_run
 from tests.helpers.train_helpers import small_run
 
-PROMPTS = ["Question 3: what is 3 plus 4?", "Question 5: what is 5 plus 6? Tell me a story about it."]
+PROMPTS = [
+    "Question 3: what is 3 plus 4?",
+    "Question 5: what is 5 plus 6? Tell me a story about it.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +79,14 @@ def trained_heads(tiny_dirs, tiny_data, tmp_path_factory) -> dict[str, Path]:
 
 
 def _decoder(tiny_dirs, head: Path, *extra: str) -> SpeculativeDecoder:
-    return SpeculativeDecoder.load(head, float64_run(tiny_dirs["llama"], "target.num_threads=1", *extra))
+    return SpeculativeDecoder.load(
+        head, float64_run(tiny_dirs["llama"], "target.num_threads=1", *extra)
+    )
 
 
 def _root_positions(accepted: list[int]) -> list[int]:
-    """Answer index of each verification's root: every step moves past its accepted drafts and the bonus."""
+    """Answer index of each verification's root: every step moves past its accepted drafts and the
+    bonus."""
     out, p = [], 0
     for a in accepted:
         out.append(p)
@@ -89,9 +95,12 @@ def _root_positions(accepted: list[int]) -> list[int]:
 
 
 def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_heads):
-    """At every position where real decoding verified a tree, the replay predicts exactly how many drafts it
-    accepted, for several (depth, top_k, total_tokens) scored by one expansion per top_k."""
-    d = _decoder(tiny_dirs, trained_heads["eagle3"], "inference.use_tuned=false", "inference.drafter=neural")
+    """At every position where real decoding verified a tree, the replay predicts exactly how many
+    drafts it accepted, for several (depth, top_k, total_tokens) scored by one expansion per
+    top_k."""
+    d = _decoder(
+        tiny_dirs, trained_heads["eagle3"], "inference.use_tuned=false", "inference.drafter=neural"
+    )
     prompts = [d.fmt.first_turn(p) for p in PROMPTS]
     replays = replay_answers(d, prompts, 24)
     num_layers = d.target.config.num_hidden_layers
@@ -106,14 +115,16 @@ def test_replayed_eagle_acceptance_equals_real_verification(tiny_dirs, trained_h
             for p, acc in zip(_root_positions(real.accepted), real.accepted):
                 assert along[p][depth, k, n] == acc, (depth, k, n, p)
                 seen_accepts += acc
-    assert seen_accepts > 0  # the trained head accepts drafts here, so the comparison is not vacuous
+    assert (
+        seen_accepts > 0
+    )  # the trained head accepts drafts here, so the comparison is not vacuous
 
 
 @pytest.mark.parametrize("kind", ["medusa", "dflash"])
 def test_replayed_static_tree_matches_equal_real_verification(tiny_dirs, trained_heads, kind: str):
-    """Static trees (Medusa's heads, DFlash's block slots): the ranks replayed along the target's answers
-    accept exactly what real verification accepts, for any tree; and the tune search's best tree
-    decodes exactly."""
+    """Static trees (Medusa's heads, DFlash's block slots): the ranks replayed along the target's
+    answers accept exactly what real verification accepts, for any tree; and the tune search's best
+    tree decodes exactly."""
     d = _decoder(
         tiny_dirs,
         trained_heads[kind],
@@ -130,17 +141,24 @@ def test_replayed_static_tree_matches_equal_real_verification(tiny_dirs, trained
     seen = 0
     for r in replays:
         along = dict(
-            static_matches_along(Drafter(d.heads, build_tree(chain_choices(d.heads.draft_depth)), L), r, 8)
+            static_matches_along(
+                Drafter(d.heads, build_tree(chain_choices(d.heads.draft_depth)), L), r, 8
+            )
         )
         real = speculative_generate(d.target.model, drafter, r.prompt, 24, d.fmt.stop_ids)
         for p, acc in zip(_root_positions(real.accepted), real.accepted):
             assert sum(1 for k in range(1, len(along[p]) + 1) if along[p][:k] in nodes) == acc
             seen += acc
     assert seen > 0
-    best = search(d, replays, lambda n, depth: 1e-3 * (1 + 0.1 * n), TuneConfig(static_nodes=[1, 3, 6]))[0]
+    best = search(
+        d, replays, lambda n, depth: 1e-3 * (1 + 0.1 * n), TuneConfig(static_nodes=[1, 3, 6])
+    )[0]
     tuned = Drafter(d.heads, build_tree(best["inference"]["tree"]), L)
     for r in replays:
-        assert speculative_generate(d.target.model, tuned, r.prompt, 24, d.fmt.stop_ids).tokens == r.answer
+        assert (
+            speculative_generate(d.target.model, tuned, r.prompt, 24, d.fmt.stop_ids).tokens
+            == r.answer
+        )
 
 
 def test_best_static_trees_take_the_most_frequent_matches():
@@ -156,7 +174,9 @@ def test_best_static_trees_take_the_most_frequent_matches():
 def test_cost_interpolation():
     costs = {1: 1.0, 4: 2.5, 8: 3.0}
     assert interpolate(costs, 1) == 1.0 and interpolate(costs, 2) == pytest.approx(1.5)
-    assert interpolate(costs, 6) == pytest.approx(2.75) and interpolate(costs, 12) == pytest.approx(3.5)
+    assert interpolate(costs, 6) == pytest.approx(2.75) and interpolate(costs, 12) == pytest.approx(
+        3.5
+    )
 
 
 def test_tune_settings_are_checked():
@@ -167,9 +187,9 @@ def test_tune_settings_are_checked():
 
 
 def test_renamed_tune_keys_still_load(tmp_path: Path):
-    """A run config saved before issue 54 (tune.medusa_nodes, tune.medusa_top_k) loads into the renamed
-    fields, from a file and from the command line; setting an old key and its new name together is
-    an error."""
+    """A run config saved before issue 54 (tune.medusa_nodes, tune.medusa_top_k) loads into the
+    renamed fields, from a file and from the command line; setting an old key and its new name
+    together is an error."""
     saved = tmp_path / "config.yaml"
     saved.write_text("tune:\n  medusa_nodes: [2, 5]\n  medusa_top_k: 3\n")
     cfg = load_config(RunConfig, saved)
@@ -192,10 +212,17 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
 
     head = tmp_path / "head"
     shutil.copytree(trained_heads["eagle3"], head)
-    target = [f"target.name_or_path={tiny_dirs['llama']}", "target.num_threads=1", "target.dtype=float64"]
+    target = [
+        f"target.name_or_path={tiny_dirs['llama']}",
+        "target.num_threads=1",
+        "target.dtype=float64",
+    ]
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
-        "".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in zip(PROMPTS, ["math", "story"]))
+        "".join(
+            json.dumps({"prompt": p, "category": c}) + "\n"
+            for p, c in zip(PROMPTS, ["math", "story"])
+        )
     )
     res = _headway(
         "tune",
@@ -214,7 +241,10 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
     assert res.returncode == 0, res.stderr[-3000:]
     entry = json.loads((head / "tuned.json").read_text())["entries"][0]
     chosen = entry["chosen"]["inference"]
-    assert set(chosen) == {"depth", "top_k", "total_tokens", "drafter"} and entry["machine"]["threads"] == 1
+    assert (
+        set(chosen) == {"depth", "top_k", "total_tokens", "drafter"}
+        and entry["machine"]["threads"] == 1
+    )
     # every drafter kind was replayed along the calibration answers; the fastest is the choice
     replayed = entry["drafters"]
     assert sorted(d["drafter"] for d in replayed) == ["hybrid", "neural", "ngram"]
@@ -253,7 +283,9 @@ def test_tune_saves_a_choice_that_generate_and_bench_use(tiny_dirs, trained_head
     if chosen["drafter"] != "ngram":  # (an n-gram tree has no neural settings)
         assert {k: used[k] for k in chosen} == chosen
     assert bench_drafter("inference.depth=4")["depth"] == 4  # a tree set on the command line wins
-    assert bench_drafter("inference.use_tuned=false")["total_tokens"] == 15  # the configured default
+    assert (
+        bench_drafter("inference.use_tuned=false")["total_tokens"] == 15
+    )  # the configured default
     entry["machine"]["processor"] = "another machine"  # tuned elsewhere: not used here
     (head / "tuned.json").write_text(json.dumps({"entries": [entry]}))
     assert bench_drafter()["total_tokens"] == 15

@@ -1,6 +1,7 @@
-"""The CUDA backend (inference.engine=cuda) proven on a CPU: its code on CPU tensors gives the model's logits
-and plain greedy's tokens (float64), its device bookkeeping equals the host's, its EAGLE expansion builds the
-host drafter's tree, and its step reads nothing from the host (see also test_cuda_capture.py)."""
+"""The CUDA backend (inference.engine=cuda) proven on a CPU: its code on CPU tensors gives the
+model's logits and plain greedy's tokens (float64), its device bookkeeping equals the host's, its
+EAGLE expansion builds the host drafter's tree, and its step reads nothing from the host (see also
+test_cuda_capture.py)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,9 @@ def test_the_cuda_engine_is_chosen_and_refused_with_a_reason(tiny_dirs):
     assert engine_name(gemma.model) == "hf"
     assert isinstance(make_runner(llama.model, 32, "cuda"), CudaRunner)
     assert isinstance(make_runner(gemma.model, 32, "cuda"), CudaRunner)
-    mistral.model.config.sliding_window = 16  # a Mistral with a window is neither static nor Gemma-3
+    mistral.model.config.sliding_window = (
+        16  # a Mistral with a window is neither static nor Gemma-3
+    )
     with pytest.raises(
         HeadwayError,
         match="inference.engine=cuda cannot run this Mistral target: the CUDA backend runs sliding "
@@ -102,8 +105,9 @@ def test_the_cuda_engine_is_chosen_and_refused_with_a_reason(tiny_dirs):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
-    """The device loop (drafts, verification and acceptance on tensors) writes plain greedy's tokens, with
-    accepted paths of every length, and plain decoding on the backend writes the hf engine's."""
+    """The device loop (drafts, verification and acceptance on tensors) writes plain greedy's
+    tokens, with accepted paths of every length, and plain decoding on the backend writes the hf
+    engine's."""
     t = load64(tiny_dirs[arch])
     tree = build_tree(WIDE_TREE)
     for seed, prompt in enumerate(prompts_for(t.tokenizer)):
@@ -118,8 +122,8 @@ def test_cuda_backend_greedy_equals_plain(tiny_dirs, arch: str):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
-    """EAGLE-3 and EAGLE-1 (the device expansion), Medusa and DFlash (static trees) through the device loop:
-    plain greedy's tokens, and every step accepts what the host loop accepts."""
+    """EAGLE-3 and EAGLE-1 (the device expansion), Medusa and DFlash (static trees) through the
+    device loop: plain greedy's tokens, and every step accepts what the host loop accepts."""
     t = load64(tiny_dirs[arch])
     stop = [t.tokenizer.eos_token_id]
     host_engine = "hf" if arch == "gemma3" else "static"  # (Gemma-3: no static engine on the host)
@@ -135,7 +139,9 @@ def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
     medusa = MedusaDrafter(medusa_heads, build_tree(WIDE_TREE), t.config.num_hidden_layers)
     dflash_heads = dflash_head(t)
     dflash = DFlashDrafter(
-        dflash_heads, build_tree(DFlashDrafter.default_tree(dflash_heads)), t.config.num_hidden_layers
+        dflash_heads,
+        build_tree(DFlashDrafter.default_tree(dflash_heads)),
+        t.config.num_hidden_layers,
     )
     for text in ["What is two plus three?", "Write a short poem about the sea."]:
         ids = chat_ids(t, text)
@@ -148,8 +154,8 @@ def test_cuda_backend_drafters_on_tensors_are_exact(tiny_dirs, arch: str):
 
 
 def test_device_acceptance_is_the_host_walk():
-    """greedy_accept gives accept_greedy's path and bonus on random trees, duplicate sibling tokens, pads and
-    argmax ties included (first max)."""
+    """greedy_accept gives accept_greedy's path and bonus on random trees, duplicate sibling tokens,
+    pads and argmax ties included (first max)."""
     rng = random.Random(0)
     for trial in range(300):
         n = rng.randrange(1, 14)
@@ -158,7 +164,9 @@ def test_device_acceptance_is_the_host_walk():
         vocab = rng.choice([3, 5, 50])
         node_ids = [rng.randrange(vocab) for _ in range(n)]
         logits = torch.randint(0, 3, (n, vocab)).double()  # small integers: ties are common
-        for i in range(n):  # the walk should often go deep: make some nodes the argmax of their parent
+        for i in range(
+            n
+        ):  # the walk should often go deep: make some nodes the argmax of their parent
             for c in tree.children[i]:
                 if rng.random() < 0.6:
                     logits[i, node_ids[c]] = 9.0
@@ -195,7 +203,8 @@ def test_kv_compaction_is_one_gather_copy_equal_to_the_per_layer_loop():
         as_tensor = trial % 2 == 0  # the CUDA backend passes the first slot as a device tensor
         cache.compact(torch.tensor(first) if as_tensor else first, src)
         assert all(torch.equal(a, b) for a, b in zip((*cache.k, *cache.v), ref))
-    # each layer's keys and values stay views of the one tensor, which the layer step writes in place
+    # each layer's keys and values stay views of the one tensor, which the layer step writes in
+    # place
     assert (
         cache.k[2].data_ptr() == cache.data[2, 0].data_ptr()
         and cache.v[1].data_ptr() == cache.data[1, 1].data_ptr()
@@ -204,8 +213,8 @@ def test_kv_compaction_is_one_gather_copy_equal_to_the_per_layer_loop():
 
 @pytest.mark.parametrize("setting", [(3, 3, 8), (4, 4, 15), (1, 5, 1), (2, 1, 2), (3, 8, 20)])
 def test_eagle_device_expansion_builds_the_host_tree(tiny_dirs, setting):
-    """draft_tensors (the expansion on tensors) gives draft()'s tree: the same node ids in the same order,
-    the same parents, step after step."""
+    """draft_tensors (the expansion on tensors) gives draft()'s tree: the same node ids in the same
+    order, the same parents, step after step."""
     depth, k, total = setting
     t = load64(tiny_dirs["llama"])
     heads = random_head(t, "eagle3", seed=depth)
@@ -224,8 +233,9 @@ def test_eagle_device_expansion_builds_the_host_tree(tiny_dirs, setting):
 
 
 def test_cuda_backend_loop_reads_the_host_once_a_step(tiny_dirs):
-    """On CPU tensors, the device loop with the EAGLE expansion reads the host once per speculative step (the
-    verdict), plus the prompt's first token; the host loop reads many times per node and level."""
+    """On CPU tensors, the device loop with the EAGLE expansion reads the host once per speculative
+    step (the verdict), plus the prompt's first token; the host loop reads many times per node and
+    level."""
     t = load64(tiny_dirs["llama"])
     drafter = EagleDrafter(random_head(t, "eagle3"), t.config.num_hidden_layers, 3, 3, 8)
     ids = chat_ids(t, "What is two plus three?")
@@ -246,8 +256,8 @@ def test_sdpa_is_pinned_off_cudnn():
 
 
 def test_the_cuda_backend_costs_a_step_function_of_its_buckets(tiny_dirs):
-    """verify_cost on the CUDA backend: one value per bucket, every node count from 1 up, so tune and the
-    hybrid price a tree by its bucket."""
+    """verify_cost on the CUDA backend: one value per bucket, every node count from 1 up, so tune
+    and the hybrid price a tree by its bucket."""
     t = load64(tiny_dirs["llama"])
     opts = EngineOptions(engine="cuda", cuda_buckets=(1, 4, 12))
     costs = verify_cost(t.model, [1, 3, 9], prefix_len=16, repeats=1, engine=opts)
@@ -264,8 +274,9 @@ def test_gpu_targets_get_gpu_sized_trees():
 
 
 def test_gemma3_past_its_sliding_window_matches_the_model_forward(tiny_dirs):
-    """A prompt longer than Gemma-3's window (128 in the tiny model), then one-token steps: the sliding
-    layers' masks (the prompt's, and each step's over the whole cache) keep the model's own logits."""
+    """A prompt longer than Gemma-3's window (128 in the tiny model), then one-token steps: the
+    sliding layers' masks (the prompt's, and each step's over the whole cache) keep the model's own
+    logits."""
     t = load64(tiny_dirs["gemma3"])
     assert t.config.sliding_window == 128
     hf, cu = HFRunner(t.model), CudaRunner(t.model, 200, buckets=(1, 4))
@@ -283,7 +294,9 @@ def test_gemma3_past_its_sliding_window_matches_the_model_forward(tiny_dirs):
 def test_one_exact_bucket_fits_every_tree_of_the_config():
     ic = RunConfig().inference
     assert cuda_buckets(ic) == (48,)  # the hybrid's 32 nodes and the root
-    assert cuda_buckets(gpu_sized(RunConfig()).inference) == (64,)  # EAGLE-2's 60 and the hybrid's 60
+    assert cuda_buckets(gpu_sized(RunConfig()).inference) == (
+        64,
+    )  # EAGLE-2's 60 and the hybrid's 60
     assert cuda_buckets(dataclasses.replace(ic, cuda_buckets=[1, 16])) == (1, 16)
     with pytest.raises(HeadwayError, match="inference.cuda_buckets must be row counts >= 1"):
         dataclasses.replace(ic, cuda_buckets=[0, 16])
@@ -293,12 +306,16 @@ def test_one_exact_bucket_fits_every_tree_of_the_config():
 @pytest.mark.parametrize("arch", ARCHS)
 def test_speculative_equals_plain_in_one_bucket(tiny_dirs, arch, dtype):
     """bf16 and float32, the CUDA algorithm on CPU tensors through `speculative_generate` and
-    `plain_generate` called directly, with no buckets asked for: the runner's default is the one exact bucket
-    for every step (plain decoding included) and the row-exact tree attention: speculative tokens equal
-    plain ones, for accepted paths of every length (the oracle) and for every head kind: the EAGLE-3 and
-    EAGLE-1 expansions, Medusa and DFlash trees."""
-    t = load_target(TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype=dtype))
-    assert not [a for a in vars(t.model) if a.startswith(("headway", "_headway"))]  # (no buckets asked for)
+    `plain_generate` called directly, with no buckets asked for: the runner's default is the one
+    exact bucket for every step (plain decoding included) and the row-exact tree attention:
+    speculative tokens equal plain ones, for accepted paths of every length (the oracle) and for
+    every head kind: the EAGLE-3 and EAGLE-1 expansions, Medusa and DFlash trees."""
+    t = load_target(
+        TargetConfig(name_or_path=str(tiny_dirs[arch]), device="cpu", num_threads=1, dtype=dtype)
+    )
+    assert not [
+        a for a in vars(t.model) if a.startswith(("headway", "_headway"))
+    ]  # (no buckets asked for)
     low = getattr(torch, dtype)
     tree = build_tree(WIDE_TREE)
     eagle = EagleDrafter(random_head(t, "eagle3").to(low), t.config.num_hidden_layers, 3, 3, 8)
@@ -311,23 +328,30 @@ def test_speculative_equals_plain_in_one_bucket(tiny_dirs, arch, dtype):
     eagle1 = EagleDrafter(random_head(t, "eagle").to(low), t.config.num_hidden_layers, 3, 2, 6)
     dflash_heads = dflash_head(t).to(low)
     dflash = DFlashDrafter(
-        dflash_heads, build_tree(DFlashDrafter.default_tree(dflash_heads)), t.config.num_hidden_layers
+        dflash_heads,
+        build_tree(DFlashDrafter.default_tree(dflash_heads)),
+        t.config.num_hidden_layers,
     )
     for seed, prompt in enumerate(prompts_for(t.tokenizer)):
         ids = t.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         ref = greedy_generate(t.model, ids, 40, [], engine="cuda").tokens
         oracle = DeviceOracle(tree, ref, t.config.vocab_size, seed)
         for drafter in (oracle, eagle, eagle1, medusa, dflash):
-            assert speculative_generate(t.model, drafter, ids, 40, [], engine="cuda").tokens == ref, drafter
+            assert (
+                speculative_generate(t.model, drafter, ids, 40, [], engine="cuda").tokens == ref
+            ), drafter
 
 
 def test_the_cpu_emulation_trims_only_what_no_real_row_reads(tiny_dirs):
     """On CPU tensors the tree attention skips the pad rows and the blocks past the longest row
-    (CudaRunner.trim_blocks): every real row's logits and hidden states keep the bits of the full pass."""
+    (CudaRunner.trim_blocks): every real row's logits and hidden states keep the bits of the full
+    pass."""
     outs = []
     for trim in (True, False):
         t = load_target(
-            TargetConfig(name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="bfloat16")
+            TargetConfig(
+                name_or_path=str(tiny_dirs["qwen2"]), device="cpu", num_threads=1, dtype="bfloat16"
+            )
         )
         runner = CudaRunner(t.model, 96, buckets=(16,), graphs=False)
         runner.trim_blocks = trim

@@ -1,10 +1,11 @@
 """The CUDA backend's step is capturable and its loop reads the host once a step, proven on a CPU:
-- fake CUDA (tests/helpers/fake_cuda.py): the real runner, drafters and loop with every tensor on "cuda"; a device
-  mismatch or a stray host read raises there; the loop's one read per step (`CudaRunner.read`) is counted and
-  answered, and nothing inside a step reads the host or uploads;
-- a checking torch.compile backend (tests/helpers/capture_check.py, fullgraph=True, dynamic=False): each bucket's
-  step compiles to one graph free of host syncs and data-dependent sizes, mutating only the KV cache, and a
-  sweep of positions and trees in a bucket recompiles nothing (`fail_on_recompile`);
+- fake CUDA (tests/helpers/fake_cuda.py): the real runner, drafters and loop with every tensor on
+  "cuda"; a device mismatch or a stray host read raises there; the loop's one read per step
+  (`CudaRunner.read`) is counted and answered, and nothing inside a step reads the host or uploads;
+- a checking torch.compile backend (tests/helpers/capture_check.py, fullgraph=True, dynamic=False):
+  each bucket's step compiles to one graph free of host syncs and data-dependent sizes, mutating
+  only the KV cache, and a sweep of positions and trees in a bucket recompiles nothing
+  (`fail_on_recompile`);
 - frozen scalars: two steps of a bucket at different positions and trees record the same op trace.
 """
 
@@ -49,8 +50,8 @@ def head(t, kind):
 
 
 def drafter_of(t, kind, heads):
-    """The drafter, made outside the fake mode (a static tree is host bookkeeping, whose reads would raise
-    there)."""
+    """The drafter, made outside the fake mode (a static tree is host bookkeeping, whose reads would
+    raise there)."""
     if kind == "eagle3":
         return EagleDrafter(heads, t.config.num_hidden_layers, 3, 3, 8)
     return MedusaDrafter(heads, build_tree(WIDE_TREE), t.config.num_hidden_layers)
@@ -111,7 +112,9 @@ TREES = [
     build_tree([[0], [0, 0], [0, 0, 0]]),
     build_tree([[0], [1], [2], [3]]),
     build_tree([[0]]),
-    build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]),
+    build_tree(
+        [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    ),
 ]
 
 
@@ -131,7 +134,9 @@ def test_each_bucket_compiles_to_one_checked_graph_with_no_recompile(tiny_dirs, 
         a = runner.step(ids, parent, size)
         b = eager.step(ids, parent, size)
         assert torch.equal(a[0][:size], b[0][:size]) and torch.equal(a[2], b[2])
-        path = torch.tensor([0, 1][: 1 + (keep_to % 2 if size > 1 else 0)])  # node 1 is a child of the root
+        path = torch.tensor(
+            [0, 1][: 1 + (keep_to % 2 if size > 1 else 0)]
+        )  # node 1 is a child of the root
         runner.keep_path(size, path)
         eager.keep_path(size, path)
     torch.compiler.set_stance("default")
@@ -157,16 +162,20 @@ def test_the_checking_backend_refuses_host_syncs():
     for fn in (item, nonzero, mask):
         torch._dynamo.reset()
         with pytest.raises(Exception) as err:
-            torch.compile(fn, backend=CheckingBackend(), fullgraph=True, dynamic=False)(torch.randn(8))
+            torch.compile(fn, backend=CheckingBackend(), fullgraph=True, dynamic=False)(
+                torch.randn(8)
+            )
         assert isinstance(err.value, CaptureRefused) or "CaptureRefused" in repr(err.value), fn
 
 
 def test_steps_of_a_bucket_record_the_same_ops(tiny_dirs):
-    """No per-step Python number is frozen into a step: at other positions and with other trees, a bucket's
-    step runs the same ops on the same shapes with the same constants."""
+    """No per-step Python number is frozen into a step: at other positions and with other trees, a
+    bucket's step runs the same ops on the same shapes with the same constants."""
     t = load32(tiny_dirs["mistral"])
     runner = CudaRunner(t.model, 96, buckets=(1, 12), graphs=False)
-    runner.trim_blocks = False  # (the CPU emulation's one host number; a graphable step runs every block)
+    runner.trim_blocks = (
+        False  # (the CPU emulation's one host number; a graphable step runs every block)
+    )
     runner.forward(torch.arange(5, 25))
     traces = []
     real = runner.graphs.step
@@ -192,8 +201,9 @@ def torch_top_logprobs(logits, k):
 
 
 def test_the_eagle_expansion_compiles_to_one_checked_graph(tiny_dirs, monkeypatch):
-    """The drafter's expansion (its own graph on CUDA): one graph over steps at growing committed lengths,
-    free of host syncs, writing only the drafter's cache, and the host drafter's tree at every step."""
+    """The drafter's expansion (its own graph on CUDA): one graph over steps at growing committed
+    lengths, free of host syncs, writing only the drafter's cache, and the host drafter's tree at
+    every step."""
     for module in (draft_eagle, draft_eagle_device):  # the CPU's C++ top-k kernel is not traceable
         monkeypatch.setattr(module, "top_logprobs", torch_top_logprobs)
     t = load32(tiny_dirs["llama"])
@@ -208,7 +218,9 @@ def test_the_eagle_expansion_compiles_to_one_checked_graph(tiny_dirs, monkeypatc
     drafter.draft_tensors(torch.tensor([5]))  # makes the expansion
     backend = CheckingBackend()
     expansion = drafter.expansion
-    expansion.graphs.step = torch.compile(lambda _: expansion._expand(), backend=backend, fullgraph=True)
+    expansion.graphs.step = torch.compile(
+        lambda _: expansion._expand(), backend=backend, fullgraph=True
+    )
     try:
         for step in range(4):
             if step == 1:

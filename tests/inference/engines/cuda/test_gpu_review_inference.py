@@ -1,7 +1,7 @@
-"""The CUDA path's findings of the GPU review (docs/gpu-review-inference.md), each proven on a CPU: mocked
-CUDA streams and graphs (a recorder of which device each stream, capture and step ran on), weak references
-(what a runner keeps alive), a dispatch-mode counter (fp32 copies), an SDPA recorder (which calls would
-fall to the math kernel), and the Triton kernel in its interpreter."""
+"""The CUDA path's findings of the GPU review (docs/gpu-review-inference.md), each proven on a CPU:
+mocked CUDA streams and graphs (a recorder of which device each stream, capture and step ran on),
+weak references (what a runner keeps alive), a dispatch-mode counter (fp32 copies), an SDPA recorder
+(which calls would fall to the math kernel), and the Triton kernel in its interpreter."""
 
 from __future__ import annotations
 
@@ -31,12 +31,15 @@ ROOT = ROOT_DIR
 
 
 class MockCuda:
-    """torch.cuda's streams, graphs and device context as recorders: `current` is the current device index;
-    each stream remembers its device; each capture records the device current at entry and its stream's."""
+    """torch.cuda's streams, graphs and device context as recorders: `current` is the current device
+    index; each stream remembers its device; each capture records the device current at entry and
+    its stream's."""
 
     class Stream:
         def __init__(self, device=None):
-            self.device = torch.device(device) if device is not None else torch.device("cuda", MockCuda.now)
+            self.device = (
+                torch.device(device) if device is not None else torch.device("cuda", MockCuda.now)
+            )
 
         def wait_stream(self, other):
             pass
@@ -110,7 +113,8 @@ class MockCuda:
 
 
 def test_streams_captures_and_replays_run_on_the_runners_device(monkeypatch):
-    """Finding 1: device 1's warm-up, capture and replay run on device 1 while device 0 is current."""
+    """Finding 1: device 1's warm-up, capture and replay run on device 1 while device 0 is
+    current."""
     cuda = MockCuda(monkeypatch)
     graphs = StepGraphs(cuda.step, torch.device("cuda", 1))
     for _ in range(engine_graphs.WARMUP + 2):
@@ -122,14 +126,17 @@ def test_streams_captures_and_replays_run_on_the_runners_device(monkeypatch):
 
 
 def test_the_tree_kernel_launches_under_its_tensors_device():
-    """Finding 1: Triton launches on the current device; `kernel` enters `torch.cuda.device(q.device)`."""
+    """Finding 1: Triton launches on the current device; `kernel` enters
+    `torch.cuda.device(q.device)`."""
     tree = ast.parse(inspect.getsource(kernel_tree_attention.kernel))
     pinned = [
         node
         for node in ast.walk(tree)
         if isinstance(node, ast.With)
         and "torch.cuda.device(q.device)" in ast.unparse(node.items[0].context_expr)
-        and any(isinstance(c, ast.Call) and ast.unparse(c.func) == "_launch" for c in ast.walk(node))
+        and any(
+            isinstance(c, ast.Call) and ast.unparse(c.func) == "_launch" for c in ast.walk(node)
+        )
     ]
     assert pinned
     launches = [
@@ -141,8 +148,8 @@ def test_the_tree_kernel_launches_under_its_tensors_device():
 
 
 def test_a_capture_runs_with_the_collector_off_and_restores_it(monkeypatch):
-    """Finding 3: a collection inside a capture that frees an older graph invalidates it (torch >= 2.9 no
-    longer collects first): the capture collects, then runs with the collector off."""
+    """Finding 3: a collection inside a capture that frees an older graph invalidates it (torch >=
+    2.9 no longer collects first): the capture collects, then runs with the collector off."""
     cuda = MockCuda(monkeypatch)
     graphs = StepGraphs(cuda.step, torch.device("cuda", 0))
     for _ in range(engine_graphs.WARMUP + 1):
@@ -153,8 +160,9 @@ def test_a_capture_runs_with_the_collector_off_and_restores_it(monkeypatch):
 
 
 def test_a_failed_capture_restores_the_stream_and_is_counted(monkeypatch):
-    """Finding 7: capture_end raising leaves the capture stream current unless the runner restores it; the
-    failure is counted in `failures` and `stats`, and pool sizes are measured after the cache is emptied."""
+    """Finding 7: capture_end raising leaves the capture stream current unless the runner restores
+    it; the failure is counted in `failures` and `stats`, and pool sizes are measured after the
+    cache is emptied."""
     cuda = MockCuda(monkeypatch, fail_capture=True)
     before = cuda.current
     graphs = StepGraphs(cuda.step, torch.device("cuda", 0))
@@ -170,8 +178,9 @@ def test_a_failed_capture_restores_the_stream_and_is_counted(monkeypatch):
 
 @torch.inference_mode()
 def test_runners_and_expansions_die_with_their_last_reference(tiny_dirs):
-    """Finding 3: no reference cycle keeps a runner (its cache and graphs) alive past its last reference;
-    `CudaRunner.of` frees the old runner when it grows, and the model holds no attribute for it."""
+    """Finding 3: no reference cycle keeps a runner (its cache and graphs) alive past its last
+    reference; `CudaRunner.of` frees the old runner when it grows, and the model holds no attribute
+    for it."""
     t = load64(tiny_dirs["llama"])
     was = gc.isenabled()
     gc.disable()
@@ -200,7 +209,8 @@ def test_runners_and_expansions_die_with_their_last_reference(tiny_dirs):
 
 @torch.inference_mode()
 def test_an_eagle_expansion_dies_with_its_drafter(tiny_dirs):
-    """Finding 3: the drafter and its device expansion form no cycle (a weak proxy and a weak method)."""
+    """Finding 3: the drafter and its device expansion form no cycle (a weak proxy and a weak
+    method)."""
     from headway.inference.drafters.eagle import EagleDrafter
     from headway.inference.drafters.eagle_device import EagleExpansion
     from tests.kinds.test_eagle import random_head
@@ -242,8 +252,8 @@ class Float32Copies(TorchDispatchMode):
 
 @torch.inference_mode()
 def test_the_batched_distill_step_copies_no_span_to_float32(tiny_dirs, monkeypatch):
-    """Finding 5: a bf16 decode step attends over the cache in its own dtype (no fp32 copy of the span's K/V
-    per layer), and the prompt's SDPA runs with cuDNN's kernel off."""
+    """Finding 5: a bf16 decode step attends over the cache in its own dtype (no fp32 copy of the
+    span's K/V per layer), and the prompt's SDPA runs with cuDNN's kernel off."""
     t = load64(tiny_dirs["llama"])
     t.model.to(torch.bfloat16)
     dec = BatchDecoder(t.model, batch=2, max_len=48, stop_ids=[], graphs=False)
@@ -271,7 +281,14 @@ def _recording_sdpa(monkeypatch) -> list:
     def sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False, **kw):
         calls.append((attn_mask is not None, q.shape[-3], k.shape[-3]))
         return real(
-            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, **kw
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            **kw,
         )
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
@@ -279,8 +296,9 @@ def _recording_sdpa(monkeypatch) -> list:
 
 
 def test_masked_grouped_query_sdpa_folds_the_group_and_keeps_the_result(monkeypatch):
-    """Finding 6: with a mask and grouped heads, the call SDPA gets has matching head counts (the memory-
-    efficient kernel takes it; no math fallback), and the result is the grouped attention's."""
+    """Finding 6: with a mask and grouped heads, the call SDPA gets has matching head counts (the
+    memory- efficient kernel takes it; no math fallback), and the result is the grouped
+    attention's."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 6, 5, 8, generator=g, dtype=torch.float64)
     k = torch.randn(1, 2, 9, 8, generator=g, dtype=torch.float64)
@@ -297,8 +315,8 @@ def test_masked_grouped_query_sdpa_folds_the_group_and_keeps_the_result(monkeypa
 
 @torch.inference_mode()
 def test_on_cuda_no_masked_call_reaches_sdpa_with_grouped_heads(tiny_dirs, monkeypatch):
-    """Finding 6 on fake CUDA: Gemma-3's prompt past its window (a sliding mask) and the masked steps call
-    SDPA with one head count on both sides."""
+    """Finding 6 on fake CUDA: Gemma-3's prompt past its window (a sliding mask) and the masked
+    steps call SDPA with one head count on both sides."""
     t = load64(tiny_dirs["gemma3"])
     t.model.float()
     calls = _recording_sdpa(monkeypatch)
@@ -332,7 +350,8 @@ def test_a_prompt_without_hidden_states_keeps_no_layer_output(tiny_dirs, monkeyp
 
 @torch.inference_mode()
 def test_the_cuda_runner_leaves_the_process_cudnn_switch_alone(tiny_dirs):
-    """Finding 9: cuDNN's SDPA is off inside the runner's steps (pinned_sdpa), never process-wide."""
+    """Finding 9: cuDNN's SDPA is off inside the runner's steps (pinned_sdpa), never
+    process-wide."""
     t = load64(tiny_dirs["llama"])
     t.model.float()
     before = torch.backends.cuda.cudnn_sdp_enabled()
@@ -348,7 +367,8 @@ def test_the_cuda_runner_leaves_the_process_cudnn_switch_alone(tiny_dirs):
 
 @torch.inference_mode()
 def test_a_new_sampling_setting_keeps_the_runners_graphs(tiny_dirs):
-    """Finding 10: a change of sampling settings resets the graphs in place (the old ones freed now)."""
+    """Finding 10: a change of sampling settings resets the graphs in place (the old ones freed
+    now)."""
     t = load64(tiny_dirs["llama"])
     runner = CudaRunner(t.model, 32, graphs=False)
     graphs = runner.graphs
@@ -358,7 +378,8 @@ def test_a_new_sampling_setting_keeps_the_runners_graphs(tiny_dirs):
 
 
 def test_longrope_targets_are_not_run_by_the_cuda_backend(tiny_dirs):
-    """Finding 11a: longrope's factors switch with the sequence's length: its tables are not by position."""
+    """Finding 11a: longrope's factors switch with the sequence's length: its tables are not by
+    position."""
     t = load64(tiny_dirs["llama"])
     assert cuda_supported(t.model)
     t.model.model.rotary_emb.rope_type = "longrope"

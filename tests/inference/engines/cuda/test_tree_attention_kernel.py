@@ -1,8 +1,9 @@
-"""The row-exact tree attention (inference/engines/cuda/tree_attention.py): the torch reference on CPU tensors,
-and the Triton kernel under the interpreter (TRITON_INTERPRET=1, skipped without triton). A row's bits are
-the same alone or among 64 rows, and a tree row's (its ancestors at scattered slots) equal the plain row's
-with the same virtual sequence (its ancestors compacted into the prefix), at starts 0, 1, BLOCK_N - 1 and
-more, depths 1 to the maximum; both are within bf16 rounding of a float64 attention."""
+"""The row-exact tree attention (inference/engines/cuda/tree_attention.py): the torch reference on
+CPU tensors, and the Triton kernel under the interpreter (TRITON_INTERPRET=1, skipped without
+triton). A row's bits are the same alone or among 64 rows, and a tree row's (its ancestors at
+scattered slots) equal the plain row's with the same virtual sequence (its ancestors compacted into
+the prefix), at starts 0, 1, BLOCK_N - 1 and more, depths 1 to the maximum; both are within bf16
+rounding of a float64 attention."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ ROOT = ROOT_DIR
 KV, GROUP, HD, CAP, DEPTH = 2, 3, 32, 96, 6
 
 
-# where the kernels run: the GPU when there is one (scripts/gpu/gpu_check.sh reruns these tests there),
-# else CPU tensors (the Triton kernel in its interpreter; tests/conftest.py sets TRITON_INTERPRET=1)
+# where the kernels run: the GPU when there is one (scripts/gpu/gpu_check.sh reruns these tests
+# there), else CPU tensors (the Triton kernel in its interpreter; tests/conftest.py sets
+# TRITON_INTERPRET=1)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -54,7 +56,8 @@ def queries(n, dtype=torch.bfloat16, seed=1):
 
 
 def dense(q, k, v, start, tails, lens, scale, window=None):
-    """float64 attention of each row over its gathered virtual sequence (its last `window` positions)."""
+    """float64 attention of each row over its gathered virtual sequence (its last `window`
+    positions)."""
     out = []
     for i in range(q.shape[0]):
         slots = list(range(start)) + tails[i, : lens[i]].tolist()
@@ -96,8 +99,8 @@ def test_a_row_alone_equals_the_row_among_64(impl):
 @pytest.mark.parametrize("start", [0, 1, kta.BLOCK_N - 1, kta.BLOCK_N, 37])
 @pytest.mark.parametrize("window", [None, 20])
 def test_a_tree_row_equals_the_plain_row_of_its_virtual_sequence(impl, start, window):
-    """The tree row's ancestors sit at scattered slots; the plain row has them compacted after the prefix (the
-    cache after the path is kept) and is itself the one-token step that follows."""
+    """The tree row's ancestors sit at scattered slots; the plain row has them compacted after the
+    prefix (the cache after the path is kept) and is itself the one-token step that follows."""
     import numpy as np
 
     rng = np.random.default_rng(start)
@@ -125,8 +128,9 @@ def test_a_tree_row_equals_the_plain_row_of_its_virtual_sequence(impl, start, wi
 
 @pytest.mark.parametrize("window", [None, 20])
 def test_the_reference_stopped_at_the_longest_row_gives_the_same_bits(window):
-    """The CPU emulation runs only the blocks up to the longest row's last key (a host number): every block
-    past a row's length leaves it unchanged, so the bits are those of the pass over the whole cache."""
+    """The CPU emulation runs only the blocks up to the longest row's last key (a host number):
+    every block past a row's length leaves it unchanged, so the bits are those of the pass over the
+    whole cache."""
     import numpy as np
 
     k, v = caches()
@@ -135,7 +139,9 @@ def test_the_reference_stopped_at_the_longest_row_gives_the_same_bits(window):
     tails = tails.clamp(max=40)  # (every row ends by slot 40: block 2 of 6)
     whole = kta.reference(q, k, v, torch.tensor(33), tails, lens, HD**-0.5, window=window)
     reach = -(-(33 + DEPTH) // kta.BLOCK_N)
-    trimmed = kta.reference(q, k, v, torch.tensor(33), tails, lens, HD**-0.5, blocks=reach, window=window)
+    trimmed = kta.reference(
+        q, k, v, torch.tensor(33), tails, lens, HD**-0.5, blocks=reach, window=window
+    )
     assert reach < -(-CAP // kta.BLOCK_N) and torch.equal(whole, trimmed)
 
 
@@ -177,7 +183,9 @@ def test_the_module_imports_without_triton():
         "assert out.shape == (2, 32)\n"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -204,10 +212,10 @@ SMALL = dict(block_n=4, split_n=8, tile_rows=4)
     "dtype, window", [(torch.bfloat16, None), (torch.float32, None), (torch.bfloat16, 7)], ids=str
 )
 def test_a_tree_row_equals_its_one_row_plain_step_at_every_length(dtype, window):
-    """A 5-row tree in an 8-row bucket (3 pad rows, two tiles), at contexts of 0, 9 and 40 keys (1 to 6
-    splits of 8 keys): rows 0, 2 and 4 give, bit for bit, what the kernel gives each as the one real row of a
-    plain step (its ancestors compacted after the prefix, 7 pad rows of other data beside it); pad rows give
-    zeros; every real row is attention within its storage's rounding."""
+    """A 5-row tree in an 8-row bucket (3 pad rows, two tiles), at contexts of 0, 9 and 40 keys (1
+    to 6 splits of 8 keys): rows 0, 2 and 4 give, bit for bit, what the kernel gives each as the one
+    real row of a plain step (its ancestors compacted after the prefix, 7 pad rows of other data
+    beside it); pad rows give zeros; every real row is attention within its storage's rounding."""
     import numpy as np
 
     kv, group, hd, depth, bucket, real = 2, 2, 8, 4, 8, 5
@@ -224,33 +232,42 @@ def test_a_tree_row_equals_its_one_row_plain_step_at_every_length(dtype, window)
         lens = torch.ones(bucket, dtype=torch.long)
         for i in range(real):
             d = int(rng.integers(1, depth + 1))
-            tails[i, :d] = torch.tensor(sorted(rng.choice(range(start, cap - 1), size=d, replace=False)))
+            tails[i, :d] = torch.tensor(
+                sorted(rng.choice(range(start, cap - 1), size=d, replace=False))
+            )
             lens[i] = d
         rows = torch.tensor(real)
         tree = run(q, k, v, torch.tensor(start), tails, lens, scale, window, rows, **SMALL)
         assert torch.equal(tree[real:], torch.zeros_like(tree[real:]))
         for i in range(real):
             d = int(lens[i])
-            want = small_dense(q[i], k, v, list(range(start)) + tails[i, :d].tolist(), scale, window)
+            want = small_dense(
+                q[i], k, v, list(range(start)) + tails[i, :d].tolist(), scale, window
+            )
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
             assert torch.allclose(tree[i].double(), want, atol=tol, rtol=tol), (start, i)
             if i % 2:
                 continue
             kc, vc = k.clone(), v.clone()
-            kc[:, start : start + d], vc[:, start : start + d] = k[:, tails[i, :d]], v[:, tails[i, :d]]
+            kc[:, start : start + d], vc[:, start : start + d] = (
+                k[:, tails[i, :d]],
+                v[:, tails[i, :d]],
+            )
             me = start + d - 1
             pq = torch.randn(bucket, kv * group, hd, generator=g).to(dtype)
             pq[0] = q[i]
             ptails = torch.randint(0, cap, (bucket, depth), generator=g)
             ptails[0, 0] = me
             plens = torch.ones(bucket, dtype=torch.long)
-            one = run(pq, kc, vc, torch.tensor(me), ptails, plens, scale, window, torch.tensor(1), **SMALL)
+            one = run(
+                pq, kc, vc, torch.tensor(me), ptails, plens, scale, window, torch.tensor(1), **SMALL
+            )
             assert torch.equal(tree[i], one[0]), (start, i)
 
 
 def blocks_read(n_real, bucket, start, window=None, kv=2, group=2, hd=8, depth=6, **shape):
-    """The key blocks the kernel reads (its counter) for `n_real` rows of a `bucket`-row step at `start`
-    keys of context (row i at depth i % depth + 1), and the output."""
+    """The key blocks the kernel reads (its counter) for `n_real` rows of a `bucket`-row step at
+    `start` keys of context (row i at depth i % depth + 1), and the output."""
     g = torch.Generator().manual_seed(start)
     cap = start + depth + 1
     k, v = torch.randn(kv, cap, hd, generator=g), torch.randn(kv, cap, hd, generator=g)
@@ -259,7 +276,17 @@ def blocks_read(n_real, bucket, start, window=None, kv=2, group=2, hd=8, depth=6
     tails = start + torch.arange(depth).expand(bucket, depth).contiguous()
     counter = torch.zeros(1, dtype=torch.long)
     out = on_device(kta.kernel)(
-        q, k, v, torch.tensor(start), tails, lens, 0.3, window, torch.tensor(n_real), counter=counter, **shape
+        q,
+        k,
+        v,
+        torch.tensor(start),
+        tails,
+        lens,
+        0.3,
+        window,
+        torch.tensor(n_real),
+        counter=counter,
+        **shape,
     )
     return int(counter.cpu()), out
 
@@ -267,8 +294,9 @@ def blocks_read(n_real, bucket, start, window=None, kv=2, group=2, hd=8, depth=6
 @needs_triton
 def test_a_plain_step_in_the_64_row_bucket_reads_its_one_row_s_blocks():
     """The measure: a plain step (1 real row) at 1,000 keys of context in the 64-row bucket read
-    64 rows x 63 blocks per key-value head before (every pad row scanned the prefix); now 63, its row's own,
-    the 63 pad rows read nothing and give zeros. Split every 256 keys, it reads the same 63 blocks."""
+    64 rows x 63 blocks per key-value head before (every pad row scanned the prefix); now 63, its
+    row's own, the 63 pad rows read nothing and give zeros. Split every 256 keys, it reads the same
+    63 blocks."""
     kv, per_row = 2, -(-1001 // kta.BLOCK_N)
     assert per_row == 63
     read, out = blocks_read(1, 64, 1000, kv=kv)
@@ -281,8 +309,9 @@ def test_a_plain_step_in_the_64_row_bucket_reads_its_one_row_s_blocks():
 
 @needs_triton
 def test_the_rows_of_a_tile_share_each_block_and_a_window_starts_at_its_block():
-    """16 tree rows (depths 1 to 6) in one 16-row tile read each block once for all of them: 63 blocks per
-    key-value head, not 16 x 63. A sliding-window row (window 100) reads only the blocks its window
+    """16 tree rows (depths 1 to 6) in one 16-row tile read each block once for all of them: 63
+    blocks per key-value head, not 16 x 63. A sliding-window row (window 100) reads only the blocks
+    its window
     touches: from block (1001 - 100) // 16 = 56 to 62."""
     kv = 2
     read, _ = blocks_read(16, 64, 1000, kv=kv, tile_rows=16)

@@ -1,6 +1,7 @@
-"""The C++ loop's fused bf16 element-wise kernels (inference/engines/static/csrc/fused_ops.cpp): ATen's results (rotary and
-the residual add bit for bit, RMSNorm and SiLU to within a bf16 rounding), the same bits at any thread count,
-and steps through them close to ATen's, with every tree row still the one-token step of its token."""
+"""The C++ loop's fused bf16 element-wise kernels (inference/engines/static/csrc/fused_ops.cpp):
+ATen's results (rotary and the residual add bit for bit, RMSNorm and SiLU to within a bf16
+rounding), the same bits at any thread count, and steps through them close to ATen's, with every
+tree row still the one-token step of its token."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def test_silu_mul_is_atens_to_a_rounding(inter: int):
     gate, up = gate_up[:, :inter], gate_up[:, inter:]  # strided rows, as slices of one product
     out = _ext().silu_mul(gate, up)
     ref = F.silu(gate) * up
-    # silu's exp is Headway's polynomial: its bf16 rounding may land one place off ATen's, and the product
-    # then rounds again
+    # silu's exp is Headway's polynomial: its bf16 rounding may land one place off ATen's, and the
+    # product then rounds again
     assert (out.float() - ref.float()).abs().le(2 * _bf16_ulp(ref) + 1e-30).all()
     assert (out == ref).float().mean() > 0.99
 
@@ -79,7 +80,12 @@ def test_silu_mul_is_atens_to_a_rounding(inter: int):
 def test_silu_looked_up_for_many_rows_gives_the_computed_bits():
     # every bf16 value as a gate (NaNs, infinities and subnormals too), in a block of rows above the
     # lookup's threshold
-    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(128, 512)
+    gate = (
+        torch.arange(-32768, 32768, dtype=torch.int32)
+        .to(torch.int16)
+        .view(torch.bfloat16)
+        .view(128, 512)
+    )
     up = torch.randn(128, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
     looked_up = _ext().silu_mul(gate, up)
     computed = torch.cat([_ext().silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(128)])
@@ -92,7 +98,10 @@ def test_the_thread_count_changes_no_bit():
     x, delta = (torch.randn(n, hidden, generator=g).bfloat16() for _ in range(2))
     w = torch.rand(hidden, generator=g).bfloat16()
     qkv = torch.randn(n, (heads + 2 * kv) * dim, generator=g).bfloat16()
-    cos, sin = torch.rand(n, 1, dim, generator=g).bfloat16(), torch.rand(n, 1, dim, generator=g).bfloat16()
+    cos, sin = (
+        torch.rand(n, 1, dim, generator=g).bfloat16(),
+        torch.rand(n, 1, dim, generator=g).bfloat16(),
+    )
     gate_up = torch.randn(n, 2 * inter, generator=g).bfloat16()
 
     def run():
@@ -135,8 +144,9 @@ def test_fused_steps_are_close_to_atens_and_tree_rows_stay_one_token_steps(tiny_
 
 
 def test_float32_rows_take_the_same_passes_without_the_bf16_roundings():
-    """A float32 target's fused loop: residual add and norm, rotary with the split, SiLU with its product,
-    each float32's ATen result to within float32 rounding, and the same bits at any thread count."""
+    """A float32 target's fused loop: residual add and norm, rotary with the split, SiLU with its
+    product, each float32's ATen result to within float32 rounding, and the same bits at any thread
+    count."""
     g = torch.Generator().manual_seed(0)
     x, delta = torch.randn(300, 40, generator=g) * 3, torch.randn(300, 40, generator=g)
     w = torch.rand(40, generator=g) + 0.5

@@ -1,6 +1,6 @@
-"""The static engine's C++ layer loop: the Python loop's bits for every step kind, format and family it
-covers, and the Python loop (with one clear message where asked for) where it does not apply or does
-not build."""
+"""The static engine's C++ layer loop: the Python loop's bits for every step kind, format and family
+it covers, and the Python loop (with one clear message where asked for) where it does not apply or
+does not build."""
 
 from __future__ import annotations
 
@@ -39,12 +39,16 @@ FORMATS = [
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize(
     "dtype,fmt,attention",
-    [(d, f, "auto") for d, f in FORMATS] + [("bfloat16", f, "sdpa") for d, f in FORMATS if d == "bfloat16"],
+    [(d, f, "auto") for d, f in FORMATS]
+    + [("bfloat16", f, "sdpa") for d, f in FORMATS if d == "bfloat16"],
 )
 @torch.inference_mode()
-def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, fmt: str, attention: str):
-    """With either row attention (bf16's row-exact steps): the C++ kernel, or torch's per row. (bf16's fused
-    element-wise kernels are the other path, tests/inference/engines/static/test_fused_ops.py; off here.)"""
+def test_cpp_loop_gives_the_python_loops_bits(
+    tiny_dirs, arch: str, dtype: str, fmt: str, attention: str
+):
+    """With either row attention (bf16's row-exact steps): the C++ kernel, or torch's per row.
+    (bf16's fused element-wise kernels are the other path,
+    tests/inference/engines/static/test_fused_ops.py; off here.)"""
     if fmt != "native" and kernels_missing(fmt, getattr(torch, dtype)):
         pytest.skip(kernels_missing(fmt, getattr(torch, dtype)))
     t = load_packed(tiny_dirs[arch], fmt, dtype)
@@ -71,15 +75,17 @@ def test_cpp_loop_gives_the_python_loops_bits(tiny_dirs, arch: str, dtype: str, 
 @torch.inference_mode()
 @pytest.mark.parametrize("fmt", ["float16", "stream"])
 def test_cpp_loop_gives_the_python_loops_bits_after_a_long_bf16_prompt(tiny_dirs, fmt: str):
-    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 or bf16 stream linear
-    in both loops (bf16 stream without oneDNN's bf16 kernels: float32 over the weight), and the decoding steps
-    after it fbgemm's or the streaming kernel. (The fused loop: test_packed_linear's long-prompt
-    decoding test.)"""
+    """A prompt of BF16_PROMPT_ROWS rows or more takes the oneDNN copy of each float16 or bf16
+    stream linear in both loops (bf16 stream without oneDNN's bf16 kernels: float32 over the
+    weight), and the decoding steps after it fbgemm's or the streaming kernel. (The fused loop:
+    test_packed_linear's long-prompt decoding test.)"""
     if fmt == "float16" and kernels_missing("onednn", torch.bfloat16):
         pytest.skip("no oneDNN bf16 kernels here")
     if kernels_missing(fmt, torch.bfloat16):
         pytest.skip(kernels_missing(fmt, torch.bfloat16))
-    t = load_packed(tiny_dirs["qwen2"], fmt, "bfloat16")  # qwen2: q/k/v biases, which the copy keeps
+    t = load_packed(
+        tiny_dirs["qwen2"], fmt, "bfloat16"
+    )  # qwen2: q/k/v biases, which the copy keeps
     python = StaticRunner(t.model, 256, loop="python")
     cpp = StaticRunner(t.model, 256, loop="cpp", fused_ops=False, prompt_attention="sdpa")
     for ids in (torch.arange(10, 10 + BF16_PROMPT_ROWS + 3), torch.tensor([7]), torch.tensor([8])):
@@ -103,15 +109,16 @@ def test_a_format_the_loop_lacks_keeps_the_python_loop(tiny_dirs, caplog):
         assert StaticRunner(t.model, 32)._loop is None
     assert "does not cover ScaledLinear weights" in caplog.text
     with pytest.raises(
-        HeadwayError, match=r"target.layer_loop=cpp: .*ScaledLinear weights.*layer_loop=auto or python"
+        HeadwayError,
+        match=r"target.layer_loop=cpp: .*ScaledLinear weights.*layer_loop=auto or python",
     ):
         StaticRunner(t.model, 32, loop="cpp")
 
 
 def test_a_build_started_in_the_background_is_the_one_the_first_use_gets(monkeypatch):
-    """build_in_background compiles on a thread (a first run's kernels build while the target loads); the
-    first use waits for that build rather than starting another, and nothing starts where the loop is not
-    used."""
+    """build_in_background compiles on a thread (a first run's kernels build while the target
+    loads); the first use waits for that build rather than starting another, and nothing starts
+    where the loop is not used."""
     import threading
 
     calls = []
@@ -124,7 +131,9 @@ def test_a_build_started_in_the_background_is_the_one_the_first_use_gets(monkeyp
 
     monkeypatch.setattr(layer_loop, "_BUILT", [])
     monkeypatch.setattr(layer_loop, "load_extension", slow_build)
-    layer_loop.build_in_background(TargetConfig(device="cpu", layer_loop="python", row_attention="sdpa"))
+    layer_loop.build_in_background(
+        TargetConfig(device="cpu", layer_loop="python", row_attention="sdpa")
+    )
     assert calls == [] and layer_loop.built() is None
     layer_loop.build_in_background(TargetConfig(device="cpu", linear_weights="native"))
     builder = next(t for t in threading.enumerate() if t.name == "headway-build-layer-loop")
@@ -132,7 +141,9 @@ def test_a_build_started_in_the_background_is_the_one_the_first_use_gets(monkeyp
     user = threading.Thread(target=lambda: got.append(layer_loop.extension()))
     user.start()
     user.join(0.5)
-    assert user.is_alive() and calls == ["headway-build-layer-loop"]  # waiting for the background build
+    assert user.is_alive() and calls == [
+        "headway-build-layer-loop"
+    ]  # waiting for the background build
     release.set()
     user.join(30)
     builder.join(30)
@@ -157,8 +168,8 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
     ]
     with pytest.raises(HeadwayError, match="it did not build"):
         StaticRunner(t.model, 32, loop="cpp")
-    # a bf16 target's row-exact steps take torch's attention instead, or say why they cannot where cpp was
-    # asked for
+    # a bf16 target's row-exact steps take torch's attention instead, or say why they cannot where
+    # cpp was asked for
     t16 = load_packed(tiny_dirs["qwen2"], "native", "bfloat16")
     assert StaticRunner(t16.model, 32).row_kernel is None
     with pytest.raises(
@@ -168,30 +179,40 @@ def test_a_loop_that_does_not_build_falls_back_with_one_warning(tiny_dirs, monke
 
 
 def test_the_target_settings_reach_the_engine(tiny_dirs):
-    """target.* engine settings travel from the loaded target's settings to the runner as EngineOptions;
-    the model holds none of them."""
+    """target.* engine settings travel from the loaded target's settings to the runner as
+    EngineOptions; the model holds none of them."""
 
     def runner(t):
         assert not [a for a in vars(t.model) if a.startswith(("headway", "_headway"))]
         return make_runner(t.model, 32, EngineOptions.of(t.settings))
 
-    cfg = TargetConfig(name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, layer_loop="python")
+    cfg = TargetConfig(
+        name_or_path=str(tiny_dirs["llama"]), device="cpu", num_threads=1, layer_loop="python"
+    )
     assert runner(load_target(cfg))._loop is None
     with pytest.raises(HeadwayError, match="target.layer_loop"):
         TargetConfig(layer_loop="c++")
-    bf16 = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", row_attention="sdpa"))
+    bf16 = load_target(
+        dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", row_attention="sdpa")
+    )
     assert runner(bf16).row_kernel is None
-    if layer_loop.extension() is not None:  # bf16 and float32 steps take the fused kernels unless told not to
+    if (
+        layer_loop.extension() is not None
+    ):  # bf16 and float32 steps take the fused kernels unless told not to
         assert runner(bf16).fused_ops
-        off = load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", fused_ops=False))
+        off = load_target(
+            dataclasses.replace(cfg, layer_loop="auto", dtype="bfloat16", fused_ops=False)
+        )
         assert not runner(off).fused_ops
         f32 = load_target(dataclasses.replace(cfg, layer_loop="auto"))
         assert runner(f32).fused_ops
-        assert not runner(load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="float64"))).fused_ops
+        assert not runner(
+            load_target(dataclasses.replace(cfg, layer_loop="auto", dtype="float64"))
+        ).fused_ops
         # float32 prompts: Headway's kernel on AVX-512 CPUs
         assert runner(f32).prompt_kernel == layer_loop.extension().prompt_attention_f32_available()
-        # a fresh bf16 prompt's attention (native bf16 CPUs): Headway's kernel on bf16 brgemm (AMX), or on
-        # float32 brgemm over the bf16 values (AVX-512), unless told not to
+        # a fresh bf16 prompt's attention (native bf16 CPUs): Headway's kernel on bf16 brgemm (AMX),
+        # or on float32 brgemm over the bf16 values (AVX-512), unless told not to
         ext = layer_loop.extension()
         available = native_bf16(torch.device("cpu")) and (
             ext.prompt_attention_available() or ext.prompt_attention_f32_available()

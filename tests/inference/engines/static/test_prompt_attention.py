@@ -1,10 +1,10 @@
-"""A fresh prompt's causal attention in Headway's kernel (inference/engines/static/csrc/prompt_attention.cpp). bf16, on the
-CPU's bf16 matrix units: as close to float32 attention as torch's own bf16 attention is, for any length, head
-size and grouping, and the same bits at any thread count; runs where oneDNN has a bf16 brgemm (AMX or
-AVX512-BF16), elsewhere the layer loop keeps torch's attention and these tests skip. float32: float32
-attention to within float32 rounding, the same bits at any thread count, and an engine's float32 prompt
-through it decodes as
-through torch's."""
+"""A fresh prompt's causal attention in Headway's kernel
+(inference/engines/static/csrc/prompt_attention.cpp). bf16, on the CPU's bf16 matrix units: as close
+to float32 attention as torch's own bf16 attention is, for any length, head size and grouping, and
+the same bits at any thread count; runs where oneDNN has a bf16 brgemm (AMX or AVX512-BF16),
+elsewhere the layer loop keeps torch's attention and these tests skip. float32: float32 attention to
+within float32 rounding, the same bits at any thread count, and an engine's float32 prompt through
+it decodes as through torch's."""
 
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ def _torch(q, k, v, dtype):
     return o[0].transpose(0, 1).reshape(q.shape[1], -1).float()
 
 
-# lengths: one row, less than a tile, tiles plus a tail, whole tiles; heads: grouped, one group, one per head
+# lengths: one row, less than a tile, tiles plus a tail, whole tiles; heads: grouped, one group, one
+# per head
 @needs_brgemm
 @pytest.mark.parametrize(
-    "n,heads,kv,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)]
+    "n,heads,kv,dim",
+    [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)],
 )
 @needs_brgemm
 def test_causal_attention_as_close_to_float32_as_torchs_bf16(n: int, heads: int, kv: int, dim: int):
@@ -57,7 +59,9 @@ def test_causal_attention_as_close_to_float32_as_torchs_bf16(n: int, heads: int,
     ours = (out.float() - exact).abs().max().item()
     assert ours <= max(2 * theirs, 1e-2), (ours, theirs)
     # row 0 sees only itself: its output is its own value, to a bf16 rounding
-    assert torch.allclose(out[0].float().view(heads, dim), v[:, 0].repeat_interleave(heads // kv, 0).float())
+    assert torch.allclose(
+        out[0].float().view(heads, dim), v[:, 0].repeat_interleave(heads // kv, 0).float()
+    )
 
 
 @needs_brgemm
@@ -104,7 +108,9 @@ def test_bad_shapes_are_refused():
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @torch.inference_mode()
-def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_steps(tiny_dirs, arch: str):
+def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_steps(
+    tiny_dirs, arch: str
+):
     """On bf16 brgemm (AMX), or on float32 brgemm over the bf16 values (AVX512-BF16 without AMX)."""
     t = load_packed(tiny_dirs[arch], "native", "bfloat16")
     ours = StaticRunner(t.model, 160, loop="cpp", fused_ops=True, prompt_attention="auto")
@@ -115,7 +121,8 @@ def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_s
     _, hb = torchs.forward(ids, hidden=True)
     for x, y in zip(ha, hb):
         assert (x.float() - y.float()).abs().max() <= 0.05 * y.float().abs().max()
-    # after the prompt, a tree's rows are the one-token steps of their tokens (runners of one model share its
+    # after the prompt, a tree's rows are the one-token steps of their tokens (runners of one model
+    # share its
     # cache: one at a time)
     tree = build_tree([[0], [1], [0, 0]])
     nodes = torch.tensor([5, 6, 7])
@@ -131,7 +138,8 @@ def test_an_engines_prompt_is_close_to_torchs_and_its_tree_rows_stay_one_token_s
 
 @needs_extension
 @pytest.mark.parametrize(
-    "n,heads,kv,dim", [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)]
+    "n,heads,kv,dim",
+    [(1, 9, 3, 64), (37, 9, 3, 64), (200, 4, 2, 128), (128, 4, 4, 32), (65, 2, 1, 16)],
 )
 def test_float32_causal_attention_is_float32_attention(n: int, heads: int, kv: int, dim: int):
     q, k, v = (t.float() for t in _inputs(n, heads, kv, dim, seed=n))
@@ -168,6 +176,8 @@ def test_a_float32_engines_prompt_through_the_kernel_is_torchs(tiny_dirs, fmt: s
     after_b = torchs.forward(torch.tensor([5]))[0][0]
     for x, y in zip(ha, hb):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
-    assert not torch.equal(ha[-1], hb[-1])  # the kernel ran: its sums are ordered otherwise than torch's
+    assert not torch.equal(
+        ha[-1], hb[-1]
+    )  # the kernel ran: its sums are ordered otherwise than torch's
     torch.testing.assert_close(la[-1], lb[-1], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(after_a, after_b, rtol=1e-4, atol=1e-4)

@@ -1,7 +1,8 @@
-"""Greedy's token and a drafter's most likely tokens from logit rows (inference/engines/static/row_select.py and its kernels,
-inference/engines/static/csrc/row_select.cpp): argmax's first index among ties, NaN and -inf rows as torch treats them, the k
-most likely tokens in order with torch's log probabilities, at any row count and thread count, and torch's
-reductions where the kernels do not serve."""
+"""Greedy's token and a drafter's most likely tokens from logit rows
+(inference/engines/static/row_select.py and its kernels,
+inference/engines/static/csrc/row_select.cpp): argmax's first index among ties, NaN and -inf rows as
+torch treats them, the k most likely tokens in order with torch's log probabilities, at any row
+count and thread count, and torch's reductions where the kernels do not serve."""
 
 from __future__ import annotations
 
@@ -25,14 +26,17 @@ WIDTHS = [
 
 
 def _tied_rows(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Rows of a handful of distinct values, so that each row's largest repeats (bf16 logits tie often)."""
+    """Rows of a handful of distinct values, so that each row's largest repeats (bf16 logits tie
+    often)."""
     gen = torch.Generator().manual_seed(seed)
     return (torch.randint(-3, 4, (rows, width), generator=gen) * 0.5).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", WIDTHS)
-def test_first_max_is_argmaxs_first_index_at_any_rows_andwith_threads(dtype: torch.dtype, width: int):
+def test_first_max_is_argmaxs_first_index_at_any_rows_andwith_threads(
+    dtype: torch.dtype, width: int
+):
     ext = layer_loop.extension()
     for rows in (1, 3, 8):
         x = _tied_rows(rows, width, dtype, seed=rows + width)
@@ -42,7 +46,9 @@ def test_first_max_is_argmaxs_first_index_at_any_rows_andwith_threads(dtype: tor
         for threads in (1, 2):
             assert torch.equal(with_threads(threads, lambda: ext.first_max(x)), want)
         assert torch.equal(row_select.first_max(x), want)
-        assert int(row_select.first_max(x[rows - 1])) == int(want[-1])  # a [V] row gives a 0-d index
+        assert int(row_select.first_max(x[rows - 1])) == int(
+            want[-1]
+        )  # a [V] row gives a 0-d index
 
 
 def test_first_max_takes_the_first_nan_and_the_first_of_minus_infinity_rows():
@@ -58,7 +64,9 @@ def test_first_max_takes_the_first_nan_and_the_first_of_minus_infinity_rows():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("width", [8_192, 100, 7])
-def test_top_logprobs_are_the_k_most_likely_with_torchs_log_probabilities(dtype: torch.dtype, width: int):
+def test_top_logprobs_are_the_k_most_likely_with_torchs_log_probabilities(
+    dtype: torch.dtype, width: int
+):
     ext = layer_loop.extension()
     gen = torch.Generator().manual_seed(width)
     for rows, k in ((1, 1), (1, 7), (8, min(width, 8)), (3, min(width, 100))):

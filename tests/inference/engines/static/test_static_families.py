@@ -1,9 +1,10 @@
-"""The static engine (CPU) and its CUDA backend (on CPU tensors) on the families beyond Llama/Qwen2/Mistral:
-Qwen3 (per-head q/k norms), SmolLM3 (NoPE layers), Llama with every rope type computed by position (linear,
-llama3, yarn with its attention scaling), and the MoE families Qwen3-MoE and Mixtral (routed row by row). The
-logits equal the model's own forward in float64, greedy speculative decoding equals plain greedy decoding in
-float32 and in bf16 (its row-exact format), the C++ layer loop gives the Python loop's bits where it runs a
-family and declines where it does not, and what an engine does not run is refused in one line."""
+"""The static engine (CPU) and its CUDA backend (on CPU tensors) on the families beyond
+Llama/Qwen2/Mistral: Qwen3 (per-head q/k norms), SmolLM3 (NoPE layers), Llama with every rope type
+computed by position (linear, llama3, yarn with its attention scaling), and the MoE families
+Qwen3-MoE and Mixtral (routed row by row). The logits equal the model's own forward in float64,
+greedy speculative decoding equals plain greedy decoding in float32 and in bf16 (its row-exact
+format), the C++ layer loop gives the Python loop's bits where it runs a family and declines where
+it does not, and what an engine does not run is refused in one line."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from tests.helpers.tiny_models import make_tiny_model
 from tests.inference.engines.cuda.test_cuda_capture import TREES, _sweep
 from tests.inference.test_speculative_exact import WIDE_TREE, OracleDrafter, prompts_for
 
-# Llama's rope types beside default and llama3 (tiny_models' llama3): each table a function of the position
+# Llama's rope types beside default and llama3 (tiny_models' llama3): each table a function of the
+# position
 ROPES = {
     "llama_linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     "llama_yarn": {
@@ -39,13 +41,15 @@ ROPES = {
 FAMILIES = ["qwen3", "smollm3", "qwen3_moe", "mixtral", "llama3", *ROPES]
 MOE = ("qwen3_moe", "mixtral")
 # bf16 decodes row-exact through the streaming format (every row the bits of a one-token step by
-# construction); torch's native bf16 linear gives a row other bits over 2 rows than over 7 on some CPUs
+# construction); torch's native bf16 linear gives a row other bits over 2 rows than over 7 on some
+# CPUs
 BF16_FORMAT = "stream"
 
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory) -> dict[str, Path]:
-    """Tiny random models of FAMILIES; the rope variants: the tiny Llama with its rope_parameters edited."""
+    """Tiny random models of FAMILIES; the rope variants: the tiny Llama with its rope_parameters
+    edited."""
     root = tmp_path_factory.mktemp("families")
     dirs = {f: make_tiny_model(f, root / f) for f in FAMILIES if f not in ROPES}
     for name, rope in ROPES.items():
@@ -69,9 +73,9 @@ STEPS = [
 
 
 def _same_as_the_model(target, runner, rows_of_chains: str = "all") -> None:
-    """Every step of STEPS on `runner` against the model's own forward (HFRunner), float64: logits and hidden
-    states within 1e-10. rows_of_chains=last: a chain's logits only at its last row (the CUDA backend keeps
-    only the prompt's)."""
+    """Every step of STEPS on `runner` against the model's own forward (HFRunner), float64: logits
+    and hidden states within 1e-10. rows_of_chains=last: a chain's logits only at its last row (the
+    CUDA backend keeps only the prompt's)."""
     hf = HFRunner(target.model)
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]])
     for ids, is_tree, keep in STEPS:
@@ -91,15 +95,19 @@ def _same_as_the_model(target, runner, rows_of_chains: str = "all") -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 @torch.inference_mode()
 def test_the_static_engine_is_the_models_forward(family_dirs, family: str):
-    """Prompt, trees with their compaction, chains and single tokens: the model's logits and hidden states
-    (float64), through the C++ layer loop where it covers the family and the Python loop where it does not."""
+    """Prompt, trees with their compaction, chains and single tokens: the model's logits and hidden
+    states (float64), through the C++ layer loop where it covers the family and the Python loop
+    where it does not."""
     t = load64(family_dirs[family])
     assert static_supported(t.model)
     rotary = t.model.model.rotary_emb
-    assert rotary.rope_type == {"llama3": "llama3", **{k: v["rope_type"] for k, v in ROPES.items()}}.get(
-        family, "default"
-    )
-    if family == "llama_yarn":  # yarn scales cos and sin: the tables come from the model's own rotary
+    assert rotary.rope_type == {
+        "llama3": "llama3",
+        **{k: v["rope_type"] for k, v in ROPES.items()},
+    }.get(family, "default")
+    if (
+        family == "llama_yarn"
+    ):  # yarn scales cos and sin: the tables come from the model's own rotary
         assert rotary.attention_scaling > 1.0
     runner = StaticRunner(t.model, 64)
     if layer_loop.extension() is not None:
@@ -109,8 +117,8 @@ def test_the_static_engine_is_the_models_forward(family_dirs, family: str):
 
 @pytest.mark.parametrize("family", ["qwen3", "smollm3"])
 def test_the_cuda_backend_on_cpu_tensors_is_the_models_forward(family_dirs, family: str):
-    """Its fixed-shape steps (tree attention, device-side acceptance) give the model's logits, and its
-    greedy speculative decoding plain greedy's tokens (float64)."""
+    """Its fixed-shape steps (tree attention, device-side acceptance) give the model's logits, and
+    its greedy speculative decoding plain greedy's tokens (float64)."""
     t = load64(family_dirs[family])
     with torch.inference_mode():
         _same_as_the_model(t, CudaRunner(t.model, 64, buckets=(1, 8, 16)), rows_of_chains="last")
@@ -123,8 +131,9 @@ def test_the_cuda_backend_on_cpu_tensors_is_the_models_forward(family_dirs, fami
 
 @pytest.mark.parametrize("family", ["qwen3", "smollm3"])
 def test_the_cuda_backends_step_compiles_to_one_graph_without_host_syncs(family_dirs, family: str):
-    """The q/k norms and NoPE layers keep the step capturable: one checked graph per bucket (no host sync,
-    no data-dependent size, only the KV cache mutated), the eager step's bits, no recompile over a sweep."""
+    """The q/k norms and NoPE layers keep the step capturable: one checked graph per bucket (no host
+    sync, no data-dependent size, only the KV cache mutated), the eager step's bits, no recompile
+    over a sweep."""
     t = load64(family_dirs[family])
     t.model.float()
     runner = CudaRunner(t.model, 96, buckets=(1, 12))
@@ -159,8 +168,9 @@ def _format(dtype: str) -> str:
 def test_greedy_speculative_decoding_is_plain_greedy_on_the_static_engine(
     family_dirs, family: str, dtype: str
 ):
-    """Trees with the greedy continuation on some branches and noise on others (accepted paths of every
-    length): the tokens of plain greedy decoding on the same engine, in float32 and in bf16 (row-exact)."""
+    """Trees with the greedy continuation on some branches and noise on others (accepted paths of
+    every length): the tokens of plain greedy decoding on the same engine, in float32 and in bf16
+    (row-exact)."""
     t = load_packed(family_dirs[family], _format(dtype), dtype)
     tree = build_tree(WIDE_TREE)
     for seed, prompt in enumerate(prompts_for(t.tokenizer)[:2]):
@@ -175,8 +185,9 @@ def test_greedy_speculative_decoding_is_plain_greedy_on_the_static_engine(
 @pytest.mark.parametrize("family", ["qwen3", "smollm3", "mixtral"])
 @torch.inference_mode()
 def test_bf16_tree_rows_are_one_token_steps(family_dirs, family: str):
-    """Each row of a bf16 tree step equals, bit for bit, the one-token step of its token after its ancestors:
-    through the C++ loop's fused kernels (q/k norms, NoPE), or the Python loop's row-by-row MoE routing."""
+    """Each row of a bf16 tree step equals, bit for bit, the one-token step of its token after its
+    ancestors: through the C++ loop's fused kernels (q/k norms, NoPE), or the Python loop's
+        row-by-row MoE routing."""
     t = load_packed(family_dirs[family], _format("bfloat16"), "bfloat16")
     prompt, nodes = torch.arange(10, 50), torch.tensor([5, 6, 7, 8, 9, 10, 11])
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]])
@@ -193,12 +204,16 @@ def test_bf16_tree_rows_are_one_token_steps(family_dirs, family: str):
 
 @pytest.mark.parametrize(
     "family,dtype,fmt",
-    [("qwen3", "float64", "native"), ("qwen3", "bfloat16", BF16_FORMAT), ("smollm3", "float32", "native")],
+    [
+        ("qwen3", "float64", "native"),
+        ("qwen3", "bfloat16", BF16_FORMAT),
+        ("smollm3", "float32", "native"),
+    ],
 )
 @torch.inference_mode()
 def test_the_cpp_loop_gives_the_python_loops_bits(family_dirs, family: str, dtype: str, fmt: str):
-    """The C++ loop's q/k norms and NoPE layers: the Python loop's kernel calls in the same order (fused
-    kernels off; those are the tree-row test's)."""
+    """The C++ loop's q/k norms and NoPE layers: the Python loop's kernel calls in the same order
+    (fused kernels off; those are the tree-row test's)."""
     if layer_loop.extension() is None:
         pytest.skip("the C++ extension does not build here")
     if fmt != "native" and kernels_missing(fmt, getattr(torch, dtype)):
@@ -211,8 +226,8 @@ def test_the_cpp_loop_gives_the_python_loops_bits(family_dirs, family: str, dtyp
 
 
 def test_moe_is_refused_in_one_line_where_an_engine_does_not_run_it(family_dirs):
-    """MoE layers: the C++ loop declines them (auto keeps the Python loop; cpp says why), and the compiled
-    engine and the CUDA backend refuse them."""
+    """MoE layers: the C++ loop declines them (auto keeps the Python loop; cpp says why), and the
+    compiled engine and the CUDA backend refuse them."""
     t = load64(family_dirs["mixtral"])
     assert StaticRunner(t.model, 32, loop="auto")._loop is None
     if layer_loop.extension() is not None:
