@@ -34,7 +34,7 @@ from headway.train.feature_cache import FeatureCache
 from headway.train.losses import distill_kl
 from headway.train.metrics import MetricSums, read
 from headway.train.objectives import Features
-from headway.train.packing import collate_packed, pack_at
+from headway.train.packing import collate_packed, doc_segments, pack_at
 from headway.train.target_features import target_features, target_logits
 from headway.train.ttt import shifted
 
@@ -69,6 +69,7 @@ def step_loss(
     samples: list[Sample],
     adapt: bool = False,
     checkpoint_target: bool = False,
+    segments: Optional[list] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Head loss on one micro-batch, and its metrics (0-dim device tensors), with no host read.
 
@@ -80,6 +81,9 @@ def step_loss(
             a distillation loss keeps it close to the frozen target.
         checkpoint_target: with `adapt`, the adapted target's decoder layers run under activation
             checkpointing (`checkpointed_layers`; train.target_checkpointing resolved).
+        segments: a packed micro-batch's sequences as (row, start, end), read on the host when it
+            was planned (train/packing.py `doc_segments`): the target then attends within each
+            sequence alone, with no [T, T] mask (None: padded rows, or the dense mask).
     Returns:
         (loss, metrics): a 0-dim loss to backpropagate and name -> 0-dim tensor, on the device.
     """
@@ -101,20 +105,28 @@ def step_loss(
                 batch.get("positions"),
                 batch.get("doc"),
                 logits=False,
+                segments=segments,
             )
         feats = Features(hidden, model=target.model, argmax=shifted(ids, 1))
     else:
         checkpointed = checkpointed_layers(target.model, adapt and checkpoint_target)
         with torch.set_grad_enabled(adapt), autocast, checkpointed:
             hidden, logits = target_features(
-                target.model, ids, run.layers, batch.get("positions"), batch.get("doc")
+                target.model,
+                ids,
+                run.layers,
+                batch.get("positions"),
+                batch.get("doc"),
+                segments=segments,
             )
         feats = Features(hidden, logits, model=target.model)
     with autocast:
         loss, metrics = run.objective(batch, feats, run.t2d)
     if adapt:
         with torch.no_grad(), target.model.disable_adapter(), autocast:
-            frozen = target_logits(target.model, ids, batch.get("positions"), batch.get("doc"))
+            frozen = target_logits(
+                target.model, ids, batch.get("positions"), batch.get("doc"), segments=segments
+            )
         kl = distill_kl(logits, frozen, batch["attention_mask"])
         metrics["loss/distill"] = kl.detach()
         loss = loss + run.distill_weight * kl
@@ -328,8 +340,8 @@ class StepPlan:
     """One optimizer step's micro-batches as the host prepared them: collated, planned, counted."""
 
     step: int
-    # (planned batch, its samples) per micro-batch
-    micro: list[tuple[dict[str, torch.Tensor], list[Sample]]]
+    # (planned batch, its samples, a packed batch's sequence bounds or None) per micro-batch
+    micro: list[tuple[dict[str, torch.Tensor], list[Sample], Optional[list]]]
     names: list[str]  # each micro-batch's first sequence keys, for the finite check's message
     tokens: int  # answer tokens of the global batch
     flops: float  # this rank's model FLOPs
@@ -401,7 +413,7 @@ class TrainStep:
             planned = plan_batch(batch, self.pad_id, self.run.plan)
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
-            micro.append((planned, batch))
+            micro.append((planned, batch, None))
         return StepPlan(
             step, micro, names, tokens, flops, adapt, consumed + self.micro * tc.grad_accum
         )
@@ -428,7 +440,8 @@ class TrainStep:
             planned = plan_packed(mine, length, self.pad_id, self.run.plan)
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
-            micro.append((planned, batch))
+            # the sequences' bounds, read here on the host: the step itself reads nothing back
+            micro.append((planned, batch, doc_segments(planned["doc"])))
         return StepPlan(step, micro, names, tokens, flops, adapt, position)
 
     def run_planned(self, plan: StepPlan) -> StepOutcome:
@@ -436,10 +449,10 @@ class TrainStep:
         accum = len(plan.micro)
         self.stepper.zero_grad()
         loss_sum, metrics_sum, finite = None, MetricSums(), []
-        for k, (planned, batch) in enumerate(plan.micro):
+        for k, (planned, batch, segments) in enumerate(plan.micro):
             with self.stepper.accumulating(self.run.objective, last=k == accum - 1):
                 loss, metrics = step_loss(
-                    self.run, planned, batch, plan.adapt, self.checkpoint_target
+                    self.run, planned, batch, plan.adapt, self.checkpoint_target, segments
                 )
                 self.stepper.backward(loss)
             loss = loss.detach()

@@ -213,7 +213,7 @@ def test_a_fake_cuda_training_step_has_no_host_read_and_no_cpu_tensor(
             outcome = step.run_planned(plan)
     assert dict(traffic.reads) == {}
     # the only uploads are the planned micro-batches themselves
-    assert traffic.uploads == sum(len(planned) for planned, _ in plan.micro)
+    assert traffic.uploads == sum(len(planned) for planned, _, _ in plan.micro)
     assert len(losses) == tc.grad_accum and all(x.device == cuda and x.dim() == 0 for x in losses)
     assert planner.ttt_attention == "flex" and planner.loss_chunk == 4096
     assert outcome.loss.device == outcome.grad_norm.device == cuda
