@@ -128,6 +128,11 @@ class TrainConfig:
     # none on CPUs. The frozen target without adapters runs with no gradients and keeps nothing
     # either way.
     target_checkpointing: str = "auto"
+    # The host's part of the next step (reading the stream, collating, the objective's index
+    # tensors, pinning them) while the device runs this one: thread = on a background thread; none
+    # = between steps; auto = thread on CUDA, none on CPUs (where a planning thread would take the
+    # step's own cores).
+    plan_ahead: str = "auto"
     # Attention of EAGLE-3's training-time test: structured (additive masks; its scores are kept for
     # backward, memory growing with the square of the length), flex (torch's flex attention with
     # block masks: output and log-sum-exp kept only; CUDA), recompute (the scores recomputed in
@@ -170,6 +175,7 @@ class TrainConfig:
         check_choice(
             "train", "target_checkpointing", self.target_checkpointing, ["auto", "layers", "none"]
         )
+        check_choice("train", "plan_ahead", self.plan_ahead, ["auto", "thread", "none"])
         check_choice(
             "train",
             "ttt_attention",

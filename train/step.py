@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +42,19 @@ from headway.train.ttt import shifted
 log = logging.getLogger("headway")
 
 
+def pinned(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The planned micro-batch in page-locked memory where it goes to a real CUDA device (so its
+    upload is asynchronous), else as it is."""
+    if device.type != "cuda" or not torch.cuda.is_available():  # (a fake CUDA device in the tests)
+        return batch
+    return {k: v if v.is_pinned() else v.pin_memory() for k, v in batch.items()}
+
+
 def upload(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """The planned micro-batch on the device (pinned and asynchronous on CUDA)."""
-    if device.type != "cuda" or not torch.cuda.is_available():  # (a fake CUDA device in the tests)
+    if device.type != "cuda" or not torch.cuda.is_available():
         return {k: v.to(device) for k, v in batch.items()}
-    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(device, non_blocking=True) for k, v in pinned(batch, device).items()}
 
 
 def plan_batch(samples: list[Sample], pad_id: int, objective: Any) -> dict[str, torch.Tensor]:
@@ -392,12 +401,35 @@ class TrainStep:
         self.checkpoint_target = lora_warmup is not None and target_checkpointing(
             tc.target_checkpointing, run.device, run.target.model
         )
+        # the next step's plan, made on a background thread while this step runs (plan_ahead)
+        ahead = getattr(tc, "plan_ahead", "none")
+        self.ahead = (
+            ThreadPoolExecutor(1, thread_name_prefix="headway-plan")
+            if ahead == "thread" or (ahead == "auto" and run.device.type == "cuda")
+            else None
+        )
+        self.pending: Optional[tuple[int, int, Future]] = None
 
     def __call__(self, step: int, consumed: int) -> StepOutcome:
-        """Step `step` (1-based), its data after `consumed` sequences of the stream."""
-        outcome = self.run_planned(self.plan(step, consumed))
+        """Step `step` (1-based), its data after `consumed` sequences of the stream; with plan-ahead
+        the next step's plan starts on its thread before this step's device work."""
+        plan = self._plan_for(step, consumed)
+        if self.ahead is not None:
+            self.pending = (step + 1, plan.end, self.ahead.submit(self.plan, step + 1, plan.end))
+        outcome = self.run_planned(plan)
         self.finite.after_update(outcome)
         return outcome
+
+    def _plan_for(self, step: int, consumed: int) -> StepPlan:
+        """The plan made ahead for this step where there is one (the same data: plans are a function
+        of the step and the stream position only), else one made now. Planning never runs on two
+        threads at once: a plan made ahead is always collected first."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            made = pending[2].result()
+            if pending[:2] == (step, consumed):
+                return made
+        return self.plan(step, consumed)
 
     def plan(self, step: int, consumed: int) -> StepPlan:
         """The host's part of step `step`: its micro-batches after `consumed` sequences, planned."""
@@ -410,7 +442,7 @@ class TrainStep:
             everyone = self.stream.take(consumed + k * self.micro, self.micro)
             tokens += sum(sum(s.loss_mask) for s in everyone)
             batch = self.par.shard(everyone)
-            planned = plan_batch(batch, self.pad_id, self.run.plan)
+            planned = pinned(plan_batch(batch, self.pad_id, self.run.plan), self.run.device)
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
             micro.append((planned, batch, None))
@@ -437,7 +469,7 @@ class TrainStep:
             tokens += sum(sum(s.loss_mask) for row in packed for s in row)
             mine = packed[par.rank * rows : (par.rank + 1) * rows]
             batch = [s for row in mine for s in row]
-            planned = plan_packed(mine, length, self.pad_id, self.run.plan)
+            planned = pinned(plan_packed(mine, length, self.pad_id, self.run.plan), self.run.device)
             flops += self.count_flops(planned)
             names.append(batch_name(batch))
             # the sequences' bounds, read here on the host: the step itself reads nothing back

@@ -223,7 +223,9 @@ def test_flex_attention_padded_to_buckets_gives_the_unpadded_loss(tiny_dirs):
         torch.testing.assert_close(out[1][1][k], out[0][1][k], rtol=1e-10, atol=1e-12)
 
 
-def plan_steps(n: int, steps: int, micro: int = 4, world: int = 8) -> tuple[list, list, list]:
+def plan_steps(
+    n: int, steps: int, micro: int = 4, world: int = 8, ahead: str = "none"
+) -> tuple[list, list, list]:
     """The host plans of `steps` optimizer steps (2 micro-batches of `micro` x `world` sequences:
     rank 0's share) over `n` stub sequences of 20-1,000 tokens, with a plan-nothing objective, and
     the seconds per micro-batch each step took (the first includes the epoch's order): the host's
@@ -247,13 +249,22 @@ def plan_steps(n: int, steps: int, micro: int = 4, world: int = 8) -> tuple[list
     lengths = torch.randint(20, 1000, (n,), generator=g).tolist()
     samples = [Sample([5] * k, [0] * (k // 2) + [1] * (k - k // 2)) for k in lengths]
     tc = SimpleNamespace(
-        micro_batch_size=micro, grad_accum=2, seed=0, length_window=128, packing=False
+        micro_batch_size=micro,
+        grad_accum=2,
+        seed=0,
+        length_window=128,
+        packing=False,
+        plan_ahead=ahead,
     )
     par = Parallel(world_size=world)
     run = SimpleNamespace(
-        target=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)), plan=Stub(None)
+        target=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0)),
+        plan=Stub(None),
+        device=torch.device("cpu"),
     )
     step = TrainStep(run, None, samples, tc, par, None)
+    if ahead != "none":
+        return samples, step, []
     plans, seconds, consumed = [], [], 0
     for k in range(steps):
         started = time.perf_counter()
@@ -278,6 +289,42 @@ def test_the_host_plans_a_micro_batch_without_reading_the_whole_dataset(monkeypa
         assert [id(s) for s in plans[k // 2].micro[k % 2][1]] == [
             id(s) for s in data.batch_at(samples, 32 * k, 32, 0, 128)[:4]
         ]
+
+
+def test_the_next_step_is_planned_on_a_thread_while_this_one_runs():
+    """Finding 4's background planning (train.plan_ahead=thread; auto on CUDA): step k+1's host
+    work runs on the planning thread while step k's device work does, and gives the plans planning
+    between steps gives."""
+    import threading
+    from types import SimpleNamespace
+
+    samples, step, _ = plan_steps(400, 4, ahead="thread")
+    _, sync, _ = plan_steps(400, 4)
+    made_on, seen = {}, []
+    planner = step.plan
+
+    def plan(k, consumed):
+        made_on[k] = threading.current_thread().name
+        return planner(k, consumed)
+
+    def run_planned(plan):
+        # the next step's plan was asked for before this step's device work began
+        seen.append((plan, step.pending is not None and step.pending[0] == plan.step + 1))
+        return SimpleNamespace(end=plan.end)
+
+    step.plan, step.run_planned = plan, run_planned
+    step.finite = SimpleNamespace(after_update=lambda outcome: None)
+    consumed = 0
+    for k in range(1, 5):
+        consumed = step(k, consumed).end
+    assert made_on[1] == threading.main_thread().name
+    assert all(made_on[k].startswith("headway-plan") for k in (2, 3, 4))
+    assert all(ahead for _, ahead in seen)
+    for (plan, _), other in zip(seen, sync):
+        assert [[len(x.input_ids) for x in m[1]] for m in plan.micro] == [
+            [len(x.input_ids) for x in m[1]] for m in other.micro
+        ]
+        assert plan.end == other.end
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "deepspeed"])
