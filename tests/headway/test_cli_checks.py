@@ -40,8 +40,10 @@ def no_model(monkeypatch):
     for name in JOBS:
         importlib.import_module(name)
     for name, module in list(sys.modules.items()):
-        if name.startswith("headway.") and hasattr(module, "load_target"):
-            monkeypatch.setattr(module, "load_target", _reached)
+        # the whole target, and the part offline training loads (target/partial.py)
+        for loader in ("load_target", "load_partial_target"):
+            if name.startswith("headway.") and hasattr(module, loader):
+                monkeypatch.setattr(module, loader, _reached)
     monkeypatch.setattr(sys.modules["headway.inference.api"].SpeculativeDecoder, "load", _reached)
     monkeypatch.setattr(
         sys.modules["headway.inference.engines.static.layer_loop"], "extension", _reached
