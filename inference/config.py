@@ -263,9 +263,10 @@ class BenchConfig:
     # The target as a GGUF file for llama-server (llama.cpp's convert_hf_to_gguf.py; docs/export.md).
     llamacpp_target: Optional[str] = None
     # The head as llama.cpp loads it (`headway export --format gguf`'s head.gguf); null = the bench's
-    # head exported for it (EAGLE-3; another kind runs llama.cpp plainly only, and says why).
+    # head exported for it (EAGLE-3, DFlash; another kind runs llama.cpp plainly only, and says why).
     llamacpp_draft: Optional[str] = None
-    # Draft tokens per llama.cpp step, a chain drafted in full; 0 = the head's trained unroll.
+    # Draft tokens per llama.cpp step, drafted in full; 0 = the head's own (EAGLE-3's trained unroll,
+    # DFlash's block's mask slots).
     llamacpp_draft_tokens: int = 0
     # Threads llama-server decodes with; 0 = target.num_threads, else torch's.
     llamacpp_threads: int = 0

@@ -16,8 +16,9 @@ Converter, and the formats refused with why); this package collects them by kind
 - `eagle.py`: EAGLE-1 for vLLM and SGLang
 - `medusa.py`: Medusa for vLLM (<= 0.32, with the installed-vLLM probe) and TensorRT-LLM
 - `dflash.py`: DFlash for vLLM and SGLang
-- `gguf.py`: EAGLE-3 for llama.cpp (a GGUF file of architecture eagle3, the target's tokenizer
-  inside), and why the other kinds are refused there
+- `gguf.py`, `gguf_dflash.py`, `gguf_vocab.py`: EAGLE-3 and DFlash for llama.cpp (GGUF files of
+  its eagle3 and dflash architectures, the target's tokenizer inside), and why Medusa and EAGLE-1
+  are refused there
 - `common.py`: what several kinds share (`Converter`, the refused target families, the Llama draft
   layer's config, RoPE keys and tensors, the renaming rules, the d2t check, the vLLM and SGLang
   serve hints, the engine descriptions)

@@ -1,6 +1,6 @@
 """llama.cpp beside Headway in `headway bench`: the target's GGUF served by `llama-server`, plainly
-and with the head exported as an EAGLE-3 GGUF (`headway export --format gguf`, drafting with
-`--spec-type draft-eagle3`).
+and with the head exported as llama.cpp's GGUF (`headway export --format gguf`: EAGLE-3 drafting
+with `--spec-type draft-eagle3`, DFlash with `draft-dflash`).
 
 Each prompt goes to the server as Headway's own token ids (the same chat formatting), greedy, with
 the same token budget and no prompt cache between requests; its seconds are the request's wall time,
@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import gguf
 import torch
 
 from headway.errors import HeadwayError
@@ -127,14 +128,22 @@ class LlamaServer:
         return GenerationResult(tokens, steps, seconds, [], sources={})
 
 
+def draft_architecture(draft: str) -> str:
+    """The GGUF architecture of an exported head (eagle3 or dflash), which names llama-server's
+    drafting mode (`--spec-type draft-<architecture>`)."""
+    reader = gguf.GGUFReader(draft)
+    return str(reader.fields["general.architecture"].contents())
+
+
 def draft_args(draft: str, draft_tokens: int, threads: int) -> tuple[str, ...]:
-    """llama-server's arguments for the exported head: a full chain of `draft_tokens` every step
-    (no early stop on the draft's probability), as Headway's own chain drafts it."""
+    """llama-server's arguments for the exported head: `draft_tokens` drafted in full every step
+    (no early stop on the draft's probability; EAGLE-3's chain, DFlash's block's mask slots), as
+    Headway's own drafter drafts them."""
     return (
         "-md",
         draft,
         "--spec-type",
-        "draft-eagle3",
+        f"draft-{draft_architecture(draft)}",
         "--spec-draft-n-max",
         str(draft_tokens),
         "--spec-draft-n-min",
@@ -186,8 +195,8 @@ def llamacpp_runners(
 
 
 def _exported_head(decoder: Any, work: Path) -> Optional[Path]:
-    """The bench's head as llama.cpp's GGUF, or None (with the reason logged) for a kind llama.cpp
-    cannot draft with."""
+    """The bench's head as llama.cpp's GGUF (EAGLE-3, DFlash), or None (with the reason logged) for a
+    kind llama.cpp cannot draft with."""
     kind = decoder.head_config.get("kind")
     if "gguf" not in LAYOUTS.get(kind, {}):
         log.warning("llama.cpp runs plainly only: %s", REFUSED.get(kind, {}).get("gguf", kind))

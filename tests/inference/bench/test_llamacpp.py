@@ -22,7 +22,14 @@ from headway.inference.bench.run import markdown_table, run_bench
 from headway.inference.config import BenchConfig
 from headway.kinds.checkpoint import save_head
 from headway.run_config import RunConfig
-from tests.export.test_export_gguf import eagle3_head, load, make_target, other_kind
+from tests.export.test_export_gguf import (
+    BLOCK,
+    dflash_head,
+    eagle3_head,
+    load,
+    make_target,
+    other_kind,
+)
 
 # A llama-server stand-in: /health, and /completion answering greedy-style with a continuation fixed
 # by the prompt (the same with a draft or without), counting half of it as accepted drafts when it
@@ -132,6 +139,19 @@ def test_llama_cpp_runs_beside_headway_with_the_exported_head(target_dir, tmp_pa
     assert o["tau_by_method"]["llamacpp_head"] == pytest.approx(5 / 2)
     assert o["matches_plain"]["llamacpp_head"] == 1.0
     assert "llama.cpp + head" in markdown_table(result)
+
+
+def test_a_dflash_head_drafts_its_whole_block_in_llama_cpp(target_dir, tmp_path: Path):
+    t = load(target_dir)
+    head_dir = save_head(dflash_head(t), tmp_path / "head", t.fingerprint)
+    server, log = fake_server(tmp_path)
+    result, _ = bench(target_dir, head_dir, tmp_path, server)
+    assert result["methods"] == ["plain", "llamacpp", "llamacpp_head", "speculative"]
+    starts = [json.loads(line) for line in log.read_text().splitlines() if '"args"' in line]
+    head_args = max((e["args"] for e in starts), key=len)
+    assert head_args[head_args.index("--spec-type") + 1] == "draft-dflash"
+    # the block's mask slots
+    assert head_args[head_args.index("--spec-draft-n-max") + 1] == str(BLOCK - 1)
 
 
 def test_a_kind_llama_cpp_cannot_draft_with_runs_it_plainly(target_dir, tmp_path: Path, caplog):
