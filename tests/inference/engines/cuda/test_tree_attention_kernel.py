@@ -175,7 +175,7 @@ def test_the_kernel_and_the_reference_agree():
 def test_the_module_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None; sys.modules['triton.language'] = None\n"
-        "from headway.inference import kernel_tree_attention as k\n"
+        "from headway.inference.engines.cuda import tree_attention as k\n"
         "assert k.triton is None and not k.triton_available()\n"
         "import torch\n"
         "out = k.tree_attention(torch.randn(2, 4, 8), torch.randn(2, 10, 8), torch.randn(2, 10, 8),"
