@@ -5,6 +5,7 @@ which the target verifies in one forward; `tree_search.StaticTrees` tunes its sh
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, Optional
 
 import torch
@@ -35,7 +36,7 @@ def choose_tree(ic: Any, head_config: dict, default: list[list[int]]) -> list[li
     return best_tree(accuracy, n)
 
 
-class StaticTreeDrafter:
+class StaticTreeDrafter(ABC):
     """Fills a static tree from a head's guesses for each position ahead of the root.
 
     A subclass says how its head guesses (`offset_logits`), what it keeps between steps (`begin`,
@@ -98,20 +99,20 @@ class StaticTreeDrafter:
             "tree": [list(p) for p in self.tree.paths[1:]],
         }
 
+    @abstractmethod
     def begin(self, prompt: list[int], root: int, features: torch.Tensor) -> None:
         """Start a request: features [n, F] of the prompt's positions, root the first token the
         target chose."""
-        raise NotImplementedError
 
+    @abstractmethod
     def accept(self, tokens: list[int], features: torch.Tensor) -> None:
         """After a verification: the features of the verified positions; tokens end with the new
         root."""
-        raise NotImplementedError
 
+    @abstractmethod
     def offset_logits(self, root: int) -> torch.Tensor:
         """[tree depth, draft vocab]: the head's logits for the token d + 1 positions after the
         root."""
-        raise NotImplementedError
 
     @torch.no_grad()
     def proposals(self, root: int) -> tuple[list[int], list[float], list[int]]:
